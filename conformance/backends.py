@@ -1,0 +1,362 @@
+"""Backends: one small class per implementation, the only place data crosses frameworks.
+
+A backend takes NumPy arrays, converts them to its framework (``from_numpy``), calls the
+implementation and converts the result back (``to_numpy``). It declares the optional
+capabilities it supports and the dtypes it accepts; the suite decides what to run from
+those declarations, never from a backend's name.
+
+Frameworks are imported lazily, inside the backend that needs them, so ``import
+conformance`` imports neither torch nor jax.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import platform
+from typing import Any, Callable
+
+import numpy as np
+
+#: Optional features of the spec. A backend lists those it implements; tests of the others
+#: are reported as skipped with the capability's name (SPEC §10.3).
+CAPABILITIES = {
+    "unbatched": "accepts unbatched (H, T, D) inputs (SPEC §2.2)",
+    "causal_bottom_right": "causal_alignment='bottom_right' (SPEC §3.5)",
+    "window": "sliding-window attention (SPEC §3.6)",
+    "softcap": "score softcapping (SPEC §4.2)",
+    "gqa": "grouped/multi-query attention with K < H (SPEC §4.6)",
+    "dropout": "dropout on the weights with a seed (SPEC §5)",
+    "module": "the multi-head layer and GPT block from shared weights (SPEC §9)",
+}
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+ENTRY_POINT_GROUP = "attention_conformance.backends"
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype for a dtype name; bfloat16 comes from ``ml_dtypes``."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+class BackendUnavailable(LookupError):
+    """A backend was asked for that is unknown or cannot be imported."""
+
+
+class Backend:
+    """The interface the suite tests. Subclass it to plug in your own implementation.
+
+    Attributes:
+      name: the id used in test ids and the report.
+      framework: the library the implementation runs on, for the versions table.
+      capabilities: a subset of ``CAPABILITIES``.
+      dtypes: a subset of ``DTYPES``.
+    """
+
+    name: str = ""
+    framework: str = "numpy"
+    capabilities: frozenset[str] = frozenset()
+    dtypes: tuple[str, ...] = ("float64", "float32")
+
+    def from_numpy(self, x: np.ndarray) -> Any:
+        return x
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return np.asarray(x)
+
+    def attention(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        *,
+        mask: np.ndarray | None = None,
+        is_causal: bool = False,
+        scale: float | None = None,
+        causal_alignment: str = "top_left",
+        window: tuple[int | None, int | None] | None = None,
+        softcap: float | None = None,
+        dropout_p: float = 0.0,
+        seed: int | None = None,
+    ) -> np.ndarray:
+        """out (B, H, T, E) for q (B, H, T, D), k (B, K, S, D), v (B, K, S, E), NumPy in and out."""
+        options = {"is_causal": is_causal, "scale": scale}
+        for key, value, default in (
+            ("causal_alignment", causal_alignment, "top_left"),
+            ("window", window, None),
+            ("softcap", softcap, None),
+            ("dropout_p", dropout_p, 0.0),
+        ):
+            # An option left at its default is not passed on, so an implementation
+            # without that feature needs no parameter for it.
+            if value != default:
+                options[key] = value
+        if dropout_p:
+            options["seed"] = seed
+        mask = None if mask is None else self.from_numpy(np.asarray(mask))
+        out = self._attention(
+            self.from_numpy(q), self.from_numpy(k), self.from_numpy(v), mask=mask, **options
+        )
+        return self.to_numpy(out)
+
+    def _attention(self, q, k, v, **options):
+        raise NotImplementedError
+
+    def multi_head_attention(
+        self,
+        params: dict[str, np.ndarray],
+        x: np.ndarray,
+        *,
+        n_heads: int,
+        mask: np.ndarray | None = None,
+        is_causal: bool = False,
+    ) -> np.ndarray:
+        """The seeds' multi-head layer from a PyTorch-layout ``state_dict`` (capability "module")."""
+        raise NotImplementedError(f"{self.name} does not declare the 'module' capability")
+
+    def gpt_block(self, params: dict[str, np.ndarray], x: np.ndarray, *, n_heads: int) -> np.ndarray:
+        """The seeds' pre-LN GPT block from a PyTorch-layout ``state_dict`` (capability "module")."""
+        raise NotImplementedError(f"{self.name} does not declare the 'module' capability")
+
+    def versions(self) -> dict[str, str]:
+        """Versions of the libraries this backend runs on, for the report."""
+        return {"python": platform.python_version(), "numpy": np.__version__}
+
+    def __repr__(self) -> str:
+        return f"<backend {self.name}: {', '.join(self.dtypes)}; {', '.join(sorted(self.capabilities))}>"
+
+
+ALL_CAPABILITIES = frozenset(CAPABILITIES)
+
+
+class NumpyBackend(Backend):
+    name = "numpy"
+    capabilities = ALL_CAPABILITIES
+    dtypes = DTYPES
+
+    def __init__(self) -> None:
+        self.impl = importlib.import_module("impls.numpy_attention")
+
+    def _attention(self, q, k, v, *, seed=None, **options):
+        if seed is not None:
+            options["rng"] = np.random.default_rng(seed)
+        return self.impl.attention(q, k, v, **options)
+
+    def multi_head_attention(self, params, x, *, n_heads, mask=None, is_causal=False):
+        return self.impl.multi_head_attention(params, x, n_heads=n_heads, mask=mask, is_causal=is_causal)
+
+    def gpt_block(self, params, x, *, n_heads):
+        return self.impl.gpt_block(params, x, n_heads=n_heads)
+
+
+class JaxBackend(Backend):
+    name = "jax"
+    framework = "jax"
+    capabilities = ALL_CAPABILITIES
+    dtypes = DTYPES
+
+    def __init__(self) -> None:
+        import jax
+
+        # float64 is part of the spec; JAX silently computes in float32 without this.
+        jax.config.update("jax_enable_x64", True)
+        self.jax = jax
+        self.impl = importlib.import_module("impls.jax_attention")
+
+    def from_numpy(self, x):
+        return self.jax.numpy.asarray(x)
+
+    def _attention(self, q, k, v, *, seed=None, **options):
+        if seed is not None:
+            options["key"] = self.jax.random.key(seed)
+        return self.impl.attention(q, k, v, **options)
+
+    def multi_head_attention(self, params, x, *, n_heads, mask=None, is_causal=False):
+        params = {n: self.from_numpy(p) for n, p in params.items()}
+        mask = None if mask is None else self.from_numpy(mask)
+        out = self.impl.multi_head_attention(
+            params, self.from_numpy(x), n_heads=n_heads, mask=mask, is_causal=is_causal
+        )
+        return self.to_numpy(out)
+
+    def gpt_block(self, params, x, *, n_heads):
+        params = {n: self.from_numpy(p) for n, p in params.items()}
+        return self.to_numpy(self.impl.gpt_block(params, self.from_numpy(x), n_heads=n_heads))
+
+    def versions(self):
+        return {**super().versions(), "jax": self.jax.__version__}
+
+
+class _TorchBackend(Backend):
+    framework = "torch"
+    dtypes = DTYPES
+
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+
+    def from_numpy(self, x):
+        x = np.asarray(x)
+        if x.dtype.name == "bfloat16":
+            # torch cannot read ml_dtypes' bfloat16; the bits are the same, so reinterpret.
+            bits = self.torch.from_numpy(np.ascontiguousarray(x).view(np.int16))
+            return bits.view(self.torch.bfloat16)
+        return self.torch.from_numpy(np.array(x))
+
+    def to_numpy(self, x):
+        x = x.detach()
+        if x.dtype == self.torch.bfloat16:
+            return x.view(self.torch.int16).numpy().view(numpy_dtype("bfloat16"))
+        return x.numpy()
+
+    def versions(self):
+        return {**super().versions(), "torch": self.torch.__version__}
+
+
+class TorchNaiveBackend(_TorchBackend):
+    name = "torch-naive"
+    capabilities = ALL_CAPABILITIES - {"module"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.impl = importlib.import_module("impls.torch_naive")
+
+    def _attention(self, q, k, v, *, seed=None, **options):
+        if seed is not None:
+            options["generator"] = self.torch.Generator().manual_seed(seed)
+        return self.impl.scaled_dot_product_attention(q, k, v, **options)
+
+
+class TorchModuleBackend(_TorchBackend):
+    """The nn.Module backend: the core spec runs the module's own attention function."""
+
+    name = "torch-module"
+    capabilities = ALL_CAPABILITIES
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.impl = importlib.import_module("impls.torch_module")
+
+    def _attention(self, q, k, v, *, seed=None, dropout_p=0.0, **options):
+        if dropout_p:
+            self.torch.manual_seed(seed)
+            options["dropout"] = self.torch.nn.Dropout(dropout_p).train()
+        return self.impl.attention(q, k, v, **options)
+
+    def _load(self, module, params):
+        state = {n: self.from_numpy(p) for n, p in params.items()}
+        dtype = next(iter(state.values())).dtype
+        module = module.to(dtype)
+        module.load_state_dict(state)
+        return module.eval()
+
+    def multi_head_attention(self, params, x, *, n_heads, mask=None, is_causal=False):
+        C = np.asarray(x).shape[-1]
+        mha = self._load(self.impl.MultiHeadAttention(C, n_heads), params)
+        mask = None if mask is None else self.from_numpy(mask)
+        with self.torch.no_grad():
+            return self.to_numpy(mha(self.from_numpy(x), mask=mask, is_causal=is_causal))
+
+    def gpt_block(self, params, x, *, n_heads):
+        C = np.asarray(x).shape[-1]
+        F = np.asarray(params["mlp.0.weight"]).shape[0]
+        block = self._load(self.impl.SelfAttentionBlock(C, n_heads, F), params)
+        with self.torch.no_grad():
+            return self.to_numpy(block(self.from_numpy(x)))
+
+
+class TorchSdpaBackend(_TorchBackend):
+    name = "torch-sdpa"
+    capabilities = ALL_CAPABILITIES - {"module"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.impl = importlib.import_module("impls.torch_sdpa")
+
+    def _attention(self, q, k, v, *, seed=None, **options):
+        if seed is not None:
+            self.torch.manual_seed(seed)
+        return self.impl.attention(q, k, v, **options)
+
+
+BUILTIN: dict[str, Callable[[], Backend]] = {
+    "numpy": NumpyBackend,
+    "jax": JaxBackend,
+    "torch-naive": TorchNaiveBackend,
+    "torch-module": TorchModuleBackend,
+    "torch-sdpa": TorchSdpaBackend,
+}
+#: The framework each built-in backend needs, to tell "not installed" from "broken".
+REQUIRES = {"jax": "jax", "torch-naive": "torch", "torch-module": "torch", "torch-sdpa": "torch"}
+
+
+def _registry() -> dict[str, Callable[[], Backend]]:
+    """Built-in backends plus those third-party packages register as entry points."""
+    found = dict(BUILTIN)
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(ep.name, ep.load)
+    return found
+
+
+def _installed(name: str) -> bool:
+    need = REQUIRES.get(name)
+    return need is None or importlib.util.find_spec(need) is not None
+
+
+def registered_backends() -> list[str]:
+    """Every backend name known to the suite, installed or not."""
+    return sorted(_registry())
+
+
+def available_backends() -> list[str]:
+    """The backends whose framework is installed here, in a stable order."""
+    return [name for name in registered_backends() if _installed(name)]
+
+
+_LOADED: dict[str, Backend] = {}
+
+
+def load_backend(name: str) -> Backend:
+    """Return the backend called ``name``, loading its framework on first use.
+
+    Raises:
+      BackendUnavailable: ``name`` is unknown, or its framework cannot be imported. The
+        message lists what is registered and what is installed; it is never a silent skip.
+    """
+    if name in _LOADED:
+        return _LOADED[name]
+    registry = _registry()
+    if name not in registry:
+        raise BackendUnavailable(
+            f"unknown backend {name!r}: registered backends are {registered_backends()}, "
+            f"installed here: {available_backends()}"
+        )
+    try:
+        factory = registry[name]
+        backend = factory()
+        if not isinstance(backend, Backend):
+            backend = factory()()  # an entry point may name the class itself
+    except ImportError as err:
+        raise BackendUnavailable(
+            f"backend {name!r} cannot be loaded ({err}); installed here: {available_backends()}"
+        ) from err
+    _check_declarations(backend)
+    _LOADED[name] = backend
+    return backend
+
+
+def _check_declarations(backend: Backend) -> None:
+    unknown = set(backend.capabilities) - ALL_CAPABILITIES
+    if unknown:
+        raise ValueError(
+            f"backend {backend.name!r} declares unknown capabilities {sorted(unknown)}; "
+            f"known: {sorted(CAPABILITIES)}"
+        )
+    bad = set(backend.dtypes) - set(DTYPES)
+    if bad:
+        raise ValueError(f"backend {backend.name!r} declares unknown dtypes {sorted(bad)}; known: {DTYPES}")

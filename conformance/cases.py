@@ -1,0 +1,120 @@
+"""Load the framework-neutral fixtures: the manifest, its checksums and the case arrays."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from conformance.backends import numpy_dtype
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+class CorruptFixture(RuntimeError):
+    """A fixture file's sha256 does not match the manifest."""
+
+
+def verify(path: Path, sha256: str) -> bytes:
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != sha256:
+        raise CorruptFixture(
+            f"{path} has sha256 {digest}, the manifest says {sha256}: the file was changed "
+            "by hand or corrupted; regenerate with `python -m fixtures.generate`"
+        )
+    return data
+
+
+@lru_cache(maxsize=None)
+def manifest(root: Path = FIXTURES) -> dict:
+    return json.loads((root / "manifest.json").read_text())
+
+
+def worked_example(root: Path = FIXTURES) -> dict:
+    entry = manifest(root)["worked_example"]
+    return json.loads(verify(root / entry["file"], entry["sha256"]))
+
+
+@dataclass
+class Case:
+    """One fixture: inputs in the case's dtype, the oracle's output, the naive error."""
+
+    id: str
+    clause: str
+    dtype: str
+    meta: dict
+    arrays: dict = field(repr=False)
+
+    @property
+    def requires(self) -> list[str]:
+        needs = list(self.meta.get("requires", []))
+        shape = self.meta["shape"]
+        if "K" in shape and shape["K"] != shape["H"] and "gqa" not in needs:
+            needs.append("gqa")
+        return needs
+
+    @property
+    def expected(self) -> np.ndarray:
+        return self.arrays["expected"]
+
+    @property
+    def naive_error(self) -> float:
+        return float(self.arrays["naive_error"])
+
+    def inputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        dt = numpy_dtype(self.dtype)
+        return tuple(self.arrays[n].astype(dt) for n in "qkv")
+
+    def mask(self) -> np.ndarray | None:
+        mask = self.arrays.get("mask")
+        if mask is None or mask.dtype == np.bool_:
+            return mask
+        return mask.astype(numpy_dtype(self.dtype))
+
+    def options(self) -> dict:
+        opts = dict(self.meta["options"])
+        if opts.get("window") is not None:
+            opts["window"] = tuple(opts["window"])
+        return opts
+
+    def params(self) -> dict[str, np.ndarray]:
+        dt = numpy_dtype(self.dtype)
+        return {n[6:]: a.astype(dt) for n, a in self.arrays.items() if n.startswith("param.")}
+
+    def call(self) -> str:
+        """A snippet that reproduces this case, for failure messages."""
+        return (
+            "from conformance import load_backend; from conformance.cases import load_case\n"
+            f"    case = load_case({self.id!r})\n"
+            "    backend.attention(*case.inputs(), mask=case.mask(), **case.options())"
+        )
+
+
+def _load(entry: dict, root: Path) -> Case:
+    import io
+
+    data = verify(root / entry["file"], entry["sha256"])
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        arrays = {name: z[name] for name in z.files}
+    return Case(entry["id"], entry["clause"], entry["dtype"], entry, arrays)
+
+
+@lru_cache(maxsize=None)
+def load_case(case_id: str, root: Path = FIXTURES) -> Case:
+    for entry in manifest(root)["cases"]:
+        if entry["id"] == case_id:
+            return _load(entry, root)
+    raise KeyError(f"no fixture case {case_id!r} in {root / 'manifest.json'}")
+
+
+def case_ids(kind: str = "attention", root: Path = FIXTURES) -> list[str]:
+    return [e["id"] for e in manifest(root)["cases"] if e["kind"] == kind]
+
+
+def case_entries(kinds: tuple[str, ...] = ("attention",), root: Path = FIXTURES) -> list[dict]:
+    return [e for e in manifest(root)["cases"] if e["kind"] in kinds]

@@ -1,0 +1,60 @@
+"""What the conformance tests share: capability checks, random inputs, tolerances."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conformance.backends import Backend, numpy_dtype
+from conformance.tolerance import tolerance
+
+
+def require(backend: Backend, *capabilities: str, dtype: str | None = None) -> None:
+    """Skip, naming the missing capability or dtype, when the backend does not declare it."""
+    for cap in capabilities:
+        if cap not in backend.capabilities:
+            pytest.skip(f"{backend.name} lacks capability {cap!r}")
+    if dtype is not None and dtype not in backend.dtypes:
+        pytest.skip(f"{backend.name} lacks dtype {dtype!r}")
+
+
+def random_qkv(
+    seed: int,
+    *,
+    B: int = 2,
+    H: int = 3,
+    K: int | None = None,
+    T: int = 7,
+    S: int = 13,
+    D: int = 5,
+    E: int | None = None,
+    dtype: str = "float64",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Standard-normal q (B, H, T, D), k (B, K, S, D), v (B, K, S, E) in ``dtype``."""
+    rng = np.random.default_rng(seed)
+    K = K or H
+    E = E or D
+    dt = numpy_dtype(dtype)
+    q = rng.standard_normal((B, H, T, D)).astype(dt)
+    k = rng.standard_normal((B, K, S, D)).astype(dt)
+    v = rng.standard_normal((B, K, S, E)).astype(dt)
+    return q, k, v
+
+
+def random_tolerance(q, k, v, dtype: str, **options) -> float:
+    """SPEC §7's tolerance for inputs without a fixture: the naive run in ``dtype`` against
+    the same naive run in float64, which for these sizes is far closer to the oracle than
+    any low-precision result."""
+    from fixtures.oracle import naive_same_precision
+
+    ref = naive_same_precision(q, k, v, np.float64, **options)
+    low = naive_same_precision(q, k, v, numpy_dtype(dtype), **options)
+    return tolerance(dtype, float(np.max(np.abs(low - ref), initial=0.0)), ref)
+
+
+def as64(x) -> np.ndarray:
+    return np.asarray(x).astype(np.float64)
+
+
+#: Sizes every invariant runs on: awkward ones find bugs that round ones hide.
+SIZES = {"T7-S13": {"T": 7, "S": 13}, "T13-S7": {"T": 13, "S": 7}, "T8-S8": {"T": 8, "S": 8}}

@@ -1,0 +1,511 @@
+"""Scaled dot-product attention in JAX: a line-for-line mirror of the NumPy reference.
+
+    out = softmax(mask(softcap(scale · q kᵀ))) v
+
+Step by step, for one query row t:
+
+    score[s]  = scale · Σ_d q[t, d] · k[s, d]          scale defaults to 1/√D
+    score[s]  = c · tanh(score[s] / c)                  only with softcap=c
+    score[s]  = score[s] + mask[t, s]                   a float mask is added;
+    score[s]  = -inf where the key s is blocked         a bool mask, causal or window blocks
+    w[s]      = exp(score[s] - max) / Σ exp(score - max)
+    out[t, e] = Σ_s w[s] · v[s, e]
+
+Why 1/√D: if the entries of q and k have unit variance, q·k sums D such products and has
+variance D; dividing by √D keeps the scores near unit variance whatever the head size, so
+the softmax neither saturates (one-hot weights, vanishing gradients) nor flattens.
+
+Shape legend (heads-first, as in PyTorch):
+
+    B batch            H query heads      K key/value heads (H % K == 0)
+    G = H // K         T query length     S key/value length
+    D q/k head dim     E v head dim       C model width (module only)
+
+    q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
+    mask: bool (True = may attend) or floating (added to the scores),
+          broadcastable to (B, H, T, S)
+
+Unbatched inputs q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
+
+``jax.nn.dot_product_attention`` uses other letters and a sequence-first layout:
+
+    here           B    H    K    T    S    D    E
+    jax.nn         B    N    K    T    S    H    H
+
+Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
+windows, softcapping, grouped-query and multi-query attention (K < H), dropout on the
+weights (with an explicit ``jax.random`` key), float64, float32, float16 and
+bfloat16 (``jnp.bfloat16``). A query row with no key left to attend returns exactly 0.
+Float16 and bfloat16 inputs are computed in float32 and the result rounded once.
+Float64 needs ``jax.config.update("jax_enable_x64", True)`` set by the caller; this
+module never changes it. Inputs are checked in Python; steps 1-7 run under ``jax.jit``
+with the options as static arguments, and are differentiable with ``jax.grad`` (a fully
+masked row has gradient 0, not NaN).
+
+Also here: a KV cache for step-by-step decoding, and the multi-head layer and pre-LN GPT
+block as functions of a parameter dict laid out like the PyTorch module's ``state_dict``
+(``Linear`` weight (out, in), bias (out)).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mask: jax.Array | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    key: jax.Array | None = None,
+) -> jax.Array:
+    """Scaled dot-product attention.
+
+    Args:
+      q: queries, (B, H, T, D) or unbatched (H, T, D).
+      k: keys, (B, K, S, D) or (K, S, D); K must divide H.
+      v: values, (B, K, S, E) or (K, S, E).
+      mask: bool (True = may attend) or floating (added to the scores, -inf blocks),
+        broadcastable to (B, H, T, S).
+      is_causal: query t attends only keys s on or before its diagonal.
+      scale: multiplies q·k; defaults to 1/√D.
+      causal_alignment: where the diagonal sits when T != S. "top_left": s <= t.
+        "bottom_right": s <= t + S - T (the last query sees the last key, as in a KV cache).
+        Also places the window's diagonal.
+      window: (left, right): query t attends keys in [t' - left, t' + right] where t' is
+        its aligned diagonal; None on a side is unbounded.
+      softcap: scores become softcap · tanh(scores / softcap) before masking.
+      dropout_p: probability of zeroing each attention weight (needs ``key``).
+      key: the ``jax.random`` key that draws the dropout mask.
+
+    Returns:
+      out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
+    """
+    # 0. Validate: every problem is reported with the argument's name, the expected shape
+    # in letters and numbers, and what was given.
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    _check_inputs(q, k, v)
+    unbatched = q.ndim == 3
+    if unbatched:
+        q, k, v = q[None], k[None], v[None]
+    B, H, T, D = q.shape
+    S = k.shape[-2]
+    mask = _check_mask(mask, (B, H, T, S), unbatched)
+    scale = _check_options(
+        D, scale, is_causal, causal_alignment, window, softcap, dropout_p, key
+    )
+    # jax.jit needs hashable static options: a list window becomes a tuple.
+    window = None if window is None else tuple(window)
+    return _attend(
+        q,
+        k,
+        v,
+        mask,
+        key if dropout_p > 0 else None,
+        scale=scale,
+        is_causal=bool(is_causal),
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        unbatched=unbatched,
+    )  # (B, H, T, E) or (H, T, E)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "is_causal",
+        "causal_alignment",
+        "window",
+        "softcap",
+        "dropout_p",
+        "unbatched",
+    ),
+)
+def _attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    key: jax.Array | None,
+    *,
+    scale: float,
+    is_causal: bool,
+    causal_alignment: str,
+    window: tuple[int | None, int | None] | None,
+    softcap: float | None,
+    dropout_p: float,
+    unbatched: bool,
+) -> jax.Array:
+    """Steps 1-7 on checked, batched inputs; compiled once per shape, dtype and options.
+
+    A bool and a float mask differ in dtype, which ``jax.jit`` traces separately, so the
+    mask branch below is an ordinary Python ``if``.
+    """
+    B, H, T, D = q.shape
+    _, K, S, _ = k.shape
+    E = v.shape[-1]
+    G = H // K
+
+    # Low precision inputs are computed in float32: exp() of a float16 score overflows
+    # past 11.09, and summing many weights in float16 loses the small ones.
+    out_dtype = q.dtype
+    work = jnp.float64 if out_dtype == jnp.float64 else jnp.float32
+    q, k, v = q.astype(work), k.astype(work), v.astype(work)
+
+    # 1. Scores: every query against every key of its group's key/value head. Query head
+    # h = k·G + g shares key/value head k (PyTorch's repeat_interleave, not tiling).
+    q = q.reshape(B, K, G, T, D)  # (B, K, G, T, D)
+    scores = jnp.einsum("bkgtd,bksd->bkgts", q, k)  # (B, K, G, T, S)
+
+    # 2. Scale, so that the scores' spread does not grow with the head size D.
+    scores = scores * work(scale)  # (B, K, G, T, S)
+
+    # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)  # (B, K, G, T, S)
+
+    # 4. Mask: a float mask is added; a bool mask, the causal triangle and the window
+    # decide which keys each query may see at all.
+    allowed = jnp.ones((1, 1, T, S), dtype=bool)  # (1, 1, T, S)
+    if mask is not None and mask.dtype == jnp.bool_:
+        allowed = allowed & mask  # (B|1, H|1, T, S)
+    elif mask is not None:
+        scores = scores + _grouped(mask.astype(work), K, G)  # (B, K, G, T, S)
+    if is_causal or window is not None:
+        allowed = allowed & _band(T, S, is_causal, causal_alignment, window)
+    scores = jnp.where(_grouped(allowed, K, G), scores, -jnp.inf)  # (B, K, G, T, S)
+
+    # 5. Softmax over the keys. Subtracting the row maximum keeps exp() <= 1, so large
+    # scores cannot overflow. A row with every key blocked has max -inf; it is given
+    # weights of exactly 0 (as PyTorch SDPA, ONNX and FlashAttention do) instead of
+    # the NaN that exp(-inf - -inf) would give.
+    # Both guards are jnp.where on the value that would be bad (the "double where"):
+    # the branch not taken gets a zero cotangent, so jax.grad through such a row is 0.
+    row_max = scores.max(axis=-1, keepdims=True)  # (B, K, G, T, 1)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # (B, K, G, T, 1)
+    p = jnp.exp(scores - row_max)  # (B, K, G, T, S)
+    row_sum = p.sum(axis=-1, keepdims=True)  # (B, K, G, T, 1)
+    weights = p / jnp.where(row_sum > 0, row_sum, 1.0)  # (B, K, G, T, S)
+
+    # 6. Dropout: zero each weight with probability dropout_p and rescale the survivors
+    # by 1 / (1 - dropout_p), so the expected output is unchanged.
+    if dropout_p > 0:
+        keep = jax.random.uniform(key, (B, H, T, S)) >= dropout_p  # (B, H, T, S)
+        keep = keep.reshape(B, K, G, T, S)  # (B, K, G, T, S)
+        weights = weights * keep / (1.0 - dropout_p)  # (B, K, G, T, S)
+
+    # 7. Weighted sum of the values, then the query heads back in order h = k·G + g.
+    out = jnp.einsum("bkgts,bkse->bkgte", weights, v)  # (B, K, G, T, E)
+    out = out.reshape(B, H, T, E).astype(out_dtype)  # (B, H, T, E)
+    return out[0] if unbatched else out
+
+
+def _grouped(x: jax.Array, K: int, G: int) -> jax.Array:
+    """Broadcast a (B|1, H|1, T, S) array onto the grouped layout (B|1, K|1, G|1, T, S)."""
+    b, h, t, s = x.shape
+    if h == 1:
+        return x.reshape(b, 1, 1, t, s)  # (B|1, 1, 1, T, S)
+    return x.reshape(b, K, G, t, s)  # (B|1, K, G, T, S)
+
+
+def _band(
+    T: int,
+    S: int,
+    is_causal: bool,
+    causal_alignment: str,
+    window: tuple[int | None, int | None] | None,
+) -> jax.Array:
+    """Which keys each query may see under causality and the window: (1, 1, T, S) bool."""
+    # Query t's diagonal is key t (top-left) or key t + S - T (bottom-right, so that the
+    # last query lines up with the last key).
+    offset = 0 if causal_alignment == "top_left" else S - T
+    t = jnp.arange(T)[:, None]  # (T, 1)
+    s = jnp.arange(S)[None, :]  # (1, S)
+    distance = s - (t + offset)  # (T, S)
+    allowed = jnp.ones((T, S), dtype=bool)  # (T, S)
+    if is_causal:
+        allowed &= distance <= 0
+    if window is not None:
+        left, right = window
+        if left is not None:
+            allowed &= distance >= -left
+        if right is not None:
+            allowed &= distance <= right
+    return allowed[None, None]  # (1, 1, T, S)
+
+
+def _is_float(a: jax.Array) -> bool:
+    # bfloat16 from ml_dtypes has kind "V", so it is recognised by name.
+    return a.dtype.kind == "f" or a.dtype.name == "bfloat16"
+
+
+def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+    if q.ndim not in (3, 4):
+        raise ValueError(
+            f"q should have rank 4 (B, H, T, D) or 3 (H, T, D), got rank {q.ndim} "
+            f"with shape {q.shape}"
+        )
+    letters = "(B, K, S, D)" if q.ndim == 4 else "(K, S, D)"
+    for name, x in (("k", k), ("v", v)):
+        if x.ndim != q.ndim:
+            raise ValueError(
+                f"{name} should have rank {q.ndim} {letters} like q, got rank {x.ndim} "
+                f"with shape {x.shape}"
+            )
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not _is_float(x):
+            raise TypeError(f"{name} should be a floating array, got dtype {x.dtype}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} dtype should be {q.dtype} like q, got {x.dtype}")
+    q4, k4, v4 = (x if x.ndim == 4 else x[None] for x in (q, k, v))
+    B, H, T, D = q4.shape
+    _, K, S, _ = k4.shape
+    E = v4.shape[-1]
+    batch = "B, " if q.ndim == 4 else ""
+    drop = 0 if q.ndim == 4 else 1
+    if K == 0 or H % K != 0:
+        raise ValueError(
+            f"k heads K={K} should divide q heads H={H} (grouped-query attention shares "
+            f"each key/value head among H // K query heads), got k shape {k.shape}"
+        )
+    want_k = (B, K, S, D)[drop:]
+    if k.shape != want_k:
+        raise ValueError(
+            f"k shape should be ({batch}K, S, D) = {want_k} to match q {q.shape}, "
+            f"got {k.shape}"
+        )
+    want_v = (B, K, S, E)[drop:]
+    if v.shape[:-1] != want_v[:-1]:
+        raise ValueError(
+            f"v shape should be ({batch}K, S, E) = {want_v} to match k {k.shape}, "
+            f"got {v.shape}"
+        )
+
+
+def _check_mask(
+    mask: jax.Array | None, shape: tuple[int, int, int, int], unbatched: bool
+) -> jax.Array | None:
+    """Return the mask as a (B|1, H|1, T, S) array, or None."""
+    if mask is None:
+        return None
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_ and not _is_float(mask):
+        raise TypeError(
+            f"mask dtype should be bool (True = may attend) or floating (added to the "
+            f"scores), got {mask.dtype}: an integer mask is ambiguous"
+        )
+    want = shape[1:] if unbatched else shape
+    letters = "(H, T, S)" if unbatched else "(B, H, T, S)"
+    try:
+        fits = mask.ndim <= len(want) and jnp.broadcast_shapes(mask.shape, want) == want
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"mask shape should broadcast to {letters} = {want}, got {mask.shape}"
+        )
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # (B|1, H|1, T|1, S|1)
+    B, H, T, S = shape
+    b, h = mask.shape[0], mask.shape[1]
+    return jnp.broadcast_to(mask, (b, h, T, S))  # (B|1, H|1, T, S)
+
+
+def _check_options(
+    D: int,
+    scale: float | None,
+    is_causal: bool,
+    causal_alignment: str,
+    window: tuple[int | None, int | None] | None,
+    softcap: float | None,
+    dropout_p: float,
+    key: jax.Array | None,
+) -> float:
+    """Check the keyword options; return the scale to use."""
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal should be a bool, got {is_causal!r}")
+    if causal_alignment not in ALIGNMENTS:
+        raise ValueError(
+            f"causal_alignment should be one of {ALIGNMENTS}, got {causal_alignment!r}"
+        )
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise ValueError(
+                f"window should be a pair (left, right) of ints >= 0 or None, got {window!r}"
+            )
+        for side in window:
+            if side is not None and (
+                isinstance(side, bool) or not isinstance(side, int) or side < 0
+            ):
+                raise ValueError(
+                    f"window should be a pair (left, right) of ints >= 0 or None, "
+                    f"got {window!r}"
+                )
+    if softcap is not None and not (
+        isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0
+    ):
+        raise ValueError(f"softcap should be a positive finite float, got {softcap!r}")
+    if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
+        raise ValueError(f"dropout_p should be a float in [0, 1), got {dropout_p!r}")
+    if dropout_p > 0 and not _is_key(key):
+        raise ValueError(
+            f"key should be a jax.random key when dropout_p > 0, got {key!r}"
+        )
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)):
+        raise TypeError(f"scale should be a positive float or None, got {scale!r}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale should be a positive finite float, got {scale!r}")
+    return float(scale)
+
+
+def _is_key(key: object) -> bool:
+    # A typed key from jax.random.key, or a legacy uint32 (2,) from jax.random.PRNGKey.
+    if not isinstance(key, jax.Array):
+        return False
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key.ndim == 0
+    return key.dtype == jnp.uint32 and key.shape == (2,)
+
+
+class KVCache:
+    """Keys and values of the tokens decoded so far, for one sequence batch.
+
+    Decoding feeds a few new tokens at a time. Their queries must see every cached key
+    and, among themselves, only earlier ones: that is causal attention aligned
+    bottom-right, because the new queries are the *last* T of the S positions.
+
+        cache = KVCache()
+        for q_t, k_t, v_t in chunks:            # (B, H, T, D), (B, K, T, D), (B, K, T, E)
+            out_t = cache.attend(q_t, k_t, v_t)  # (B, H, T, E)
+    """
+
+    def __init__(self) -> None:
+        self.k: jax.Array | None = None  # (B, K, S, D)
+        self.v: jax.Array | None = None  # (B, K, S, E)
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, **options) -> jax.Array:
+        """Append k, v to the cache, then attend the new queries to everything cached."""
+        if self.k is None:
+            self.k, self.v = k, v
+        else:
+            self.k = jnp.concatenate([self.k, k], axis=-2)  # (B, K, S, D)
+            self.v = jnp.concatenate([self.v, v], axis=-2)  # (B, K, S, E)
+        return attention(
+            q,
+            self.k,
+            self.v,
+            is_causal=True,
+            causal_alignment="bottom_right",
+            **options,
+        )  # (B, H, T, E)
+
+
+def linear(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:
+    """y = x Wᵀ + b with PyTorch's layout: weight (out, in), bias (out)."""
+    return x @ weight.T + bias
+
+
+def layer_norm(
+    x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float = 1e-5
+) -> jax.Array:
+    """Normalise the last axis to zero mean and unit (biased) variance, then scale and shift."""
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(var + eps) * weight + bias
+
+
+def gelu(x: jax.Array) -> jax.Array:
+    """The exact GELU, x · Φ(x), as ``nn.GELU()`` computes it (not the tanh approximation)."""
+    erf = jax.lax.erf
+    return (x * 0.5 * (1.0 + erf(x / math.sqrt(2.0)))).astype(x.dtype)
+
+
+def multi_head_attention(
+    params: dict[str, jax.Array],
+    x: jax.Array,
+    *,
+    n_heads: int,
+    mask: jax.Array | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    key: jax.Array | None = None,
+) -> jax.Array:
+    """The multi-head self-attention layer, as a function of its parameters.
+
+    Args:
+      params: "qkv.weight" (3C, C), "qkv.bias" (3C,), "out_proj.weight" (C, C),
+        "out_proj.bias" (C,): the PyTorch module's ``state_dict``.
+      x: (B, T, C).
+      n_heads: H, which must divide C.
+      mask, is_causal, dropout_p, key: as for ``attention``, with S = T.
+
+    Returns:
+      (B, T, C)
+    """
+    x = jnp.asarray(x)
+    if x.ndim != 3:
+        raise ValueError(f"x shape should be (B, T, C), got {x.shape}")
+    B, T, C = x.shape
+    H = n_heads
+    if not isinstance(H, int) or H <= 0 or C % H != 0:
+        raise ValueError(
+            f"n_heads H={H} should be a positive int dividing the model width C={C}"
+        )
+    D = C // H
+
+    # 1. Project to queries, keys and values with one fused matrix, then split them.
+    qkv = linear(x, params["qkv.weight"], params["qkv.bias"])  # (B, T, 3C)
+    q, k, v = jnp.split(qkv, 3, axis=-1)  # 3 × (B, T, C)
+
+    # 2. Split the width into H heads of D channels: head h owns channels [h·D, (h+1)·D).
+    q = q.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
+    k = k.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
+    v = v.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
+
+    # 3. Attention in every head at once.
+    context = attention(
+        q, k, v, mask=mask, is_causal=is_causal, dropout_p=dropout_p, key=key
+    )  # (B, H, T, D)
+
+    # 4. Merge the heads back into the width, head-major, then mix them.
+    context = context.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C)
+    return linear(context, params["out_proj.weight"], params["out_proj.bias"])
+
+
+def gpt_block(params: dict[str, jax.Array], x: jax.Array, *, n_heads: int) -> jax.Array:
+    """One pre-LN decoder block: x + attn(norm1(x)), then + mlp(norm2(x)).
+
+    Args:
+      params: the ``state_dict`` of the PyTorch block: "norm1.*", "attn.*", "norm2.*",
+        "mlp.0.*" (Linear C -> F), "mlp.2.*" (Linear F -> C).
+      x: (B, T, C).
+      n_heads: H, which must divide C.
+
+    Returns:
+      (B, T, C)
+    """
+    attn = {name[5:]: p for name, p in params.items() if name.startswith("attn.")}
+    h = layer_norm(x, params["norm1.weight"], params["norm1.bias"])  # (B, T, C)
+    x = x + multi_head_attention(attn, h, n_heads=n_heads, is_causal=True)  # (B, T, C)
+    h = layer_norm(x, params["norm2.weight"], params["norm2.bias"])  # (B, T, C)
+    h = gelu(linear(h, params["mlp.0.weight"], params["mlp.0.bias"]))  # (B, T, F)
+    return x + linear(h, params["mlp.2.weight"], params["mlp.2.bias"])  # (B, T, C)

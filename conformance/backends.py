@@ -15,7 +15,8 @@ import importlib
 import importlib.metadata
 import importlib.util
 import platform
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -118,7 +119,9 @@ class Backend:
         """The seeds' multi-head layer from a PyTorch-layout ``state_dict`` (capability "module")."""
         raise NotImplementedError(f"{self.name} does not declare the 'module' capability")
 
-    def gpt_block(self, params: dict[str, np.ndarray], x: np.ndarray, *, n_heads: int) -> np.ndarray:
+    def gpt_block(
+        self, params: dict[str, np.ndarray], x: np.ndarray, *, n_heads: int
+    ) -> np.ndarray:
         """The seeds' pre-LN GPT block from a PyTorch-layout ``state_dict`` (capability "module")."""
         raise NotImplementedError(f"{self.name} does not declare the 'module' capability")
 
@@ -147,7 +150,9 @@ class NumpyBackend(Backend):
         return self.impl.attention(q, k, v, **options)
 
     def multi_head_attention(self, params, x, *, n_heads, mask=None, is_causal=False):
-        return self.impl.multi_head_attention(params, x, n_heads=n_heads, mask=mask, is_causal=is_causal)
+        return self.impl.multi_head_attention(
+            params, x, n_heads=n_heads, mask=mask, is_causal=is_causal
+        )
 
     def gpt_block(self, params, x, *, n_heads):
         return self.impl.gpt_block(params, x, n_heads=n_heads)
@@ -359,4 +364,6 @@ def _check_declarations(backend: Backend) -> None:
         )
     bad = set(backend.dtypes) - set(DTYPES)
     if bad:
-        raise ValueError(f"backend {backend.name!r} declares unknown dtypes {sorted(bad)}; known: {DTYPES}")
+        raise ValueError(
+            f"backend {backend.name!r} declares unknown dtypes {sorted(bad)}; known: {DTYPES}"
+        )

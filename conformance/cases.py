@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +30,7 @@ def verify(path: Path, sha256: str) -> bytes:
     return data
 
 
-@lru_cache(maxsize=None)
+@cache
 def manifest(root: Path = FIXTURES) -> dict:
     return json.loads((root / "manifest.json").read_text())
 
@@ -104,7 +104,7 @@ def _load(entry: dict, root: Path) -> Case:
     return Case(entry["id"], entry["clause"], entry["dtype"], entry, arrays)
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_case(case_id: str, root: Path = FIXTURES) -> Case:
     for entry in manifest(root)["cases"]:
         if entry["id"] == case_id:

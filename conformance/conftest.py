@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.backends import BackendUnavailable, available_backends, load_backend, registered_backends
+from conformance.backends import (
+    BackendUnavailable,
+    available_backends,
+    load_backend,
+    registered_backends,
+)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -59,7 +64,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("backend", names, ids=names, indirect=True)
     if "backend_pair" in metafunc.fixturenames:
         pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1 :]]
-        metafunc.parametrize("backend_pair", pairs, ids=[f"{a}~{b}" for a, b in pairs], indirect=True)
+        metafunc.parametrize(
+            "backend_pair", pairs, ids=[f"{a}~{b}" for a, b in pairs], indirect=True
+        )
 
 
 @pytest.fixture

@@ -57,7 +57,9 @@ def assert_within(actual, expected, tol: float, context: str) -> None:
         diff = np.abs(np.where(np.isfinite(expected), actual - expected, 0.0))
         ok = bool(diff.max(initial=0.0) <= tol)
     if not ok:
-        raise AssertionError(f"{context}\n  {describe_error(actual, expected)}; tolerance {tol:.3e}")
+        raise AssertionError(
+            f"{context}\n  {describe_error(actual, expected)}; tolerance {tol:.3e}"
+        )
 
 
 def assert_identical(actual, expected, context: str) -> None:
@@ -69,4 +71,6 @@ def assert_identical(actual, expected, context: str) -> None:
         b = expected.view(np.uint8) if expected.dtype.itemsize else expected
         same = np.array_equal(a, b)
     if not same:
-        raise AssertionError(f"{context}: not bit-for-bit identical\n  {describe_error(actual, expected)}")
+        raise AssertionError(
+            f"{context}: not bit-for-bit identical\n  {describe_error(actual, expected)}"
+        )

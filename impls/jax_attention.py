@@ -105,9 +105,7 @@ def attention(
     B, H, T, D = q.shape
     S = k.shape[-2]
     mask = _check_mask(mask, (B, H, T, S), unbatched)
-    scale = _check_options(
-        D, scale, is_causal, causal_alignment, window, softcap, dropout_p, key
-    )
+    scale = _check_options(D, scale, is_causal, causal_alignment, window, softcap, dropout_p, key)
     # jax.jit needs hashable static options: a list window becomes a tuple.
     window = None if window is None else tuple(window)
     return _attend(
@@ -289,14 +287,12 @@ def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
     want_k = (B, K, S, D)[drop:]
     if k.shape != want_k:
         raise ValueError(
-            f"k shape should be ({batch}K, S, D) = {want_k} to match q {q.shape}, "
-            f"got {k.shape}"
+            f"k shape should be ({batch}K, S, D) = {want_k} to match q {q.shape}, got {k.shape}"
         )
     want_v = (B, K, S, E)[drop:]
     if v.shape[:-1] != want_v[:-1]:
         raise ValueError(
-            f"v shape should be ({batch}K, S, E) = {want_v} to match k {k.shape}, "
-            f"got {v.shape}"
+            f"v shape should be ({batch}K, S, E) = {want_v} to match k {k.shape}, got {v.shape}"
         )
 
 
@@ -319,9 +315,7 @@ def _check_mask(
     except ValueError:
         fits = False
     if not fits:
-        raise ValueError(
-            f"mask shape should broadcast to {letters} = {want}, got {mask.shape}"
-        )
+        raise ValueError(f"mask shape should broadcast to {letters} = {want}, got {mask.shape}")
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # (B|1, H|1, T|1, S|1)
     B, H, T, S = shape
     b, h = mask.shape[0], mask.shape[1]
@@ -355,8 +349,7 @@ def _check_options(
                 isinstance(side, bool) or not isinstance(side, int) or side < 0
             ):
                 raise ValueError(
-                    f"window should be a pair (left, right) of ints >= 0 or None, "
-                    f"got {window!r}"
+                    f"window should be a pair (left, right) of ints >= 0 or None, got {window!r}"
                 )
     if softcap is not None and not (
         isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0
@@ -365,9 +358,7 @@ def _check_options(
     if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p should be a float in [0, 1), got {dropout_p!r}")
     if dropout_p > 0 and not _is_key(key):
-        raise ValueError(
-            f"key should be a jax.random key when dropout_p > 0, got {key!r}"
-        )
+        raise ValueError(f"key should be a jax.random key when dropout_p > 0, got {key!r}")
     if scale is None:
         return 1.0 / math.sqrt(D)
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)):
@@ -424,9 +415,7 @@ def linear(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:
     return x @ weight.T + bias
 
 
-def layer_norm(
-    x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float = 1e-5
-) -> jax.Array:
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
     """Normalise the last axis to zero mean and unit (biased) variance, then scale and shift."""
     mean = x.mean(axis=-1, keepdims=True)
     var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
@@ -467,9 +456,7 @@ def multi_head_attention(
     B, T, C = x.shape
     H = n_heads
     if not isinstance(H, int) or H <= 0 or C % H != 0:
-        raise ValueError(
-            f"n_heads H={H} should be a positive int dividing the model width C={C}"
-        )
+        raise ValueError(f"n_heads H={H} should be a positive int dividing the model width C={C}")
     D = C // H
 
     # 1. Project to queries, keys and values with one fused matrix, then split them.

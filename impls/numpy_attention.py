@@ -95,9 +95,7 @@ def attention(
     E = v.shape[-1]
     G = H // K
     mask = _check_mask(mask, (B, H, T, S), unbatched)
-    scale = _check_options(
-        D, scale, is_causal, causal_alignment, window, softcap, dropout_p, rng
-    )
+    scale = _check_options(D, scale, is_causal, causal_alignment, window, softcap, dropout_p, rng)
 
     # Low precision inputs are computed in float32: exp() of a float16 score overflows
     # past 11.09, and summing many weights in float16 loses the small ones.
@@ -223,14 +221,12 @@ def _check_inputs(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
     want_k = (B, K, S, D)[drop:]
     if k.shape != want_k:
         raise ValueError(
-            f"k shape should be ({batch}K, S, D) = {want_k} to match q {q.shape}, "
-            f"got {k.shape}"
+            f"k shape should be ({batch}K, S, D) = {want_k} to match q {q.shape}, got {k.shape}"
         )
     want_v = (B, K, S, E)[drop:]
     if v.shape[:-1] != want_v[:-1]:
         raise ValueError(
-            f"v shape should be ({batch}K, S, E) = {want_v} to match k {k.shape}, "
-            f"got {v.shape}"
+            f"v shape should be ({batch}K, S, E) = {want_v} to match k {k.shape}, got {v.shape}"
         )
 
 
@@ -253,9 +249,7 @@ def _check_mask(
     except ValueError:
         fits = False
     if not fits:
-        raise ValueError(
-            f"mask shape should broadcast to {letters} = {want}, got {mask.shape}"
-        )
+        raise ValueError(f"mask shape should broadcast to {letters} = {want}, got {mask.shape}")
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # (B|1, H|1, T|1, S|1)
     B, H, T, S = shape
     b, h = mask.shape[0], mask.shape[1]
@@ -289,8 +283,7 @@ def _check_options(
                 isinstance(side, bool) or not isinstance(side, int) or side < 0
             ):
                 raise ValueError(
-                    f"window should be a pair (left, right) of ints >= 0 or None, "
-                    f"got {window!r}"
+                    f"window should be a pair (left, right) of ints >= 0 or None, got {window!r}"
                 )
     if softcap is not None and not (
         isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0
@@ -299,9 +292,7 @@ def _check_options(
     if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p should be a float in [0, 1), got {dropout_p!r}")
     if dropout_p > 0 and not isinstance(rng, np.random.Generator):
-        raise ValueError(
-            f"rng should be a numpy.random.Generator when dropout_p > 0, got {rng!r}"
-        )
+        raise ValueError(f"rng should be a numpy.random.Generator when dropout_p > 0, got {rng!r}")
     if scale is None:
         return 1.0 / math.sqrt(D)
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)):
@@ -327,9 +318,7 @@ class KVCache:
         self.k: np.ndarray | None = None  # (B, K, S, D)
         self.v: np.ndarray | None = None  # (B, K, S, E)
 
-    def attend(
-        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, **options
-    ) -> np.ndarray:
+    def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, **options) -> np.ndarray:
         """Append k, v to the cache, then attend the new queries to everything cached."""
         if self.k is None:
             self.k, self.v = k, v
@@ -394,9 +383,7 @@ def multi_head_attention(
     B, T, C = x.shape
     H = n_heads
     if not isinstance(H, int) or H <= 0 or C % H != 0:
-        raise ValueError(
-            f"n_heads H={H} should be a positive int dividing the model width C={C}"
-        )
+        raise ValueError(f"n_heads H={H} should be a positive int dividing the model width C={C}")
     D = C // H
 
     # 1. Project to queries, keys and values with one fused matrix, then split them.
@@ -418,9 +405,7 @@ def multi_head_attention(
     return linear(context, params["out_proj.weight"], params["out_proj.bias"])
 
 
-def gpt_block(
-    params: dict[str, np.ndarray], x: np.ndarray, *, n_heads: int
-) -> np.ndarray:
+def gpt_block(params: dict[str, np.ndarray], x: np.ndarray, *, n_heads: int) -> np.ndarray:
     """One pre-LN decoder block: x + attn(norm1(x)), then + mlp(norm2(x)).
 
     Args:

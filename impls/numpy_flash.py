@@ -137,9 +137,7 @@ def attention(
             f"dropout_p={dropout_p!r} is not supported by numpy-flash (blockwise "
             f"attention without dropout); pass dropout_p=0.0"
         )
-    scale = _check_options(
-        D, scale, is_causal, causal_alignment, window, softcap, dropout_p, rng
-    )
+    scale = _check_options(D, scale, is_causal, causal_alignment, window, softcap, dropout_p, rng)
     for name, size in (("block_q", block_q), ("block_k", block_k)):
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"{name} should be a positive int, got {size!r}")
@@ -319,14 +317,12 @@ def _check_inputs(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
     want_k = (B, K, S, D)[drop:]
     if k.shape != want_k:
         raise ValueError(
-            f"k shape should be ({batch}K, S, D) = {want_k} to match q {q.shape}, "
-            f"got {k.shape}"
+            f"k shape should be ({batch}K, S, D) = {want_k} to match q {q.shape}, got {k.shape}"
         )
     want_v = (B, K, S, E)[drop:]
     if v.shape[:-1] != want_v[:-1]:
         raise ValueError(
-            f"v shape should be ({batch}K, S, E) = {want_v} to match k {k.shape}, "
-            f"got {v.shape}"
+            f"v shape should be ({batch}K, S, E) = {want_v} to match k {k.shape}, got {v.shape}"
         )
 
 
@@ -349,9 +345,7 @@ def _check_mask(
     except ValueError:
         fits = False
     if not fits:
-        raise ValueError(
-            f"mask shape should broadcast to {letters} = {want}, got {mask.shape}"
-        )
+        raise ValueError(f"mask shape should broadcast to {letters} = {want}, got {mask.shape}")
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # (B|1, H|1, T|1, S|1)
     B, H, T, S = shape
     b, h = mask.shape[0], mask.shape[1]
@@ -385,8 +379,7 @@ def _check_options(
                 isinstance(side, bool) or not isinstance(side, int) or side < 0
             ):
                 raise ValueError(
-                    f"window should be a pair (left, right) of ints >= 0 or None, "
-                    f"got {window!r}"
+                    f"window should be a pair (left, right) of ints >= 0 or None, got {window!r}"
                 )
     if softcap is not None and not (
         isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0
@@ -395,9 +388,7 @@ def _check_options(
     if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p should be a float in [0, 1), got {dropout_p!r}")
     if dropout_p > 0 and not isinstance(rng, np.random.Generator):
-        raise ValueError(
-            f"rng should be a numpy.random.Generator when dropout_p > 0, got {rng!r}"
-        )
+        raise ValueError(f"rng should be a numpy.random.Generator when dropout_p > 0, got {rng!r}")
     if scale is None:
         return 1.0 / math.sqrt(D)
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)):

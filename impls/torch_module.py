@@ -104,9 +104,7 @@ def attention(
     E = v.shape[-1]
     G = H // K
     mask = _check_mask(mask, (B, H, T, S), unbatched)
-    scale = _check_options(
-        D, scale, is_causal, causal_alignment, window, softcap, dropout
-    )
+    scale = _check_options(D, scale, is_causal, causal_alignment, window, softcap, dropout)
 
     # Low precision inputs are computed in float32: exp() of a float16 score overflows
     # past 11.09, and summing many weights in float16 loses the small ones.
@@ -216,14 +214,11 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             )
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not x.dtype.is_floating_point:
-            raise TypeError(
-                f"{name} should be a floating tensor, got dtype {_dtype_name(x.dtype)}"
-            )
+            raise TypeError(f"{name} should be a floating tensor, got dtype {_dtype_name(x.dtype)}")
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(
-                f"{name} dtype should be {_dtype_name(q.dtype)} like q, "
-                f"got {_dtype_name(x.dtype)}"
+                f"{name} dtype should be {_dtype_name(q.dtype)} like q, got {_dtype_name(x.dtype)}"
             )
     q4, k4, v4 = (x if x.ndim == 4 else x[None] for x in (q, k, v))
     B, H, _, D = q4.shape
@@ -265,10 +260,7 @@ def _check_mask(
     want = shape[1:] if unbatched else shape
     letters = "(H, T, S)" if unbatched else "(B, H, T, S)"
     try:
-        fits = (
-            mask.ndim <= len(want)
-            and tuple(torch.broadcast_shapes(mask.shape, want)) == want
-        )
+        fits = mask.ndim <= len(want) and tuple(torch.broadcast_shapes(mask.shape, want)) == want
     except RuntimeError:
         fits = False
     if not fits:
@@ -307,8 +299,7 @@ def _check_options(
                 isinstance(side, bool) or not isinstance(side, int) or side < 0
             ):
                 raise ValueError(
-                    f"window should be a pair (left, right) of ints >= 0 or None, "
-                    f"got {window!r}"
+                    f"window should be a pair (left, right) of ints >= 0 or None, got {window!r}"
                 )
     if softcap is not None and not (
         isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0
@@ -322,9 +313,7 @@ def _check_options(
     # by 1 / (1 - p), needs p < 1.
     dropout_p = getattr(dropout, "p", 0.0)
     if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
-        raise ValueError(
-            f"dropout_p (dropout.p) should be a float in [0, 1), got {dropout_p!r}"
-        )
+        raise ValueError(f"dropout_p (dropout.p) should be a float in [0, 1), got {dropout_p!r}")
     if scale is None:
         return 1.0 / math.sqrt(D)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):

@@ -223,14 +223,11 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             )
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not x.dtype.is_floating_point:
-            raise TypeError(
-                f"{name} should be a floating tensor, got dtype {_dtype_name(x.dtype)}"
-            )
+            raise TypeError(f"{name} should be a floating tensor, got dtype {_dtype_name(x.dtype)}")
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(
-                f"{name} dtype should be {_dtype_name(q.dtype)} like q, "
-                f"got {_dtype_name(x.dtype)}"
+                f"{name} dtype should be {_dtype_name(q.dtype)} like q, got {_dtype_name(x.dtype)}"
             )
     q4, k4, v4 = (x if x.ndim == 4 else x[None] for x in (q, k, v))
     B, H, _, D = q4.shape
@@ -272,10 +269,7 @@ def _check_mask(
     want = shape[1:] if unbatched else shape
     letters = "(H, T, S)" if unbatched else "(B, H, T, S)"
     try:
-        fits = (
-            mask.ndim <= len(want)
-            and tuple(torch.broadcast_shapes(mask.shape, want)) == want
-        )
+        fits = mask.ndim <= len(want) and tuple(torch.broadcast_shapes(mask.shape, want)) == want
     except RuntimeError:
         fits = False
     if not fits:
@@ -315,8 +309,7 @@ def _check_options(
                 isinstance(side, bool) or not isinstance(side, int) or side < 0
             ):
                 raise ValueError(
-                    f"window should be a pair (left, right) of ints >= 0 or None, "
-                    f"got {window!r}"
+                    f"window should be a pair (left, right) of ints >= 0 or None, got {window!r}"
                 )
     if softcap is not None and not (
         isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0
@@ -325,9 +318,7 @@ def _check_options(
     if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p should be a float in [0, 1), got {dropout_p!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
-        raise ValueError(
-            f"generator should be a torch.Generator or None, got {generator!r}"
-        )
+        raise ValueError(f"generator should be a torch.Generator or None, got {generator!r}")
     if scale is None:
         return 1.0 / math.sqrt(D)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -353,9 +344,7 @@ class KVCache:
         self.k: torch.Tensor | None = None  # (B, K, S, D)
         self.v: torch.Tensor | None = None  # (B, K, S, E)
 
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.Tensor:
         """Append k, v to the cache, then attend the new queries to everything cached."""
         if self.k is None:
             self.k, self.v = k, v

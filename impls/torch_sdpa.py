@@ -143,9 +143,7 @@ def attention(
     B, H, T, D = q.shape
     _, K, S, _ = k.shape
     mask = _check_mask(mask, (B, H, T, S), unbatched)
-    scale = _check_options(
-        D, scale, is_causal, causal_alignment, window, softcap, dropout_p
-    )
+    scale = _check_options(D, scale, is_causal, causal_alignment, window, softcap, dropout_p)
 
     # A float mask is added at the precision the scores are computed in: float32 for
     # float16 and bfloat16 q (SDPA accepts a float32 mask for them), q's dtype otherwise.
@@ -303,14 +301,11 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             )
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not x.dtype.is_floating_point:
-            raise TypeError(
-                f"{name} should be a floating tensor, got dtype {_dtype_name(x.dtype)}"
-            )
+            raise TypeError(f"{name} should be a floating tensor, got dtype {_dtype_name(x.dtype)}")
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(
-                f"{name} dtype should be {_dtype_name(q.dtype)} like q, "
-                f"got {_dtype_name(x.dtype)}"
+                f"{name} dtype should be {_dtype_name(q.dtype)} like q, got {_dtype_name(x.dtype)}"
             )
     q4, k4, v4 = (x if x.ndim == 4 else x[None] for x in (q, k, v))
     B, H, _, D = q4.shape
@@ -352,10 +347,7 @@ def _check_mask(
     want = shape[1:] if unbatched else shape
     letters = "(H, T, S)" if unbatched else "(B, H, T, S)"
     try:
-        fits = (
-            mask.ndim <= len(want)
-            and tuple(torch.broadcast_shapes(mask.shape, want)) == want
-        )
+        fits = mask.ndim <= len(want) and tuple(torch.broadcast_shapes(mask.shape, want)) == want
     except RuntimeError:
         fits = False
     if not fits:
@@ -394,8 +386,7 @@ def _check_options(
                 isinstance(side, bool) or not isinstance(side, int) or side < 0
             ):
                 raise ValueError(
-                    f"window should be a pair (left, right) of ints >= 0 or None, "
-                    f"got {window!r}"
+                    f"window should be a pair (left, right) of ints >= 0 or None, got {window!r}"
                 )
     if softcap is not None and not (
         isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0

@@ -18,7 +18,13 @@ SETUPS = {
     "bool-mask": ({"mask": "bool"}, ()),
     "float-mask": ({"mask": "float", "scale": 0.4}, ()),
     "gqa-bottom-right-window-softcap": (
-        {"is_causal": True, "causal_alignment": "bottom_right", "window": (3, None), "softcap": 3.0, "K": 1},
+        {
+            "is_causal": True,
+            "causal_alignment": "bottom_right",
+            "window": (3, None),
+            "softcap": 3.0,
+            "K": 1,
+        },
         ("gqa", "causal_bottom_right", "window", "softcap"),
     ),
 }
@@ -40,7 +46,9 @@ def test_backends_agree(backend_pair, dtype, setup):
     if options.get("mask") == "bool":
         options["mask"] = rng.random((2, 1, 7, 13)) < 0.7
     elif options.get("mask") == "float":
-        options["mask"] = np.where(rng.random((7, 13)) < 0.2, -np.inf, rng.standard_normal((7, 13))).astype(q.dtype)
+        options["mask"] = np.where(
+            rng.random((7, 13)) < 0.2, -np.inf, rng.standard_normal((7, 13))
+        ).astype(q.dtype)
     out_a = a.attention(q, k, v, **options)
     out_b = b.attention(q, k, v, **options)
     tol = 2 * random_tolerance(q, k, v, dtype, **options)

@@ -19,7 +19,7 @@ sizes = pytest.mark.parametrize("size", list(SIZES.values()), ids=list(SIZES))
 dtypes = pytest.mark.parametrize("dtype", DTYPES)
 
 
-@pytest.mark.clause("6.1")
+@pytest.mark.clause("6.1", "2.3", "2.4")
 @sizes
 @pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
 def test_shapes_and_dtypes(backend, size, dtype):
@@ -27,18 +27,24 @@ def test_shapes_and_dtypes(backend, size, dtype):
     require(backend, dtype=dtype)
     q, k, v = random_qkv(1, **size, D=5, E=3, dtype=dtype)
     out = backend.attention(q, k, v)
-    assert out.shape == (2, 3, size["T"], 3), f"{backend.name}: shape {out.shape}, expected (B, H, T, E) = (2, 3, {size['T']}, 3)"
+    assert out.shape == (2, 3, size["T"], 3), (
+        f"{backend.name}: shape {out.shape}, expected (B, H, T, E) = (2, 3, {size['T']}, 3)"
+    )
     assert out.dtype == numpy_dtype(dtype), f"{backend.name}: dtype {out.dtype}, expected {dtype}"
 
 
-@pytest.mark.clause("6.1")
+@pytest.mark.clause("2.2", "6.1")
 def test_unbatched_shape(backend):
     """(H, T, D) inputs give (H, T, E), equal to the batched call on one batch."""
     require(backend, "unbatched")
     q, k, v = random_qkv(2, B=1, T=7, S=13, D=5, E=3)
     out = backend.attention(q[0], k[0], v[0], is_causal=True)
-    assert out.shape == (3, 7, 3), f"{backend.name}: unbatched shape {out.shape}, expected (H, T, E) = (3, 7, 3)"
-    assert_identical(out, backend.attention(q, k, v, is_causal=True)[0], f"{backend.name}: unbatched vs batched")
+    assert out.shape == (3, 7, 3), (
+        f"{backend.name}: unbatched shape {out.shape}, expected (H, T, E) = (3, 7, 3)"
+    )
+    assert_identical(
+        out, backend.attention(q, k, v, is_causal=True)[0], f"{backend.name}: unbatched vs batched"
+    )
 
 
 @pytest.mark.clause("6.2")
@@ -54,10 +60,14 @@ def test_weight_rows_sum_to_one(backend, size, dtype, causal):
     w = as64(backend.attention(q, k, v, is_causal=causal))
     tol = random_tolerance(q, k, v, dtype, is_causal=causal)
     assert (w >= 0).all(), f"{backend.name}: negative weight {w.min()}"
-    assert_within(w.sum(-1), np.ones(w.shape[:-1]), S * tol, f"{backend.name}: weight rows should sum to 1")
+    assert_within(
+        w.sum(-1), np.ones(w.shape[:-1]), S * tol, f"{backend.name}: weight rows should sum to 1"
+    )
     if causal:
         future = np.triu(np.ones((T, S), dtype=bool), k=1)
-        assert (w[..., future] == 0).all(), f"{backend.name}: weight on a future key: {np.abs(w[..., future]).max()}"
+        assert (w[..., future] == 0).all(), (
+            f"{backend.name}: weight on a future key: {np.abs(w[..., future]).max()}"
+        )
 
 
 @pytest.mark.clause("6.3")
@@ -74,7 +84,11 @@ def test_no_future_leakage(backend, size, dtype):
         k2[..., i + 1 :, :] = (k2[..., i + 1 :, :].astype(np.float64) * -7 + 50).astype(k.dtype)
         v2[..., i + 1 :, :] = (v2[..., i + 1 :, :].astype(np.float64) * 9 - 30).astype(v.dtype)
         out = backend.attention(q, k2, v2, is_causal=True)
-        assert_identical(out[..., : i + 1, :], base[..., : i + 1, :], f"{backend.name}: outputs <= {i} after changing keys > {i}")
+        assert_identical(
+            out[..., : i + 1, :],
+            base[..., : i + 1, :],
+            f"{backend.name}: outputs <= {i} after changing keys > {i}",
+        )
 
 
 @pytest.mark.clause("6.4")
@@ -94,7 +108,9 @@ def test_masked_key_equals_deleted_key(backend, size, dtype, mask_kind):
         masked = backend.attention(q, k, v, mask=mask)
         deleted = backend.attention(q, k[..., keep, :], v[..., keep, :])
         tol = 2 * random_tolerance(q, k[..., keep, :], v[..., keep, :], dtype)
-        assert_within(masked, deleted, tol, f"{backend.name}: key {j} masked ({mask_kind}) vs deleted")
+        assert_within(
+            masked, deleted, tol, f"{backend.name}: key {j} masked ({mask_kind}) vs deleted"
+        )
 
 
 @pytest.mark.clause("6.5")
@@ -111,7 +127,9 @@ def test_permutation(backend, size, dtype):
     assert_within(out, base, tol, f"{backend.name}: keys/values permuted by {perm_s.tolist()}")
     perm_t = np.random.default_rng(1).permutation(T)
     out = backend.attention(q[..., perm_t, :], k, v)
-    assert_within(out, base[..., perm_t, :], tol, f"{backend.name}: queries permuted by {perm_t.tolist()}")
+    assert_within(
+        out, base[..., perm_t, :], tol, f"{backend.name}: queries permuted by {perm_t.tolist()}"
+    )
 
 
 @pytest.mark.clause("6.6")
@@ -131,7 +149,9 @@ def test_convex_hull(backend, size, dtype, causal):
         lo, hi = seen.min(axis=-2), seen.max(axis=-2)
         row = out[..., t, :]
         worst = max(float((lo - row).max()), float((row - hi).max()))
-        assert worst <= tol, f"{backend.name}: output row {t} leaves the values' hull by {worst:.3e} (tolerance {tol:.3e})"
+        assert worst <= tol, (
+            f"{backend.name}: output row {t} leaves the values' hull by {worst:.3e} (tolerance {tol:.3e})"
+        )
 
 
 @pytest.mark.clause("6.7")
@@ -156,8 +176,12 @@ def test_key_shift_invariance(backend, size, dtype, shift):
     base = backend.attention(q, k, v)
     out = backend.attention(q, k2, v)
     tol = random_tolerance(q, k, v, dtype) + random_tolerance(q, k2, v, dtype)
-    assert np.isfinite(as64(out)).all(), f"{backend.name}: non-finite output after shifting keys by {shift}"
-    assert_within(out, base, tol, f"{backend.name}: keys shifted by a common vector of size {shift}")
+    assert np.isfinite(as64(out)).all(), (
+        f"{backend.name}: non-finite output after shifting keys by {shift}"
+    )
+    assert_within(
+        out, base, tol, f"{backend.name}: keys shifted by a common vector of size {shift}"
+    )
 
 
 @pytest.mark.clause("6.8")
@@ -173,7 +197,9 @@ def test_scale_homogeneity(backend, size, dtype, c):
     a = backend.attention(cq, k, v, scale=s)
     b = backend.attention(q, k, v, scale=c * s)
     tol = random_tolerance(cq, k, v, dtype, scale=s) + random_tolerance(q, k, v, dtype, scale=c * s)
-    assert_within(a, b, tol, f"{backend.name}: attention({c}·q, scale={s}) vs attention(q, scale={c * s})")
+    assert_within(
+        a, b, tol, f"{backend.name}: attention({c}·q, scale={s}) vs attention(q, scale={c * s})"
+    )
 
 
 @pytest.mark.clause("6.9")
@@ -187,13 +213,28 @@ def test_batch_and_head_independence(backend, size, dtype):
     full = backend.attention(q, k, v, is_causal=True)
     tol = 2 * random_tolerance(q, k, v, dtype, is_causal=True)
     for b, h in ((0, 0), (2, 3), (1, 2)):
-        alone = backend.attention(q[b : b + 1, h : h + 1], k[b : b + 1, h : h + 1], v[b : b + 1, h : h + 1], is_causal=True)
-        assert_within(alone[0, 0], full[b, h], tol, f"{backend.name}: batch {b} head {h} alone vs in the full call")
+        alone = backend.attention(
+            q[b : b + 1, h : h + 1],
+            k[b : b + 1, h : h + 1],
+            v[b : b + 1, h : h + 1],
+            is_causal=True,
+        )
+        assert_within(
+            alone[0, 0],
+            full[b, h],
+            tol,
+            f"{backend.name}: batch {b} head {h} alone vs in the full call",
+        )
     q2 = q.copy()
     q2[1:] = q2[1:] * np.asarray(-3, dtype=q.dtype)
     q2[0, 1:] = q2[0, 1:] * np.asarray(5, dtype=q.dtype)
     out = backend.attention(q2, k, v, is_causal=True)
-    assert_within(out[0, 0], full[0, 0], tol, f"{backend.name}: batch 0 head 0 after changing the other batches and heads")
+    assert_within(
+        out[0, 0],
+        full[0, 0],
+        tol,
+        f"{backend.name}: batch 0 head 0 after changing the other batches and heads",
+    )
 
 
 @pytest.mark.clause("6.10")
@@ -204,7 +245,11 @@ def test_determinism(backend, dtype):
     mask = np.random.default_rng(3).random((7, 13)) < 0.8
     first = backend.attention(q, k, v, mask=mask, is_causal=True)
     for _ in range(3):
-        assert_identical(backend.attention(q, k, v, mask=mask, is_causal=True), first, f"{backend.name}: repeated call")
+        assert_identical(
+            backend.attention(q, k, v, mask=mask, is_causal=True),
+            first,
+            f"{backend.name}: repeated call",
+        )
 
 
 @pytest.mark.clause("4.3")
@@ -237,5 +282,9 @@ def test_fully_masked_rows_are_zero(backend, how, dtype):
         blocked[S:] = True
     out = backend.attention(q, k, v, **options)
     assert np.isfinite(as64(out)).all(), f"{backend.name}: non-finite output ({how})"
-    assert (as64(out)[..., blocked, :] == 0).all(), f"{backend.name}: fully masked rows {np.flatnonzero(blocked).tolist()} should be exactly 0 ({how})"
-    assert (np.abs(as64(out)[..., ~blocked, :]).sum(-1) > 0).all(), f"{backend.name}: a row with keys to attend came out 0 ({how})"
+    assert (as64(out)[..., blocked, :] == 0).all(), (
+        f"{backend.name}: fully masked rows {np.flatnonzero(blocked).tolist()} should be exactly 0 ({how})"
+    )
+    assert (np.abs(as64(out)[..., ~blocked, :]).sum(-1) > 0).all(), (
+        f"{backend.name}: a row with keys to attend came out 0 ({how})"
+    )

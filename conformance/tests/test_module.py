@@ -20,7 +20,9 @@ def _module_params():
 def _run(backend, case, x, **kwargs):
     H = case.meta["shape"]["H"]
     if case.meta["kind"] == "mha":
-        return backend.multi_head_attention(case.params(), x, n_heads=H, is_causal=case.meta["is_causal"], **kwargs)
+        return backend.multi_head_attention(
+            case.params(), x, n_heads=H, is_causal=case.meta["is_causal"], **kwargs
+        )
     return backend.gpt_block(case.params(), x, n_heads=H)
 
 
@@ -34,11 +36,15 @@ def test_module_fixture(backend, case_id):
     out = _run(backend, case, x)
     assert out.dtype == x.dtype, f"{backend.name}: dtype {out.dtype}, expected {x.dtype}"
     tol = tolerance(case.dtype, case.naive_error, case.expected)
-    assert_within(out, case.expected, tol, f"{backend.name} on module fixture {case.id} {case.meta['shape']}")
+    assert_within(
+        out, case.expected, tol, f"{backend.name} on module fixture {case.id} {case.meta['shape']}"
+    )
 
 
 @pytest.mark.clause("9.3")
-@pytest.mark.parametrize("case_id", ["mha-causal-float64", "gpt-block-float64", "gpt-block-float32"])
+@pytest.mark.parametrize(
+    "case_id", ["mha-causal-float64", "gpt-block-float64", "gpt-block-float32"]
+)
 def test_causal_module_ignores_the_future(backend, case_id):
     """With causal attention, output position i does not change when inputs after i do."""
     require(backend, "module")
@@ -48,9 +54,15 @@ def test_causal_module_ignores_the_future(backend, case_id):
     T = x.shape[1]
     for i in range(T - 1):
         x2 = x.copy()
-        x2[:, i + 1 :] = x2[:, i + 1 :] * np.asarray(-3, dtype=x.dtype) + np.asarray(1, dtype=x.dtype)
+        x2[:, i + 1 :] = x2[:, i + 1 :] * np.asarray(-3, dtype=x.dtype) + np.asarray(
+            1, dtype=x.dtype
+        )
         out = _run(backend, case, x2)
-        assert_identical(out[:, : i + 1], base[:, : i + 1], f"{backend.name} {case.id}: outputs <= {i} after changing inputs > {i}")
+        assert_identical(
+            out[:, : i + 1],
+            base[:, : i + 1],
+            f"{backend.name} {case.id}: outputs <= {i} after changing inputs > {i}",
+        )
 
 
 @pytest.mark.clause("9.1")
@@ -61,6 +73,10 @@ def test_module_float_mask_matches_is_causal(backend):
     x = case.arrays["x"]
     T = x.shape[1]
     mask = np.triu(np.full((T, T), -np.inf), k=1)
-    with_mask = backend.multi_head_attention(case.params(), x, n_heads=case.meta["shape"]["H"], mask=mask)
+    with_mask = backend.multi_head_attention(
+        case.params(), x, n_heads=case.meta["shape"]["H"], mask=mask
+    )
     tol = 2 * tolerance("float64", case.naive_error, case.expected)
-    assert_within(with_mask, case.expected, tol, f"{backend.name}: module with the seeds' float causal mask")
+    assert_within(
+        with_mask, case.expected, tol, f"{backend.name}: module with the seeds' float causal mask"
+    )

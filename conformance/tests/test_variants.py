@@ -12,9 +12,11 @@ sizes = pytest.mark.parametrize("size", list(SIZES.values()), ids=list(SIZES))
 dtypes = pytest.mark.parametrize("dtype", ["float64", "float32"])
 
 
-@pytest.mark.clause("6.11")
+@pytest.mark.clause("6.11", "3.5")
 @dtypes
-@pytest.mark.parametrize("chunks", [[1] * 9, [4, 1, 3, 1]], ids=["token-by-token", "continued-prefill"])
+@pytest.mark.parametrize(
+    "chunks", [[1] * 9, [4, 1, 3, 1]], ids=["token-by-token", "continued-prefill"]
+)
 def test_kv_cache_decode_matches_full_causal(backend, dtype, chunks):
     """Feeding the sequence in chunks, each attending to every key so far with bottom-right
     causal alignment (a KV-cache decode loop), reproduces the full causal output."""
@@ -26,8 +28,19 @@ def test_kv_cache_decode_matches_full_causal(backend, dtype, chunks):
     start = 0
     for n in chunks:
         end = start + n
-        step = backend.attention(q[..., start:end, :], k[..., :end, :], v[..., :end, :], is_causal=True, causal_alignment="bottom_right")
-        assert_within(step, full[..., start:end, :], tol, f"{backend.name}: decode chunk of queries {start}..{end - 1} against {end} cached keys")
+        step = backend.attention(
+            q[..., start:end, :],
+            k[..., :end, :],
+            v[..., :end, :],
+            is_causal=True,
+            causal_alignment="bottom_right",
+        )
+        assert_within(
+            step,
+            full[..., start:end, :],
+            tol,
+            f"{backend.name}: decode chunk of queries {start}..{end - 1} against {end} cached keys",
+        )
         start = end
 
 
@@ -39,7 +52,12 @@ def test_bottom_right_equals_top_left_when_square(backend, dtype):
     q, k, v = random_qkv(21, T=8, S=8, dtype=dtype)
     a = backend.attention(q, k, v, is_causal=True)
     b = backend.attention(q, k, v, is_causal=True, causal_alignment="bottom_right")
-    assert_within(a, b, 2 * random_tolerance(q, k, v, dtype, is_causal=True), f"{backend.name}: square causal, both alignments")
+    assert_within(
+        a,
+        b,
+        2 * random_tolerance(q, k, v, dtype, is_causal=True),
+        f"{backend.name}: square causal, both alignments",
+    )
 
 
 @pytest.mark.clause("3.5")
@@ -50,11 +68,21 @@ def test_bottom_right_single_query_sees_every_key(backend, dtype):
     q, k, v = random_qkv(22, T=1, S=9, dtype=dtype)
     full = backend.attention(q, k, v)
     tol = 2 * random_tolerance(q, k, v, dtype)
-    assert_within(backend.attention(q, k, v, is_causal=True, causal_alignment="bottom_right"), full, tol, f"{backend.name}: T=1 bottom-right")
-    assert_within(backend.attention(q, k, v, is_causal=True), v[..., :1, :], tol, f"{backend.name}: T=1 top-left sees only key 0")
+    assert_within(
+        backend.attention(q, k, v, is_causal=True, causal_alignment="bottom_right"),
+        full,
+        tol,
+        f"{backend.name}: T=1 bottom-right",
+    )
+    assert_within(
+        backend.attention(q, k, v, is_causal=True),
+        v[..., :1, :],
+        tol,
+        f"{backend.name}: T=1 top-left sees only key 0",
+    )
 
 
-@pytest.mark.clause("4.6")
+@pytest.mark.clause("6.12", "4.6")
 @sizes
 @dtypes
 @pytest.mark.parametrize("K", [1, 2], ids=["mqa-K1", "gqa-K2"])
@@ -67,10 +95,15 @@ def test_gqa_equals_repeat_interleave(backend, size, dtype, K):
     grouped = backend.attention(q, k, v, is_causal=True)
     k_rep, v_rep = np.repeat(k, H // K, axis=1), np.repeat(v, H // K, axis=1)
     expanded = backend.attention(q, k_rep, v_rep, is_causal=True)
-    assert_within(grouped, expanded, 2 * random_tolerance(q, k_rep, v_rep, dtype, is_causal=True), f"{backend.name}: H={H} K={K} vs repeat_interleave")
+    assert_within(
+        grouped,
+        expanded,
+        2 * random_tolerance(q, k_rep, v_rep, dtype, is_causal=True),
+        f"{backend.name}: H={H} K={K} vs repeat_interleave",
+    )
 
 
-@pytest.mark.clause("3.6")
+@pytest.mark.clause("6.13", "3.6")
 @sizes
 @dtypes
 def test_window_identities(backend, size, dtype):
@@ -79,7 +112,12 @@ def test_window_identities(backend, size, dtype):
     require(backend, "window")
     q, k, v = random_qkv(24, **size, dtype=dtype)
     tol = 2 * random_tolerance(q, k, v, dtype, window=(2, 0))
-    assert_within(backend.attention(q, k, v, window=(None, None)), backend.attention(q, k, v), tol, f"{backend.name}: window (None, None)")
+    assert_within(
+        backend.attention(q, k, v, window=(None, None)),
+        backend.attention(q, k, v),
+        tol,
+        f"{backend.name}: window (None, None)",
+    )
     assert_within(
         backend.attention(q, k, v, window=(2, 0)),
         backend.attention(q, k, v, window=(2, None), is_causal=True),
@@ -88,7 +126,9 @@ def test_window_identities(backend, size, dtype):
     )
     n = min(size["T"], size["S"])
     diag = backend.attention(q[..., :n, :], k[..., :n, :], v[..., :n, :], window=(0, 0))
-    assert_within(diag, v[..., :n, :], tol, f"{backend.name}: window (0, 0) attends only the diagonal")
+    assert_within(
+        diag, v[..., :n, :], tol, f"{backend.name}: window (0, 0) attends only the diagonal"
+    )
 
 
 @pytest.mark.clause("4.2")
@@ -100,13 +140,20 @@ def test_softcap_limits(backend, dtype):
     require(backend, "softcap")
     q, k, v = random_qkv(25, T=7, S=13, dtype=dtype)
     tol = 2 * random_tolerance(q, k, v, dtype)
-    assert_within(backend.attention(q, k, v, softcap=1e9), backend.attention(q, k, v), tol, f"{backend.name}: softcap 1e9")
+    assert_within(
+        backend.attention(q, k, v, softcap=1e9),
+        backend.attention(q, k, v),
+        tol,
+        f"{backend.name}: softcap 1e9",
+    )
     S, c = 13, 0.5
     eye = np.broadcast_to(np.eye(S, dtype=q.dtype), (2, 3, S, S)).copy()
     q_big = (as64(q) * 4).astype(q.dtype)
     w = as64(backend.attention(q_big, k, eye, softcap=c))
     lo, hi = np.exp(-2 * c) / S - tol, np.exp(2 * c) / S + tol
-    assert lo <= w.min() and w.max() <= hi, f"{backend.name}: softcap {c}: weights in [{w.min():.4f}, {w.max():.4f}], expected within [{lo:.4f}, {hi:.4f}]"
+    assert lo <= w.min() and w.max() <= hi, (
+        f"{backend.name}: softcap {c}: weights in [{w.min():.4f}, {w.max():.4f}], expected within [{lo:.4f}, {hi:.4f}]"
+    )
 
 
 @pytest.mark.clause("5.1")
@@ -115,7 +162,11 @@ def test_dropout_zero_is_identity(backend, dtype):
     """dropout_p = 0 is exactly no dropout."""
     require(backend, "dropout")
     q, k, v = random_qkv(26, dtype=dtype)
-    assert_identical(backend.attention(q, k, v, dropout_p=0.0, seed=1), backend.attention(q, k, v), f"{backend.name}: dropout_p=0")
+    assert_identical(
+        backend.attention(q, k, v, dropout_p=0.0, seed=1),
+        backend.attention(q, k, v),
+        f"{backend.name}: dropout_p=0",
+    )
 
 
 @pytest.mark.clause("5.2")
@@ -130,16 +181,29 @@ def test_dropout_statistics(backend, p):
     v = np.broadcast_to(np.eye(S), (2, 4, S, S)).copy()
     w = as64(backend.attention(q, k, v))
     dropped = as64(backend.attention(q, k, v, dropout_p=p, seed=3))
-    assert_identical(backend.attention(q, k, v, dropout_p=p, seed=3), dropped.astype(np.float64), f"{backend.name}: same seed")
+    assert_identical(
+        backend.attention(q, k, v, dropout_p=p, seed=3),
+        dropped.astype(np.float64),
+        f"{backend.name}: same seed",
+    )
     n = w.size
     zero = dropped == 0
     frac = zero.mean()
     bound = 5 * np.sqrt(p * (1 - p) / n)
-    assert abs(frac - p) <= bound, f"{backend.name}: zeroed fraction {frac:.4f}, expected {p} ± {bound:.4f}"
+    assert abs(frac - p) <= bound, (
+        f"{backend.name}: zeroed fraction {frac:.4f}, expected {p} ± {bound:.4f}"
+    )
     kept = ~zero
-    assert_within(dropped[kept], w[kept] / (1 - p), 1e-12, f"{backend.name}: kept weights should be scaled by 1/(1-p)")
+    assert_within(
+        dropped[kept],
+        w[kept] / (1 - p),
+        1e-12,
+        f"{backend.name}: kept weights should be scaled by 1/(1-p)",
+    )
     other = as64(backend.attention(q, k, v, dropout_p=p, seed=4))
-    assert not np.array_equal(other, dropped), f"{backend.name}: seeds 3 and 4 drew the same dropout mask"
+    assert not np.array_equal(other, dropped), (
+        f"{backend.name}: seeds 3 and 4 drew the same dropout mask"
+    )
 
 
 @pytest.mark.clause("5.2")
@@ -152,4 +216,6 @@ def test_dropout_mean_approaches_output(backend):
     draws = np.stack([as64(backend.attention(q, k, v, dropout_p=0.3, seed=s)) for s in range(300)])
     mean, sem = draws.mean(0), draws.std(0) / np.sqrt(len(draws))
     worst = float((np.abs(mean - ref) - 5 * sem).max())
-    assert worst <= 1e-12, f"{backend.name}: mean of 300 dropout draws is {worst:.3e} beyond 5 standard errors from the output"
+    assert worst <= 1e-12, (
+        f"{backend.name}: mean of 300 dropout draws is {worst:.3e} beyond 5 standard errors from the output"
+    )

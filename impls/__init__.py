@@ -1,0 +1,1 @@
+"""Reference implementations of scaled dot-product attention: one standalone file per framework."""

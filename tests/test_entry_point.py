@@ -1,0 +1,104 @@
+"""SPEC §10: the programmatic entry point and its loud failures."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import conformance
+from conformance import BackendUnavailable, available_backends, load_backend
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.clause("10.1")
+def test_available_backends_lists_the_builtins():
+    assert set(available_backends()) >= {
+        "numpy",
+        "jax",
+        "torch-naive",
+        "torch-module",
+        "torch-sdpa",
+    }
+
+
+@pytest.mark.clause("10.1")
+@pytest.mark.parametrize("name", ["numpy", "jax", "torch-naive", "torch-module", "torch-sdpa"])
+def test_backend_takes_and_returns_numpy(name):
+    b = load_backend(name)
+    q = np.ones((1, 1, 2, 3))
+    out = b.attention(q, q, q, is_causal=True)
+    assert type(out) is np.ndarray and out.shape == (1, 1, 2, 3)
+    assert set(b.capabilities) <= set(conformance.CAPABILITIES) and set(b.dtypes) <= set(
+        conformance.DTYPES
+    )
+
+
+@pytest.mark.clause("10.2")
+def test_unknown_backend_lists_what_is_available():
+    with pytest.raises(
+        BackendUnavailable, match=r"unknown backend 'mlx'.*registered backends are \[.*'numpy'"
+    ):
+        load_backend("mlx")
+
+
+@pytest.mark.clause("10.2")
+def test_uninstalled_backend_is_an_error(monkeypatch):
+    from conformance import backends
+
+    def broken():
+        raise ImportError("No module named 'jax'")
+
+    monkeypatch.setitem(backends.BUILTIN, "jax-broken", broken)
+    with pytest.raises(
+        BackendUnavailable, match="jax-broken.*cannot be loaded.*No module named 'jax'"
+    ):
+        load_backend("jax-broken")
+
+
+@pytest.mark.clause("10.2")
+@pytest.mark.parametrize(
+    "args, message",
+    [([], "choose the backends"), (["--backend", "nope"], "unknown backend 'nope'")],
+)
+def test_pytest_without_a_valid_backend_fails(args, message):
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "conformance", "-q", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 4, run.stdout + run.stderr
+    assert message in run.stdout + run.stderr
+
+
+@pytest.mark.clause("10.3")
+def test_import_does_not_load_frameworks():
+    code = "import sys, conformance, conformance.report; print(sorted(m for m in ('torch', 'jax') if m in sys.modules))"
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert run.stdout.strip() == "[]"
+
+
+@pytest.mark.clause("10.3")
+def test_conformance_never_branches_on_backend_names():
+    """The tests decide from capabilities: no backend's name appears in them."""
+    names = [
+        "numpy",
+        "jax",
+        "torch-naive",
+        "torch-module",
+        "torch-sdpa",
+        "numpy-flash",
+        "jax-flash",
+    ]
+    for path in (ROOT / "conformance" / "tests").glob("*.py"):
+        text = path.read_text()
+        for name in names:
+            assert f'"{name}"' not in text and f"'{name}'" not in text, (
+                f"{path.name} names backend {name}"
+            )

@@ -54,7 +54,7 @@ def test_uninstalled_backend_is_an_error(monkeypatch):
 
     monkeypatch.setitem(backends.BUILTIN, "jax-broken", broken)
     with pytest.raises(
-        BackendUnavailable, match="jax-broken.*cannot be loaded.*No module named 'jax'"
+        BackendUnavailable, match=r"jax-broken.*cannot be loaded.*No module named 'jax'"
     ):
         load_backend("jax-broken")
 

@@ -30,7 +30,16 @@ CAPABILITIES = {
     "gqa": "grouped/multi-query attention with K < H (SPEC §4.6)",
     "dropout": "dropout on the weights with a seed (SPEC §5)",
     "module": "the multi-head layer and GPT block from shared weights (SPEC §9)",
+    "grad": "backward pass: attention_vjp (SPEC §12)",
+    "grad_mask": "attention_vjp also returns the gradient of a float mask (SPEC §12.3)",
+    "grad_softcap": "attention_vjp with softcap (SPEC §12.2)",
+    "module_grad": "parameter gradients of the module and GPT block: module_param_grads (SPEC §12.8)",
 }
+#: Claiming a gradient capability means implementing ``attention_vjp`` (and, for
+#: "module_grad", ``module_param_grads``), so these are opted into one by one: they are not
+#: part of ``ALL_CAPABILITIES``, and a backend that declares ``ALL_CAPABILITIES`` has its
+#: gradient tests skipped by name rather than failed.
+GRAD_CAPABILITIES = frozenset({"grad", "grad_mask", "grad_softcap", "module_grad"})
 DTYPES = ("float64", "float32", "float16", "bfloat16")
 ENTRY_POINT_GROUP = "attention_conformance.backends"
 
@@ -107,6 +116,68 @@ class Backend:
     def _attention(self, q, k, v, **options):
         raise NotImplementedError
 
+    def attention_vjp(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        d_out: np.ndarray,
+        *,
+        mask: np.ndarray | None = None,
+        is_causal: bool = False,
+        scale: float | None = None,
+        causal_alignment: str = "top_left",
+        window: tuple[int | None, int | None] | None = None,
+        softcap: float | None = None,
+    ) -> tuple[np.ndarray, ...]:
+        """The backward pass (capability "grad"), NumPy in and out.
+
+        For the loss L = Σ d_out · attention(q, k, v, ...), with d_out (B, H, T, E) like the
+        output: (dq, dk, dv) = (∂L/∂q, ∂L/∂k, ∂L/∂v), shaped and typed like q, k, v; with a
+        floating mask and capability "grad_mask", (dq, dk, dv, dmask), dmask shaped like
+        the mask. Options as for ``attention``; there is no dropout in the backward.
+        """
+        options = {"is_causal": is_causal, "scale": scale}
+        for key, value, default in (
+            ("causal_alignment", causal_alignment, "top_left"),
+            ("window", window, None),
+            ("softcap", softcap, None),
+        ):
+            if value != default:
+                options[key] = value
+        mask = None if mask is None else self.from_numpy(np.asarray(mask))
+        grads = self._attention_vjp(
+            self.from_numpy(q),
+            self.from_numpy(k),
+            self.from_numpy(v),
+            self.from_numpy(d_out),
+            mask=mask,
+            **options,
+        )
+        # Autograd may hand back transposed views; the caller gets plain C-ordered arrays.
+        return tuple(np.ascontiguousarray(self.to_numpy(g)) for g in grads)
+
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        raise NotImplementedError(f"{self.name} does not declare the 'grad' capability")
+
+    def module_param_grads(
+        self,
+        kind: str,
+        params: dict[str, np.ndarray],
+        x: np.ndarray,
+        d_out: np.ndarray,
+        *,
+        n_heads: int,
+        is_causal: bool = False,
+    ) -> dict[str, np.ndarray]:
+        """Gradients of L = Σ d_out · module(x) (capability "module_grad").
+
+        ``kind`` is "mha" (``multi_head_attention``) or "gpt_block" (``is_causal`` is then
+        ignored: the block is causal). Returns {parameter name: ∂L/∂parameter} for every
+        entry of ``params``, and "x": ∂L/∂x, all NumPy arrays.
+        """
+        raise NotImplementedError(f"{self.name} does not declare the 'module_grad' capability")
+
     def multi_head_attention(
         self,
         params: dict[str, np.ndarray],
@@ -133,12 +204,13 @@ class Backend:
         return f"<backend {self.name}: {', '.join(self.dtypes)}; {', '.join(sorted(self.capabilities))}>"
 
 
-ALL_CAPABILITIES = frozenset(CAPABILITIES)
+#: Every capability of the forward pass.
+ALL_CAPABILITIES = frozenset(CAPABILITIES) - GRAD_CAPABILITIES
 
 
 class NumpyBackend(Backend):
     name = "numpy"
-    capabilities = ALL_CAPABILITIES
+    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES
     dtypes = DTYPES
 
     def __init__(self) -> None:
@@ -157,11 +229,23 @@ class NumpyBackend(Backend):
     def gpt_block(self, params, x, *, n_heads):
         return self.impl.gpt_block(params, x, n_heads=n_heads)
 
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        return self.impl.attention_backward(q, k, v, d_out, **options)
+
+    def module_param_grads(self, kind, params, x, d_out, *, n_heads, is_causal=False):
+        if kind == "mha":
+            d_x, grads = self.impl.multi_head_attention_backward(
+                params, x, d_out, n_heads=n_heads, is_causal=is_causal
+            )
+        else:
+            d_x, grads = self.impl.gpt_block_backward(params, x, d_out, n_heads=n_heads)
+        return {**grads, "x": d_x}
+
 
 class JaxBackend(Backend):
     name = "jax"
     framework = "jax"
-    capabilities = ALL_CAPABILITIES
+    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES
     dtypes = DTYPES
 
     def __init__(self) -> None:
@@ -173,7 +257,8 @@ class JaxBackend(Backend):
         self.impl = importlib.import_module("impls.jax_attention")
 
     def from_numpy(self, x):
-        return self.jax.numpy.asarray(x)
+        # device_put moves the bytes as they are; jnp.asarray would compile a copy per shape.
+        return self.jax.device_put(np.asarray(x))
 
     def _attention(self, q, k, v, *, seed=None, **options):
         if seed is not None:
@@ -191,6 +276,21 @@ class JaxBackend(Backend):
     def gpt_block(self, params, x, *, n_heads):
         params = {n: self.from_numpy(p) for n, p in params.items()}
         return self.to_numpy(self.impl.gpt_block(params, self.from_numpy(x), n_heads=n_heads))
+
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        return self.impl.attention_vjp(q, k, v, d_out, **options)
+
+    def module_param_grads(self, kind, params, x, d_out, *, n_heads, is_causal=False):
+        params = {n: self.from_numpy(p) for n, p in params.items()}
+        d_params, d_x = self.impl.module_vjp(
+            params,
+            self.from_numpy(x),
+            self.from_numpy(d_out),
+            kind=kind,
+            n_heads=n_heads,
+            is_causal=is_causal,
+        )
+        return {**{n: self.to_numpy(g) for n, g in d_params.items()}, "x": self.to_numpy(d_x)}
 
     def versions(self):
         return {**super().versions(), "jax": self.jax.__version__}
@@ -222,10 +322,34 @@ class _TorchBackend(Backend):
     def versions(self):
         return {**super().versions(), "torch": self.torch.__version__}
 
+    def _attention_vjp(self, q, k, v, d_out, *, mask=None, **options):
+        # Autograd through the very forward the suite tests: q, k, v (and a float mask)
+        # become leaves that require grad, and the output's vector-Jacobian product with
+        # d_out is read off them.
+        torch = self.torch
+        float_mask = mask is not None and mask.dtype.is_floating_point
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+        if float_mask:
+            mask = mask.detach().requires_grad_(True)
+            leaves.append(mask)
+        with torch.enable_grad():
+            out = self._attention(*leaves[:3], mask=mask, **options)
+        if d_out.shape != out.shape:
+            letters = "(B, H, T, E)" if out.ndim == 4 else "(H, T, E)"
+            raise ValueError(
+                f"d_out shape should be the output's {letters} = {tuple(out.shape)}, "
+                f"got {tuple(d_out.shape)}"
+            )
+        if d_out.dtype != out.dtype:
+            raise TypeError(f"d_out dtype should be {out.dtype} like q, got {d_out.dtype}")
+        grads = torch.autograd.grad(out, leaves, grad_outputs=d_out, allow_unused=True)
+        # A leaf the output does not depend on (v with every row masked) has gradient 0.
+        return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
+
 
 class TorchNaiveBackend(_TorchBackend):
     name = "torch-naive"
-    capabilities = ALL_CAPABILITIES - {"module"}
+    capabilities = (ALL_CAPABILITIES - {"module"}) | (GRAD_CAPABILITIES - {"module_grad"})
 
     def __init__(self) -> None:
         super().__init__()
@@ -241,7 +365,7 @@ class TorchModuleBackend(_TorchBackend):
     """The nn.Module backend: the core spec runs the module's own attention function."""
 
     name = "torch-module"
-    capabilities = ALL_CAPABILITIES
+    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES
 
     def __init__(self) -> None:
         super().__init__()
@@ -274,10 +398,26 @@ class TorchModuleBackend(_TorchBackend):
         with self.torch.no_grad():
             return self.to_numpy(block(self.from_numpy(x)))
 
+    def module_param_grads(self, kind, params, x, d_out, *, n_heads, is_causal=False):
+        C = np.asarray(x).shape[-1]
+        if kind == "mha":
+            module = self._load(self.impl.MultiHeadAttention(C, n_heads), params)
+        else:
+            F = np.asarray(params["mlp.0.weight"]).shape[0]
+            module = self._load(self.impl.SelfAttentionBlock(C, n_heads, F), params)
+        x = self.from_numpy(x).requires_grad_(True)
+        with self.torch.enable_grad():
+            out = module(x, is_causal=is_causal) if kind == "mha" else module(x)
+            out.backward(self.from_numpy(d_out))
+        grads = {n: self.to_numpy(p.grad) for n, p in module.named_parameters()}
+        return {**grads, "x": self.to_numpy(x.grad)}
+
 
 class TorchSdpaBackend(_TorchBackend):
+    """SDPA's own backward; softcap goes through flex_attention, which has no CPU backward."""
+
     name = "torch-sdpa"
-    capabilities = ALL_CAPABILITIES - {"module"}
+    capabilities = (ALL_CAPABILITIES - {"module"}) | {"grad", "grad_mask"}
 
     def __init__(self) -> None:
         super().__init__()
@@ -356,7 +496,7 @@ def load_backend(name: str) -> Backend:
 
 
 def _check_declarations(backend: Backend) -> None:
-    unknown = set(backend.capabilities) - ALL_CAPABILITIES
+    unknown = set(backend.capabilities) - set(CAPABILITIES)
     if unknown:
         raise ValueError(
             f"backend {backend.name!r} declares unknown capabilities {sorted(unknown)}; "

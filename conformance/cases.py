@@ -86,6 +86,28 @@ class Case:
         dt = numpy_dtype(self.dtype)
         return {n[6:]: a.astype(dt) for n, a in self.arrays.items() if n.startswith("param.")}
 
+    def d_out(self) -> np.ndarray:
+        """The upstream gradient of a gradient case (SPEC §12.1), in the case's dtype."""
+        return self.arrays["d_out"].astype(numpy_dtype(self.dtype))
+
+    @property
+    def expected_grads(self) -> dict[str, np.ndarray]:
+        """The oracle's gradients of a gradient case: "dq", "dk", "dv" and maybe "dmask"."""
+        names = ("dq", "dk", "dv", "dmask")
+        return {n: self.arrays[f"expected.{n}"] for n in names if f"expected.{n}" in self.arrays}
+
+    def grad_naive_error(self, name: str) -> float:
+        return float(self.arrays[f"naive_error.{name}"])
+
+    def call_vjp(self) -> str:
+        """A snippet that reproduces this gradient case, for failure messages."""
+        return (
+            "from conformance import load_backend; from conformance.cases import load_case\n"
+            f"    case = load_case({self.id!r})\n"
+            "    backend.attention_vjp(*case.inputs(), case.d_out(), mask=case.mask(), "
+            "**case.options())"
+        )
+
     def call(self) -> str:
         """A snippet that reproduces this case, for failure messages."""
         return (

@@ -127,7 +127,6 @@ def attention(
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "scale",
         "is_causal",
         "causal_alignment",
         "window",
@@ -154,7 +153,8 @@ def _attend(
     """Steps 1-7 on checked, batched inputs; compiled once per shape, dtype and options.
 
     A bool and a float mask differ in dtype, which ``jax.jit`` traces separately, so the
-    mask branch below is an ordinary Python ``if``.
+    mask branch below is an ordinary Python ``if``. The scale is a traced value, not a
+    static one: a new scale reuses the compiled program.
     """
     B, H, T, D = q.shape
     _, K, S, _ = k.shape
@@ -173,7 +173,7 @@ def _attend(
     scores = jnp.einsum("bkgtd,bksd->bkgts", q, k)  # (B, K, G, T, S)
 
     # 2. Scale, so that the scores' spread does not grow with the head size D.
-    scores = scores * work(scale)  # (B, K, G, T, S)
+    scores = scores * jnp.asarray(scale, work)  # (B, K, G, T, S)
 
     # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
     if softcap is not None:
@@ -192,7 +192,7 @@ def _attend(
 
     # 5. Softmax over the keys. Subtracting the row maximum keeps exp() <= 1, so large
     # scores cannot overflow. A row with every key blocked has max -inf; it is given
-    # weights of exactly 0 (as PyTorch SDPA, ONNX and FlashAttention do) instead of
+    # weights of exactly 0 (as PyTorch SDPA and FlashAttention do) instead of
     # the NaN that exp(-inf - -inf) would give.
     # Both guards are jnp.where on the value that would be bad (the "double where"):
     # the branch not taken gets a zero cotangent, so jax.grad through such a row is 0.
@@ -496,3 +496,121 @@ def gpt_block(params: dict[str, jax.Array], x: jax.Array, *, n_heads: int) -> ja
     h = layer_norm(x, params["norm2.weight"], params["norm2.bias"])  # (B, T, C)
     h = gelu(linear(h, params["mlp.0.weight"], params["mlp.0.bias"]))  # (B, T, F)
     return x + linear(h, params["mlp.2.weight"], params["mlp.2.bias"])  # (B, T, C)
+
+
+def attention_vjp(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    d_out: jax.Array,
+    *,
+    mask: jax.Array | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+) -> tuple[jax.Array, ...]:
+    """Gradients of ``attention`` by ``jax.vjp``: JAX differentiates the jitted steps 1-7.
+
+    Args:
+      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap: as for
+        ``attention`` (no dropout: its gradient needs the forward's random draw).
+      d_out: ∂L/∂out, shaped like the output, (B, H, T, E) or (H, T, E), in q's dtype.
+
+    Returns:
+      (dq, dk, dv) shaped like q, k, v, for the loss L = Σ d_out · attention(q, k, v, ...);
+      with a floating mask, (dq, dk, dv, dmask), dmask shaped like the mask (JAX's
+      transpose of the broadcast sums the axes it was broadcast along). A bool mask has
+      no gradient.
+    """
+    # 0. Validate as the forward does (eagerly, so errors are ours, not a tracer's).
+    if dropout_p != 0.0:
+        raise NotImplementedError(
+            f"dropout_p: the backward pass takes no dropout (it would need the forward's "
+            f"random draw), got dropout_p={dropout_p!r}"
+        )
+    q, k, v, d_out = (jnp.asarray(x) for x in (q, k, v, d_out))
+    _check_inputs(q, k, v)
+    unbatched = q.ndim == 3
+    B, H, T, D = (q[None] if unbatched else q).shape
+    S, E = k.shape[-2], v.shape[-1]
+    _check_mask(mask, (B, H, T, S), unbatched)
+    scale = _check_options(D, scale, is_causal, causal_alignment, window, softcap, 0.0, None)
+    want = (H, T, E) if unbatched else (B, H, T, E)
+    if d_out.shape != want:
+        letters = "(H, T, E)" if unbatched else "(B, H, T, E)"
+        raise ValueError(
+            f"d_out shape should be the output's {letters} = {want}, got {d_out.shape}"
+        )
+    if d_out.dtype != q.dtype:
+        raise TypeError(f"d_out dtype should be {q.dtype} like q, got {d_out.dtype}")
+    return _attend_vjp(
+        q,
+        k,
+        v,
+        None if mask is None else jnp.asarray(mask),
+        d_out,
+        scale=scale,
+        is_causal=bool(is_causal),
+        causal_alignment=causal_alignment,
+        window=None if window is None else tuple(window),
+        softcap=softcap,
+        unbatched=unbatched,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("is_causal", "causal_alignment", "window", "softcap", "unbatched"),
+)
+def _attend_vjp(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    d_out: jax.Array,
+    *,
+    unbatched: bool,
+    **options,
+) -> tuple[jax.Array, ...]:
+    """jax.vjp of the mask's broadcast and steps 1-7, compiled once per shape and options."""
+
+    def forward(q, k, v, mask):
+        if unbatched:
+            q, k, v = q[None], k[None], v[None]
+        B, H, T, _ = q.shape
+        S = k.shape[-2]
+        mask = _check_mask(mask, (B, H, T, S), unbatched)  # (B|1, H|1, T, S)
+        return _attend(q, k, v, mask, None, dropout_p=0.0, unbatched=unbatched, **options)
+
+    if mask is not None and mask.dtype != jnp.bool_:
+        _, pullback = jax.vjp(forward, q, k, v, mask)
+    else:
+        _, pullback = jax.vjp(lambda q, k, v: forward(q, k, v, mask), q, k, v)
+    return pullback(d_out)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "n_heads", "is_causal"))
+def module_vjp(
+    params: dict[str, jax.Array],
+    x: jax.Array,
+    d_out: jax.Array,
+    *,
+    kind: str,
+    n_heads: int,
+    is_causal: bool = False,
+) -> tuple[dict[str, jax.Array], jax.Array]:
+    """Gradients of L = Σ d_out · module(x) by ``jax.vjp``: ({parameter: gradient}, dx).
+
+    ``kind`` is "mha" (``multi_head_attention`` with ``is_causal``) or "gpt_block".
+    """
+
+    def module(params, x):
+        if kind == "mha":
+            return multi_head_attention(params, x, n_heads=n_heads, is_causal=is_causal)
+        return gpt_block(params, x, n_heads=n_heads)
+
+    _, pullback = jax.vjp(module, params, x)
+    return pullback(d_out)

@@ -140,7 +140,7 @@ def scaled_dot_product_attention(
 
     # 5. Softmax over the keys. Subtracting the row maximum keeps exp() <= 1, so large
     # scores cannot overflow. A row with every key blocked has max -inf; it is given
-    # weights of exactly 0 (as PyTorch SDPA, ONNX and FlashAttention do) instead of
+    # weights of exactly 0 (as PyTorch SDPA and FlashAttention do) instead of
     # the NaN that exp(-inf - -inf) would give.
     row_max = scores.amax(dim=-1, keepdim=True)  # (B, K, G, T, 1)
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # (B, K, G, T, 1)

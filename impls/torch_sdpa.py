@@ -84,6 +84,11 @@ SDPA's behaviour on the CPU, observed with torch 2.13.0 (and relied on here):
   by the mask divided by 1 - p (``at::dropout``), so ``torch_naive`` with the global
   generator, and ``torch_module`` with an ``nn.Dropout``, drop the same positions after
   the same ``torch.manual_seed``.
+
+Gradients come from SDPA's own backward through autograd, including the gradient of a
+float ``attn_mask`` (0 on -inf entries, and 0 for fully masked rows, not NaN). Softcap
+has none on the CPU: flex_attention raises NotImplementedError for inputs that require
+grad, so the conformance backend does not declare ``grad_softcap``.
 """
 
 from __future__ import annotations

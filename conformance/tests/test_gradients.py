@@ -1,0 +1,395 @@
+"""SPEC §12: the backward pass. Gradients match the oracle, and obey what the math says.
+
+``backend.attention_vjp(q, k, v, d_out, ...)`` returns the gradients of
+L = Σ d_out · attention(q, k, v, ...). Fixtures hold the 50-digit oracle's gradients;
+the invariants below hold for the exact mathematics and are checked bit-for-bit where
+floating point cannot move them (a gradient that must be exactly zero) and within
+SPEC §12.9's tolerance elsewhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conformance.backends import numpy_dtype
+from conformance.cases import case_entries, load_case
+from conformance.helpers import SIZES, as64, random_qkv, require
+from conformance.tolerance import assert_identical, assert_within, tolerance
+
+GRADS = ("dq", "dk", "dv", "dmask")
+DTYPES = ["float64", "float32"]
+sizes = pytest.mark.parametrize("size", list(SIZES.values()), ids=list(SIZES))
+dtypes = pytest.mark.parametrize("dtype", DTYPES)
+
+
+def _vjp(backend, q, k, v, d_out, **options) -> dict[str, np.ndarray]:
+    return dict(zip(GRADS, backend.attention_vjp(q, k, v, d_out, **options)))
+
+
+def _d_out(seed: int, q: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """A standard-normal upstream gradient shaped like the output (B, H, T, E)."""
+    shape = (*q.shape[:-1], v.shape[-1])
+    return np.random.default_rng(seed).standard_normal(shape).astype(q.dtype)
+
+
+def _grad_tolerances(q, k, v, d_out, dtype: str, **options) -> dict[str, float]:
+    """SPEC §12.9 for inputs without a fixture: the naive backward in ``dtype`` against the
+    same naive backward in float64, standing in for the oracle (as SPEC §7.2)."""
+    from fixtures.oracle import naive_vjp_same_precision
+
+    ref = naive_vjp_same_precision(q, k, v, d_out, np.float64, **options)
+    low = naive_vjp_same_precision(q, k, v, d_out, numpy_dtype(dtype), **options)
+    return {
+        n: tolerance(dtype, float(np.max(np.abs(low[n] - ref[n]), initial=0.0)), ref[n])
+        for n in ref
+    }
+
+
+def _grad_case_params():
+    return [
+        pytest.param(e["id"], marks=pytest.mark.clause(e["clause"], "12.9"), id=e["id"])
+        for e in case_entries(("attention_grad",))
+    ]
+
+
+@pytest.mark.parametrize("case_id", _grad_case_params())
+def test_gradient_fixture(backend, case_id):
+    """dq, dk, dv (and dmask) match the 50-digit oracle within the gradient tolerance."""
+    case = load_case(case_id)
+    require(backend, *case.requires, dtype=case.dtype)
+    q, k, v = case.inputs()
+    mask = case.mask()
+    grads = backend.attention_vjp(q, k, v, case.d_out(), mask=mask, **case.options())
+    expected = case.expected_grads
+    context = f"{backend.name} on gradient fixture {case.id} {case.meta['shape']} {case.options()}"
+    assert len(grads) == len(expected), (
+        f"{context}: got {len(grads)} gradients, expected {len(expected)} ({', '.join(expected)})"
+    )
+    likes = {"dq": q, "dk": k, "dv": v, "dmask": mask}
+    for name, got in zip(GRADS, grads):
+        like = likes[name]
+        assert got.shape == like.shape and got.dtype == like.dtype, (
+            f"{context}: {name} is {got.dtype} {got.shape}, expected {like.dtype} {like.shape}"
+        )
+        tol = tolerance(case.dtype, case.grad_naive_error(name), expected[name])
+        assert_within(
+            got, expected[name], tol, f"{context}: {name}\n  reproduce: {case.call_vjp()}"
+        )
+
+
+@pytest.mark.clause("12.1")
+def test_d_out_of_the_wrong_shape_is_refused(backend):
+    """d_out must be shaped like the output; anything else is a ValueError naming d_out."""
+    require(backend, "grad")
+    q, k, v = random_qkv(40, T=5, S=6, D=4, E=3)
+    wrong = np.zeros((2, 3, 5, 4))
+    with pytest.raises(ValueError, match="d_out"):
+        backend.attention_vjp(q, k, v, wrong)
+
+
+@pytest.mark.clause("12.4")
+@pytest.mark.parametrize("how", ["bool-mask", "float-mask", "bottom-right-T>S", "window"])
+@dtypes
+def test_fully_masked_rows_have_zero_gradients(backend, how, dtype):
+    """A query with no key to attend has dq exactly 0, every gradient is finite, and its
+    upstream gradient reaches nothing: changing it changes no gradient bit."""
+    require(backend, "grad", dtype=dtype)
+    T, S = 7, 5
+    q, k, v = random_qkv(41, T=T, S=S, dtype=dtype)
+    options: dict = {}
+    blocked = np.zeros(T, dtype=bool)
+    if how == "bool-mask":
+        mask = np.ones((T, S), dtype=bool)
+        mask[[0, 3]] = False
+        blocked[[0, 3]] = True
+        options["mask"] = mask
+    elif how == "float-mask":
+        require(backend, "grad_mask")
+        mask = np.random.default_rng(42).standard_normal((T, S)).astype(q.dtype)
+        mask[[1, 6]] = -np.inf
+        blocked[[1, 6]] = True
+        options["mask"] = mask
+    elif how == "bottom-right-T>S":
+        require(backend, "causal_bottom_right")
+        options.update(is_causal=True, causal_alignment="bottom_right")
+        blocked[: T - S] = True
+    else:
+        require(backend, "window")
+        options["window"] = (0, 0)
+        blocked[S:] = True
+    d_out = _d_out(43, q, v)
+    grads = _vjp(backend, q, k, v, d_out, **options)
+    for name, g in grads.items():
+        assert np.isfinite(as64(g)).all(), f"{backend.name}: non-finite {name} ({how})"
+    assert (as64(grads["dq"])[..., blocked, :] == 0).all(), (
+        f"{backend.name}: dq of fully masked rows {np.flatnonzero(blocked).tolist()} "
+        f"should be exactly 0 ({how})"
+    )
+    if "dmask" in grads:
+        assert (as64(grads["dmask"])[blocked] == 0).all(), (
+            f"{backend.name}: dmask of fully masked rows should be exactly 0 ({how})"
+        )
+    d_out2 = d_out.copy()
+    d_out2[..., blocked, :] = np.asarray(1e3, dtype=q.dtype)
+    again = _vjp(backend, q, k, v, d_out2, **options)
+    for name in grads:
+        assert_identical(
+            again[name],
+            grads[name],
+            f"{backend.name}: {name} after changing d_out on fully masked rows ({how})",
+        )
+
+
+@pytest.mark.clause("12.5")
+@sizes
+@dtypes
+def test_no_gradient_from_the_future(backend, size, dtype):
+    """Causal (top-left): for a loss on outputs <= i only, keys and values after i get a
+    gradient of exactly 0, and so do the queries after i."""
+    require(backend, "grad", dtype=dtype)
+    T, S = size["T"], size["S"]
+    q, k, v = random_qkv(44, T=T, S=S, dtype=dtype)
+    d_out = _d_out(45, q, v)
+    for i in range(min(T, S) - 1):
+        d_i = d_out.copy()
+        d_i[..., i + 1 :, :] = 0
+        grads = _vjp(backend, q, k, v, d_i, is_causal=True)
+        for name, g in (("dk", grads["dk"]), ("dv", grads["dv"]), ("dq", grads["dq"])):
+            later = as64(g)[..., i + 1 :, :]
+            assert (later == 0).all(), (
+                f"{backend.name}: {name} after position {i} is {np.abs(later).max():.3e}, "
+                f"not 0, for a loss on outputs <= {i} (T={T}, S={S}, {dtype})"
+            )
+
+
+@pytest.mark.clause("12.6")
+@sizes
+@dtypes
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_blocked_key_gets_no_gradient(backend, size, dtype, mask_kind):
+    """A key blocked for every query gets dk = dv = 0 exactly (and dmask = 0 on it), and
+    the other gradients equal those of the same call with the key deleted."""
+    require(backend, "grad", dtype=dtype)
+    if mask_kind == "float":
+        require(backend, "grad_mask")
+    T, S = size["T"], size["S"]
+    q, k, v = random_qkv(46, T=T, S=S, dtype=dtype)
+    d_out = _d_out(47, q, v)
+    for j in (0, S // 2, S - 1):
+        keep = np.arange(S) != j
+        if mask_kind == "bool":
+            mask = np.broadcast_to(keep, (T, S))
+        else:
+            mask = np.where(np.broadcast_to(keep, (T, S)), 0.0, -np.inf).astype(q.dtype)
+        masked = _vjp(backend, q, k, v, d_out, mask=mask)
+        for name in ("dk", "dv"):
+            assert (as64(masked[name])[..., j, :] == 0).all(), (
+                f"{backend.name}: {name} of key {j}, blocked ({mask_kind} mask), should be 0"
+            )
+        if "dmask" in masked:
+            assert (as64(masked["dmask"])[:, j] == 0).all(), (
+                f"{backend.name}: dmask on blocked key {j} should be 0"
+            )
+        kk, vv = k[..., keep, :], v[..., keep, :]
+        deleted = _vjp(backend, q, kk, vv, d_out)
+        tols = _grad_tolerances(q, kk, vv, d_out, dtype)
+        for name, got in (
+            ("dq", masked["dq"]),
+            ("dk", masked["dk"][..., keep, :]),
+            ("dv", masked["dv"][..., keep, :]),
+        ):
+            assert_within(
+                got,
+                deleted[name],
+                2 * tols[name],
+                f"{backend.name}: {name} with key {j} masked ({mask_kind}) vs deleted",
+            )
+
+
+@pytest.mark.clause("12.6")
+@dtypes
+def test_keys_outside_every_window_get_no_gradient(backend, dtype):
+    """Keys no query's window reaches (window (1, 1) on T = 4, S = 9: keys 5-8) get
+    dk = dv = 0 exactly."""
+    require(backend, "grad", "window", dtype=dtype)
+    q, k, v = random_qkv(48, T=4, S=9, dtype=dtype)
+    grads = _vjp(backend, q, k, v, _d_out(49, q, v), window=(1, 1))
+    for name in ("dk", "dv"):
+        unreached = as64(grads[name])[..., 5:, :]
+        assert (unreached == 0).all(), (
+            f"{backend.name}: {name} of keys outside every window is "
+            f"{np.abs(unreached).max():.3e}, not 0"
+        )
+
+
+SUM_SETUPS = {
+    "plain": ({}, ()),
+    "causal-mqa": ({"is_causal": True, "K": 1}, ("gqa",)),
+    "bool-mask-empty-rows": ({"mask": "bool"}, ()),
+    "gqa-bottom-right-T>S": (
+        {"is_causal": True, "causal_alignment": "bottom_right", "K": 1},
+        ("gqa", "causal_bottom_right"),
+    ),
+}
+
+
+@pytest.mark.clause("12.7")
+@dtypes
+@pytest.mark.parametrize("setup", list(SUM_SETUPS))
+def test_gradient_sums(backend, dtype, setup):
+    """Each weight row sums to 1, so Σ_s dV[s] = Σ dO[t] over the queries (of the whole
+    query group, with GQA) that attend some key; and the output ignores a shift of every
+    key, so Σ_s dK[s] = 0."""
+    options, needs = SUM_SETUPS[setup]
+    require(backend, "grad", *needs, dtype=dtype)
+    options = dict(options)
+    T, S = (9, 6) if setup.endswith("T>S") else (7, 9)
+    q, k, v = random_qkv(50, H=4, K=options.pop("K", None), T=T, S=S, dtype=dtype)
+    B, H, K = q.shape[0], q.shape[1], k.shape[1]
+    attends = np.ones((B, H, T), dtype=bool)
+    if options.get("mask") == "bool":
+        mask = np.random.default_rng(51).random((B, 1, T, S)) < 0.6
+        mask[:, :, [2, 5]] = False
+        options["mask"] = mask
+        attends = np.broadcast_to(mask.any(-1), (B, H, T))
+    if options.get("causal_alignment") == "bottom_right":
+        attends = attends & (np.arange(T) >= T - S)
+    d_out = _d_out(52, q, v)
+    grads = _vjp(backend, q, k, v, d_out, **options)
+    tols = _grad_tolerances(q, k, v, d_out, dtype, **options)
+    d_live = np.where(attends[..., None], as64(d_out), 0.0)  # (B, H, T, E)
+    want = d_live.reshape(B, K, H // K, T, -1).sum(axis=(2, 3))  # (B, K, E)
+    assert_within(
+        as64(grads["dv"]).sum(axis=2),
+        want,
+        S * tols["dv"],
+        f"{backend.name}: Σ_s dV[s] vs Σ_t dO[t] over attending queries ({setup}, {dtype})",
+    )
+    assert_within(
+        as64(grads["dk"]).sum(axis=2),
+        np.zeros_like(want[..., :1].repeat(k.shape[-1], axis=-1)),
+        S * tols["dk"],
+        f"{backend.name}: Σ_s dK[s] should be 0 ({setup}, {dtype})",
+    )
+
+
+MODULE_CASES = [
+    "mha-float64",
+    "mha-causal-float64",
+    "gpt-block-float64",
+    "mha-causal-float32",
+    "gpt-block-float32",
+]
+
+
+def _module_grads(backend, case, d_out):
+    H = case.meta["shape"]["H"]
+    x = case.arrays["x"].astype(case.dtype)
+    return backend.module_param_grads(
+        case.meta["kind"], case.params(), x, d_out, n_heads=H, is_causal=case.meta["is_causal"]
+    )
+
+
+def _module_reference(case, d_out):
+    """The naive float64 backward (standing in for the oracle) and SPEC §12.9 tolerances."""
+    from fixtures.oracle import naive_module_vjp_same_precision
+
+    H = case.meta["shape"]["H"]
+    x = case.arrays["x"].astype(case.dtype)
+    args = (case.meta["kind"], case.params(), x, d_out)
+    opts = {"n_heads": H, "is_causal": case.meta["is_causal"]}
+    ref = naive_module_vjp_same_precision(*args, np.float64, **opts)
+    low = naive_module_vjp_same_precision(*args, case.dtype, **opts)
+    tols = {n: tolerance(case.dtype, float(np.max(np.abs(low[n] - ref[n]))), ref[n]) for n in ref}
+    return ref, tols
+
+
+@pytest.mark.clause("12.8")
+@pytest.mark.parametrize("case_id", MODULE_CASES)
+def test_module_parameter_gradients(backend, case_id):
+    """Every parameter's gradient (and the input's) of the multi-head layer and the GPT
+    block, from the shared weights, matches the textbook backward within SPEC §12.9."""
+    require(backend, "module", "module_grad")
+    case = load_case(case_id)
+    require(backend, dtype=case.dtype)
+    x = case.arrays["x"]
+    d_out = np.random.default_rng(53).standard_normal(x.shape).astype(case.dtype)
+    grads = _module_grads(backend, case, d_out)
+    ref, tols = _module_reference(case, d_out)
+    assert set(grads) == set(ref), (
+        f"{backend.name} {case.id}: gradients for {sorted(grads)}, expected {sorted(ref)}"
+    )
+    for name, want in ref.items():
+        assert grads[name].dtype == numpy_dtype(case.dtype), (
+            f"{backend.name} {case.id}: {name} gradient is {grads[name].dtype}, expected {case.dtype}"
+        )
+        assert_within(
+            grads[name], want, tols[name], f"{backend.name} {case.id}: gradient of {name}"
+        )
+
+
+PAIR_SETUPS = {
+    "plain": ({}, ()),
+    "causal-T7-S13": ({"is_causal": True}, ()),
+    "bool-mask": ({"mask": "bool"}, ()),
+    "float-mask": ({"mask": "float", "scale": 0.4}, ()),
+    "gqa-bottom-right-window": (
+        {"is_causal": True, "causal_alignment": "bottom_right", "window": (3, None), "K": 2},
+        ("gqa", "causal_bottom_right", "window"),
+    ),
+    "gqa-softcap": ({"softcap": 3.0, "K": 1}, ("gqa", "softcap", "grad_softcap")),
+}
+
+
+@pytest.mark.clause("12.10")
+@pytest.mark.pairwise
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("setup", list(PAIR_SETUPS))
+def test_backends_agree_on_gradients(backend_pair, dtype, setup):
+    """Every pair of backends gives gradients within twice SPEC §12.9's tolerance."""
+    a, b = backend_pair
+    options, needs = PAIR_SETUPS[setup]
+    missing = [c for c in ("grad", *needs) if c not in a.capabilities or c not in b.capabilities]
+    if missing:
+        pytest.skip(f"{a.name} or {b.name} lacks capability {missing[0]!r}")
+    options = dict(options)
+    q, k, v = random_qkv(54, H=4, K=options.pop("K", None), T=7, S=13, D=6, E=5, dtype=dtype)
+    rng = np.random.default_rng(55)
+    if options.get("mask") == "bool":
+        options["mask"] = rng.random((2, 1, 7, 13)) < 0.7
+    elif options.get("mask") == "float":
+        options["mask"] = np.where(
+            rng.random((7, 13)) < 0.2, -np.inf, rng.standard_normal((7, 13))
+        ).astype(q.dtype)
+    d_out = _d_out(56, q, v)
+    grads_a = _vjp(a, q, k, v, d_out, **options)
+    grads_b = _vjp(b, q, k, v, d_out, **options)
+    tols = _grad_tolerances(q, k, v, d_out, dtype, **options)
+    for name in set(grads_a) & set(grads_b):
+        assert_within(
+            grads_a[name],
+            grads_b[name],
+            2 * tols[name],
+            f"{a.name} vs {b.name}: {name} ({setup}, {dtype})",
+        )
+
+
+@pytest.mark.clause("12.10")
+@pytest.mark.pairwise
+@pytest.mark.parametrize("case_id", ["mha-causal-float64", "gpt-block-float32"])
+def test_backends_agree_on_module_gradients(backend_pair, case_id):
+    """Every pair of backends gives the same parameter gradients within twice SPEC §12.9."""
+    a, b = backend_pair
+    for backend in (a, b):
+        if not {"module", "module_grad"} <= backend.capabilities:
+            pytest.skip(f"{backend.name} lacks capability 'module_grad'")
+    case = load_case(case_id)
+    d_out = np.random.default_rng(57).standard_normal(case.arrays["x"].shape).astype(case.dtype)
+    grads_a = _module_grads(a, case, d_out)
+    grads_b = _module_grads(b, case, d_out)
+    _, tols = _module_reference(case, d_out)
+    for name, tol in tols.items():
+        assert_within(
+            grads_a[name], grads_b[name], 2 * tol, f"{a.name} vs {b.name}: {case.id} {name}"
+        )

@@ -1,0 +1,161 @@
+"""SPEC §1.2, §4.3, §7: properties on problems Hypothesis draws, for every backend.
+
+Each example draws a whole problem: sizes (B ≤ 2, H ≤ 4, T and S up to 17, D and E up
+to 8), a mask (none, bool, or float with -inf holes, in a shape that broadcasts), a scale,
+causality, and only the variants the backend declares (K < H for "gqa", bottom-right
+alignment, a window, a softcap, unbatched inputs). The values come from a drawn seed, so
+a failing example shrinks to small sizes and few options, and replays exactly.
+
+The reference is independent of every implementation (``fixtures/oracle.py``): for
+float64 the 50-digit oracle with SPEC §7.1's rule; for the other dtypes the textbook
+algorithm in float64 stands in for it (SPEC §7.2).
+
+Profiles (``conformance/conftest.py``): "quick", the default, 25 derandomized examples per
+test; ``--hypothesis-profile deep`` for 500 random ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+from conformance.backends import DTYPES, numpy_dtype
+from conformance.helpers import as64, random_tolerance
+from conformance.tolerance import assert_within, tolerance
+from fixtures import oracle
+
+
+@dataclass
+class Problem:
+    """One drawn call: batched inputs, and whether the backend gets them unbatched."""
+
+    q: np.ndarray  # (B, H, T, D)
+    k: np.ndarray  # (B, K, S, D)
+    v: np.ndarray  # (B, K, S, E)
+    dtype: str
+    unbatched: bool
+    options: dict = field(default_factory=dict)
+
+    def call(self, backend) -> np.ndarray:
+        """The backend's output, batched (B, H, T, E) whatever layout it was given."""
+        if self.unbatched:
+            return backend.attention(self.q[0], self.k[0], self.v[0], **self.options)[None]
+        return backend.attention(self.q, self.k, self.v, **self.options)
+
+    def allowed(self) -> np.ndarray:
+        """(B, H, T, S) bool: which keys each query may attend (SPEC §1.2's A(t))."""
+        B, H, T, _ = self.q.shape
+        S = self.k.shape[2]
+        ok = np.ones((B, H, T, S), dtype=bool)
+        mask = self.options.get("mask")
+        if mask is not None:
+            ok &= np.broadcast_to(
+                mask if mask.dtype == np.bool_ else as64(mask) > -np.inf, ok.shape
+            )
+        for t in range(T):
+            keys = oracle.allowed_keys(
+                t,
+                T,
+                S,
+                bool_row=None,
+                is_causal=self.options.get("is_causal", False),
+                causal_alignment=self.options.get("causal_alignment", "top_left"),
+                window=self.options.get("window"),
+            )
+            row = np.zeros(S, dtype=bool)
+            row[keys] = True
+            ok[:, :, t] &= row
+        return ok
+
+
+@st.composite
+def problems(draw, backend) -> Problem:
+    """A problem using only what ``backend`` declares: its dtypes and capabilities."""
+    caps = backend.capabilities
+    dtype = draw(st.sampled_from([d for d in DTYPES if d in backend.dtypes]))
+    H = draw(st.integers(1, 4))
+    K = draw(st.sampled_from([K for K in range(1, H + 1) if H % K == 0])) if "gqa" in caps else H
+    unbatched = "unbatched" in caps and draw(st.booleans())
+    B = 1 if unbatched else draw(st.integers(1, 2))
+    T, S = draw(st.integers(1, 17)), draw(st.integers(1, 17))
+    D, E = draw(st.integers(1, 8)), draw(st.integers(1, 8))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1), label="seed"))
+    dt = numpy_dtype(dtype)
+    q = rng.standard_normal((B, H, T, D)).astype(dt)
+    k = rng.standard_normal((B, K, S, D)).astype(dt)
+    v = rng.standard_normal((B, K, S, E)).astype(dt)
+
+    options: dict = {}
+    kind = draw(st.sampled_from(["none", "bool", "float"]), label="mask")
+    if kind != "none":
+        shapes = [(T, S), (H, T, S)] if unbatched else [(T, S), (B, 1, 1, S), (B, H, T, S)]
+        shape = draw(st.sampled_from(shapes), label="mask shape")
+        keep = rng.random(shape) < draw(st.sampled_from([1.0, 0.8, 0.4, 0.1, 0.0]), label="kept")
+        if kind == "bool":
+            options["mask"] = keep
+        else:
+            options["mask"] = np.where(keep, rng.standard_normal(shape), -np.inf).astype(dt)
+    if draw(st.booleans(), label="is_causal"):
+        options["is_causal"] = True
+    if "causal_bottom_right" in caps and draw(st.booleans(), label="bottom_right"):
+        options["causal_alignment"] = "bottom_right"
+    if "window" in caps and draw(st.booleans(), label="window"):
+        side = st.none() | st.integers(0, max(T, S))
+        options["window"] = (draw(side, label="left"), draw(side, label="right"))
+    if "softcap" in caps and draw(st.booleans(), label="softcap"):
+        options["softcap"] = draw(st.sampled_from([0.5, 2.0, 20.0]), label="softcap value")
+    scale = draw(st.none() | st.sampled_from([0.25, 1.0, 2.0]), label="scale / default")
+    if scale is not None:
+        options["scale"] = scale / np.sqrt(D)
+    problem = Problem(q, k, v, dtype, unbatched, options)
+    note(
+        f"B={B} H={H} K={K} T={T} S={S} D={D} E={E} {dtype}"
+        f"{' unbatched' if unbatched else ''}; "
+        + ", ".join(
+            f"{name}={'mask ' + str(value.dtype) + str(list(value.shape)) if name == 'mask' else value}"
+            for name, value in options.items()
+        )
+    )
+    return problem
+
+
+@pytest.mark.clause("1.2", "7.1", "2.4")
+@given(data=st.data())
+def test_matches_the_reference(backend, data):
+    """On any drawn problem the output is within SPEC §7's tolerance of the reference."""
+    p = data.draw(problems(backend), label="problem")
+    out = p.call(backend)
+    want = (*p.q.shape[:3], p.v.shape[-1])
+    assert out.shape == want, f"{backend.name}: shape {out.shape}, expected (B, H, T, E) = {want}"
+    assert out.dtype == p.q.dtype, f"{backend.name}: dtype {out.dtype}, expected {p.dtype}"
+    if p.dtype == "float64":
+        expected = oracle.attention(p.q, p.k, p.v, **p.options)
+        naive = oracle.naive_same_precision(p.q, p.k, p.v, np.float64, **p.options)
+        tol = tolerance("float64", float(np.max(np.abs(naive - expected), initial=0.0)), expected)
+        reference = "the 50-digit oracle"
+    else:
+        expected = oracle.naive_same_precision(p.q, p.k, p.v, np.float64, **p.options)
+        tol = random_tolerance(p.q, p.k, p.v, p.dtype, **p.options)
+        reference = "the float64 textbook run"
+    assert_within(out, expected, tol, f"{backend.name} vs {reference} on the drawn problem")
+
+
+@pytest.mark.clause("4.3", "4.4")
+@given(data=st.data())
+def test_outputs_are_finite_and_empty_rows_zero(backend, data):
+    """Every output is finite, and a query with no key to attend returns exactly 0."""
+    p = data.draw(problems(backend), label="problem")
+    out = as64(p.call(backend))
+    assert np.isfinite(out).all(), (
+        f"{backend.name}: non-finite output at {tuple(int(i) for i in np.argwhere(~np.isfinite(out))[0])}"
+    )
+    empty = ~p.allowed().any(axis=-1)  # (B, H, T)
+    bad = empty & (out != 0).any(axis=-1)
+    assert not bad.any(), (
+        f"{backend.name}: query (b, h, t) = {tuple(int(i) for i in np.argwhere(bad)[0])} attends "
+        f"no key but returned {out[tuple(np.argwhere(bad)[0])]}, not 0 (SPEC §4.3)"
+    )

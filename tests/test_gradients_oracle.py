@@ -1,0 +1,185 @@
+"""The gradient oracle itself (SPEC §12.11): checked against central finite differences.
+
+The oracle's gradients (``fixtures.oracle.attention_vjp``) are derived by hand from the
+softmax Jacobian; here they are compared with central differences of the forward oracle,
+
+    ∂L/∂x ≈ (L(x + h) − L(x − h)) / 2h,    L = Σ d_out · oracle.attention(...),
+
+in float64. The error of a central difference is at most h²/6 · max|L'''| (truncation)
+plus about eps · max|L| / h (the forward oracle's outputs are rounded to float64, each
+within eps/2). With h = 1e-5 and |L|, |L'''| of order 10 on these inputs, that is about
+2e-10 + 2e-11; the assertions allow 1e-8, fifty times more, and are still some seven
+orders of magnitude below any real mistake (a wrong sign, a missing term, a dropped
+group member).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fixtures import oracle
+
+pytestmark = pytest.mark.clause("12.11")
+
+H_STEP = 1e-5
+FD_ATOL = 1e-8
+
+
+def _central_difference(loss, arrays: list[np.ndarray], which: int) -> np.ndarray:
+    """∂loss/∂arrays[which] by central differences, one entry at a time (-inf entries: 0)."""
+    x = arrays[which]
+    grad = np.zeros_like(x)
+    for idx in np.ndindex(x.shape):
+        if not np.isfinite(x[idx]):
+            continue
+        plus, minus = [a.copy() for a in arrays], [a.copy() for a in arrays]
+        plus[which][idx] += H_STEP
+        minus[which][idx] -= H_STEP
+        grad[idx] = (loss(*plus) - loss(*minus)) / (2 * H_STEP)
+    return grad
+
+
+SETUPS = {
+    "plain": ({}, None),
+    "causal-gqa": ({"is_causal": True, "K": 1}, None),
+    "bottom-right-window-softcap-float-mask": (
+        {
+            "is_causal": True,
+            "causal_alignment": "bottom_right",
+            "window": (2, None),
+            "softcap": 1.5,
+        },
+        "float",
+    ),
+    "float-mask-broadcast-fully-masked-row": ({"scale": 0.7}, "float-row"),
+    "bool-mask": ({}, "bool"),
+}
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_oracle_gradients_match_finite_differences(setup):
+    options, mask_kind = SETUPS[setup]
+    options = dict(options)
+    rng = np.random.default_rng(7)
+    B, H, K, T, S, D, E = 1, 2, options.pop("K", 2), 3, 4, 2, 3
+    q = rng.standard_normal((B, H, T, D))
+    k = rng.standard_normal((B, K, S, D))
+    v = rng.standard_normal((B, K, S, E))
+    d_out = rng.standard_normal((B, H, T, E))
+    arrays = [q, k, v]
+    if mask_kind == "bool":
+        options["mask"] = rng.random((B, H, T, S)) < 0.7
+    elif mask_kind == "float":
+        arrays.append(
+            np.where(rng.random((H, T, S)) < 0.2, -np.inf, rng.standard_normal((H, T, S)))
+        )
+    elif mask_kind == "float-row":
+        mask = rng.standard_normal((T, S))
+        mask[1] = -np.inf  # a fully masked row: its gradients are 0
+        arrays.append(mask)
+
+    def loss(q, k, v, mask=None):
+        opts = options if mask is None else {**options, "mask": mask}
+        return float(np.sum(d_out * oracle.attention(q, k, v, **opts)))
+
+    grads = oracle.attention_vjp(
+        q, k, v, d_out, **({**options, "mask": arrays[3]} if len(arrays) == 4 else options)
+    )
+    names = ["dq", "dk", "dv", "dmask"][: len(arrays)]
+    assert sorted(grads) == sorted(names)
+    for which, name in enumerate(names):
+        fd = _central_difference(loss, arrays, which)
+        err = np.max(np.abs(fd - grads[name]))
+        assert err < FD_ATOL, f"{setup}: oracle {name} vs central differences: {err:.3e}"
+        assert np.isfinite(grads[name]).all()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"is_causal": True, "causal_alignment": "bottom_right"},
+        {"softcap": 2.0, "window": (2, 1)},
+    ],
+    ids=["plain", "bottom-right", "softcap-window"],
+)
+def test_naive_float64_backward_agrees_with_the_oracle(options):
+    """Two independent derivations, 50-digit loops and float64 arrays, agree to ~1e-14."""
+    rng = np.random.default_rng(8)
+    q, k = rng.standard_normal((2, 4, 5, 3)), rng.standard_normal((2, 2, 7, 3))
+    v, d_out = rng.standard_normal((2, 2, 7, 4)), rng.standard_normal((2, 4, 5, 4))
+    mask = np.where(rng.random((5, 7)) < 0.2, -np.inf, rng.standard_normal((5, 7)))
+    exact = oracle.attention_vjp(q, k, v, d_out, mask=mask, **options)
+    naive = oracle.naive_vjp_same_precision(q, k, v, d_out, np.float64, mask=mask, **options)
+    for name in ("dq", "dk", "dv", "dmask"):
+        assert np.max(np.abs(exact[name] - naive[name])) < 1e-14, name
+
+
+def test_naive_float32_backward_has_the_dtype_error():
+    """The naive float32 backward is off by float32 rounding, not more and not less."""
+    rng = np.random.default_rng(9)
+    q, k, v, d_out = (
+        rng.standard_normal((1, 2, 9, 8)).astype(np.float32).astype(np.float64) for _ in range(4)
+    )
+    exact = oracle.attention_vjp(q, k, v, d_out)
+    naive = oracle.naive_vjp_same_precision(q, k, v, d_out, np.float32)
+    for name in ("dq", "dk", "dv"):
+        err = np.max(np.abs(naive[name] - exact[name]))
+        assert 2**-28 < err < 2**-16, f"{name}: {err:.3e}"
+
+
+def test_oracle_fully_masked_row_and_blocked_key_get_nothing():
+    q, k, v = np.ones((1, 1, 2, 2)), np.ones((1, 1, 3, 2)), np.ones((1, 1, 3, 2))
+    d_out = np.ones((1, 1, 2, 2))
+    mask = np.array([[True, False, True], [False, False, False]])
+    grads = oracle.attention_vjp(q, k, v, d_out, mask=mask)
+    assert grads["dq"][0, 0, 1].tolist() == [0.0, 0.0]
+    assert grads["dk"][0, 0, 1].tolist() == [0.0, 0.0] and grads["dv"][0, 0, 1].tolist() == [
+        0.0,
+        0.0,
+    ]
+    # Keys 0 and 2 share the one live row equally: dV rows are half of d_out each.
+    assert grads["dv"][0, 0, 0].tolist() == [0.5, 0.5]
+
+
+@pytest.mark.parametrize("kind", ["mha", "gpt_block"])
+def test_naive_module_backward_matches_finite_differences(kind):
+    """The module baseline of SPEC §12.8: the textbook backward of the module against central
+    differences of ``naive_module_same_precision`` in float64 (same error bound)."""
+    rng = np.random.default_rng(10)
+    B, T, C, H, F = 1, 3, 4, 2, 6
+
+    def lin(n_out, n_in):
+        return rng.uniform(-0.5, 0.5, (n_out, n_in)), rng.uniform(-0.5, 0.5, n_out)
+
+    w, b = lin(3 * C, C)
+    w2, b2 = lin(C, C)
+    params = {"qkv.weight": w, "qkv.bias": b, "out_proj.weight": w2, "out_proj.bias": b2}
+    if kind == "gpt_block":
+        params = {f"attn.{n}": a for n, a in params.items()}
+        for norm in ("norm1", "norm2"):
+            params[f"{norm}.weight"] = rng.uniform(0.5, 1.5, C)
+            params[f"{norm}.bias"] = rng.uniform(-0.5, 0.5, C)
+        params["mlp.0.weight"], params["mlp.0.bias"] = lin(F, C)
+        params["mlp.2.weight"], params["mlp.2.bias"] = lin(C, F)
+    x = rng.standard_normal((B, T, C))
+    d_out = rng.standard_normal((B, T, C))
+    names = list(params)
+    grads = oracle.naive_module_vjp_same_precision(
+        kind, params, x, d_out, np.float64, n_heads=H, is_causal=True
+    )
+    assert sorted(grads) == sorted(names + ["x"])
+
+    def loss(*arrays):
+        p = dict(zip(names, arrays[:-1]))
+        out = oracle.naive_module_same_precision(
+            kind, p, arrays[-1], np.float64, n_heads=H, is_causal=True
+        )
+        return float(np.sum(d_out * out))
+
+    arrays = [params[n] for n in names] + [x]
+    for which, name in enumerate(names + ["x"]):
+        fd = _central_difference(loss, arrays, which)
+        err = np.max(np.abs(fd - grads[name]))
+        assert err < FD_ATOL, f"{kind}: naive module gradient of {name} vs differences: {err:.3e}"

@@ -1,0 +1,344 @@
+"""The kit for other people's attention: --impl, known failures, entry points, replays."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conformance import backends, plugins
+from conformance.backends import Backend, BackendUnavailable, available_backends, load_backend
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = [
+    "--impl",
+    "examples.my_attention:attention",
+    "--impl-capabilities",
+    "causal_bottom_right,window,gqa",
+]
+
+
+def _pytest(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", str(ROOT / "conformance"), "-q", "-p", "no:cacheprovider"]
+        + list(args),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+    )
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """Backends registered during a test are forgotten after it."""
+    monkeypatch.setattr(backends, "BUILTIN", dict(backends.BUILTIN))
+    monkeypatch.setattr(backends, "_LOADED", {})
+    monkeypatch.setattr(plugins, "_IMPLS", {})
+
+
+class KitBackend(Backend):
+    """A backend as a third-party package would write it: the reference, renamed."""
+
+    name = "kit-backend"
+    capabilities = frozenset({"gqa"})
+    dtypes = ("float64",)
+
+    def _attention(self, q, k, v, **options):
+        from impls.numpy_attention import attention
+
+        return attention(q, k, v, **options)
+
+
+# --- The worked example ----------------------------------------------------------------------
+
+
+@pytest.mark.clause("13.1", "13.4")
+def test_example_passes_with_its_known_failures():
+    run = _pytest(*EXAMPLE, "--known-failures", "examples/known_failures.txt")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "2 xfailed" in run.stdout and "failed" not in run.stdout.replace("xfailed", "")
+
+
+@pytest.mark.clause("13.5")
+def test_example_without_known_failures_fails_with_diagnostics():
+    run = _pytest(*EXAMPLE, "-k", "bad_input", "--repro-dir", "repro-unused-by-default")
+    try:
+        assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+        assert "test_bad_input[my_attention.attention-integer-mask]" in run.stdout
+        assert "DID NOT RAISE" in run.stdout
+        assert "reproduce" in run.stdout and "load_call(" in run.stdout
+    finally:
+        for path in (ROOT / "repro-unused-by-default").glob("*.npz"):
+            path.unlink()
+        (ROOT / "repro-unused-by-default").rmdir()
+
+
+@pytest.mark.clause("13.1")
+def test_example_runs_from_another_directory(tmp_path):
+    """`pytest` (not `python -m pytest`) from the directory holding the user's module."""
+    (tmp_path / "mine.py").write_text(
+        (ROOT / "examples" / "my_attention.py")
+        .read_text()
+        .replace(
+            "mask = mask != 0",
+            'raise TypeError(f"mask dtype should be bool or floating, got {mask.dtype}")',
+        )
+    )
+    run = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "pytest"),
+            str(ROOT / "conformance"),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--impl",
+            "mine:attention",
+            "-k",
+            "fixture or bad_input",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout
+
+
+@pytest.mark.clause("13.3")
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("no_such_module_xyz:attention", "No module named 'no_such_module_xyz'"),
+        ("examples.my_attention:nope", "has no attribute 'nope'"),
+        ("examples.my_attention", "should be 'package.module:function'"),
+        ("examples.my_attention:math", "not a function or a conformance.Backend"),
+    ],
+)
+def test_unusable_impl_is_a_usage_error(spec, message):
+    run = _pytest("--impl", spec)
+    out = run.stdout + run.stderr
+    assert run.returncode == 4, out[-3000:]
+    assert message in out and "registered backends are" in out and "'numpy'" in out
+
+
+@pytest.mark.clause("13.3")
+def test_impl_flags_need_an_impl():
+    run = _pytest("--backend", "numpy", "--impl-capabilities", "window")
+    assert run.returncode == 4 and "--impl-capabilities describes an --impl" in run.stderr
+
+
+# --- Known failures --------------------------------------------------------------------------
+
+
+@pytest.mark.clause("13.4")
+def test_known_failures_are_strict_and_stale_ids_warn(tmp_path):
+    known = tmp_path / "known.txt"
+    known.write_text(
+        "# comment\n"
+        "test_errors.py::test_bad_input[my_attention.attention-integer-mask]  # reads ints as bool\n"
+        "test_bad_input[my_attention.attention-q-rank-2]  # claimed, but it passes\n"
+        "test_no_such_test[x]  # stale\n"
+    )
+    run = _pytest(*EXAMPLE, "-k", "bad_input", "--known-failures", str(known), "-rfxX")
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out[-3000:]
+    # The listed failure is an expected failure, with its reason ...
+    assert "XFAIL" in out and "known failure: reads ints as bool" in out
+    # ... a listed test that passes fails the run (strict), so the fixed bug is noticed ...
+    assert "[XPASS(strict)] known failure: claimed, but it passes" in out
+    # ... the unlisted failure still fails, and the stale id is reported.
+    assert "FAILED" in out and "uint8-mask" in out
+    assert "StaleKnownFailure" in out and "test_no_such_test[x]" in out
+
+
+@pytest.mark.clause("13.4")
+def test_a_bare_test_name_covers_every_parametrization(tmp_path):
+    known = tmp_path / "known.txt"
+    known.write_text("test_bad_input  # all of them, for the test\n")
+    run = _pytest(*EXAMPLE, "-k", "bad_input", "--known-failures", str(known))
+    # The two real failures are expected; every passing parametrization is an XPASS(strict).
+    assert run.returncode == 1 and "2 xfailed" in run.stdout
+    assert "[XPASS(strict)] known failure: all of them, for the test" in run.stdout
+
+
+@pytest.mark.clause("13.4")
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("test_x[a]\n", "give the reason after '#'"),
+        ("test_x[a]  #   \n", "give the reason after '#'"),
+        ("test_x  # a\ntest_x  # b\n", "listed twice"),
+    ],
+)
+def test_known_failures_file_is_checked(tmp_path, text, message):
+    path = tmp_path / "known.txt"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        plugins.read_known_failures(path)
+
+
+@pytest.mark.clause("13.4")
+def test_known_failure_keys():
+    keys = plugins.known_failure_keys(
+        "conformance/tests/test_errors.py::test_bad_input[mine-integer-mask]", "test_bad_input"
+    )
+    assert keys == {
+        "conformance/tests/test_errors.py::test_bad_input[mine-integer-mask]",
+        "test_errors.py::test_bad_input[mine-integer-mask]",
+        "test_bad_input[mine-integer-mask]",
+        "test_errors.py::test_bad_input",
+        "test_bad_input",
+    }
+
+
+@pytest.mark.clause("13.4")
+def test_our_own_runs_use_no_known_failures():
+    """Known failures are for other people's implementations, never for ours."""
+    for path in [ROOT / "tox.ini", *ROOT.glob(".ci/*")]:
+        if path.is_file():
+            assert "--known-failures" not in path.read_text(), path
+
+
+# --- Backends from functions, classes and entry points --------------------------------------
+
+
+@pytest.mark.clause("13.1")
+def test_function_backend_passes_only_what_it_is_given(registry):
+    seen = []
+
+    def attention(q, k, v, *, mask=None, is_causal=False, scale=None):
+        seen.append({"mask": mask, "is_causal": is_causal, "scale": scale})
+        return np.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
+
+    b = plugins.FunctionBackend(attention, name="fn")
+    q = np.ones((1, 1, 2, 3))
+    b.attention(q, q, q, is_causal=True)
+    assert seen == [{"mask": None, "is_causal": True, "scale": None}]
+    assert b.capabilities == frozenset() and b.dtypes == ("float64", "float32")
+
+
+@pytest.mark.clause("13.1")
+def test_declared_capabilities_are_checked_against_the_signature(registry):
+    with pytest.raises(ValueError, match=r"declares 'softcap'.*no 'softcap' parameter"):
+        plugins.resolve_impl("examples.my_attention:attention", capabilities="softcap")
+    with pytest.raises(ValueError, match="unknown \\['flash'\\]"):
+        plugins.resolve_impl("examples.my_attention:attention", capabilities="flash")
+    with pytest.raises(ValueError, match="unknown \\['float8'\\]"):
+        plugins.resolve_impl("examples.my_attention:attention", dtypes="float8")
+
+
+@pytest.mark.clause("13.1")
+def test_load_impl_registers_it_by_name(registry):
+    b = plugins.load_impl(
+        "examples.my_attention:attention", capabilities="window,gqa", dtypes="float64"
+    )
+    assert b.name == "my_attention.attention"
+    assert load_backend("my_attention.attention") is b
+    assert "my_attention.attention" in available_backends()
+    assert b.capabilities == {"window", "gqa"} and b.dtypes == ("float64",)
+
+
+@pytest.mark.clause("13.1")
+def test_impl_may_be_a_backend_class(registry):
+    b = plugins.load_impl("test_kit:KitBackend")
+    assert isinstance(b, KitBackend) and b.name == "kit-backend"
+    with pytest.raises(ValueError, match="declares its own capabilities"):
+        plugins.resolve_impl("test_kit:KitBackend", capabilities="window")
+
+
+@pytest.mark.clause("13.1")
+def test_an_impl_cannot_take_a_builtin_name(registry):
+    with pytest.raises(ValueError, match="'numpy' is already taken"):
+        plugins.load_impl("examples.my_attention:attention", name="numpy")
+
+
+@pytest.mark.clause("13.2")
+def test_entry_point_backends_appear_in_available_backends(registry, monkeypatch):
+    real = importlib.metadata.entry_points
+
+    def entry_points(**kwargs):
+        if kwargs.get("group") == backends.ENTRY_POINT_GROUP:
+            return [
+                importlib.metadata.EntryPoint(
+                    name="kit-backend", value="test_kit:KitBackend", group=kwargs["group"]
+                )
+            ]
+        return real(**kwargs)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+    assert "kit-backend" in available_backends()
+    assert isinstance(load_backend("kit-backend"), KitBackend)
+
+
+@pytest.mark.clause("13.3")
+def test_entry_point_that_cannot_import_is_loud(registry, monkeypatch):
+    def entry_points(**kwargs):
+        return [
+            importlib.metadata.EntryPoint(
+                name="broken", value="no_such_package_xyz:Backend", group=kwargs["group"]
+            )
+        ]
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+    with pytest.raises(BackendUnavailable, match="'broken' cannot be loaded"):
+        load_backend("broken")
+
+
+# --- Replaying a failure ---------------------------------------------------------------------
+
+
+@pytest.mark.clause("13.5")
+@pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
+def test_recorded_calls_replay_bit_for_bit(tmp_path, dtype):
+    from conformance.helpers import random_qkv
+
+    log = plugins.new_call_log()
+    b = plugins.RecordingBackend(load_backend("numpy"), log)
+    q, k, v = random_qkv(0, T=5, S=6, dtype=dtype)
+    mask = np.random.default_rng(1).random((5, 6)) < 0.7
+    first = b.attention(q, k, v, mask=mask, window=(2, None), scale=0.5)
+    b.attention(q, k, v)
+    lines = plugins.save_calls(tmp_path / "calls.npz", list(log))
+    assert len(lines) == 2 and "window=(2, None)" in lines[0] and "mask=bool[5, 6]" in lines[0]
+    backend, args, options = plugins.load_call(tmp_path / "calls.npz", index=0)
+    assert options["window"] == (2, None) and args[0].dtype == q.dtype
+    again = backend.attention(*args, **options)
+    assert again.dtype == first.dtype and np.array_equal(again.view(np.uint8), first.view(np.uint8))
+
+
+@pytest.mark.clause("13.5")
+def test_recording_backend_passes_everything_else_through():
+    b = plugins.RecordingBackend(load_backend("numpy"), plugins.new_call_log())
+    assert b.name == "numpy" and b.capabilities == load_backend("numpy").capabilities
+    assert b.multi_head_attention == load_backend("numpy").multi_head_attention
+
+
+@pytest.mark.clause("13.6")
+def test_hypothesis_profiles():
+    """The profile "quick" (the default) is small and repeatable; "deep" draws many more."""
+    from hypothesis import settings
+
+    import conformance.conftest  # noqa: F401  (registers the profiles)
+
+    quick, deep = settings.get_profile("quick"), settings.get_profile("deep")
+    assert quick.max_examples == 25 and quick.derandomize and quick.deadline is None
+    assert deep.max_examples == 500 and not deep.derandomize and deep.deadline is None
+
+
+@pytest.mark.clause("13.6")
+def test_property_tests_run_deep_on_request():
+    run = _pytest(
+        "--backend",
+        "numpy",
+        "-k",
+        "properties",
+        "--hypothesis-profile",
+        "deep",
+        "--hypothesis-show-statistics",
+    )
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "max_examples=500" in run.stdout and "2 passed" in run.stdout

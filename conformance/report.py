@@ -9,11 +9,13 @@ Into ``--out`` go ``report.md`` (read this), ``report.json`` (the same, for prog
 report has:
 
 - per backend, each clause passed / failed / skipped (with the missing capability) /
-  known failure, and every failure's message (max absolute and relative error, where,
-  the case) with a snippet that replays it;
+  known failure (a pairwise test counts for both backends of its pair), and every
+  failure's message (max absolute and relative error, where, the case) with a snippet
+  that replays it;
 - per dtype, the cross-framework agreement on the fixtures: each backend's max error
   against the oracle and every pair's max difference, absolute and in units of the
-  dtype's epsilon, as tables and as heatmaps;
+  dtype's epsilon, as tables and as heatmaps; the same for the gradients on the gradient
+  fixtures (SPEC §12), for the backends declaring "grad";
 - the frameworks' own functions on the spec's edge cases (``builtin_profile.py``);
 - pictures: causal masks (top-left, bottom-right, windowed) and the seed's worked
   example's weights, drawn by running the reference;
@@ -110,16 +112,25 @@ def run_tests(
 
 def clause_table(rows: list[dict]) -> dict[str, dict[str, dict]]:
     """{backend: {clause: {"passed": n, "failed": n, "skipped": n, "xfailed": n,
-    "reasons": {outcome: [reason, ...]}}}}"""
+    "reasons": {outcome: [reason, ...]}}}}
+
+    A pairwise test (backend "a~b", SPEC §7.3, §12.10) tests both backends: it is counted
+    under "a~b" and also in the columns of a and of b. The cells are views of the tests,
+    so their sum over columns is not the number of tests: the summary counts the rows.
+    """
     table: dict = defaultdict(
         lambda: defaultdict(lambda: {**dict.fromkeys(OUTCOMES, 0), "reasons": {}})
     )
     for row in rows:
-        cell = table[row["backend"]][row["clause"]]
-        cell[row["outcome"]] += 1
-        reasons = cell["reasons"].setdefault(row["outcome"], [])
-        if row["reason"] and row["reason"] not in reasons:
-            reasons.append(row["reason"])
+        columns = [row["backend"]]
+        if row["backend"] and "~" in row["backend"]:
+            columns += row["backend"].split("~")
+        for column in columns:
+            cell = table[column][row["clause"]]
+            cell[row["outcome"]] += 1
+            reasons = cell["reasons"].setdefault(row["outcome"], [])
+            if row["reason"] and row["reason"] not in reasons:
+                reasons.append(row["reason"])
     return {b: dict(c) for b, c in table.items()}
 
 
@@ -172,6 +183,67 @@ def error_matrix(backends: list[str]) -> dict[str, dict]:
             for b in names[i + 1 :]:
                 shared = set(outs[a]) & set(outs[b])
                 diffs = {c: _max_abs(outs[a][c] - outs[b][c]) for c in shared}
+                pairs[f"{a}~{b}"] = max(diffs.values(), default=0.0)
+                pairs_eps[f"{a}~{b}"] = max((d / units[c] for c, d in diffs.items()), default=0.0)
+        result[dtype] = {"vs_oracle": worst, "pairs": pairs, "pairs_eps": pairs_eps}
+    return result
+
+
+def gradient_matrix(backends: list[str]) -> dict[str, dict]:
+    """Per dtype: each backend's worst gradient (dq, dk, dv, dmask) against the oracle on
+    the gradient fixtures (SPEC §12.1, §12.9), the fixtures it skipped for a missing
+    capability, and every pair's max difference on the gradients both computed, absolute
+    and in units of eps (scaled by max(1, |expected|) of each gradient), as ``error_matrix``.
+    Backends that do not declare "grad" are left out."""
+    result = {}
+    for dtype in DTYPES:
+        grads: dict[str, dict[tuple[str, str], np.ndarray]] = defaultdict(dict)
+        units: dict[tuple[str, str], float] = {}
+        worst: dict[str, dict] = {}
+        for name in backends:
+            backend = load_backend(name)
+            if dtype not in backend.dtypes or "grad" not in backend.capabilities:
+                continue
+            abs_err, ulp_err, ratio, skipped = 0.0, 0.0, 0.0, set()
+            for entry in case_entries(("attention_grad",)):
+                if entry["dtype"] != dtype:
+                    continue
+                case = load_case(entry["id"])
+                missing = [c for c in case.requires if c not in backend.capabilities]
+                if missing:
+                    skipped.add(missing[0])
+                    continue
+                try:
+                    got = backend.attention_vjp(
+                        *case.inputs(), case.d_out(), mask=case.mask(), **case.options()
+                    )
+                except Exception:  # the tests report it; the matrix shows only what ran
+                    continue
+                for g, (gname, want) in zip(got, case.expected_grads.items()):
+                    g = np.asarray(g, dtype=np.float64)
+                    if g.shape != want.shape:
+                        continue
+                    key = (case.id, gname)
+                    grads[name][key] = g
+                    unit = EPS[dtype] * max(1.0, float(np.max(np.abs(want), initial=0.0)))
+                    units[key] = unit
+                    err = _max_abs(g - want)
+                    abs_err = max(abs_err, err)
+                    ulp_err = max(ulp_err, err / unit)
+                    tol = tolerance(dtype, case.grad_naive_error(gname), want)
+                    ratio = max(ratio, err / tol)
+            worst[name] = {
+                "max_abs_error": abs_err,
+                "max_error_eps": ulp_err,
+                "max_fraction_of_tolerance": ratio,
+                "skipped_for": sorted(skipped),
+            }
+        pairs, pairs_eps = {}, {}
+        names = list(worst)
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                shared = set(grads[a]) & set(grads[b])
+                diffs = {c: _max_abs(grads[a][c] - grads[b][c]) for c in shared}
                 pairs[f"{a}~{b}"] = max(diffs.values(), default=0.0)
                 pairs_eps[f"{a}~{b}"] = max((d / units[c] for c, d in diffs.items()), default=0.0)
         result[dtype] = {"vs_oracle": worst, "pairs": pairs, "pairs_eps": pairs_eps}
@@ -323,8 +395,9 @@ def draw_worked_example(path: Path, backend_name: str = "numpy") -> None:
     plt.close(fig)
 
 
-def draw_heatmap(path: Path, dtype: str, block: dict) -> None:
-    """Max error in units of eps: the diagonal against the oracle, the rest between backends."""
+def draw_heatmap(path: Path, dtype: str, block: dict, what: str = "") -> None:
+    """Max error in units of eps: the diagonal against the oracle, the rest between backends.
+    ``what`` names the compared quantity in the title ("" for the outputs)."""
     plt = _pyplot()
     names = list(block["vs_oracle"])
     n = len(names)
@@ -346,7 +419,7 @@ def draw_heatmap(path: Path, dtype: str, block: dict) -> None:
     ax.set_yticks(range(n), names)
     fig.colorbar(image, ax=ax, label="log10(max error / eps)")
     ax.set_title(
-        f"{dtype}: max error in eps\n(diagonal: vs the oracle; off-diagonal: between backends)",
+        f"{dtype}{what}: max error in eps\n(diagonal: vs the oracle; off-diagonal: between backends)",
         fontsize=10,
     )
     fig.tight_layout()
@@ -354,7 +427,7 @@ def draw_heatmap(path: Path, dtype: str, block: dict) -> None:
     plt.close(fig)
 
 
-def draw_pictures(out: Path, errors: dict) -> dict[str, str]:
+def draw_pictures(out: Path, errors: dict, gradients: dict | None = None) -> dict[str, str]:
     """Every picture of the report: {name: file name}, or {"error": why} without matplotlib."""
     try:
         _pyplot()
@@ -369,6 +442,15 @@ def draw_pictures(out: Path, errors: dict) -> dict[str, str]:
         if len(block["vs_oracle"]) >= 1:
             files[f"heatmap-{dtype}"] = f"agreement-{dtype}.png"
             draw_heatmap(out / files[f"heatmap-{dtype}"], dtype, block)
+    for dtype, block in (gradients or {}).items():
+        if len(block["vs_oracle"]) >= 1:
+            files[f"gradient-heatmap-{dtype}"] = f"gradient-agreement-{dtype}.png"
+            draw_heatmap(
+                out / files[f"gradient-heatmap-{dtype}"],
+                dtype,
+                block,
+                " gradients (dq, dk, dv, dmask)",
+            )
     return files
 
 
@@ -512,10 +594,14 @@ def render_markdown(data: dict) -> str:
         if f"heatmap-{dtype}" in pictures:
             lines += ["", f"![{dtype} agreement heatmap]({pictures[f'heatmap-{dtype}']})"]
         lines.append("")
+    lines += render_gradients(data.get("gradients") or {}, pictures)
     pairs = {b: c for b, c in data["clauses"].items() if b and "~" in b}
     if pairs:
         lines += [
-            "## Every pair on random inputs (SPEC §7.3)",
+            "## Every pair on random inputs (SPEC §7.3, §12.10)",
+            "",
+            "Each pairwise test also counts in both backends' columns of the clause table; "
+            "the totals above count it once.",
             "",
             "| pair | passed | failed | skipped |",
             "|---|---|---|---|",
@@ -558,6 +644,61 @@ def render_markdown(data: dict) -> str:
             "",
         ]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def render_gradients(block_by_dtype: dict[str, dict], pictures: dict | None = None) -> list[str]:
+    """The gradients section (SPEC §12): per dtype, each backend against the oracle on the
+    gradient fixtures, every pair's max difference, and the heatmap."""
+    pictures = pictures or {}
+    if not any(block["vs_oracle"] for block in block_by_dtype.values()):
+        return []
+    lines = [
+        "## Gradients: cross-framework agreement on the gradient fixtures (SPEC §12)",
+        "",
+        "Worst of dq, dk, dv and dmask against the 50-digit oracle over every `grad-*` fixture "
+        "of that dtype the backend runs (absolute, in eps scaled by max(1, |expected|), as a "
+        "fraction of the SPEC §12.9 tolerance), fixtures skipped for a missing capability, "
+        "then every pair's max difference, absolute (above the diagonal) and in eps (below "
+        "it), and as a heatmap. Only backends declaring `grad` appear.",
+        "",
+    ]
+    for dtype, block in block_by_dtype.items():
+        if not block["vs_oracle"]:
+            continue
+        lines += [
+            f"### {dtype} gradients",
+            "",
+            "| backend | max abs error | max error / eps | max error / tolerance | skipped for |",
+            "|---|---|---|---|---|",
+        ]
+        for b, e in block["vs_oracle"].items():
+            lines.append(
+                f"| {b} | {e['max_abs_error']:.3e} | {e['max_error_eps']:.2f} | "
+                f"{e['max_fraction_of_tolerance']:.2f} | {', '.join(e['skipped_for']) or '·'} |"
+            )
+        names = list(block["vs_oracle"])
+        if len(names) > 1:
+            lines += [
+                "",
+                "| pair max difference: abs ╲ eps | " + " | ".join(names) + " |",
+                "|---|" + "---|" * len(names),
+            ]
+            for i, a in enumerate(names):
+                row = []
+                for j, b in enumerate(names):
+                    key = f"{a}~{b}" if f"{a}~{b}" in block["pairs"] else f"{b}~{a}"
+                    if i == j:
+                        row.append("·")
+                    elif i < j:
+                        row.append(f"{block['pairs'][key]:.1e}")
+                    else:
+                        row.append(f"{block['pairs_eps'][key]:.2f} eps")
+                lines.append(f"| {a} | " + " | ".join(row) + " |")
+        if f"gradient-heatmap-{dtype}" in pictures:
+            picture = pictures[f"gradient-heatmap-{dtype}"]
+            lines += ["", f"![{dtype} gradient agreement heatmap]({picture})"]
+        lines.append("")
+    return lines
 
 
 MAX_FAILURES_SHOWN = 40
@@ -620,6 +761,7 @@ def main(argv: list[str]) -> int:
     code, rows = run_tests(backends, extra, args.out)
     summary = {o: sum(r["outcome"] == o for r in rows) for o in OUTCOMES}
     errors = error_matrix(backends)
+    gradients = gradient_matrix(backends)
     profile = None
     if not args.no_builtin_profile:
         from conformance.builtin_profile import profile as run_profile
@@ -635,8 +777,9 @@ def main(argv: list[str]) -> int:
         "summary": summary,
         "clauses": clause_table(rows),
         "errors": errors,
+        "gradients": gradients,
         "builtin_profile": profile,
-        "pictures": draw_pictures(args.out, errors),
+        "pictures": draw_pictures(args.out, errors, gradients),
         "tests": rows,
     }
     (args.out / "report.json").write_text(json.dumps(data, indent=1, default=str) + "\n")

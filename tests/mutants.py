@@ -5,6 +5,11 @@ step replaced by a small broken function. The steps are plain module-level funct
 a mutant backend names the one it swaps out. Input validation is borrowed from the
 reference so that a mutant differs from it only in the one broken step.
 
+The gradient mutants do the same to the backward pass: ``BackwardSteps`` is a copy of the
+reference's ``attention_backward``, cut into steps, and each gradient mutant swaps one
+step for a broken one. Their forward is the unbroken ``Steps``, so only the backward is
+wrong; they declare "grad", "grad_mask" and "grad_softcap" (not "module_grad").
+
 ``MUTANTS`` maps a mutant's backend name to ``(backend class, expected clauses,
 node substring)``: the suite must fail that backend with at least one failing test that
 carries one of the expected clauses (and, when given, whose node id contains the
@@ -19,6 +24,7 @@ import numpy as np
 
 from conformance.backends import ALL_CAPABILITIES, DTYPES, Backend
 from impls.numpy_attention import (
+    _check_d_out,
     _check_inputs,
     _check_mask,
     _check_options,
@@ -26,6 +32,9 @@ from impls.numpy_attention import (
     layer_norm,
     linear,
 )
+
+#: What a gradient mutant (and the control) declares for its backward pass.
+GRAD = frozenset({"grad", "grad_mask", "grad_softcap"})
 
 # --- The correct steps ---------------------------------------------------------------------
 
@@ -201,6 +210,87 @@ def merge_heads_wrong_order(context):
     return context.transpose(0, 2, 3, 1).reshape(B, T, H * D)
 
 
+# --- The correct backward steps ------------------------------------------------------------
+
+
+def grouped(x, K, G):
+    """Broadcast a (B|1, H|1, T, S) array onto the grouped layout (B|1, K|1, G|1, T, S)."""
+    b, h, t, s = x.shape
+    return x.reshape(b, 1, 1, t, s) if h == 1 else x.reshape(b, K, G, t, s)
+
+
+def backward_weights(scores):
+    """The forward's weights again; a row with every key at -inf gets weights 0."""
+    row_max = scores.max(axis=-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    p = np.exp(scores - row_max)
+    row_sum = p.sum(axis=-1, keepdims=True)
+    return p / np.where(row_sum > 0, row_sum, 1.0)
+
+
+def softmax_backward(weights, d_weights, d_out, out):
+    """dZ = P ⊙ (dP − rowsum(dO ⊙ O))."""
+    d_row = np.sum(d_out * out, axis=-1, keepdims=True)
+    return weights * (d_weights - d_row)
+
+
+def sum_to(x, shape):
+    """The float mask's gradient: dZ summed over the axes the mask was broadcast along."""
+    x = x.sum(axis=tuple(range(x.ndim - len(shape))))
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    return x.sum(axis=axes, keepdims=True).reshape(shape)
+
+
+def softcap_backward(d_scores, raw, softcap):
+    """Chain rule through c·tanh(R/c): times 1 − tanh²(R/c)."""
+    return d_scores * (1.0 - np.tanh(raw / softcap) ** 2)
+
+
+def key_scale(d_scores, scale):
+    """R = scale · q·k, so dK carries the scale as dQ does."""
+    return d_scores * scale
+
+
+def group_sum(x):
+    """(B, K, G, S, ·) -> (B, K, S, ·): a shared key/value head collects its whole group."""
+    return x.sum(axis=2)
+
+
+# --- The broken backward steps -------------------------------------------------------------
+
+
+def softmax_backward_no_rowsum(weights, d_weights, d_out, out):
+    """BUG: dZ = P ⊙ dP, without the rowsum(dO ⊙ O) coupling term."""
+    return weights * d_weights
+
+
+def softcap_backward_none(d_scores, raw, softcap):
+    """BUG: no chain rule through the softcap (as if d tanh were 1)."""
+    return d_scores
+
+
+def key_scale_none(d_scores, scale):
+    """BUG: dK misses the scale factor."""
+    return d_scores
+
+
+def group_first_head(x):
+    """BUG: a shared key/value head takes the gradient of the group's first query head only."""
+    return x[:, :, 0]
+
+
+def backward_weights_nan_rows(scores):
+    """BUG: the textbook softmax in the backward: fully masked rows give NaN gradients."""
+    with np.errstate(invalid="ignore"):
+        p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        return p / p.sum(axis=-1, keepdims=True)
+
+
+def sum_to_not_reduced(x, shape):
+    """BUG: dmask is not reduced over the broadcast axes: it comes back (B, H, T, S)."""
+    return x
+
+
 # --- The algorithm, step by step -----------------------------------------------------------
 
 
@@ -293,17 +383,110 @@ class Steps:
         return x + linear(h, params["mlp.2.weight"], params["mlp.2.bias"])
 
 
+class BackwardSteps:
+    """The reference backward (``impls/numpy_attention.py:attention_backward``), cut into
+    steps; a gradient mutant replaces one of these staticmethods."""
+
+    weights = staticmethod(backward_weights)
+    softmax_backward = staticmethod(softmax_backward)
+    sum_to = staticmethod(sum_to)
+    softcap_backward = staticmethod(softcap_backward)
+    key_scale = staticmethod(key_scale)
+    group_sum = staticmethod(group_sum)
+
+    def run(
+        self,
+        q,
+        k,
+        v,
+        d_out,
+        *,
+        mask=None,
+        is_causal=False,
+        scale=None,
+        causal_alignment="top_left",
+        window=None,
+        softcap=None,
+    ):
+        q, k, v, d_out = np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(d_out)
+        _check_inputs(q, k, v)
+        unbatched = q.ndim == 3
+        if unbatched:
+            q, k, v, d_out = q[None], k[None], v[None], d_out[None]
+        B, H, T, D = q.shape
+        _, K, S, _ = k.shape
+        E = v.shape[-1]
+        G = H // K
+        _check_d_out(d_out, (B, H, T, E), q.dtype, unbatched)
+        mask_shape = None if mask is None else np.shape(mask)
+        mask_dtype = None if mask is None else np.asarray(mask).dtype
+        mask = _check_mask(mask, (B, H, T, S), unbatched)
+        scale = _check_options(D, scale, is_causal, causal_alignment, window, softcap, 0.0, None)
+
+        dtype = q.dtype
+        work = np.float64 if dtype == np.float64 else np.float32
+        q, k, v, d_out = q.astype(work), k.astype(work), v.astype(work), d_out.astype(work)
+
+        # The forward again, keeping the raw scores R, the weights P and the output O.
+        q = q.reshape(B, K, G, T, D)  # (B, K, G, T, D)
+        raw = np.einsum("bkgtd,bksd->bkgts", q, k) * work(scale)  # (B, K, G, T, S)
+        scores = softcap * np.tanh(raw / softcap) if softcap is not None else raw
+        allowed = np.ones((1, 1, T, S), dtype=bool)
+        if mask is not None and mask.dtype == np.bool_:
+            allowed = allowed & mask
+        elif mask is not None:
+            scores = scores + grouped(mask.astype(work), K, G)
+        if is_causal or window is not None:
+            allowed = allowed & band(T, S, is_causal, causal_alignment, window)[None, None]
+        scores = np.where(grouped(allowed, K, G), scores, -np.inf)  # (B, K, G, T, S)
+        weights = self.weights(scores)  # (B, K, G, T, S)
+        out = np.einsum("bkgts,bkse->bkgte", weights, v)  # (B, K, G, T, E)
+        d_out = d_out.reshape(B, K, G, T, E)  # (B, K, G, T, E)
+
+        # Backward: dV = Pᵀ·dO, dP = dO·Vᵀ, dZ, dmask, softcap, scale, dQ and dK.
+        d_v = self.group_sum(np.einsum("bkgts,bkgte->bkgse", weights, d_out))  # (B, K, S, E)
+        d_weights = np.einsum("bkgte,bkse->bkgts", d_out, v)  # (B, K, G, T, S)
+        d_scores = self.softmax_backward(weights, d_weights, d_out, out)  # (B, K, G, T, S)
+        d_mask = None
+        if mask_dtype is not None and mask_dtype != np.bool_:
+            d_full = d_scores.reshape(B, H, T, S)
+            d_mask = self.sum_to(d_full[0] if unbatched else d_full, mask_shape)
+            d_mask = d_mask.astype(mask_dtype)
+        if softcap is not None:
+            d_scores = self.softcap_backward(d_scores, raw, softcap)
+        d_q = np.einsum("bkgts,bksd->bkgtd", d_scores * work(scale), k).reshape(B, H, T, D)
+        d_k = self.group_sum(
+            np.einsum("bkgts,bkgtd->bkgsd", self.key_scale(d_scores, work(scale)), q)
+        )  # (B, K, S, D)
+
+        grads = [d_q.astype(dtype), d_k.astype(dtype), d_v.astype(dtype)]
+        if unbatched:
+            grads = [g[0] for g in grads]
+        return (*grads, d_mask) if d_mask is not None else tuple(grads)
+
+
 class MutantBackend(Backend):
     """A NumPy backend running ``steps``; declares what the numpy backend declares."""
 
     capabilities = ALL_CAPABILITIES - {"module"}
     dtypes = DTYPES
     steps: type[Steps] = Steps
+    backward: type[BackwardSteps] = BackwardSteps
 
     def _attention(self, q, k, v, *, seed=None, **options):
         if seed is not None:
             options["rng"] = np.random.default_rng(seed)
         return self.steps().run(q, k, v, **options)
+
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        # Reached only by backends declaring "grad" (the gradient mutants, the control).
+        return self.backward().run(q, k, v, d_out, **options)
+
+
+class GradientMutantBackend(MutantBackend):
+    """The unbroken forward with a backward running ``backward``."""
+
+    capabilities = (ALL_CAPABILITIES - {"module"}) | GRAD
 
 
 class ModuleMutantBackend(MutantBackend):
@@ -324,8 +507,24 @@ def _mutant(name, step, broken, base=MutantBackend):
     return type(f"Mutant_{broken.__name__}", (base,), {"name": name, "steps": steps})
 
 
-#: The unbroken algorithm, as a control: the suite must pass it.
-Control = type("MutantControl", (ModuleMutantBackend,), {"name": "mutant-control"})
+def _gradient_mutant(name, step, broken):
+    """A backend class whose ``BackwardSteps`` has ``step`` replaced by ``broken``."""
+    backward = type(
+        f"BackwardSteps_{broken.__name__}", (BackwardSteps,), {step: staticmethod(broken)}
+    )
+    return type(
+        f"GradientMutant_{broken.__name__}",
+        (GradientMutantBackend,),
+        {"name": name, "backward": backward},
+    )
+
+
+#: The unbroken algorithm, forward and backward, as a control: the suite must pass it.
+Control = type(
+    "MutantControl",
+    (ModuleMutantBackend,),
+    {"name": "mutant-control", "capabilities": ALL_CAPABILITIES | GRAD},
+)
 
 #: name: (backend class, clauses that should catch it, substring the failing node id needs)
 MUTANTS = {
@@ -414,4 +613,40 @@ MUTANTS = {
         {"9.1", "9.2"},
         "",
     ),
+    # The backward pass (SPEC §12): the forward is correct, only the gradients are broken.
+    "mutant-grad-no-rowsum": (
+        _gradient_mutant("mutant-grad-no-rowsum", "softmax_backward", softmax_backward_no_rowsum),
+        {"12.1"},
+        "",
+    ),
+    "mutant-grad-no-softcap-chain-rule": (
+        _gradient_mutant(
+            "mutant-grad-no-softcap-chain-rule", "softcap_backward", softcap_backward_none
+        ),
+        {"12.2"},
+        "softcap",
+    ),
+    "mutant-grad-gqa-first-head": (
+        _gradient_mutant("mutant-grad-gqa-first-head", "group_sum", group_first_head),
+        {"12.2"},
+        "",
+    ),
+    "mutant-grad-dk-unscaled": (
+        _gradient_mutant("mutant-grad-dk-unscaled", "key_scale", key_scale_none),
+        {"12.1"},
+        "",
+    ),
+    "mutant-grad-nan-masked-rows": (
+        _gradient_mutant("mutant-grad-nan-masked-rows", "weights", backward_weights_nan_rows),
+        {"12.4"},
+        "",
+    ),
+    "mutant-grad-dmask-not-reduced": (
+        _gradient_mutant("mutant-grad-dmask-not-reduced", "sum_to", sum_to_not_reduced),
+        {"12.3"},
+        "",
+    ),
 }
+
+#: The mutants whose forward is correct: every test they fail must be a gradient test.
+GRADIENT_MUTANTS = frozenset(name for name in MUTANTS if name.startswith("mutant-grad-"))

@@ -2,7 +2,9 @@
 
 Each mutant is registered as a built-in backend and the whole conformance suite is run
 on it in-process; the run must fail, and at least one failing test must carry the
-clause that describes the bug. The unbroken control must pass.
+clause that describes the bug. A gradient mutant's forward is the unbroken one, so every
+test it fails must be a gradient test (SPEC §12). The unbroken control, which declares
+the gradient capabilities too, must pass.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mutants import MUTANTS, Control
+from mutants import GRADIENT_MUTANTS, MUTANTS, Control
 
 import conformance.backends as backends
 
@@ -45,6 +47,7 @@ def _run_suite(monkeypatch, name, cls):
 
 def test_control_passes(monkeypatch):
     """The unbroken steps pass the suite, so a mutant's failure is its bug's doing."""
+    assert {"grad", "grad_mask", "grad_softcap"} <= Control.capabilities
     code, failed = _run_suite(monkeypatch, Control.name, Control)
     assert code == 0 and not failed, failed
 
@@ -64,7 +67,11 @@ def test_mutant_is_killed(monkeypatch, name):
         f"{name} failed, but no failing test carries clause {sorted(clauses)}"
         f"{f' with {node_part!r} in its id' if node_part else ''}; failures: {failed}"
     )
+    if name in GRADIENT_MUTANTS:
+        forward = [node for node, marks in failed if not any(m.startswith("12.") for m in marks)]
+        assert not forward, f"{name} breaks only the backward, yet fails forward tests: {forward}"
 
 
 def test_enough_mutants():
-    assert len(MUTANTS) >= 16
+    assert len(MUTANTS) >= 22
+    assert len(GRADIENT_MUTANTS) >= 6

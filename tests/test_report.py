@@ -49,13 +49,47 @@ def test_report_on_two_backends(tmp_path):
     assert "| §11.1 The worked example | ✅ 2/2 | ✅ 2/2 |" in md
     assert "### bfloat16" in md and "numpy~torch-naive" in md
 
+    # Pairwise tests (SPEC §7.3, §12.10) count in both backends' columns and in the pair's
+    # own table, and once in the totals.
+    rows = data["tests"]
+    assert sum(data["summary"].values()) == len(rows)
+    for clause in ("7.3", "12.10"):
+        pair_rows = [r for r in rows if r["clause"] == clause]
+        assert pair_rows and all(r["backend"] == "numpy~torch-naive" for r in pair_rows)
+        n = sum(r["outcome"] == "passed" for r in pair_rows)
+        assert n > 0
+        for column in ("numpy", "torch-naive", "numpy~torch-naive"):
+            assert data["clauses"][column][clause]["passed"] == n, (column, clause)
+    n = data["clauses"]["numpy~torch-naive"]["7.3"]["passed"]
+    assert f"| §7.3 Backends agree pairwise | ✅ {n}/{n} | ✅ {n}/{n} |" in md
+    assert "| §12.10 Backends agree pairwise | ✅" in md
+    assert "| numpy~torch-naive |" in md.split("## Every pair on random inputs")[1]
+
+    # Gradients (SPEC §12): each backend against the oracle on the gradient fixtures, every
+    # pair, a table and a heatmap per dtype, after the forward agreement.
+    for dtype in ("float64", "float32", "float16", "bfloat16"):
+        block = data["gradients"][dtype]
+        assert set(block["vs_oracle"]) == {"numpy", "torch-naive"}
+        assert all(0 < e["max_fraction_of_tolerance"] <= 1 for e in block["vs_oracle"].values())
+        assert "numpy~torch-naive" in block["pairs"] and "numpy~torch-naive" in block["pairs_eps"]
+        assert f"### {dtype} gradients" in md
+    section = md.index("## Gradients: cross-framework agreement on the gradient fixtures")
+    assert md.index("## Cross-framework agreement on the fixtures") < section
+    assert section < md.index("## Every pair on random inputs")
+
     # JUnit XML for CI, one testcase per test.
     suite = ET.parse(tmp_path / "junit.xml").getroot()
     cases = suite.findall(".//testcase")
     assert len(cases) == data["summary"]["passed"] + data["summary"]["skipped"]
 
     # Pictures, each linked from the Markdown.
-    for name in ("masks.png", "worked-example-weights.png", "agreement-float32.png"):
+    for name in (
+        "masks.png",
+        "worked-example-weights.png",
+        "agreement-float32.png",
+        "gradient-agreement-float32.png",
+        "gradient-agreement-bfloat16.png",
+    ):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
         assert f"]({name})" in md
 
@@ -152,3 +186,26 @@ def test_without_matplotlib_the_report_says_so(monkeypatch, tmp_path):
     }
     assert "no pictures: matplotlib is not installed" in report.render_markdown(data)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.clause("13.7")
+def test_a_pairwise_test_counts_for_both_backends_and_once_in_total():
+    from conformance import report
+
+    def row(backend, clause, outcome, reason=""):
+        return {"backend": backend, "clause": clause, "outcome": outcome, "reason": reason}
+
+    rows = [
+        row("a", "4.1", "passed"),
+        row("b", "4.1", "passed"),
+        row("a~b", "7.3", "passed"),
+        row("a~b", "7.3", "failed", "a vs b: too far"),
+        row("a~c", "12.10", "skipped", "c lacks capability 'grad'"),
+    ]
+    table = report.clause_table(rows)
+    assert table["a"]["7.3"]["passed"] == table["b"]["7.3"]["passed"] == 1
+    assert table["a"]["7.3"]["failed"] == table["b"]["7.3"]["failed"] == 1
+    assert table["a~b"]["7.3"]["failed"] == 1 and "7.3" not in table["c"]
+    assert table["c"]["12.10"]["skipped"] == table["a"]["12.10"]["skipped"] == 1
+    assert table["b"]["7.3"]["reasons"]["failed"] == ["a vs b: too far"]
+    assert table["a"]["4.1"]["passed"] == 1

@@ -213,8 +213,10 @@ class NumpyBackend(Backend):
     capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES
     dtypes = DTYPES
 
+    impl_module = "impls.numpy_attention"
+
     def __init__(self) -> None:
-        self.impl = importlib.import_module("impls.numpy_attention")
+        self.impl = importlib.import_module(self.impl_module)
 
     def _attention(self, q, k, v, *, seed=None, **options):
         if seed is not None:
@@ -242,11 +244,30 @@ class NumpyBackend(Backend):
         return {**grads, "x": d_x}
 
 
+#: Tiles for the blockwise backends under test: tiny, so that every test's odd sizes cross
+#: many tiles, partial last tiles, and tiles skipped or half-masked by causality and
+#: windows. Their default tiles (hundreds of rows) are for speed; tests/test_flash.py
+#: checks the defaults separately on a problem large enough to tile.
+FLASH_TEST_BLOCKS = {"block_q": 4, "block_k": 8}
+
+
+class NumpyFlashBackend(NumpyBackend):
+    """Blockwise attention with the online softmax: never builds the (T, S) matrix."""
+
+    name = "numpy-flash"
+    impl_module = "impls.numpy_flash"
+    capabilities = ALL_CAPABILITIES - {"dropout", "module"}
+
+    def _attention(self, q, k, v, **options):
+        return self.impl.attention(q, k, v, **FLASH_TEST_BLOCKS, **options)
+
+
 class JaxBackend(Backend):
     name = "jax"
     framework = "jax"
     capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES
     dtypes = DTYPES
+    impl_module = "impls.jax_attention"
 
     def __init__(self) -> None:
         import jax
@@ -254,7 +275,7 @@ class JaxBackend(Backend):
         # float64 is part of the spec; JAX silently computes in float32 without this.
         jax.config.update("jax_enable_x64", True)
         self.jax = jax
-        self.impl = importlib.import_module("impls.jax_attention")
+        self.impl = importlib.import_module(self.impl_module)
 
     def from_numpy(self, x):
         # device_put moves the bytes as they are; jnp.asarray would compile a copy per shape.
@@ -294,6 +315,17 @@ class JaxBackend(Backend):
 
     def versions(self):
         return {**super().versions(), "jax": self.jax.__version__}
+
+
+class JaxFlashBackend(JaxBackend):
+    """Blockwise attention with the online softmax under ``jax.jit``: no (T, S) matrix."""
+
+    name = "jax-flash"
+    impl_module = "impls.jax_flash"
+    capabilities = ALL_CAPABILITIES - {"dropout", "module"}
+
+    def _attention(self, q, k, v, **options):
+        return self.impl.attention(q, k, v, **FLASH_TEST_BLOCKS, **options)
 
 
 class _TorchBackend(Backend):
@@ -431,13 +463,21 @@ class TorchSdpaBackend(_TorchBackend):
 
 BUILTIN: dict[str, Callable[[], Backend]] = {
     "numpy": NumpyBackend,
+    "numpy-flash": NumpyFlashBackend,
     "jax": JaxBackend,
+    "jax-flash": JaxFlashBackend,
     "torch-naive": TorchNaiveBackend,
     "torch-module": TorchModuleBackend,
     "torch-sdpa": TorchSdpaBackend,
 }
 #: The framework each built-in backend needs, to tell "not installed" from "broken".
-REQUIRES = {"jax": "jax", "torch-naive": "torch", "torch-module": "torch", "torch-sdpa": "torch"}
+REQUIRES = {
+    "jax": "jax",
+    "jax-flash": "jax",
+    "torch-naive": "torch",
+    "torch-module": "torch",
+    "torch-sdpa": "torch",
+}
 
 
 def _registry() -> dict[str, Callable[[], Backend]]:

@@ -1,0 +1,42 @@
+"""Timing and peak memory of every attention backend, from T = 512 to 16384.
+
+Run from the repository root (a command, not a test):
+
+    python -m bench                                   # everything, a few minutes
+    python -m bench --sizes 512 1024 --repeats 3      # a quick look
+    python -m bench --backends numpy-flash jax-flash torch-sdpa --sizes 4096
+
+What it measures, for T = S, B·H heads of size D, float32, causal and not:
+
+* time: the median of ``--repeats`` calls after a warm-up call (which also compiles, for
+  JAX), each backend at each size in a fresh process of its own (``bench.worker``), so
+  that one framework's thread pool, still spinning after its call, cannot slow the next
+  one on the same cores. Each is also given as a ratio of throughputs to ``torch-sdpa``
+  at the same size in the same run (> 1: faster than torch-sdpa). The sizes are run in
+  order, all backends at one size before the next, so that comparisons at one size are
+  measured close together in time.
+* nominal GFLOP/s: 4·B·H·D per (query, key) pair that the mask lets through, i.e.
+  4·B·H·T·S·D without a mask and 4·B·H·D·T(T+1)/2 under a causal mask (T = S). The causal
+  count is the work a kernel that skips masked blocks must do, so a causal run at the same
+  GFLOP/s takes about half the time.
+* peak memory: in the same worker process, after the timed calls, the worker resets the
+  kernel's high-water mark of its resident memory (``/proc/self/clear_refs``, value 5)
+  and makes the measured call. ``peak`` is VmHWM during that call minus VmRSS just before
+  it (inputs already resident), and ``extra`` is ``peak`` minus the output's bytes: the
+  working memory beyond inputs and outputs. Before it, glibc's mmap threshold is pinned
+  at 128 KiB (``mallopt``) and the heap trimmed, so that large temporaries are returned
+  to the kernel on free rather than kept resident by the allocator, which would hide
+  them from the next call (pinned only after the timed calls: an mmap per temporary
+  slows them).
+  NumPy backends also report tracemalloc's peak (NumPy reports its buffers to it), as a
+  cross-check that needs no /proc. Where /proc/self/clear_refs is missing the child falls
+  back to the growth of ru_maxrss over its first call (which then includes compilation).
+
+A backend whose estimated memory (naive ones hold several B·H·T·S float32 arrays) exceeds
+``--mem-limit-gib``, or whose predicted call time (the previous size's, scaled by T²)
+exceeds ``--max-call-seconds``, is skipped at that size with the reason. A backend whose
+module is missing is reported as not installed.
+
+Outputs in ``--out`` (default bench/results): results.csv, results.json, results.md, and
+time_vs_T.png, memory_vs_T.png (log-log, one line per backend).
+"""

@@ -1,0 +1,177 @@
+"""Write the benchmark's rows as CSV, JSON, a Markdown summary and log-log plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+COLUMNS = [
+    "backend",
+    "causal",
+    "B",
+    "H",
+    "T",
+    "S",
+    "D",
+    "status",
+    "time_ms",
+    "min_ms",
+    "gflop",
+    "gflops",
+    "vs_torch_sdpa",
+    "first_call_s",
+    "peak_mib",
+    "extra_mib",
+    "tracemalloc_extra_mib",
+    "method",
+    "reason",
+    "memory_error",
+]
+
+
+def _fmt(x, spec: str) -> str:
+    return "" if x is None else format(x, spec)
+
+
+def _markdown(rows: list[dict], env: dict) -> str:
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    sizes = sorted({r["T"] for r in rows})
+    cell = {(r["backend"], r["T"], r["causal"]): r for r in rows}
+    a = env["args"]
+    lines = [
+        "# Attention benchmark",
+        "",
+        f"float32, B={a['B']}, H={a['H']}, D={a['D']}, T = S; median of {a['repeats']} "
+        f"calls after a warm-up, each backend and size in its own process. CPUs: {env['cpu_count']}, "
+        f"torch threads: {env.get('torch_threads')}, numpy {env['numpy']}, torch "
+        f"{env['torch']}, jax {env['jax']}, XLA_FLAGS={env['XLA_FLAGS']!r}.",
+        "",
+        "Nominal FLOPs: 4·B·H·D per (query, key) pair the mask lets through: 4·B·H·T·S·D "
+        "without a mask, 4·B·H·D·T(T+1)/2 causal. Cells: time in ms, GFLOP/s, and the "
+        "throughput ratio to torch-sdpa in the same run (> 1 is faster).",
+        "",
+    ]
+    for causal in sorted({r["causal"] for r in rows}):
+        lines += [f"## {'Causal' if causal else 'Non-causal'}: time", ""]
+        lines += ["| backend | " + " | ".join(f"T={T}" for T in sizes) + " |"]
+        lines += ["|---" * (len(sizes) + 1) + "|"]
+        for b in backends:
+            cells = []
+            for T in sizes:
+                r = cell.get((b, T, causal))
+                if r is None:
+                    cells.append("")
+                elif r["status"] != "ok":
+                    cells.append("skipped")
+                else:
+                    ratio = r.get("vs_torch_sdpa")
+                    cells.append(
+                        f"{r['time_ms']:.1f} ms, {r['gflops']:.0f} GF/s"
+                        + (f", ×{ratio:.2f}" if ratio else "")
+                    )
+            lines.append(f"| {b} | " + " | ".join(cells) + " |")
+        lines.append("")
+    mem_rows = [r for r in rows if "extra_mib" in r or "memory_error" in r]
+    if mem_rows:
+        lines += [
+            "## Peak memory of one call, beyond inputs and output (MiB)",
+            "",
+            "Each in its own process: VmHWM reset after a warm-up call, minus VmRSS before "
+            "the call, minus the output's bytes (glibc mmap threshold pinned so freed "
+            "temporaries leave the resident set). NumPy backends: tracemalloc's figure in "
+            "brackets.",
+            "",
+        ]
+        lines += ["| backend | causal | " + " | ".join(f"T={T}" for T in sizes) + " |"]
+        lines += ["|---" * (len(sizes) + 2) + "|"]
+        for causal in sorted({r["causal"] for r in mem_rows}):
+            for b in backends:
+                cells = []
+                for T in sizes:
+                    r = cell.get((b, T, causal), {})
+                    if "extra_mib" in r:
+                        tm = r.get("tracemalloc_extra_mib")
+                        cells.append(
+                            f"{r['extra_mib']:.1f}" + (f" [{tm:.1f}]" if tm is not None else "")
+                        )
+                    elif "memory_error" in r:
+                        cells.append("error")
+                    else:
+                        cells.append("")
+                lines.append(f"| {b} | {causal} | " + " | ".join(cells) + " |")
+        lines.append("")
+    skipped = [r for r in rows if r["status"] != "ok"]
+    if skipped:
+        lines += ["## Skipped", ""]
+        seen = set()
+        for r in skipped:
+            key = (r["backend"], r["reason"])
+            if key not in seen:
+                seen.add(key)
+                sizes_b = sorted({x["T"] for x in skipped if (x["backend"], x["reason"]) == key})
+                lines.append(f"- {r['backend']} at T={sizes_b}: {r['reason']}")
+        lines.append("")
+    errors = [r for r in rows if "memory_error" in r]
+    for r in errors:
+        lines.append(f"- memory {r['backend']} T={r['T']}: {r['memory_error']}")
+    return "\n".join(lines) + "\n"
+
+
+def _plots(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    causals = sorted({r["causal"] for r in rows})
+    fig, axes = plt.subplots(1, len(causals), figsize=(6.5 * len(causals), 5), squeeze=False)
+    for ax, causal in zip(axes[0], causals):
+        for b in backends:
+            pts = sorted(
+                (r["T"], r["time_ms"])
+                for r in rows
+                if r["backend"] == b and r["causal"] == causal and r["status"] == "ok"
+            )
+            if pts:
+                ax.loglog(*zip(*pts), marker="o", label=b, base=2)
+        ax.set_title(f"{'causal' if causal else 'non-causal'}, float32")
+        ax.set_xlabel("T = S")
+        ax.set_ylabel("median time per call (ms)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "time_vs_T.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.5, 5))
+    for b in backends:
+        pts = sorted(
+            (r["T"], max(r["extra_mib"], 0.01))
+            for r in rows
+            if r["backend"] == b and "extra_mib" in r and not r["causal"]
+        )
+        if pts:
+            ax.loglog(*zip(*pts), marker="o", label=b, base=2)
+    ax.set_title("peak memory beyond inputs and output, non-causal")
+    ax.set_xlabel("T = S")
+    ax.set_ylabel("MiB")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "memory_vs_T.png", dpi=120)
+    plt.close(fig)
+
+
+def write(rows: list[dict], env: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.json", "w") as f:
+        json.dump({"environment": env, "rows": rows}, f, indent=1)
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k) for k in COLUMNS})
+    (out / "results.md").write_text(_markdown(rows, env))
+    _plots(rows, out)

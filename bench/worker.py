@@ -1,0 +1,140 @@
+"""One backend at one size, in a process of its own: time it, then measure its peak memory.
+
+    python -m bench.worker --backend numpy-flash --B 1 --H 8 --T 4096 --D 64 [--causal]
+
+prints one JSON object. A process per backend keeps the frameworks' thread pools apart:
+a PyTorch, XLA or OpenBLAS pool that is still spinning after its own call slows whatever
+runs next on the same two cores. Timing: a warm-up call (compilation, for JAX), then the
+median of ``--repeats`` calls. Memory (unless ``--no-memory``): pin glibc's mmap
+threshold so freed temporaries leave the resident set, reset the kernel's
+resident-memory high-water mark (VmHWM) by writing 5 to /proc/self/clear_refs, make one
+more call, and report VmHWM minus the VmRSS just before it (the inputs are already
+resident).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import re
+import resource
+import statistics
+import time
+import tracemalloc
+
+MIB = 2**20
+
+
+def _status(key: str) -> int:
+    """A field of /proc/self/status, in bytes."""
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{key}:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _pin_mmap_threshold() -> bool:
+    """Make glibc serve every block over 128 KiB by mmap and give it back on free.
+
+    By default glibc raises its mmap threshold after the first large free (up to 32 MiB),
+    so later temporaries come from the heap and stay resident after they are freed: a
+    second call then reuses them and the high-water mark misses them. Pinning the
+    threshold (and trimming the heap now) makes VmHWM count each call's temporaries.
+    It is done only after the timed calls, because an mmap and page faults per large
+    allocation would slow them.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        M_MMAP_THRESHOLD = -3
+        ok = libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024) == 1
+        libc.malloc_trim(0)
+        return ok
+    except (OSError, AttributeError):
+        return False
+
+
+def run(
+    name: str,
+    B: int,
+    H: int,
+    T: int,
+    D: int,
+    causal: bool,
+    repeats: int,
+    memory: bool,
+    blocks: dict,
+) -> dict:
+    from bench.backends import BACKENDS, inputs
+
+    q, k, v = inputs(B, H, T, D)
+    call = BACKENDS[name].make(q, k, v, causal, blocks)
+    out_bytes = B * H * T * D * 4
+    result: dict = {}
+    can_reset = os.path.exists("/proc/self/clear_refs")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    t0 = time.perf_counter()
+    out = call()  # warm-up: compilation, lazy imports, thread pools
+    result["first_call_s"] = time.perf_counter() - t0
+    if memory and not can_reset:
+        # No way to reset the high-water mark: the first call's growth, compilation and all.
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+        result["method"] = "ru_maxrss growth over the first call (includes compilation)"
+    del out
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    result["times"] = times
+    if memory:
+        gc.collect()
+        _pin_mmap_threshold()
+        if can_reset and _reset_peak():
+            before = _status("VmRSS")
+            out = call()
+            peak = _status("VmHWM") - before
+            result["method"] = "VmHWM reset after warm-up"
+            del out
+        result["peak_mib"] = peak / MIB
+        result["extra_mib"] = (peak - out_bytes) / MIB
+        if name.startswith("numpy"):
+            gc.collect()
+            tracemalloc.start()
+            call()
+            traced = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            result["tracemalloc_extra_mib"] = (traced - out_bytes) / MIB
+    result["median_s"] = statistics.median(times)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", required=True)
+    for letter in "BHTD":
+        p.add_argument(f"--{letter}", type=int, required=True)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--block-q", type=int)
+    p.add_argument("--block-k", type=int)
+    a = p.parse_args(argv)
+    blocks = {
+        key: val for key, val in (("block_q", a.block_q), ("block_k", a.block_k)) if val is not None
+    }
+    result = run(a.backend, a.B, a.H, a.T, a.D, a.causal, a.repeats, not a.no_memory, blocks)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

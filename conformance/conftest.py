@@ -54,6 +54,9 @@ settings.register_profile(
     "deep",
     max_examples=500,
     deadline=None,
+    # Explicit: under CI=true Hypothesis' own defaults derandomize, and a deep run should
+    # draw new examples each time.
+    derandomize=False,
     print_blob=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

@@ -140,14 +140,12 @@ def error_matrix(backends: list[str]) -> dict[str, dict]:
     by max(1, |expected|) of each case)."""
     result = {}
     for dtype in DTYPES:
-        outs: dict[str, dict[str, np.ndarray]] = defaultdict(dict)
-        units: dict[str, float] = {}
-        worst: dict[str, dict] = {}
+        runs: dict[str, dict] = {}
         for name in backends:
             backend = load_backend(name)
             if dtype not in backend.dtypes:
                 continue
-            abs_err, ulp_err, ratio = 0.0, 0.0, 0.0
+            runs[name] = {}
             for entry in case_entries():
                 if entry["dtype"] != dtype:
                     continue
@@ -157,35 +155,11 @@ def error_matrix(backends: list[str]) -> dict[str, dict]:
                 ):
                     continue
                 try:
-                    out = np.asarray(
-                        backend.attention(*case.inputs(), mask=case.mask(), **case.options()),
-                        dtype=np.float64,
-                    )
+                    out = backend.attention(*case.inputs(), mask=case.mask(), **case.options())
                 except Exception:  # the tests report it; the matrix shows only what ran
                     continue
-                if out.shape != case.expected.shape:
-                    continue
-                outs[name][case.id] = out
-                unit = EPS[dtype] * max(1.0, float(np.max(np.abs(case.expected), initial=0.0)))
-                units[case.id] = unit
-                err = _max_abs(out - case.expected)
-                abs_err = max(abs_err, err)
-                ulp_err = max(ulp_err, err / unit)
-                ratio = max(ratio, err / tolerance(dtype, case.naive_error, case.expected))
-            worst[name] = {
-                "max_abs_error": abs_err,
-                "max_error_eps": ulp_err,
-                "max_fraction_of_tolerance": ratio,
-            }
-        pairs, pairs_eps = {}, {}
-        names = list(outs)
-        for i, a in enumerate(names):
-            for b in names[i + 1 :]:
-                shared = set(outs[a]) & set(outs[b])
-                diffs = {c: _max_abs(outs[a][c] - outs[b][c]) for c in shared}
-                pairs[f"{a}~{b}"] = max(diffs.values(), default=0.0)
-                pairs_eps[f"{a}~{b}"] = max((d / units[c] for c, d in diffs.items()), default=0.0)
-        result[dtype] = {"vs_oracle": worst, "pairs": pairs, "pairs_eps": pairs_eps}
+                runs[name][case.id] = (out, case.expected, case.naive_error)
+        result[dtype] = _agreement(dtype, runs)
     return result
 
 
@@ -197,21 +171,20 @@ def gradient_matrix(backends: list[str]) -> dict[str, dict]:
     Backends that do not declare "grad" are left out."""
     result = {}
     for dtype in DTYPES:
-        grads: dict[str, dict[tuple[str, str], np.ndarray]] = defaultdict(dict)
-        units: dict[tuple[str, str], float] = {}
-        worst: dict[str, dict] = {}
+        runs: dict[str, dict] = {}
+        skipped: dict[str, set] = {}
         for name in backends:
             backend = load_backend(name)
             if dtype not in backend.dtypes or "grad" not in backend.capabilities:
                 continue
-            abs_err, ulp_err, ratio, skipped = 0.0, 0.0, 0.0, set()
+            runs[name], skipped[name] = {}, set()
             for entry in case_entries(("attention_grad",)):
                 if entry["dtype"] != dtype:
                     continue
                 case = load_case(entry["id"])
                 missing = [c for c in case.requires if c not in backend.capabilities]
                 if missing:
-                    skipped.add(missing[0])
+                    skipped[name].add(missing[0])
                     continue
                 try:
                     got = backend.attention_vjp(
@@ -220,34 +193,49 @@ def gradient_matrix(backends: list[str]) -> dict[str, dict]:
                 except Exception:  # the tests report it; the matrix shows only what ran
                     continue
                 for g, (gname, want) in zip(got, case.expected_grads.items()):
-                    g = np.asarray(g, dtype=np.float64)
-                    if g.shape != want.shape:
-                        continue
-                    key = (case.id, gname)
-                    grads[name][key] = g
-                    unit = EPS[dtype] * max(1.0, float(np.max(np.abs(want), initial=0.0)))
-                    units[key] = unit
-                    err = _max_abs(g - want)
-                    abs_err = max(abs_err, err)
-                    ulp_err = max(ulp_err, err / unit)
-                    tol = tolerance(dtype, case.grad_naive_error(gname), want)
-                    ratio = max(ratio, err / tol)
-            worst[name] = {
-                "max_abs_error": abs_err,
-                "max_error_eps": ulp_err,
-                "max_fraction_of_tolerance": ratio,
-                "skipped_for": sorted(skipped),
-            }
-        pairs, pairs_eps = {}, {}
-        names = list(worst)
-        for i, a in enumerate(names):
-            for b in names[i + 1 :]:
-                shared = set(grads[a]) & set(grads[b])
-                diffs = {c: _max_abs(grads[a][c] - grads[b][c]) for c in shared}
-                pairs[f"{a}~{b}"] = max(diffs.values(), default=0.0)
-                pairs_eps[f"{a}~{b}"] = max((d / units[c] for c, d in diffs.items()), default=0.0)
-        result[dtype] = {"vs_oracle": worst, "pairs": pairs, "pairs_eps": pairs_eps}
+                    runs[name][(case.id, gname)] = (g, want, case.grad_naive_error(gname))
+        block = _agreement(dtype, runs)
+        for name, worst in block["vs_oracle"].items():
+            worst["skipped_for"] = sorted(skipped[name])
+        result[dtype] = block
     return result
+
+
+def _agreement(dtype: str, runs: dict[str, dict]) -> dict:
+    """Summarise {backend: {key: (got, expected, naive_error)}} for one dtype: each
+    backend's worst error against the oracle (absolute, in eps scaled by max(1, |expected|),
+    and as a fraction of SPEC §7's tolerance), and every pair's max difference (absolute
+    and in eps) on the keys both computed. A result of the wrong shape is left out."""
+    outs: dict[str, dict] = defaultdict(dict)
+    units: dict = {}
+    worst: dict[str, dict] = {}
+    for name, results in runs.items():
+        abs_err, ulp_err, ratio = 0.0, 0.0, 0.0
+        for key, (got, want, naive_error) in results.items():
+            got = np.asarray(got, dtype=np.float64)
+            if got.shape != want.shape:
+                continue
+            outs[name][key] = got
+            unit = EPS[dtype] * max(1.0, float(np.max(np.abs(want), initial=0.0)))
+            units[key] = unit
+            err = _max_abs(got - want)
+            abs_err = max(abs_err, err)
+            ulp_err = max(ulp_err, err / unit)
+            ratio = max(ratio, err / tolerance(dtype, naive_error, want))
+        worst[name] = {
+            "max_abs_error": abs_err,
+            "max_error_eps": ulp_err,
+            "max_fraction_of_tolerance": ratio,
+        }
+    pairs, pairs_eps = {}, {}
+    names = list(worst)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            shared = set(outs[a]) & set(outs[b])
+            diffs = {c: _max_abs(outs[a][c] - outs[b][c]) for c in shared}
+            pairs[f"{a}~{b}"] = max(diffs.values(), default=0.0)
+            pairs_eps[f"{a}~{b}"] = max((d / units[c] for c, d in diffs.items()), default=0.0)
+    return {"vs_oracle": worst, "pairs": pairs, "pairs_eps": pairs_eps}
 
 
 def _max_abs(diff: np.ndarray) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from dataclasses import dataclass, field
 from functools import cache
@@ -118,7 +119,6 @@ class Case:
 
 
 def _load(entry: dict, root: Path) -> Case:
-    import io
 
     data = verify(root / entry["file"], entry["sha256"])
     with np.load(io.BytesIO(data), allow_pickle=False) as z:

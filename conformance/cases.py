@@ -119,7 +119,6 @@ class Case:
 
 
 def _load(entry: dict, root: Path) -> Case:
-
     data = verify(root / entry["file"], entry["sha256"])
     with np.load(io.BytesIO(data), allow_pickle=False) as z:
         arrays = {name: z[name] for name in z.files}

@@ -1,6 +1,6 @@
 """``python -m bench``: see the package docstring."""
 
-from bench.run import main
+from conformance.bench.run import main
 
 if __name__ == "__main__":
     main()

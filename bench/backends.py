@@ -109,24 +109,46 @@ def _torch_f(q, k, v, causal: bool, blocks: dict) -> Call:
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in [
-        Backend("numpy", "impls.numpy_attention", _numpy("impls.numpy_attention", False), 20),
-        Backend("numpy-flash", "impls.numpy_flash", _numpy("impls.numpy_flash", True), 0),
-        Backend("jax", "impls.jax_attention", _jax("impls.jax_attention", False), 12),
-        Backend("jax-flash", "impls.jax_flash", _jax("impls.jax_flash", True), 0),
+        Backend(
+            "numpy",
+            "conformance.impls.numpy_attention",
+            _numpy("conformance.impls.numpy_attention", False),
+            20,
+        ),
+        Backend(
+            "numpy-flash",
+            "conformance.impls.numpy_flash",
+            _numpy("conformance.impls.numpy_flash", True),
+            0,
+        ),
+        Backend(
+            "jax",
+            "conformance.impls.jax_attention",
+            _jax("conformance.impls.jax_attention", False),
+            12,
+        ),
+        Backend(
+            "jax-flash", "conformance.impls.jax_flash", _jax("conformance.impls.jax_flash", True), 0
+        ),
         Backend(
             "torch-naive",
-            "impls.torch_naive",
-            _torch("impls.torch_naive", "scaled_dot_product_attention"),
+            "conformance.impls.torch_naive",
+            _torch("conformance.impls.torch_naive", "scaled_dot_product_attention"),
             16,
         ),
         Backend(
             "torch-module",
-            "impls.torch_module",
-            _torch("impls.torch_module", "attention"),
+            "conformance.impls.torch_module",
+            _torch("conformance.impls.torch_module", "attention"),
             16,
             note="the module's attention core",
         ),
-        Backend("torch-sdpa", "impls.torch_sdpa", _torch("impls.torch_sdpa", "attention"), 0),
+        Backend(
+            "torch-sdpa",
+            "conformance.impls.torch_sdpa",
+            _torch("conformance.impls.torch_sdpa", "attention"),
+            0,
+        ),
         Backend(
             "F.sdpa",
             "torch",

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.backends import BACKENDS, flops
+from conformance.bench.backends import BACKENDS, flops
 
 SIZES = (512, 1024, 2048, 4096, 8192, 16384)
 REFERENCE = "torch-sdpa"
@@ -99,7 +99,7 @@ def _environment(args: argparse.Namespace) -> dict:
 
 def _worker(name: str, args: argparse.Namespace, T: int, causal: bool, memory: bool) -> dict:
     """Run bench.worker for one backend, size and mask in a fresh process."""
-    cmd = [sys.executable, "-m", "bench.worker", "--backend", name]
+    cmd = [sys.executable, "-m", "conformance.bench.worker", "--backend", name]
     cmd += ["--B", str(args.B), "--H", str(args.H), "--T", str(T), "--D", str(args.D)]
     cmd += ["--repeats", str(args.repeats)]
     cmd += ["--causal"] if causal else []
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         ref_t = ref.get((r["T"], r["causal"]))
         r["vs_torch_sdpa"] = ref_t / r["time_ms"] if ref_t and "time_ms" in r else None
 
-    from bench.report import write
+    from conformance.bench.report import write
 
     env = _environment(args)
     write(rows, env, args.out)

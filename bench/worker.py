@@ -1,6 +1,6 @@
 """One backend at one size, in a process of its own: time it, then measure its peak memory.
 
-    python -m bench.worker --backend numpy-flash --B 1 --H 8 --T 4096 --D 64 [--causal]
+    python -m conformance.bench.worker --backend numpy-flash --B 1 --H 8 --T 4096 --D 64 [--causal]
 
 prints one JSON object. A process per backend keeps the frameworks' thread pools apart:
 a PyTorch, XLA or OpenBLAS pool that is still spinning after its own call slows whatever
@@ -74,7 +74,7 @@ def run(
     memory: bool,
     blocks: dict,
 ) -> dict:
-    from bench.backends import BACKENDS, inputs
+    from conformance.bench.backends import BACKENDS, inputs
 
     q, k, v = inputs(B, H, T, D)
     call = BACKENDS[name].make(q, k, v, causal, blocks)

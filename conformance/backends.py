@@ -15,7 +15,8 @@ import importlib
 import importlib.metadata
 import importlib.util
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -65,12 +66,19 @@ class Backend:
       framework: the library the implementation runs on, for the versions table.
       capabilities: a subset of ``CAPABILITIES``.
       dtypes: a subset of ``DTYPES``.
+      options: the options it was loaded with (``load_backend(name, **options)``), so a
+        replay can load it the same way.
+      conformance_options: the options the conformance run loads it with, when the
+        suite's small inputs need another configuration than the fast default to reach
+        every code path (SPEC §10.4). Users get the defaults.
     """
 
     name: str = ""
     framework: str = "numpy"
     capabilities: frozenset[str] = frozenset()
     dtypes: tuple[str, ...] = ("float64", "float32")
+    options: Mapping[str, Any] = MappingProxyType({})
+    conformance_options: Mapping[str, Any] = MappingProxyType({})
 
     def from_numpy(self, x: np.ndarray) -> Any:
         return x
@@ -213,7 +221,7 @@ class NumpyBackend(Backend):
     capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES
     dtypes = DTYPES
 
-    impl_module = "impls.numpy_attention"
+    impl_module = "conformance.impls.numpy_attention"
 
     def __init__(self) -> None:
         self.impl = importlib.import_module(self.impl_module)
@@ -244,22 +252,34 @@ class NumpyBackend(Backend):
         return {**grads, "x": d_x}
 
 
-#: Tiles for the blockwise backends under test: tiny, so that every test's odd sizes cross
-#: many tiles, partial last tiles, and tiles skipped or half-masked by causality and
-#: windows. Their default tiles (hundreds of rows) are for speed; tests/test_flash.py
-#: checks the defaults separately on a problem large enough to tile.
-FLASH_TEST_BLOCKS = {"block_q": 4, "block_k": 8}
+class _Blockwise:
+    """Tile sizes of a blockwise backend: ``load_backend(name, block_q=..., block_k=...)``.
+
+    Left out, the impl's own defaults apply (hundreds of rows: the fast configuration).
+    The conformance run loads these backends with tiny tiles, so that every test's odd
+    sizes cross many tiles, partial last tiles, and tiles skipped or half-masked by
+    causality and windows; tests/test_flash.py checks the defaults on a problem large
+    enough to tile.
+    """
+
+    conformance_options = MappingProxyType({"block_q": 4, "block_k": 8})
+
+    def __init__(self, *, block_q: int | None = None, block_k: int | None = None) -> None:
+        super().__init__()
+        self.options = {
+            n: b for n, b in (("block_q", block_q), ("block_k", block_k)) if b is not None
+        }
+
+    def _attention(self, q, k, v, **options):
+        return self.impl.attention(q, k, v, **self.options, **options)
 
 
-class NumpyFlashBackend(NumpyBackend):
+class NumpyFlashBackend(_Blockwise, NumpyBackend):
     """Blockwise attention with the online softmax: never builds the (T, S) matrix."""
 
     name = "numpy-flash"
-    impl_module = "impls.numpy_flash"
+    impl_module = "conformance.impls.numpy_flash"
     capabilities = ALL_CAPABILITIES - {"dropout", "module"}
-
-    def _attention(self, q, k, v, **options):
-        return self.impl.attention(q, k, v, **FLASH_TEST_BLOCKS, **options)
 
 
 class JaxBackend(Backend):
@@ -267,7 +287,7 @@ class JaxBackend(Backend):
     framework = "jax"
     capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES
     dtypes = DTYPES
-    impl_module = "impls.jax_attention"
+    impl_module = "conformance.impls.jax_attention"
 
     def __init__(self) -> None:
         import jax
@@ -317,15 +337,12 @@ class JaxBackend(Backend):
         return {**super().versions(), "jax": self.jax.__version__}
 
 
-class JaxFlashBackend(JaxBackend):
+class JaxFlashBackend(_Blockwise, JaxBackend):
     """Blockwise attention with the online softmax under ``jax.jit``: no (T, S) matrix."""
 
     name = "jax-flash"
-    impl_module = "impls.jax_flash"
+    impl_module = "conformance.impls.jax_flash"
     capabilities = ALL_CAPABILITIES - {"dropout", "module"}
-
-    def _attention(self, q, k, v, **options):
-        return self.impl.attention(q, k, v, **FLASH_TEST_BLOCKS, **options)
 
 
 class _TorchBackend(Backend):
@@ -385,7 +402,7 @@ class TorchNaiveBackend(_TorchBackend):
 
     def __init__(self) -> None:
         super().__init__()
-        self.impl = importlib.import_module("impls.torch_naive")
+        self.impl = importlib.import_module("conformance.impls.torch_naive")
 
     def _attention(self, q, k, v, *, seed=None, **options):
         if seed is not None:
@@ -401,7 +418,7 @@ class TorchModuleBackend(_TorchBackend):
 
     def __init__(self) -> None:
         super().__init__()
-        self.impl = importlib.import_module("impls.torch_module")
+        self.impl = importlib.import_module("conformance.impls.torch_module")
 
     def _attention(self, q, k, v, *, seed=None, dropout_p=0.0, **options):
         if dropout_p:
@@ -453,7 +470,7 @@ class TorchSdpaBackend(_TorchBackend):
 
     def __init__(self) -> None:
         super().__init__()
-        self.impl = importlib.import_module("impls.torch_sdpa")
+        self.impl = importlib.import_module("conformance.impls.torch_sdpa")
 
     def _attention(self, q, k, v, *, seed=None, **options):
         if seed is not None:
@@ -461,7 +478,7 @@ class TorchSdpaBackend(_TorchBackend):
         return self.impl.attention(q, k, v, **options)
 
 
-BUILTIN: dict[str, Callable[[], Backend]] = {
+BUILTIN: dict[str, type[Backend]] = {
     "numpy": NumpyBackend,
     "numpy-flash": NumpyFlashBackend,
     "jax": JaxBackend,
@@ -480,59 +497,122 @@ REQUIRES = {
 }
 
 
-def _registry() -> dict[str, Callable[[], Backend]]:
-    """Built-in backends plus those third-party packages register as entry points."""
-    found = dict(BUILTIN)
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        found.setdefault(ep.name, ep.load)
-    return found
+class Registry:
+    """Every backend the suite knows: built-in, from entry points, and registered at run time.
+
+    ``register`` adds a backend for this process (``--impl`` does); entry points (group
+    ``attention_conformance.backends``) register one for good. ``load`` builds a backend
+    once per (name, options) and hands out the same object afterwards.
+    """
+
+    def __init__(self, builtin: dict[str, Callable[..., Backend]]) -> None:
+        self._builtin = dict(builtin)
+        self._runtime: dict[str, Callable[..., Backend]] = {}
+        self._loaded: dict[tuple, Backend] = {}
+
+    def factories(self) -> dict[str, Callable[..., Backend]]:
+        found = {**self._builtin, **self._runtime}
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            found.setdefault(ep.name, ep.load)
+        return found
+
+    def register(
+        self, name: str, factory: Callable[..., Backend], *, replace: bool = False
+    ) -> None:
+        """Make ``factory`` loadable as ``name``; a taken name is refused unless ``replace``.
+
+        Replacing drops the loaded instances of that name, so the next ``load`` builds anew.
+        """
+        if not replace and name in self.factories():
+            raise ValueError(
+                f"backend name {name!r} is already taken; registered backends are "
+                f"{self.names()}: give yours another name (--impl-name)"
+            )
+        self._runtime[name] = factory
+        self._forget(name)
+
+    def unregister(self, name: str) -> None:
+        """Remove a backend registered with ``register``."""
+        self._runtime.pop(name, None)
+        self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        for key in [key for key in self._loaded if key[0] == name]:
+            del self._loaded[key]
+
+    def names(self) -> list[str]:
+        return sorted(self.factories())
+
+    def installed(self, name: str) -> bool:
+        need = REQUIRES.get(name) if name in self._builtin else None
+        return need is None or importlib.util.find_spec(need) is not None
+
+    def load(self, name: str, **options: Any) -> Backend:
+        key = (name, tuple(sorted(options.items())))
+        if key in self._loaded:
+            return self._loaded[key]
+        factories = self.factories()
+        if name not in factories:
+            raise BackendUnavailable(
+                f"unknown backend {name!r}: registered backends are {self.names()}, "
+                f"installed here: {available_backends()}"
+            )
+        try:
+            factory = factories[name]
+            backend = factory(**options)
+            if not isinstance(backend, Backend):
+                backend = backend(**options)  # an entry point may name the class itself
+        except ImportError as err:
+            raise BackendUnavailable(
+                f"backend {name!r} cannot be loaded ({err}); installed here: {available_backends()}"
+            ) from err
+        except TypeError as err:
+            if options:
+                raise TypeError(
+                    f"backend {name!r} does not take the options {sorted(options)}: {err}"
+                ) from err
+            raise
+        _check_declarations(backend)
+        self._loaded[key] = backend
+        return backend
 
 
-def _installed(name: str) -> bool:
-    need = REQUIRES.get(name)
-    return need is None or importlib.util.find_spec(need) is not None
+REGISTRY = Registry(BUILTIN)
+
+
+def register_backend(name: str, factory: Callable[..., Backend], *, replace: bool = False) -> None:
+    """Register ``factory`` under ``name`` beside the built-in backends, for this process."""
+    REGISTRY.register(name, factory, replace=replace)
+
+
+def unregister_backend(name: str) -> None:
+    """Remove a backend registered with ``register_backend``."""
+    REGISTRY.unregister(name)
 
 
 def registered_backends() -> list[str]:
     """Every backend name known to the suite, installed or not."""
-    return sorted(_registry())
+    return REGISTRY.names()
 
 
 def available_backends() -> list[str]:
     """The backends whose framework is installed here, in a stable order."""
-    return [name for name in registered_backends() if _installed(name)]
+    return [name for name in registered_backends() if REGISTRY.installed(name)]
 
 
-_LOADED: dict[str, Backend] = {}
-
-
-def load_backend(name: str) -> Backend:
+def load_backend(name: str, **options: Any) -> Backend:
     """Return the backend called ``name``, loading its framework on first use.
+
+    Without options it is the backend as users get it: its defaults are its fast, real
+    configuration. Options are the backend's own (SPEC §10.4), e.g. the tile sizes of the
+    blockwise backends; the conformance run passes each backend's ``conformance_options``.
 
     Raises:
       BackendUnavailable: ``name`` is unknown, or its framework cannot be imported. The
         message lists what is registered and what is installed; it is never a silent skip.
+      TypeError: the backend does not take one of ``options``.
     """
-    if name in _LOADED:
-        return _LOADED[name]
-    registry = _registry()
-    if name not in registry:
-        raise BackendUnavailable(
-            f"unknown backend {name!r}: registered backends are {registered_backends()}, "
-            f"installed here: {available_backends()}"
-        )
-    try:
-        factory = registry[name]
-        backend = factory()
-        if not isinstance(backend, Backend):
-            backend = factory()()  # an entry point may name the class itself
-    except ImportError as err:
-        raise BackendUnavailable(
-            f"backend {name!r} cannot be loaded ({err}); installed here: {available_backends()}"
-        ) from err
-    _check_declarations(backend)
-    _LOADED[name] = backend
-    return backend
+    return REGISTRY.load(name, **options)
 
 
 def _check_declarations(backend: Backend) -> None:

@@ -24,8 +24,8 @@ import numpy as np
 
 from conformance.backends import numpy_dtype
 from conformance.cases import Case, load_case
+from conformance.fixtures.oracle import naive_same_precision
 from conformance.tolerance import EPS, tolerance
-from fixtures.oracle import naive_same_precision
 
 # --- The functions, called as their users call them --------------------------------------
 

@@ -45,7 +45,7 @@ def random_tolerance(q, k, v, dtype: str, **options) -> float:
     """SPEC §7's tolerance for inputs without a fixture: the naive run in ``dtype`` against
     the same naive run in float64, which for these sizes is far closer to the oracle than
     any low-precision result."""
-    from fixtures.oracle import naive_same_precision
+    from conformance.fixtures.oracle import naive_same_precision
 
     ref = naive_same_precision(q, k, v, np.float64, **options)
     low = naive_same_precision(q, k, v, numpy_dtype(dtype), **options)

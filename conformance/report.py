@@ -717,7 +717,7 @@ def main(argv: list[str]) -> int:
         help="skip the frameworks' own functions on the edge cases",
     )
     args, extra = parser.parse_known_args(argv)
-    from conformance.conftest import selected_backends
+    from conformance.plugin import selected_backends
 
     class _Opts:
         def getoption(self, _name):
@@ -725,10 +725,10 @@ def main(argv: list[str]) -> int:
 
     backends = selected_backends(_Opts())
     if args.impl:
-        from conformance import plugins
+        from conformance.impl import load_impl
 
         try:
-            impl = plugins.load_impl(
+            impl = load_impl(
                 args.impl,
                 name=args.impl_name,
                 capabilities=args.impl_capabilities,

@@ -2,7 +2,7 @@
 
     max |impl - oracle|  <=  K · max |naive - oracle|  +  FLOOR[dtype] · eps(dtype) · max(1, max |oracle|)
 
-``naive`` is the textbook algorithm run in the case's dtype (``fixtures.oracle``); its
+``naive`` is the textbook algorithm run in the case's dtype (``conformance.fixtures.oracle``); its
 error is what that dtype makes unavoidable for these very inputs. K = 2 is the factor
 FlashAttention's tests use. The floor covers what the naive run can get right by luck
 (an exact sum, a one-hot softmax) while another correct order of operations rounds.

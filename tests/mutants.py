@@ -21,9 +21,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
-from conformance.backends import ALL_CAPABILITIES, DTYPES, Backend
-from impls.numpy_attention import (
+from conformance.impls.numpy_attention import (
     _check_d_out,
     _check_inputs,
     _check_mask,
@@ -32,6 +30,8 @@ from impls.numpy_attention import (
     layer_norm,
     linear,
 )
+
+from conformance.backends import ALL_CAPABILITIES, DTYPES, Backend
 
 #: What a gradient mutant (and the control) declares for its backward pass.
 GRAD = frozenset({"grad", "grad_mask", "grad_softcap"})

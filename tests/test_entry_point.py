@@ -46,13 +46,11 @@ def test_unknown_backend_lists_what_is_available():
 
 
 @pytest.mark.clause("10.2")
-def test_uninstalled_backend_is_an_error(monkeypatch):
-    from conformance import backends
-
+def test_uninstalled_backend_is_an_error(registry):
     def broken():
         raise ImportError("No module named 'jax'")
 
-    monkeypatch.setitem(backends.BUILTIN, "jax-broken", broken)
+    registry.register("jax-broken", broken)
     with pytest.raises(
         BackendUnavailable, match=r"jax-broken.*cannot be loaded.*No module named 'jax'"
     ):

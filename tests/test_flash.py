@@ -13,10 +13,10 @@ import tracemalloc
 import jax
 import numpy as np
 import pytest
+from conformance.impls import jax_flash, numpy_attention, numpy_flash
 
 from conformance.helpers import random_qkv, random_tolerance
 from conformance.tolerance import assert_within
-from impls import jax_flash, numpy_attention, numpy_flash
 
 OPTIONS = {
     "plain": {},

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conformance.impls import jax_attention, numpy_attention, torch_module, torch_naive, torch_sdpa
 
 from conformance.helpers import random_qkv, random_tolerance
 from conformance.tolerance import assert_within
-from impls import jax_attention, numpy_attention, torch_module, torch_naive, torch_sdpa
 
 
 def _chunks(q, k, v, sizes):

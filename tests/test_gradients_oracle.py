@@ -1,6 +1,6 @@
 """The gradient oracle itself (SPEC §12.11): checked against central finite differences.
 
-The oracle's gradients (``fixtures.oracle.attention_vjp``) are derived by hand from the
+The oracle's gradients (``conformance.fixtures.oracle.attention_vjp``) are derived by hand from the
 softmax Jacobian; here they are compared with central differences of the forward oracle,
 
     ∂L/∂x ≈ (L(x + h) − L(x − h)) / 2h,    L = Σ d_out · oracle.attention(...),
@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from fixtures import oracle
+from conformance.fixtures import oracle
 
 pytestmark = pytest.mark.clause("12.11")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance import backends, plugins
+from conformance import backends, impl, known_failures, replay
 from conformance.backends import Backend, BackendUnavailable, available_backends, load_backend
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,14 +32,6 @@ def _pytest(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture
-def registry(monkeypatch):
-    """Backends registered during a test are forgotten after it."""
-    monkeypatch.setattr(backends, "BUILTIN", dict(backends.BUILTIN))
-    monkeypatch.setattr(backends, "_LOADED", {})
-    monkeypatch.setattr(plugins, "_IMPLS", {})
-
-
 class KitBackend(Backend):
     """A backend as a third-party package would write it: the reference, renamed."""
 
@@ -48,7 +40,7 @@ class KitBackend(Backend):
     dtypes = ("float64",)
 
     def _attention(self, q, k, v, **options):
-        from impls.numpy_attention import attention
+        from conformance.impls.numpy_attention import attention
 
         return attention(q, k, v, **options)
 
@@ -178,12 +170,12 @@ def test_known_failures_file_is_checked(tmp_path, text, message):
     path = tmp_path / "known.txt"
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
-        plugins.read_known_failures(path)
+        known_failures.read_known_failures(path)
 
 
 @pytest.mark.clause("13.4")
 def test_known_failure_keys():
-    keys = plugins.known_failure_keys(
+    keys = known_failures.known_failure_keys(
         "conformance/tests/test_errors.py::test_bad_input[mine-integer-mask]", "test_bad_input"
     )
     assert keys == {
@@ -214,7 +206,7 @@ def test_function_backend_passes_only_what_it_is_given(registry):
         seen.append({"mask": mask, "is_causal": is_causal, "scale": scale})
         return np.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
 
-    b = plugins.FunctionBackend(attention, name="fn")
+    b = impl.FunctionBackend(attention, name="fn")
     q = np.ones((1, 1, 2, 3))
     b.attention(q, q, q, is_causal=True)
     assert seen == [{"mask": None, "is_causal": True, "scale": None}]
@@ -224,16 +216,16 @@ def test_function_backend_passes_only_what_it_is_given(registry):
 @pytest.mark.clause("13.1")
 def test_declared_capabilities_are_checked_against_the_signature(registry):
     with pytest.raises(ValueError, match=r"declares 'softcap'.*no 'softcap' parameter"):
-        plugins.resolve_impl("examples.my_attention:attention", capabilities="softcap")
+        impl.resolve_impl("examples.my_attention:attention", capabilities="softcap")
     with pytest.raises(ValueError, match="unknown \\['flash'\\]"):
-        plugins.resolve_impl("examples.my_attention:attention", capabilities="flash")
+        impl.resolve_impl("examples.my_attention:attention", capabilities="flash")
     with pytest.raises(ValueError, match="unknown \\['float8'\\]"):
-        plugins.resolve_impl("examples.my_attention:attention", dtypes="float8")
+        impl.resolve_impl("examples.my_attention:attention", dtypes="float8")
 
 
 @pytest.mark.clause("13.1")
 def test_load_impl_registers_it_by_name(registry):
-    b = plugins.load_impl(
+    b = impl.load_impl(
         "examples.my_attention:attention", capabilities="window,gqa", dtypes="float64"
     )
     assert b.name == "my_attention.attention"
@@ -244,16 +236,16 @@ def test_load_impl_registers_it_by_name(registry):
 
 @pytest.mark.clause("13.1")
 def test_impl_may_be_a_backend_class(registry):
-    b = plugins.load_impl("test_kit:KitBackend")
+    b = impl.load_impl("test_kit:KitBackend")
     assert isinstance(b, KitBackend) and b.name == "kit-backend"
     with pytest.raises(ValueError, match="declares its own capabilities"):
-        plugins.resolve_impl("test_kit:KitBackend", capabilities="window")
+        impl.resolve_impl("test_kit:KitBackend", capabilities="window")
 
 
 @pytest.mark.clause("13.1")
 def test_an_impl_cannot_take_a_builtin_name(registry):
     with pytest.raises(ValueError, match="'numpy' is already taken"):
-        plugins.load_impl("examples.my_attention:attention", name="numpy")
+        impl.load_impl("examples.my_attention:attention", name="numpy")
 
 
 @pytest.mark.clause("13.2")
@@ -296,25 +288,68 @@ def test_entry_point_that_cannot_import_is_loud(registry, monkeypatch):
 def test_recorded_calls_replay_bit_for_bit(tmp_path, dtype):
     from conformance.helpers import random_qkv
 
-    log = plugins.new_call_log()
-    b = plugins.RecordingBackend(load_backend("numpy"), log)
+    log = replay.new_call_log()
+    b = replay.RecordingBackend(load_backend("numpy"), log)
     q, k, v = random_qkv(0, T=5, S=6, dtype=dtype)
     mask = np.random.default_rng(1).random((5, 6)) < 0.7
-    first = b.attention(q, k, v, mask=mask, window=(2, None), scale=0.5)
+    first = b.attention(q, k, v, mask=mask, window=(2, None), scale=np.float64(0.5))
     b.attention(q, k, v)
-    lines = plugins.save_calls(tmp_path / "calls.npz", list(log))
+    lines = replay.save_calls(tmp_path / "calls.npz", list(log))
     assert len(lines) == 2 and "window=(2, None)" in lines[0] and "mask=bool[5, 6]" in lines[0]
-    backend, args, options = plugins.load_call(tmp_path / "calls.npz", index=0)
-    assert options["window"] == (2, None) and args[0].dtype == q.dtype
-    again = backend.attention(*args, **options)
+    assert "scale=0.5" in lines[0] and "np.float64" not in lines[0]
+    backend, method, args, kwargs = replay.load_call(tmp_path / "calls.npz", index=0)
+    assert method == "attention" and kwargs["window"] == (2, None)
+    assert args[0].dtype == q.dtype
+    again = backend.attention(*args, **kwargs)
     assert again.dtype == first.dtype and np.array_equal(again.view(np.uint8), first.view(np.uint8))
 
 
 @pytest.mark.clause("13.5")
+def test_gradient_and_module_calls_replay_with_the_backend_options(tmp_path):
+    """attention_vjp and the module calls are recorded too, and the backend comes back with
+    the options it was loaded with."""
+    from conformance.cases import load_case
+
+    log = replay.new_call_log(size=3)
+    flash = replay.RecordingBackend(load_backend("numpy-flash", block_q=4, block_k=8), log)
+    ref = replay.RecordingBackend(load_backend("numpy"), log)
+    case = load_case("grad-T5-S7-E3-float64")
+    grads = ref.attention_vjp(*case.inputs(), case.d_out(), **case.options())
+    mha = load_case("mha-float64")
+    out = ref.multi_head_attention(mha.params(), mha.arrays["x"], n_heads=3)
+    flash.attention(*case.inputs())
+    lines = replay.save_calls(tmp_path / "calls.npz", list(log))
+    assert lines[0].startswith("attention_vjp(") and lines[1].startswith("multi_head_attention(")
+    assert "load_backend('numpy-flash', block_q=4, block_k=8)" in lines[2]
+    backend, method, args, kwargs = replay.load_call(tmp_path / "calls.npz", index=0)
+    again = getattr(backend, method)(*args, **kwargs)
+    assert all(np.array_equal(x, y) for x, y in zip(again, grads))
+    backend, method, args, kwargs = replay.load_call(tmp_path / "calls.npz", index=1)
+    assert np.array_equal(getattr(backend, method)(*args, **kwargs), out)
+    backend, method, args, kwargs = replay.load_call(tmp_path / "calls.npz", index=2)
+    assert backend.options == {"block_q": 4, "block_k": 8}
+
+
+@pytest.mark.clause("13.5")
+def test_replay_snippet_runs_as_printed(tmp_path):
+    """The snippet a failure carries is complete Python: run it as it is."""
+    log = replay.new_call_log()
+    b = replay.RecordingBackend(load_backend("numpy"), log)
+    q = np.ones((1, 1, 2, 3))
+    b.attention(q, q, q, is_causal=True)
+    path = tmp_path / "calls.npz"
+    snippet = replay.replay_snippet(path, replay.save_calls(path, list(log)))
+    code = "\n".join(line[2:] for line in snippet.split("replay in Python:\n")[1].splitlines())
+    scope: dict = {}
+    exec(code, scope)
+    assert np.array_equal(scope["result"], load_backend("numpy").attention(q, q, q, is_causal=True))
+
+
+@pytest.mark.clause("13.5")
 def test_recording_backend_passes_everything_else_through():
-    b = plugins.RecordingBackend(load_backend("numpy"), plugins.new_call_log())
+    b = replay.RecordingBackend(load_backend("numpy"), replay.new_call_log())
     assert b.name == "numpy" and b.capabilities == load_backend("numpy").capabilities
-    assert b.multi_head_attention == load_backend("numpy").multi_head_attention
+    assert b.versions() == load_backend("numpy").versions()
 
 
 @pytest.mark.clause("13.6")
@@ -322,7 +357,9 @@ def test_hypothesis_profiles():
     """The profile "quick" (the default) is small and repeatable; "deep" draws many more."""
     from hypothesis import settings
 
-    import conformance.conftest  # noqa: F401  (registers the profiles)
+    from conformance.plugin import _register_hypothesis_profiles
+
+    _register_hypothesis_profiles()
 
     quick, deep = settings.get_profile("quick"), settings.get_profile("deep")
     assert quick.max_examples == 25 and quick.derandomize and quick.deadline is None

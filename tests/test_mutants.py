@@ -34,9 +34,8 @@ class _Failures:
             self.failed.append((item.nodeid, clauses))
 
 
-def _run_suite(monkeypatch, name, cls):
-    monkeypatch.setitem(backends.BUILTIN, name, cls)
-    monkeypatch.setattr(backends, "_LOADED", {})
+def _run_suite(registry, name, cls):
+    registry.register(name, cls)
     failures = _Failures()
     code = pytest.main(
         [str(SUITE), "--backend", name, "-q", "--tb=no", "-p", "no:cacheprovider"],
@@ -45,10 +44,10 @@ def _run_suite(monkeypatch, name, cls):
     return int(code), failures.failed
 
 
-def test_control_passes(monkeypatch):
+def test_control_passes(registry):
     """The unbroken steps pass the suite, so a mutant's failure is its bug's doing."""
     assert {"grad", "grad_mask", "grad_softcap"} <= Control.capabilities
-    code, failed = _run_suite(monkeypatch, Control.name, Control)
+    code, failed = _run_suite(registry, Control.name, Control)
     assert code == 0 and not failed, failed
 
 
@@ -58,9 +57,9 @@ def _params():
 
 
 @pytest.mark.parametrize("name", list(_params()))
-def test_mutant_is_killed(monkeypatch, name):
+def test_mutant_is_killed(registry, name):
     cls, clauses, node_part = MUTANTS[name]
-    code, failed = _run_suite(monkeypatch, name, cls)
+    code, failed = _run_suite(registry, name, cls)
     assert code == 1, f"{name} survived the suite (exit code {code})"
     hits = [node for node, marks in failed if marks & clauses and node_part in node]
     assert hits, (

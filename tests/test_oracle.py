@@ -6,8 +6,7 @@ import math
 
 import numpy as np
 import pytest
-
-from fixtures import oracle
+from conformance.fixtures import oracle
 
 
 @pytest.mark.clause("11.1")

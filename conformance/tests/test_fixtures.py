@@ -36,7 +36,7 @@ def test_fixture_case(backend, case_id):
         out,
         case.expected,
         tol,
-        f"{backend.name} on fixture {case.id} {case.meta['shape']} {case.options()}\n  reproduce: {case.call()}",
+        f"{backend.name} on fixture {case.id} {case.meta['shape']} {case.options()}\n  reproduce: {case.call(backend)}",
     )
 
 

@@ -36,7 +36,7 @@ def _d_out(seed: int, q: np.ndarray, v: np.ndarray) -> np.ndarray:
 def _grad_tolerances(q, k, v, d_out, dtype: str, **options) -> dict[str, float]:
     """SPEC §12.9 for inputs without a fixture: the naive backward in ``dtype`` against the
     same naive backward in float64, standing in for the oracle (as SPEC §7.2)."""
-    from fixtures.oracle import naive_vjp_same_precision
+    from conformance.fixtures.oracle import naive_vjp_same_precision
 
     ref = naive_vjp_same_precision(q, k, v, d_out, np.float64, **options)
     low = naive_vjp_same_precision(q, k, v, d_out, numpy_dtype(dtype), **options)
@@ -74,7 +74,7 @@ def test_gradient_fixture(backend, case_id):
         )
         tol = tolerance(case.dtype, case.grad_naive_error(name), expected[name])
         assert_within(
-            got, expected[name], tol, f"{context}: {name}\n  reproduce: {case.call_vjp()}"
+            got, expected[name], tol, f"{context}: {name}\n  reproduce: {case.call_vjp(backend)}"
         )
 
 
@@ -293,7 +293,7 @@ def _module_grads(backend, case, d_out):
 
 def _module_reference(case, d_out):
     """The naive float64 backward (standing in for the oracle) and SPEC §12.9 tolerances."""
-    from fixtures.oracle import naive_module_vjp_same_precision
+    from conformance.fixtures.oracle import naive_module_vjp_same_precision
 
     H = case.meta["shape"]["H"]
     x = case.arrays["x"].astype(case.dtype)

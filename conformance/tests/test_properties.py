@@ -24,9 +24,9 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 from conformance.backends import DTYPES, numpy_dtype
+from conformance.fixtures import oracle
 from conformance.helpers import as64, random_tolerance
 from conformance.tolerance import assert_within, tolerance
-from fixtures import oracle
 
 
 @dataclass

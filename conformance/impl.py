@@ -1,8 +1,6 @@
-"""Point the suite at your own attention: ``--impl``, known failures, replayable failures.
+"""Your implementation as a backend: ``--impl package.module:attr``.
 
-Three things a user of the suite needs beyond the built-in backends:
-
-1. **Your implementation as a backend.** ``--impl package.module:attr`` names either a
+``--impl`` names either a
    function with the spec's signature (NumPy in, NumPy out)::
 
        def attention(q, k, v, *, mask=None, is_causal=False, scale=None, ...) -> np.ndarray
@@ -23,20 +21,15 @@ Three things a user of the suite needs beyond the built-in backends:
 
 from __future__ import annotations
 
-import collections
 import importlib
 import inspect
-import itertools
-import json
 import os
 import sys
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from conformance import backends
 from conformance.backends import (
     ALL_CAPABILITIES,
     CAPABILITIES,
@@ -45,7 +38,7 @@ from conformance.backends import (
     BackendUnavailable,
     available_backends,
     load_backend,
-    numpy_dtype,
+    register_backend,
     registered_backends,
 )
 
@@ -119,22 +112,7 @@ class ImplUnavailable(BackendUnavailable):
 
 #: How to rebuild each backend registered here, for the replay snippets: a name maps to
 #: the keyword arguments of ``load_impl``.
-_IMPLS: dict[str, dict] = {}
-
-
-def register_backend(name: str, factory: Callable[[], Backend]) -> None:
-    """Register ``factory`` under ``name`` beside the built-in backends (this process only).
-
-    Entry points (group ``attention_conformance.backends``) are the way to register a
-    backend for good; this is for backends chosen at run time, such as ``--impl``.
-    """
-    if name in registered_backends() and name not in _IMPLS:
-        raise ValueError(
-            f"backend name {name!r} is already taken; registered backends are "
-            f"{registered_backends()}: give yours another name (--impl-name)"
-        )
-    backends.BUILTIN[name] = factory
-    backends._LOADED.pop(name, None)
+LOADERS: dict[str, dict] = {}
 
 
 def _import_target(spec: str) -> Any:
@@ -253,9 +231,9 @@ def load_impl(
     the same object, and the suite's ``--backend`` accepts the name.
     """
     backend = resolve_impl(spec, name=name, capabilities=capabilities, dtypes=dtypes)
-    backends._check_declarations(backend)
-    register_backend(backend.name, lambda: backend)
-    _IMPLS[backend.name] = {
+    # Loading the same impl again (a replay in the process that recorded it) replaces it.
+    register_backend(backend.name, lambda: backend, replace=backend.name in LOADERS)
+    LOADERS[backend.name] = {
         "spec": spec,
         "name": backend.name,
         "capabilities": sorted(backend.capabilities)
@@ -264,164 +242,3 @@ def load_impl(
         "dtypes": list(backend.dtypes) if isinstance(backend, FunctionBackend) else None,
     }
     return load_backend(backend.name)
-
-
-# --- Known failures --------------------------------------------------------------------------
-
-
-class StaleKnownFailure(UserWarning):
-    """A known-failures entry matches no collected test."""
-
-
-def read_known_failures(path: str | os.PathLike) -> dict[str, str]:
-    """``{test id: reason}`` from a known-failures file.
-
-    The format: one entry per line, ``test id  # reason``; blank lines and lines starting
-    with ``#`` are ignored. Every entry needs a reason.
-
-    Raises:
-      ValueError: a line without a reason, or an id listed twice.
-    """
-    found: dict[str, str] = {}
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        test_id, sep, reason = line.partition("#")
-        test_id, reason = test_id.strip(), reason.strip()
-        if not sep or not reason:
-            raise ValueError(
-                f"{path}:{number}: give the reason after '#': {test_id}  # why it fails"
-            )
-        if test_id in found:
-            raise ValueError(f"{path}:{number}: {test_id} is listed twice")
-        found[test_id] = reason
-    return found
-
-
-def known_failure_keys(nodeid: str, originalname: str | None = None) -> set[str]:
-    """The ids a known-failures entry may use for the test ``nodeid``.
-
-    ``conformance/tests/test_errors.py::test_bad_input[mine-integer-mask]`` is matched by
-    that whole node id, by ``test_errors.py::test_bad_input[mine-integer-mask]``, by
-    ``test_bad_input[mine-integer-mask]``, and, for every parametrization at once, by
-    ``test_errors.py::test_bad_input`` and ``test_bad_input``.
-    """
-    path, _, name = nodeid.rpartition("::")
-    file = path.rsplit("/", 1)[-1]
-    bare = originalname or name.split("[", 1)[0]
-    return {nodeid, f"{file}::{name}", name, f"{file}::{bare}", bare}
-
-
-# --- Replayable calls ------------------------------------------------------------------------
-
-_CLOCK = itertools.count()
-
-
-class RecordingBackend:
-    """A backend that remembers its last calls to ``attention``, to replay a failure.
-
-    Everything else is the wrapped backend's own: attributes and other methods pass
-    straight through.
-    """
-
-    def __init__(self, backend: Backend, log: collections.deque) -> None:
-        self._backend = backend
-        self._log = log
-
-    def attention(self, q, k, v, **options):
-        # Copies: a test may change its arrays after the call.
-        saved = {
-            key: np.array(value) if key == "mask" and value is not None else value
-            for key, value in options.items()
-        }
-        self._log.append(
-            (next(_CLOCK), self._backend.name, [np.array(x) for x in (q, k, v)], saved)
-        )
-        return self._backend.attention(q, k, v, **options)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._backend, name)
-
-    def __repr__(self) -> str:
-        return repr(self._backend)
-
-
-def new_call_log(size: int = 2) -> collections.deque:
-    return collections.deque(maxlen=size)
-
-
-def _to_storable(x: np.ndarray) -> tuple[np.ndarray, str]:
-    dtype = x.dtype.name
-    if dtype == "bfloat16":
-        return x.astype(np.float32), dtype  # exact; npz cannot hold ml_dtypes without pickle
-    return x, dtype
-
-
-def _describe(x: np.ndarray | None) -> str:
-    return "None" if x is None else f"{x.dtype.name}{list(x.shape)}"
-
-
-def save_calls(path: str | os.PathLike, calls: Iterable[tuple]) -> list[str]:
-    """Write the recorded calls to ``path`` (.npz, no pickle); return one line per call,
-    describing it, for the failure message."""
-    arrays: dict[str, np.ndarray] = {}
-    meta: list[dict] = []
-    lines: list[str] = []
-    for i, (_, name, qkv, options) in enumerate(calls):
-        options = dict(options)
-        mask = options.pop("mask", None)
-        entry: dict = {"backend": name, "dtypes": {}, "options": options}
-        for label, x in zip("qkv", qkv):
-            arrays[f"{i}.{label}"], entry["dtypes"][label] = _to_storable(np.asarray(x))
-        if mask is not None:
-            arrays[f"{i}.mask"], entry["dtypes"]["mask"] = _to_storable(np.asarray(mask))
-        entry["loader"] = _IMPLS.get(name)
-        meta.append(entry)
-        shown = ", ".join(
-            [f"{label}={_describe(x)}" for label, x in zip("qkv", qkv)]
-            + ([f"mask={_describe(mask)}"] if mask is not None else [])
-            + [f"{key}={value!r}" for key, value in options.items()]
-        )
-        lines.append(f"attention({shown})  # on backend {name!r}")
-    arrays["meta"] = np.array(json.dumps(meta, default=repr))
-    np.savez(path, **arrays)
-    return lines
-
-
-def load_call(path: str | os.PathLike, index: int = -1) -> tuple[Backend, tuple, dict]:
-    """``(backend, (q, k, v), options)`` of a call saved by a failing test.
-
-    Replay it with ``backend.attention(*args, **options)``. ``index`` picks the call
-    (-1, the default, is the last one before the failure).
-    """
-    with np.load(path, allow_pickle=False) as saved:
-        meta = json.loads(str(saved["meta"]))
-        i = range(len(meta))[index]
-        entry = meta[i]
-        if entry["loader"]:
-            backend = load_impl(**entry["loader"])
-        else:
-            backend = load_backend(entry["backend"])
-        qkv = tuple(saved[f"{i}.{n}"].astype(numpy_dtype(entry["dtypes"][n])) for n in "qkv")
-        options = dict(entry["options"])
-        if f"{i}.mask" in saved:
-            mask = saved[f"{i}.mask"]
-            options["mask"] = mask.astype(numpy_dtype(entry["dtypes"]["mask"]))
-    if isinstance(options.get("window"), list):
-        options["window"] = tuple(options["window"])
-    return backend, qkv, options
-
-
-def replay_snippet(path: str | os.PathLike, lines: list[str]) -> str:
-    """The text a failing test carries: what was called, and how to call it again."""
-    n = len(lines)
-    calls = "\n".join(f"  [{i - n}] {line}" for i, line in enumerate(lines))
-    return (
-        f"the last {'call' if n == 1 else f'{n} calls'} to attention before the failure "
-        f"(inputs saved to {path}):\n{calls}\n"
-        "replay in Python:\n"
-        "  from conformance.plugins import load_call\n"
-        f"  backend, args, options = load_call({str(path)!r}, index=-1)\n"
-        "  out = backend.attention(*args, **options)"
-    )

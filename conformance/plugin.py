@@ -1,14 +1,18 @@
-"""The pytest plugin: choose backends explicitly, name them in every test id.
+"""The pytest plugin (entry point ``pytest11``): choose backends explicitly, name them in
+every test id.
 
-    pytest conformance --backend numpy --backend jax
-    pytest conformance --backend all          # every installed backend
-    pytest conformance --impl mypkg.attn:attention --impl-capabilities window,gqa
-    pytest conformance --impl mypkg.attn:MyBackend --known-failures mine.txt
+    pytest --pyargs conformance --backend numpy --backend jax     # from any directory
+    pytest --pyargs conformance --backend all                     # every installed backend
+    pytest --pyargs conformance --impl mypkg.attn:attention --impl-capabilities window,gqa
+    pytest conformance --impl mypkg.attn:MyBackend --known-failures mine.txt   # in a checkout
 
-No ``--backend`` (and no ``--impl``) is a usage error, and so is a backend that cannot be
-loaded: a conformance run that tested nothing must never look green.
+Installing the distribution registers this module with pytest, so the options exist in
+every pytest run; in another project's run the plugin does nothing unless asked
+(``--backend``/``--impl``, or collecting the ``conformance`` tests). Running the
+conformance tests with no ``--backend`` (and no ``--impl``) is a usage error, and so is a
+backend that cannot be loaded: a conformance run that tested nothing must never look green.
 
-``--impl`` plugs in your own implementation (``conformance/plugins.py``): a function with
+``--impl`` plugs in your own implementation (``conformance/impl.py``): a function with
 the spec's signature, NumPy in and out, declaring the capabilities and dtypes you list,
 or a ``conformance.Backend``. ``--known-failures FILE`` marks the tests it lists as
 expected failures (strict: a fixed one fails until its line is removed), with a warning
@@ -30,9 +34,8 @@ import warnings
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, settings
 
-from conformance import plugins
+from conformance import impl, known_failures, replay
 from conformance.backends import (
     BackendUnavailable,
     available_backends,
@@ -40,27 +43,29 @@ from conformance.backends import (
     registered_backends,
 )
 
-# Registered on import, before Hypothesis' own plugin reads --hypothesis-profile.
-settings.register_profile(
-    "quick",
-    max_examples=25,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
-settings.register_profile(
-    "deep",
-    max_examples=500,
-    deadline=None,
-    # Explicit: under CI=true Hypothesis' own defaults derandomize, and a deep run should
-    # draw new examples each time.
-    derandomize=False,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
-settings.load_profile("quick")
+
+def _register_hypothesis_profiles() -> None:
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile(
+        "quick",
+        max_examples=25,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+    settings.register_profile(
+        "deep",
+        max_examples=500,
+        deadline=None,
+        # Explicit: under CI=true Hypothesis' own defaults derandomize, and a deep run should
+        # draw new examples each time.
+        derandomize=False,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -84,7 +89,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="CAP,...",
         help="the optional capabilities an --impl function implements (default: none, the "
         "core only; 'all' = every one a function can have): "
-        + ", ".join(sorted(plugins.FUNCTION_CAPABILITIES)),
+        + ", ".join(sorted(impl.FUNCTION_CAPABILITIES)),
     )
     group.addoption(
         "--impl-dtypes",
@@ -131,7 +136,7 @@ def _load_impl(config: pytest.Config) -> str | None:
                 raise pytest.UsageError(f"{flag} describes an --impl; give --impl MODULE:ATTR")
         return None
     try:
-        backend = plugins.load_impl(
+        backend = impl.load_impl(
             spec,
             name=config.getoption("--impl-name"),
             capabilities=config.getoption("--impl-capabilities"),
@@ -142,40 +147,74 @@ def _load_impl(config: pytest.Config) -> str | None:
     return backend.name
 
 
+def conformance_requested(config: pytest.Config) -> bool:
+    """Whether this pytest run asked for the conformance suite (--backend or --impl)."""
+    return bool(config.getoption("--backend")) or config.getoption("--impl") is not None
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
+    """Load the chosen backends; in a run that chose none, change nothing.
+
+    Runs before Hypothesis' own plugin reads ``--hypothesis-profile``, so the suite's
+    profiles "quick" (the default) and "deep" exist by then.
+    """
     config.addinivalue_line("markers", "clause(number): the SPEC.md clause a test checks")
     config.addinivalue_line("markers", "pairwise: compares every pair of selected backends")
-    impl = _load_impl(config)
+    config.conformance_backends = []
+    config.conformance_known_failures = {}
+    if not conformance_requested(config):
+        _load_impl(config)  # only to refuse --impl-* flags without an --impl
+        if config.getoption("--known-failures") is not None:
+            raise pytest.UsageError(
+                "--known-failures describes a conformance run; give --backend NAME or --impl "
+                "MODULE:ATTR"
+            )
+        return
+    _register_hypothesis_profiles()
+    if config.getoption("hypothesis_profile", None) is None:
+        from hypothesis import settings
+
+        settings.load_profile("quick")
+    impl_name = _load_impl(config)
     names = selected_backends(config)
-    if impl is not None:
-        names = list(dict.fromkeys([*names, impl]))
-    if not names:
-        raise pytest.UsageError(
-            "choose the backends to test with --backend NAME (repeatable), --backend all, "
-            "or your own with --impl MODULE:FUNCTION; "
-            f"registered: {registered_backends()}, installed here: {available_backends()}"
-        )
+    if impl_name is not None:
+        names = list(dict.fromkeys([*names, impl_name]))
     for name in names:
         try:
-            load_backend(name)
+            conformance_backend(name)
         except BackendUnavailable as err:
             raise pytest.UsageError(str(err)) from err
     config.conformance_backends = names
     path = config.getoption("--known-failures")
     try:
-        config.conformance_known_failures = plugins.read_known_failures(path) if path else {}
+        config.conformance_known_failures = known_failures.read_known_failures(path) if path else {}
     except (OSError, ValueError) as err:
         raise pytest.UsageError(f"--known-failures: {err}") from err
 
 
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    names = metafunc.config.conformance_backends
-    if "backend" in metafunc.fixturenames:
-        metafunc.parametrize("backend", names, ids=names, indirect=True)
-    if "backend_pair" in metafunc.fixturenames:
-        pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1 :]]
-        metafunc.parametrize(
-            "backend_pair", pairs, ids=[f"{a}~{b}" for a, b in pairs], indirect=True
+def conformance_backend(name: str):
+    """The backend as the conformance run tests it: loaded with its ``conformance_options``
+    (SPEC §10.4); ``load_backend(name)`` alone gives the users' default configuration."""
+    backend = load_backend(name)
+    if backend.conformance_options:
+        backend = load_backend(name, **backend.conformance_options)
+    return backend
+
+
+def _usage_error_without_backends(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The conformance tests were collected, but no backend was chosen: stop with pytest's
+    usage-error exit code, before anything runs."""
+    ours = any(
+        getattr(getattr(item, "module", None), "__name__", "").startswith("conformance.tests.")
+        for item in items
+    )
+    if ours and not config.conformance_backends:
+        pytest.exit(
+            "usage error: choose the backends to test with --backend NAME (repeatable), --backend all, "
+            "or your own with --impl MODULE:FUNCTION; "
+            f"registered: {registered_backends()}, installed here: {available_backends()}",
+            returncode=pytest.ExitCode.USAGE_ERROR,
         )
 
 
@@ -186,12 +225,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     Runs before -k and -m deselect anything, so an entry is stale only if no test of the
     suite has that id.
     """
+    _usage_error_without_backends(config, items)
     known = config.conformance_known_failures
     if not known:
         return
     used: set[str] = set()
     for item in items:
-        keys = plugins.known_failure_keys(item.nodeid, getattr(item, "originalname", None))
+        keys = known_failures.known_failure_keys(item.nodeid, getattr(item, "originalname", None))
         hits = sorted(keys & known.keys())
         if hits:
             used.update(hits)
@@ -200,29 +240,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     stale = [test_id for test_id in known if test_id not in used]
     if stale:
         warnings.warn(
-            plugins.StaleKnownFailure(
+            known_failures.StaleKnownFailure(
                 f"{len(stale)} known-failures entr{'y' if len(stale) == 1 else 'ies'} in "
                 f"{config.getoption('--known-failures')} match{'es' if len(stale) == 1 else ''} no test: {stale}"
             ),
             stacklevel=1,
         )
-
-
-@pytest.fixture
-def backend(request: pytest.FixtureRequest):
-    return plugins.RecordingBackend(load_backend(request.param), _call_log(request.node))
-
-
-@pytest.fixture
-def backend_pair(request: pytest.FixtureRequest):
-    log = _call_log(request.node)
-    return tuple(plugins.RecordingBackend(load_backend(name), log) for name in request.param)
-
-
-def _call_log(item: pytest.Item):
-    if not hasattr(item, "attention_calls"):
-        item.attention_calls = plugins.new_call_log()
-    return item.attention_calls
 
 
 def _repro_dir(config: pytest.Config) -> Path:
@@ -242,17 +265,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """A failing test gets a section that replays its last calls to ``attention``."""
     outcome = yield
     rep = outcome.get_result()
-    calls = getattr(item, "attention_calls", None)
+    calls = getattr(item, "backend_calls", None)
     if rep.when != "call" or not rep.failed or not calls:
         return
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", item.name)[:150]
     path = _repro_dir(item.config) / f"{name}.npz"
     try:
-        lines = plugins.save_calls(path, sorted(calls, key=lambda c: c[0]))
+        lines = replay.save_calls(path, sorted(calls, key=lambda c: c[0]))
     except Exception as err:  # the test's own failure matters more than the replay
         text = f"could not save the inputs for a replay: {err!r}"
     else:
-        text = plugins.replay_snippet(path, lines)
+        text = replay.replay_snippet(path, lines)
     rep.user_properties.append(("reproduce", text))
     if hasattr(rep.longrepr, "addsection"):
         rep.longrepr.addsection("reproduce", text)

@@ -1,13 +1,34 @@
-"""``python -m conformance report --backend all --out report/``: see conformance/report.py."""
+"""``python -m conformance COMMAND [options]``: the suite's commands, from any directory.
 
+    python -m conformance report --backend all --out report/     # the spec, with a report
+    python -m conformance bench --sizes 512 1024                  # the benchmark
+
+``python -m conformance COMMAND --help`` describes each command's options.
+"""
+
+import importlib
 import sys
 
-from conformance import report
+#: Each command: the module whose ``main(argv)`` runs it, and one line about it.
+COMMANDS = {
+    "report": ("conformance.report", "run the spec on backends and write a report"),
+    "bench": ("conformance.bench.run", "time and measure the memory of backends"),
+}
 
-USAGE = "usage: python -m conformance report --backend NAME|all [--out DIR] [pytest options]"
+
+def usage() -> str:
+    lines = ["usage: python -m conformance COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<12}{about}" for name, (_, about) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in COMMANDS:
+        print(usage(), file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    module, _ = COMMANDS[argv[0]]
+    return importlib.import_module(module).main(argv[1:]) or 0
+
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2 or sys.argv[1] != "report":
-        print(USAGE, file=sys.stderr)
-        raise SystemExit(2)
-    raise SystemExit(report.main(sys.argv[2:]))
+    raise SystemExit(main(sys.argv[1:]))

@@ -100,3 +100,32 @@ def test_conformance_never_branches_on_backend_names():
             assert f'"{name}"' not in text and f"'{name}'" not in text, (
                 f"{path.name} names backend {name}"
             )
+
+
+@pytest.mark.clause("10.4")
+def test_load_backend_defaults_are_what_users_get():
+    """Without options a backend is the fast default; the suite's tiles are an option."""
+    import inspect
+
+    from conformance.impls import numpy_flash
+    from conformance.plugin import conformance_backend
+
+    default = load_backend("numpy-flash")
+    assert default.options == {}
+    tiled = load_backend("numpy-flash", block_q=4, block_k=8)
+    assert tiled is not default and tiled.options == {"block_q": 4, "block_k": 8}
+    assert load_backend("numpy-flash", block_q=4, block_k=8) is tiled
+    assert conformance_backend("numpy-flash") is tiled
+    assert conformance_backend("numpy") is load_backend("numpy")
+    # The default configuration really is the impl's own defaults, and it tiles the work.
+    params = inspect.signature(numpy_flash.attention).parameters
+    assert params["block_q"].default >= 64 and params["block_k"].default >= 64
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 37, 8)) for _ in range(3))
+    assert np.allclose(default.attention(q, k, v), tiled.attention(q, k, v), rtol=0, atol=1e-13)
+
+
+@pytest.mark.clause("10.4")
+def test_unknown_backend_option_is_a_type_error():
+    with pytest.raises(TypeError, match=r"'numpy' does not take the options \['block_q'\]"):
+        load_backend("numpy", block_q=4)

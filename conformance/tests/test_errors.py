@@ -160,10 +160,7 @@ CASES = [
 ]
 
 
-@pytest.mark.clause("8.1", "3.3")
-@pytest.mark.parametrize("error, fragments, mutate, requires", CASES)
-def test_bad_input(backend, error, fragments, mutate, requires):
-    """The backend raises the spec's exception type with a message that explains it."""
+def _refusal(backend, error, mutate, requires) -> str:
     require(backend, *requires)
     q, k, v, options = mutate(*_qkv(), {})
     with pytest.raises((ValueError, TypeError)) as info:
@@ -172,16 +169,28 @@ def test_bad_input(backend, error, fragments, mutate, requires):
     assert isinstance(info.value, error), (
         f"{backend.name}: raised {type(info.value).__name__}, expected {error.__name__}: {message}"
     )
+    return message
+
+
+@pytest.mark.clause("8.1", "3.3")
+@pytest.mark.parametrize("error, fragments, mutate, requires", CASES)
+def test_bad_input(backend, error, fragments, mutate, requires):
+    """The backend refuses the input with the spec's exception type (the contract)."""
+    _refusal(backend, error, mutate, requires)
+
+
+@pytest.mark.clause("8.3")
+@pytest.mark.parametrize("error, fragments, mutate, requires", CASES)
+def test_bad_input_message(backend, error, fragments, mutate, requires):
+    """The message names the argument, the expected shape and what was given."""
+    require(backend, "error_messages")
+    message = _refusal(backend, error, mutate, requires)
     missing = [f for f in fragments if f not in message]
     assert not missing, f"{backend.name}: error message lacks {missing}: {message!r}"
 
 
-@pytest.mark.clause("8.2")
-@pytest.mark.parametrize("n_heads", [5, 0], ids=["C%H!=0", "H=0"])
-def test_module_heads_must_divide_width(backend, n_heads):
-    """The multi-head layer with C % H != 0 is a ValueError naming n_heads and C."""
+def _module_width_error(backend, n_heads: int, C: int = 12) -> str:
     require(backend, "module")
-    C = 12
     params = {
         "qkv.weight": np.zeros((3 * C, C)),
         "qkv.bias": np.zeros(3 * C),
@@ -190,6 +199,21 @@ def test_module_heads_must_divide_width(backend, n_heads):
     }
     with pytest.raises(ValueError) as info:
         backend.multi_head_attention(params, np.zeros((1, 4, C)), n_heads=n_heads)
-    message = str(info.value)
-    for fragment in ("n_heads", f"H={n_heads}", f"C={C}"):
+    return str(info.value)
+
+
+@pytest.mark.clause("8.2")
+@pytest.mark.parametrize("n_heads", [5, 0], ids=["C%H!=0", "H=0"])
+def test_module_heads_must_divide_width(backend, n_heads):
+    """The multi-head layer with C % H != 0 (or H <= 0) is a ValueError."""
+    _module_width_error(backend, n_heads)
+
+
+@pytest.mark.clause("8.2", "8.3")
+@pytest.mark.parametrize("n_heads", [5, 0], ids=["C%H!=0", "H=0"])
+def test_module_width_message(backend, n_heads):
+    """... whose message names n_heads, H and C."""
+    require(backend, "error_messages")
+    message = _module_width_error(backend, n_heads)
+    for fragment in ("n_heads", f"H={n_heads}", "C=12"):
         assert fragment in message, f"{backend.name}: error message lacks {fragment!r}: {message!r}"

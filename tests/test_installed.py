@@ -1,0 +1,230 @@
+"""The distribution as a user installs it: a wheel in a fresh virtual environment, the kit
+run from a directory outside the repository (SPEC §13.9).
+
+Slow-ish (a venv and a pip install), so it runs once per session and every check below
+shares it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.clause("13.9")
+
+#: A user's own package: a correct attention, and one whose causal mask lets each query
+#: see one key too far (the off-by-one every causal kernel has met once).
+USER_PACKAGE = """
+import numpy as np
+
+
+def _attention(q, k, v, *, mask=None, is_causal=False, scale=None, reach=0):
+    T, S, D = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = 1 / np.sqrt(D) if scale is None else scale
+    scores = q @ np.swapaxes(k, -1, -2) * scale  # (B, H, T, S)
+    allowed = np.ones((T, S), bool)
+    if mask is not None and mask.dtype == np.bool_:
+        allowed = allowed & mask
+    elif mask is not None:
+        scores = scores + mask
+    if is_causal:
+        allowed = allowed & np.tri(T, S, reach, dtype=bool)
+    scores = np.where(allowed, scores, -np.inf)
+    top = np.max(scores, axis=-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0)
+    p = np.exp(scores - top)
+    total = p.sum(axis=-1, keepdims=True)
+    return (p / np.where(total > 0, total, 1)) @ v
+
+
+def _check(q, k, v, mask, scale):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} should have 4 dimensions, got {x.shape}")
+        if x.dtype.kind != "f":
+            raise TypeError(f"{name} should be floating, got {x.dtype}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError("q, k and v should have one dtype")
+    if k.shape[:2] != v.shape[:2] or k.shape[2] != v.shape[2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError("k and v do not match q")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1]:
+        raise ValueError("batch or heads differ")
+    if mask is not None:
+        if mask.dtype != np.bool_ and mask.dtype.kind != "f":
+            raise TypeError(f"mask should be bool or floating, got {mask.dtype}")
+        try:
+            np.broadcast_shapes(mask.shape, q.shape[:2] + (q.shape[2], k.shape[2]))
+        except ValueError:
+            raise ValueError(f"mask shape {mask.shape} does not broadcast") from None
+        if mask.ndim > 4:
+            raise ValueError("mask has too many dimensions")
+    if scale is not None and not (isinstance(scale, float) and np.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale should be a positive float, got {scale!r}")
+
+
+def attention(q, k, v, *, mask=None, is_causal=False, scale=None):
+    _check(q, k, v, mask, scale)
+    return _attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale).astype(q.dtype)
+
+
+def broken(q, k, v, *, mask=None, is_causal=False, scale=None):
+    _check(q, k, v, mask, scale)
+    return _attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale, reach=1).astype(q.dtype)
+"""
+
+#: A pytest plugin of the user's directory that writes down the clauses of failed tests.
+CLAUSE_LOG = """
+import json, os
+
+
+def pytest_collection_modifyitems(items):
+    global CLAUSES
+    CLAUSES = {i.nodeid: [str(a) for m in i.iter_markers("clause") for a in m.args] for i in items}
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.failed:
+        with open(os.environ["CLAUSE_LOG"], "a") as f:
+            f.write(json.dumps([report.nodeid, CLAUSES.get(report.nodeid, [])]) + "\\n")
+"""
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """A fresh venv with the wheel built from this checkout; and a user's directory."""
+    work = tmp_path_factory.mktemp("installed")
+    wheels = work / "wheels"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "-w",
+            str(wheels),
+            str(ROOT),
+        ],
+        check=True,
+    )
+    (wheel,) = wheels.glob("attention_conformance-*.whl")
+    venv = work / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(wheel)],
+        check=True,
+    )
+    user = work / "user"
+    (user / "mypkg").mkdir(parents=True)
+    (user / "mypkg" / "__init__.py").write_text("")
+    (user / "mypkg" / "attn.py").write_text(textwrap.dedent(USER_PACKAGE))
+    (user / "clause_log.py").write_text(textwrap.dedent(CLAUSE_LOG))
+    return python, user
+
+
+def _run(installed, *args, env=None):
+    python, user = installed
+    environment = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    environment.update(env or {})
+    return subprocess.run(
+        [str(python), *args], cwd=user, capture_output=True, text=True, env=environment
+    )
+
+
+def test_only_conformance_at_the_top_level(installed):
+    """One import name: no `fixtures`, `impls` or `bench` beside other distributions'."""
+    run = _run(
+        installed,
+        "-c",
+        "import importlib.metadata as m, json; "
+        "print(json.dumps(sorted({str(f).split('/')[0] for f in "
+        "m.distribution('attention-conformance').files})))",
+    )
+    assert run.returncode == 0, run.stderr
+    top = {name for name in json.loads(run.stdout) if not name.endswith(".dist-info")}
+    assert top == {"conformance"}, top
+
+
+def test_kit_passes_a_correct_function_from_any_directory(installed):
+    run = _run(
+        installed,
+        "-m",
+        "pytest",
+        "--pyargs",
+        "conformance",
+        "--impl",
+        "mypkg.attn:attention",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout
+
+
+def test_kit_fails_a_broken_function_on_the_right_clause(installed, tmp_path):
+    log = tmp_path / "clauses.jsonl"
+    run = _run(
+        installed,
+        "-m",
+        "pytest",
+        "--pyargs",
+        "conformance",
+        "--impl",
+        "mypkg.attn:broken",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "clause_log",
+        env={"CLAUSE_LOG": str(log)},
+    )
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-2000:]
+    failed = [json.loads(line) for line in log.read_text().splitlines()]
+    clauses = {c for _, marks in failed for c in marks}
+    # Top-left causality and no future leakage fail; nothing without a causal mask does
+    # (the property tests draw causal calls among others).
+    assert {"3.4", "6.3"} <= clauses, clauses
+    unrelated = [
+        test
+        for test, _ in failed
+        if not any(word in test for word in ("causal", "future_leakage", "test_properties"))
+    ]
+    assert not unrelated, unrelated
+
+
+def test_report_runs_anywhere(installed, tmp_path):
+    run = _run(
+        installed,
+        "-m",
+        "conformance",
+        "report",
+        "--impl",
+        "mypkg.attn:attention",
+        "--out",
+        str(tmp_path / "report"),
+        "--no-builtin-profile",
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert (tmp_path / "report" / "report.md").exists()
+
+
+def test_plugin_stays_quiet_in_other_projects(installed, tmp_path):
+    """In another project's test run the plugin adds options and does nothing else."""
+    python, user = installed
+    (user / "test_other.py").write_text("def test_other():\n    assert 1 + 1 == 2\n")
+    try:
+        run = _run(installed, "-m", "pytest", "test_other.py", "-q", "-p", "no:cacheprovider")
+    finally:
+        (user / "test_other.py").unlink()
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr

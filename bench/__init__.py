@@ -1,20 +1,27 @@
 """Timing and peak memory of every attention backend, from T = 512 to 16384.
 
-Run from the repository root (a command, not a test):
+A command, not a test; it runs from any directory once the project is installed (the
+``bench`` extra adds matplotlib and tqdm):
 
-    python -m bench                                   # everything, a few minutes
-    python -m bench --sizes 512 1024 --repeats 3      # a quick look
-    python -m bench --backends numpy-flash jax-flash torch-sdpa --sizes 4096
+    python -m conformance bench                                 # everything, a few minutes
+    python -m conformance bench --sizes 512 1024 --repeats 3    # a quick look
+    python -m conformance bench --backends numpy-flash jax-flash torch-sdpa --sizes 4096
+
+(``python -m conformance.bench`` is the same command.) Every backend is timed as users
+get it, through ``conformance.load_backend(name)``, in its default configuration; two
+anchors, ``anchor:F.sdpa`` and ``anchor:jax.nn.dpa``, are the frameworks' own functions
+called directly, for reference (``bench/backends.py``).
 
 What it measures, for T = S, B·H heads of size D, float32, causal and not:
 
-* time: the median of ``--repeats`` calls after a warm-up call (which also compiles, for
-  JAX), each backend at each size in a fresh process of its own (``bench.worker``), so
-  that one framework's thread pool, still spinning after its call, cannot slow the next
-  one on the same cores. Each is also given as a ratio of throughputs to ``torch-sdpa``
-  at the same size in the same run (> 1: faster than torch-sdpa). The sizes are run in
-  order, all backends at one size before the next, so that comparisons at one size are
-  measured close together in time.
+* time: the median of ``--repeats`` calls (fewer, at least one, past ``--budget-s``
+  seconds of timed calls) after a warm-up call (which also compiles, for
+  JAX), each backend at each size in a fresh process of its own
+  (``python -m conformance.bench.worker``), so that one framework's thread pool, still
+  spinning after its call, cannot slow the next one on the same cores. Each is also given
+  as a ratio of throughputs to ``torch-sdpa`` at the same size in the same run (> 1:
+  faster than torch-sdpa). The sizes are run in order, all backends at one size before
+  the next, so that comparisons at one size are measured close together in time.
 * nominal GFLOP/s: 4·B·H·D per (query, key) pair that the mask lets through, i.e.
   4·B·H·T·S·D without a mask and 4·B·H·D·T(T+1)/2 under a causal mask (T = S). The causal
   count is the work a kernel that skips masked blocks must do, so a causal run at the same

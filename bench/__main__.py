@@ -1,6 +1,8 @@
-"""``python -m bench``: see the package docstring."""
+"""``python -m conformance.bench`` (also ``python -m conformance bench``): see the package docstring."""
+
+import sys
 
 from conformance.bench.run import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -27,6 +27,7 @@ COLUMNS = [
     "method",
     "reason",
     "memory_error",
+    "note",
 ]
 
 
@@ -43,15 +44,29 @@ def _markdown(rows: list[dict], env: dict) -> str:
         "# Attention benchmark",
         "",
         f"float32, B={a['B']}, H={a['H']}, D={a['D']}, T = S; median of {a['repeats']} "
-        f"calls after a warm-up, each backend and size in its own process. CPUs: {env['cpu_count']}, "
+        f"calls (fewer past {a.get('budget_s')} s of timed calls) after a warm-up, each backend and size in its own process. CPUs: {env['cpu_count']}, "
         f"torch threads: {env.get('torch_threads')}, numpy {env['numpy']}, torch "
-        f"{env['torch']}, jax {env['jax']}, XLA_FLAGS={env['XLA_FLAGS']!r}.",
+        f"{env['torch']}, jax {env['jax']}, XLA_FLAGS={env['XLA_FLAGS']!r}; load average "
+        f"(1 min) at the end: {env.get('loadavg_1min')}."
+        + (
+            " That is more than the CPUs: other work skewed these figures, threaded BLAS "
+            "(the NumPy backends) most of all."
+            if (env.get("loadavg_1min") or 0) > (env["cpu_count"] or 1)
+            else ""
+        ),
         "",
         "Nominal FLOPs: 4·B·H·D per (query, key) pair the mask lets through: 4·B·H·T·S·D "
         "without a mask, 4·B·H·D·T(T+1)/2 causal. Cells: time in ms, GFLOP/s, and the "
         "throughput ratio to torch-sdpa in the same run (> 1 is faster).",
         "",
+        "Every backend is timed through `conformance.load_backend(name)`, in its default "
+        "configuration, via `backend.prepare(q, k, v, is_causal=...)` (inputs converted "
+        "once, outside the timing). Notes:",
+        "",
     ]
+    notes = {r["backend"]: r.get("note", "") for r in rows}
+    lines += [f"- `{b}`: {note}" for b, note in notes.items() if note]
+    lines.append("")
     for causal in sorted({r["causal"] for r in rows}):
         lines += [f"## {'Causal' if causal else 'Non-causal'}: time", ""]
         lines += ["| backend | " + " | ".join(f"T={T}" for T in sizes) + " |"]
@@ -140,7 +155,8 @@ def _plots(rows: list[dict], out: Path) -> None:
         ax.set_xlabel("T = S")
         ax.set_ylabel("median time per call (ms)")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_lines():
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "time_vs_T.png", dpi=120)
     plt.close(fig)
@@ -158,7 +174,8 @@ def _plots(rows: list[dict], out: Path) -> None:
     ax.set_xlabel("T = S")
     ax.set_ylabel("MiB")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_lines():
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "memory_vs_T.png", dpi=120)
     plt.close(fig)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conformance.bench.backends import BACKENDS, flops
+from conformance.bench import backends
 
 SIZES = (512, 1024, 2048, 4096, 8192, 16384)
 REFERENCE = "torch-sdpa"
@@ -19,23 +19,34 @@ GIB = 2**30
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
+    names = backends.names()
     p = argparse.ArgumentParser(
-        prog="python -m bench",
-        description="Time and peak memory of every attention backend (float32, T = S).",
+        prog="python -m conformance bench",
+        description="Time and peak memory of every attention backend (float32, T = S), "
+        "each through conformance.load_backend, beside two anchors: the frameworks' own "
+        "functions called directly.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="T = S values")
     p.add_argument(
         "--backends",
         nargs="+",
-        default=list(BACKENDS),
-        choices=list(BACKENDS),
+        default=backends.default_names(),
+        choices=names,
         metavar="NAME",
-        help=f"subset of: {' '.join(BACKENDS)}",
+        help=f"backends and anchors to time, from: {' '.join(names)}",
     )
-    p.add_argument("--B", type=int, default=1)
-    p.add_argument("--H", type=int, default=8)
-    p.add_argument("--D", type=int, default=64)
+    p.add_argument("--B", type=int, default=1, help="batch")
+    p.add_argument("--H", type=int, default=8, help="heads (K = H: no grouping)")
+    p.add_argument("--D", type=int, default=64, help="head dim (E = D)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per backend and size")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=30.0,
+        help="stop repeating (after at least one timed call) once a backend's timed calls "
+        "at one size have taken this long",
+    )
     p.add_argument(
         "--causal", choices=("both", "yes", "no"), default="both", help="which masks to run"
     )
@@ -49,7 +60,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--mem-limit-gib",
         type=float,
         default=None,
-        help="skip a backend whose estimated memory exceeds this (default: half of MemAvailable)",
+        help="skip a backend whose estimated memory exceeds this; None: half of MemAvailable",
     )
     p.add_argument(
         "--max-call-seconds",
@@ -57,10 +68,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=20.0,
         help="skip a size whose predicted call time (previous size's × (T/T_prev)²) exceeds this",
     )
-    p.add_argument("--block-q", type=int, help="block_q for the flash backends")
-    p.add_argument("--block-k", type=int, help="block_k for the flash backends")
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--block-q", type=int, help="block_q for the blockwise backends; None: their defaults"
+    )
+    p.add_argument(
+        "--block-k", type=int, help="block_k for the blockwise backends; None: their defaults"
+    )
+    p.add_argument(
+        "--out", type=Path, default=Path("bench/results"), help="where results go (made if absent)"
+    )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress at all (without a terminal there is no bar, one line per run)",
+    )
     return p.parse_args(argv)
 
 
@@ -81,6 +102,8 @@ def _environment(args: argparse.Namespace) -> dict:
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+        # Other work on the same cores skews every figure (threaded BLAS most of all).
+        "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
     for mod in ("numpy", "torch", "jax"):
         try:
@@ -101,7 +124,7 @@ def _worker(name: str, args: argparse.Namespace, T: int, causal: bool, memory: b
     """Run bench.worker for one backend, size and mask in a fresh process."""
     cmd = [sys.executable, "-m", "conformance.bench.worker", "--backend", name]
     cmd += ["--B", str(args.B), "--H", str(args.H), "--T", str(T), "--D", str(args.D)]
-    cmd += ["--repeats", str(args.repeats)]
+    cmd += ["--repeats", str(args.repeats), "--budget-s", str(args.budget_s)]
     cmd += ["--causal"] if causal else []
     cmd += [] if memory else ["--no-memory"]
     for flag, val in (("--block-q", args.block_q), ("--block-k", args.block_k)):
@@ -115,40 +138,85 @@ def _worker(name: str, args: argparse.Namespace, T: int, causal: bool, memory: b
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = _parse(argv)
-    from tqdm import tqdm
+def _write(rows: list[dict], args: argparse.Namespace) -> None:
+    """Add the ratios of throughput to torch-sdpa at the same size and mask (> 1: faster),
+    then write the tables and plots."""
+    from conformance.bench.report import write
 
+    ref = {(r["T"], r["causal"]): r.get("time_ms") for r in rows if r["backend"] == REFERENCE}
+    for r in rows:
+        ref_t = ref.get((r["T"], r["causal"]))
+        r["vs_torch_sdpa"] = ref_t / r["time_ms"] if ref_t and "time_ms" in r else None
+    write(rows, _environment(args), args.out)
+
+
+class _Progress:
+    """A tqdm bar on a terminal; one plain line per finished run in a log (no flood of
+    carriage-return redraws); nothing with --no-progress."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, unit="run", dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def start(self, label: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description(label)
+
+    def finish(self, label: str, row: dict) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update()
+        elif self.enabled:
+            what = f"{row['time_ms']:.1f} ms" if row["status"] == "ok" else row["reason"]
+            print(f"[{self.done}/{self.total}] {label}: {what}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m conformance bench [options]``; returns the exit status."""
+    args = _parse(argv)
     mem_limit = args.mem_limit_gib * GIB if args.mem_limit_gib else _mem_available() / 2
     B, H, D = args.B, args.H, args.D
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     names = list(args.backends)
-    missing = {n: BACKENDS[n].installed() for n in names}
+    missing = {n: backends.installed(n) for n in names}
     rows: list[dict] = []
     last_time: dict[tuple[str, bool], tuple[int, float]] = {}
     plan = [(T, c, n) for T in sorted(args.sizes) for c in causals for n in names]
-    bar = tqdm(plan, disable=args.no_progress, unit="run", dynamic_ncols=True)
-    for T, causal, name in bar:
-        bar.set_description(f"T={T} {'causal' if causal else 'full'} {name}")
+    progress = _Progress(len(plan), enabled=not args.no_progress)
+    for T, causal, name in plan:
+        label = f"T={T} {'causal' if causal else 'full'} {name}"
+        progress.start(label)
         row = {
             "backend": name,
+            "note": backends.NOTES.get(name, ""),
             "B": B,
             "H": H,
             "T": T,
             "S": T,
             "D": D,
             "causal": causal,
-            "gflop": flops(B, H, T, D, causal) / 1e9,
+            "gflop": backends.flops(B, H, T, D, causal) / 1e9,
             "status": "ok",
             "reason": "",
         }
         rows.append(row)
         reason = missing[name]
-        est = BACKENDS[name].memory_estimate(B, H, T, T, D)
+        est = backends.memory_estimate(name, B, H, T, T, D)
         if reason is None and est > mem_limit:
             reason = (
                 f"estimated {est / GIB:.1f} GiB > limit {mem_limit / GIB:.1f} GiB "
-                f"({BACKENDS[name].bytes_per_score} B per score x B·H·T·S)"
+                f"({backends.BYTES_PER_SCORE.get(name, 0)} B per score x B·H·T·S)"
             )
         prev = last_time.get((name, causal))
         if reason is None and prev is not None:
@@ -171,17 +239,11 @@ def main(argv: list[str] | None = None) -> None:
                 last_time[(name, causal)] = (T, result["median_s"])
         if reason is not None:
             row["status"], row["reason"] = "skipped", reason
-    bar.close()
-
-    # Ratios of throughput to torch-sdpa at the same size and mask (> 1: faster).
-    ref = {(r["T"], r["causal"]): r.get("time_ms") for r in rows if r["backend"] == REFERENCE}
-    for r in rows:
-        ref_t = ref.get((r["T"], r["causal"]))
-        r["vs_torch_sdpa"] = ref_t / r["time_ms"] if ref_t and "time_ms" in r else None
-
-    from conformance.bench.report import write
-
-    env = _environment(args)
-    write(rows, env, args.out)
+        progress.finish(label, row)
+        if len(rows) < len(plan) and plan[len(rows)][0] != T:
+            _write(rows, args)  # each finished size is on disk, in case the run is cut short
+    progress.close()
+    _write(rows, args)
     print(f"wrote {args.out}/results.{{csv,json,md}}, time_vs_T.png, memory_vs_T.png")
     print((args.out / "results.md").read_text())
+    return 0

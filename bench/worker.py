@@ -2,10 +2,12 @@
 
     python -m conformance.bench.worker --backend numpy-flash --B 1 --H 8 --T 4096 --D 64 [--causal]
 
-prints one JSON object. A process per backend keeps the frameworks' thread pools apart:
+prints one JSON object. The call is ``conformance.load_backend(name).prepare(q, k, v, ...)``
+for a backend, or the framework's own function for an anchor (``bench.backends``). A process per backend keeps the frameworks' thread pools apart:
 a PyTorch, XLA or OpenBLAS pool that is still spinning after its own call slows whatever
 runs next on the same two cores. Timing: a warm-up call (compilation, for JAX), then the
-median of ``--repeats`` calls. Memory (unless ``--no-memory``): pin glibc's mmap
+median of ``--repeats`` calls (fewer, at least one, once the timed calls have taken
+``--budget-s`` seconds). Memory (unless ``--no-memory``): pin glibc's mmap
 threshold so freed temporaries leave the resident set, reset the kernel's
 resident-memory high-water mark (VmHWM) by writing 5 to /proc/self/clear_refs, make one
 more call, and report VmHWM minus the VmRSS just before it (the inputs are already
@@ -72,12 +74,13 @@ def run(
     causal: bool,
     repeats: int,
     memory: bool,
-    blocks: dict,
+    options: dict,
+    budget_s: float = float("inf"),
 ) -> dict:
-    from conformance.bench.backends import BACKENDS, inputs
+    from conformance.bench.backends import inputs, make_call
 
     q, k, v = inputs(B, H, T, D)
-    call = BACKENDS[name].make(q, k, v, causal, blocks)
+    call = make_call(name, q, k, v, causal, options)
     out_bytes = B * H * T * D * 4
     result: dict = {}
     can_reset = os.path.exists("/proc/self/clear_refs")
@@ -95,6 +98,8 @@ def run(
         t0 = time.perf_counter()
         call()
         times.append(time.perf_counter() - t0)
+        if sum(times) > budget_s:
+            break
     result["times"] = times
     if memory:
         gc.collect()
@@ -108,6 +113,7 @@ def run(
         result["peak_mib"] = peak / MIB
         result["extra_mib"] = (peak - out_bytes) / MIB
         if name.startswith("numpy"):
+            # NumPy reports its buffers to tracemalloc: a cross-check that needs no /proc.
             gc.collect()
             tracemalloc.start()
             call()
@@ -119,20 +125,27 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m conformance.bench.worker",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--backend", required=True)
     for letter in "BHTD":
         p.add_argument(f"--{letter}", type=int, required=True)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--budget-s", type=float, default=float("inf"))
     p.add_argument("--no-memory", action="store_true")
-    p.add_argument("--block-q", type=int)
-    p.add_argument("--block-k", type=int)
+    p.add_argument("--block-q", type=int, help="block_q for the blockwise backends")
+    p.add_argument("--block-k", type=int, help="block_k for the blockwise backends")
     a = p.parse_args(argv)
-    blocks = {
+    options = {
         key: val for key, val in (("block_q", a.block_q), ("block_k", a.block_k)) if val is not None
     }
-    result = run(a.backend, a.B, a.H, a.T, a.D, a.causal, a.repeats, not a.no_memory, blocks)
+    result = run(
+        a.backend, a.B, a.H, a.T, a.D, a.causal, a.repeats, not a.no_memory, options, a.budget_s
+    )
     print(json.dumps(result))
 
 

@@ -2,6 +2,7 @@
 
     python -m conformance report --backend all --out report/     # the spec, with a report
     python -m conformance bench --sizes 512 1024                  # the benchmark
+    python -m conformance frameworks --readme README.md           # the frameworks' table
 
 ``python -m conformance COMMAND --help`` describes each command's options.
 """
@@ -13,6 +14,11 @@ import sys
 COMMANDS = {
     "report": ("conformance.report", "run the spec on backends and write a report"),
     "bench": ("conformance.bench.run", "time and measure the memory of backends"),
+    "frameworks": (
+        "conformance.frameworks",
+        "measure how the frameworks' own functions differ from the spec (README table)",
+    ),
+    "walkthrough": ("conformance.walkthrough", "write the worked example, step by step"),
 }
 
 

@@ -35,6 +35,12 @@ CAPABILITIES = {
     "grad_mask": "attention_vjp also returns the gradient of a float mask (SPEC §12.3)",
     "grad_softcap": "attention_vjp with softcap (SPEC §12.2)",
     "module_grad": "parameter gradients of the module and GPT block: module_param_grads (SPEC §12.8)",
+    "error_messages": "errors worded to this project's standard: argument, expected shape, "
+    "what was given (SPEC §8.3)",
+    "sharded": "context-parallel over P devices: load_backend(name, shards=P, layout=...) "
+    "(SPEC §14)",
+    "sharded_heads": "a sharded backend that splits heads over the devices (Ulysses): H and "
+    "K must split over P, else ValueError (SPEC §14.8)",
 }
 #: Claiming a gradient capability means implementing ``attention_vjp`` (and, for
 #: "module_grad", ``module_param_grads``), so these are opted into one by one: they are not
@@ -124,6 +130,25 @@ class Backend:
     def _attention(self, q, k, v, **options):
         raise NotImplementedError
 
+    def prepare(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, **options: Any
+    ) -> Callable[[], Any]:
+        """Convert q, k, v once; return a zero-argument call that runs attention and waits.
+
+        For timing (the benchmark): the conversion from NumPy stays outside the call, and
+        the call returns only once the result exists (JAX dispatches asynchronously, so
+        an output with ``block_until_ready`` is waited on). ``options`` go to the
+        implementation as given; the result stays in the backend's framework.
+        """
+        q, k, v = (self.from_numpy(x) for x in (q, k, v))
+
+        def call() -> Any:
+            out = self._attention(q, k, v, **options)
+            wait = getattr(out, "block_until_ready", None)
+            return out if wait is None else wait()
+
+        return call
+
     def attention_vjp(
         self,
         q: np.ndarray,
@@ -212,8 +237,10 @@ class Backend:
         return f"<backend {self.name}: {', '.join(self.dtypes)}; {', '.join(sorted(self.capabilities))}>"
 
 
-#: Every capability of the forward pass.
-ALL_CAPABILITIES = frozenset(CAPABILITIES) - GRAD_CAPABILITIES
+#: Every capability of the forward pass ("sharded" and "sharded_heads" describe how a
+#: backend runs, not a feature of the function: only the context-parallel backends
+#: declare them).
+ALL_CAPABILITIES = frozenset(CAPABILITIES) - GRAD_CAPABILITIES - {"sharded", "sharded_heads"}
 
 
 class NumpyBackend(Backend):
@@ -222,9 +249,12 @@ class NumpyBackend(Backend):
     dtypes = DTYPES
 
     impl_module = "conformance.impls.numpy_attention"
+    #: The hand-written backward pass, a teaching page of its own.
+    backward_module = "conformance.impls.numpy_attention_backward"
 
     def __init__(self) -> None:
         self.impl = importlib.import_module(self.impl_module)
+        self.backward = importlib.import_module(self.backward_module)
 
     def _attention(self, q, k, v, *, seed=None, **options):
         if seed is not None:
@@ -240,15 +270,15 @@ class NumpyBackend(Backend):
         return self.impl.gpt_block(params, x, n_heads=n_heads)
 
     def _attention_vjp(self, q, k, v, d_out, **options):
-        return self.impl.attention_backward(q, k, v, d_out, **options)
+        return self.backward.attention_backward(q, k, v, d_out, **options)
 
     def module_param_grads(self, kind, params, x, d_out, *, n_heads, is_causal=False):
         if kind == "mha":
-            d_x, grads = self.impl.multi_head_attention_backward(
+            d_x, grads = self.backward.multi_head_attention_backward(
                 params, x, d_out, n_heads=n_heads, is_causal=is_causal
             )
         else:
-            d_x, grads = self.impl.gpt_block_backward(params, x, d_out, n_heads=n_heads)
+            d_x, grads = self.backward.gpt_block_backward(params, x, d_out, n_heads=n_heads)
         return {**grads, "x": d_x}
 
 
@@ -270,8 +300,17 @@ class _Blockwise:
             n: b for n, b in (("block_q", block_q), ("block_k", block_k)) if b is not None
         }
 
-    def _attention(self, q, k, v, **options):
+    def _attention(self, q, k, v, *, seed=None, **options):
+        # The blockwise impls have no dropout: they refuse dropout_p themselves, and the
+        # seed that comes with it has no random source to go to.
         return self.impl.attention(q, k, v, **self.options, **options)
+
+    # No backward pass and no module layers here: the parent backend's methods would
+    # silently run the reference impl in their place.
+    _attention_vjp = Backend._attention_vjp
+    module_param_grads = Backend.module_param_grads
+    multi_head_attention = Backend.multi_head_attention
+    gpt_block = Backend.gpt_block
 
 
 class NumpyFlashBackend(_Blockwise, NumpyBackend):
@@ -345,6 +384,84 @@ class JaxFlashBackend(_Blockwise, JaxBackend):
     capabilities = ALL_CAPABILITIES - {"dropout", "module"}
 
 
+class JaxRingBackend(JaxBackend):
+    """Ring attention over P JAX devices: ``shard_map``, K/V blocks passed by ``ppermute``.
+
+    ``load_backend("jax-ring", shards=P, layout="contiguous"|"zigzag")``; left out, P is
+    every device JAX sees and the layout is zigzag (balanced causal work). On a CPU-only
+    machine the constructor makes 8 host devices visible when JAX has not computed
+    anything yet (``jax_num_cpu_devices``); when JAX has started with fewer than P devices
+    it raises ``BackendUnavailable`` saying so. The ``jax-ring-pN`` names are the same
+    backend at P = N, so that the whole spec runs at several P (SPEC §14.1).
+    """
+
+    name = "jax-ring"
+    impl_module = "conformance.impls.jax_ring"
+    capabilities = (ALL_CAPABILITIES - {"dropout", "module"}) | {
+        "grad",
+        "grad_mask",
+        "grad_softcap",
+        "sharded",
+    }
+    default_shards: int | None = None
+    conformance_options = MappingProxyType({"shards": 4, "layout": "contiguous"})
+
+    def __init__(self, *, shards: int | None = None, layout: str = "zigzag") -> None:
+        super().__init__()
+        shards = self.default_shards if shards is None else shards
+        try:
+            self.impl.host_devices(1 if shards is None else shards)
+        except RuntimeError as err:
+            raise BackendUnavailable(f"{self.name}: {err}") from err
+        if layout not in self.impl.LAYOUTS:
+            raise ValueError(f"layout should be one of {self.impl.LAYOUTS}, got {layout!r}")
+        self.shards = len(self.jax.devices()) if shards is None else shards
+        self.layout = layout
+        self.options = {"shards": self.shards, "layout": layout}
+
+    def from_numpy(self, x):
+        return np.asarray(x)  # the impl lays the arrays out over its devices itself
+
+    def _attention(self, q, k, v, *, seed=None, **options):
+        # No dropout: the impl refuses dropout_p > 0 by name, so the seed goes nowhere.
+        return self.impl.attention(q, k, v, shards=self.shards, layout=self.layout, **options)
+
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        return self.impl.attention_vjp(
+            q, k, v, d_out, shards=self.shards, layout=self.layout, **options
+        )
+
+
+class JaxUlyssesBackend(JaxRingBackend):
+    """DeepSpeed-Ulysses over P JAX devices: ``lax.all_to_all`` from sequence to head shards.
+
+    ``load_backend("jax-ulysses", shards=P)``: H % P == 0 and K % P == 0 (or K < P with
+    P % K == 0: each key/value head repeated P/K times), else ValueError naming H, K, P.
+    The spec's own shapes have head counts (1, 2, 3, ...) that most P do not divide, so the
+    whole spec runs at P = 1; SPEC §14's tests run it at P = 1-4 and 8 on head counts
+    that split (SPEC §14.8).
+    """
+
+    name = "jax-ulysses"
+    impl_module = "conformance.impls.jax_ulysses"
+    capabilities = JaxRingBackend.capabilities | {"sharded_heads"}
+    conformance_options = MappingProxyType({"shards": 1})
+
+
+def _at_shards(base: type[Backend], P: int) -> type[Backend]:
+    """``base`` fixed at P shards by default, under the name ``{base.name}-p{P}``."""
+    return type(
+        f"{base.__name__}P{P}",
+        (base,),
+        {
+            "name": f"{base.name}-p{P}",
+            "default_shards": P,
+            "conformance_options": MappingProxyType({}),
+            "__doc__": f"{base.name} at P = {P} (SPEC §14.1).",
+        },
+    )
+
+
 class _TorchBackend(Backend):
     framework = "torch"
     dtypes = DTYPES
@@ -396,6 +513,49 @@ class _TorchBackend(Backend):
         return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
 
 
+class TorchRingBackend(_TorchBackend):
+    """Ring attention on a pool of P torch.distributed (gloo) worker processes.
+
+    ``load_backend("torch-ring", shards=P, layout=...)`` (``world_size=P`` is the same);
+    left out, P = 4 and the zigzag layout. The pool starts on first use, is reused, and
+    stops at exit; a dead worker raises ``WorkerDied`` and the next call starts a new one.
+    Forward only: autograd does not differentiate point-to-point communication.
+    """
+
+    name = "torch-ring"
+    capabilities = (ALL_CAPABILITIES - {"dropout", "module"}) | {"sharded"}
+    conformance_options = MappingProxyType({"shards": 3, "layout": "zigzag"})
+
+    def __init__(
+        self, *, shards: int | None = None, world_size: int | None = None, layout: str = "zigzag"
+    ) -> None:
+        super().__init__()
+        self.impl = importlib.import_module("conformance.impls.torch_ring")
+        P = shards if shards is not None else world_size if world_size is not None else 4
+        if isinstance(P, bool) or not isinstance(P, int) or P < 1:
+            raise ValueError(f"shards should be a positive int (P processes), got {P!r}")
+        if layout not in self.impl.LAYOUTS:
+            raise ValueError(f"layout should be one of {self.impl.LAYOUTS}, got {layout!r}")
+        self.shards, self.layout = P, layout
+        self.options = {"shards": P, "layout": layout}
+
+    def from_numpy(self, x):
+        return np.asarray(x)  # the impl lays the arrays out and hands them to its ranks
+
+    def to_numpy(self, x):
+        return np.asarray(x)
+
+    def _attention(self, q, k, v, *, seed=None, **options):
+        # No dropout: the impl refuses dropout_p > 0 by name, so the seed goes nowhere.
+        return self.impl.attention(q, k, v, world_size=self.shards, layout=self.layout, **options)
+
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        raise NotImplementedError(
+            f"{self.name} does not declare the 'grad' capability: autograd does not "
+            f"differentiate its point-to-point ring"
+        )
+
+
 class TorchNaiveBackend(_TorchBackend):
     name = "torch-naive"
     capabilities = (ALL_CAPABILITIES - {"module"}) | (GRAD_CAPABILITIES - {"module_grad"})
@@ -421,8 +581,11 @@ class TorchModuleBackend(_TorchBackend):
         self.impl = importlib.import_module("conformance.impls.torch_module")
 
     def _attention(self, q, k, v, *, seed=None, dropout_p=0.0, **options):
-        if dropout_p:
-            self.torch.manual_seed(seed)
+        # dropout_p arrives only when it is not 0 (Backend.attention): whatever it is, it
+        # goes to the module's dropout, whose p the impl's input contract checks.
+        if dropout_p != 0.0:
+            if seed is not None:
+                self.torch.manual_seed(seed)
             options["dropout"] = self.torch.nn.Dropout(dropout_p).train()
         return self.impl.attention(q, k, v, **options)
 
@@ -486,6 +649,10 @@ BUILTIN: dict[str, type[Backend]] = {
     "torch-naive": TorchNaiveBackend,
     "torch-module": TorchModuleBackend,
     "torch-sdpa": TorchSdpaBackend,
+    "jax-ring": JaxRingBackend,
+    **{f"jax-ring-p{P}": _at_shards(JaxRingBackend, P) for P in (1, 2, 3)},
+    "jax-ulysses": JaxUlyssesBackend,
+    "torch-ring": TorchRingBackend,
 }
 #: The framework each built-in backend needs, to tell "not installed" from "broken".
 REQUIRES = {
@@ -494,6 +661,10 @@ REQUIRES = {
     "torch-naive": "torch",
     "torch-module": "torch",
     "torch-sdpa": "torch",
+    "jax-ring": "jax",
+    **{f"jax-ring-p{P}": "jax" for P in (1, 2, 3)},
+    "jax-ulysses": "jax",
+    "torch-ring": "torch",
 }
 
 
@@ -595,9 +766,18 @@ def registered_backends() -> list[str]:
     return REGISTRY.names()
 
 
-def available_backends() -> list[str]:
-    """The backends whose framework is installed here, in a stable order."""
-    return [name for name in registered_backends() if REGISTRY.installed(name)]
+def available_backends(*, sharded: bool = True) -> list[str]:
+    """The backends whose framework is installed here, in a stable order.
+
+    ``sharded=False`` leaves out the context-parallel backends (those whose class declares
+    the capability "sharded"): they start devices or worker processes of their own, so
+    ``--backend all`` runs them only when named (SPEC §10.3, §14).
+    """
+    names = [name for name in registered_backends() if REGISTRY.installed(name)]
+    if not sharded:
+        factories = REGISTRY.factories()
+        names = [n for n in names if "sharded" not in getattr(factories[n], "capabilities", ())]
+    return names
 
 
 def load_backend(name: str, **options: Any) -> Backend:

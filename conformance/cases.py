@@ -13,6 +13,7 @@ import numpy as np
 
 from conformance import fixtures as fixtures_package
 from conformance.backends import numpy_dtype
+from conformance.tolerance import finite_error
 
 FIXTURES = Path(fixtures_package.__file__).resolve().parent
 
@@ -92,7 +93,7 @@ class Case:
                 is_causal=self.meta["is_causal"],
             )
             expected = self.expected
-        return float(np.max(np.abs(naive - expected), initial=0.0))
+        return finite_error(naive, expected)
 
     def _batched(self, x: np.ndarray) -> np.ndarray:
         return x[None] if self.meta.get("unbatched") else x
@@ -146,10 +147,7 @@ class Case:
             mask=self.arrays.get("mask"),
             **self.options(),
         )
-        return {
-            name: float(np.max(np.abs(naive[name] - want), initial=0.0))
-            for name, want in self.expected_grads.items()
-        }
+        return {name: finite_error(naive[name], want) for name, want in self.expected_grads.items()}
 
     def call_vjp(self, backend) -> str:
         """A snippet that reproduces this gradient case on ``backend``, for failure messages."""

@@ -5,6 +5,8 @@ every test id.
     pytest --pyargs conformance --backend all                     # every installed backend
     pytest --pyargs conformance --impl mypkg.attn:attention --impl-capabilities window,gqa
     pytest conformance --impl mypkg.attn:MyBackend --known-failures mine.txt   # in a checkout
+    pytest conformance --impl mylib:attend --impl-framework torch --impl-layout BTHD
+    pytest conformance --impl-profile torch.sdpa --impl-profile mine.toml      # profiles
 
 Installing the distribution registers this module with pytest, so the options exist in
 every pytest run; in another project's run the plugin does nothing unless asked
@@ -14,7 +16,10 @@ backend that cannot be loaded: a conformance run that tested nothing must never 
 
 ``--impl`` plugs in your own implementation (``conformance/impl.py``): a function with
 the spec's signature, NumPy in and out, declaring the capabilities and dtypes you list,
-or a ``conformance.Backend``. ``--known-failures FILE`` marks the tests it lists as
+or a ``conformance.Backend``; ``--impl-framework``/``--impl-layout`` call a function on
+its framework's arrays in its layout (``conformance/native.py``), and ``--impl-profile``
+runs a library function a profile describes (``conformance/profiles``), with the known
+failures the profile lists. ``--known-failures FILE`` marks the tests it lists as
 expected failures (strict: a fixed one fails until its line is removed), with a warning
 for ids that match no test.
 
@@ -74,7 +79,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--backend",
         action="append",
         default=[],
-        help="backend to test (repeatable or comma-separated); 'all' = every installed one",
+        help="backend to test (repeatable or comma-separated); 'all' = every installed "
+        "single-device one (the sharded backends run when named)",
     )
     group.addoption(
         "--impl",
@@ -96,6 +102,28 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         metavar="DTYPE,...",
         help="the dtypes an --impl function accepts (default: float64,float32; 'all')",
+    )
+    group.addoption(
+        "--impl-framework",
+        default=None,
+        choices=["numpy", "torch", "jax", "auto"],
+        help="the arrays an --impl function takes and returns (default: numpy; auto: from "
+        "the function's module); the suite converts, keeping float16 and bfloat16",
+    )
+    group.addoption(
+        "--impl-layout",
+        default=None,
+        choices=["BHTD", "BTHD"],
+        help="the axis order of an --impl function's q, k, v and output (default: BHTD, the "
+        "spec's; BTHD: (B, T, H, D)); the mask keeps the spec's (B, H, T, S)",
+    )
+    group.addoption(
+        "--impl-profile",
+        action="append",
+        default=[],
+        metavar="NAME|PATH",
+        help="a library function described by a profile (SPEC §13.10): a shipped one "
+        "(conformance/profiles/NAME.toml), 'all' of them, or a TOML file (repeatable)",
     )
     group.addoption(
         "--impl-name",
@@ -122,7 +150,7 @@ def selected_backends(config: pytest.Config) -> list[str]:
         for name in value.split(","):
             name = name.strip()
             if name == "all":
-                names += available_backends()
+                names += available_backends(sharded=False)
             elif name:
                 names.append(name)
     return list(dict.fromkeys(names))
@@ -131,7 +159,13 @@ def selected_backends(config: pytest.Config) -> list[str]:
 def _load_impl(config: pytest.Config) -> str | None:
     spec = config.getoption("--impl")
     if spec is None:
-        for flag in ("--impl-capabilities", "--impl-dtypes", "--impl-name"):
+        for flag in (
+            "--impl-capabilities",
+            "--impl-dtypes",
+            "--impl-name",
+            "--impl-framework",
+            "--impl-layout",
+        ):
             if config.getoption(flag) is not None:
                 raise pytest.UsageError(f"{flag} describes an --impl; give --impl MODULE:ATTR")
         return None
@@ -141,15 +175,34 @@ def _load_impl(config: pytest.Config) -> str | None:
             name=config.getoption("--impl-name"),
             capabilities=config.getoption("--impl-capabilities"),
             dtypes=config.getoption("--impl-dtypes"),
+            framework=config.getoption("--impl-framework") or "numpy",
+            layout=config.getoption("--impl-layout") or "BHTD",
         )
     except (BackendUnavailable, ValueError) as err:
         raise pytest.UsageError(str(err)) from err
     return backend.name
 
 
+def _load_profiles(config: pytest.Config) -> list[str]:
+    """Register the ``--impl-profile`` backends; return their names (those skipped for a
+    missing library included: their tests are marked skipped, by name)."""
+    from conformance import profiles
+
+    try:
+        loaded, unavailable = profiles.load_profiles(config.getoption("--impl-profile"))
+    except (profiles.ProfileError, BackendUnavailable, ValueError) as err:
+        raise pytest.UsageError(str(err)) from err
+    config.conformance_profiles = (loaded, unavailable)
+    return [p.name for p in [*loaded, *unavailable]]
+
+
 def conformance_requested(config: pytest.Config) -> bool:
     """Whether this pytest run asked for the conformance suite (--backend or --impl)."""
-    return bool(config.getoption("--backend")) or config.getoption("--impl") is not None
+    return (
+        bool(config.getoption("--backend"))
+        or config.getoption("--impl") is not None
+        or bool(config.getoption("--impl-profile"))
+    )
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -180,6 +233,7 @@ def pytest_configure(config: pytest.Config) -> None:
     names = selected_backends(config)
     if impl_name is not None:
         names = list(dict.fromkeys([*names, impl_name]))
+    names = list(dict.fromkeys([*names, *_load_profiles(config)]))
     for name in names:
         try:
             conformance_backend(name)
@@ -226,6 +280,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     suite has that id.
     """
     _usage_error_without_backends(config, items)
+    _mark_profile_items(config, items)
     known = config.conformance_known_failures
     if not known:
         return
@@ -243,6 +298,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             known_failures.StaleKnownFailure(
                 f"{len(stale)} known-failures entr{'y' if len(stale) == 1 else 'ies'} in "
                 f"{config.getoption('--known-failures')} match{'es' if len(stale) == 1 else ''} no test: {stale}"
+            ),
+            stacklevel=1,
+        )
+
+
+def _mark_profile_items(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Profiles' known failures become strict xfails; an unavailable profile's tests are
+    skipped by name; a known failure that matches no test is a ``StaleKnownFailure``."""
+    loaded, unavailable = getattr(config, "conformance_profiles", ([], []))
+    if not loaded and not unavailable:
+        return
+    from conformance import profiles
+
+    stale = profiles.mark_items(items, loaded, unavailable)
+    if stale:
+        warnings.warn(
+            known_failures.StaleKnownFailure(
+                f"{len(stale)} profile known-failure entr{'y' if len(stale) == 1 else 'ies'} "
+                f"match{'es' if len(stale) == 1 else ''} no test: {stale}"
             ),
             stacklevel=1,
         )

@@ -131,12 +131,14 @@ def attention(
     v = np.repeat(v, G, axis=1)  # (B, H, S, E)
     scores = np.einsum("bhtd,bhsd->bhts", q, k) * dtype.type(scale)  # (B, H, T, S)
 
-    # 2. Mask: a float mask is added; a bool mask, causality and the window decide which
-    # keys each query may see.
+    # 2. Mask: a bool mask, a float mask's -inf entries, causality and the window decide
+    # which keys each query may see; a float mask's other values are added.
     allowed = np.ones((B, H, T, S), dtype=bool)  # (B, H, T, S)
     if mask is not None and mask.dtype == np.bool_:
         allowed &= mask
     elif mask is not None:
+        # Blocking by selection, not by adding -inf: a NaN score plus -inf would be NaN.
+        allowed &= mask != -np.inf
         scores = scores + mask.astype(dtype)
     diagonal = np.arange(T)[:, None] + (0 if causal_alignment == "top_left" else S - T)  # (T, 1)
     distance = np.arange(S)[None, :] - diagonal  # (T, S): key minus the query's diagonal
@@ -149,11 +151,15 @@ def attention(
         if right is not None:
             allowed &= distance <= right
     scores = np.where(allowed, scores, -np.inf)  # (B, H, T, S)
+    # A key no query may attend (padding, an unwritten cache slot) can hold anything, NaN
+    # included: its value row is replaced by 0, since 0 weight times NaN is still NaN.
+    unused = ~allowed.any(axis=-2)  # (B, H, S)
+    v = np.where(unused[..., None], 0, v)  # (B, H, S, E)
 
     # 3. Softmax over the keys. Subtracting the row maximum keeps exp() from overflowing;
-    # a row with no key to attend has max -inf, and gets weights 0, so its output is 0
-    # rather than NaN (SPEC §4.3).
-    row_max = scores.max(axis=-1, keepdims=True)  # (B, H, T, 1)
+    # a row with no key to attend (S = 0 included) has max -inf, and gets weights 0, so
+    # its output is 0 rather than NaN (SPEC §4.3).
+    row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)  # (B, H, T, 1)
     row_max = np.where(np.isfinite(row_max), row_max, 0)  # (B, H, T, 1)
     p = np.exp(scores - row_max)  # (B, H, T, S)
     total = p.sum(axis=-1, keepdims=True)  # (B, H, T, 1)

@@ -38,7 +38,8 @@ weights (with an explicit ``jax.random`` key), float64, float32, float16 and
 bfloat16 (``jnp.bfloat16``). A query row with no key left to attend returns exactly 0.
 Float16 and bfloat16 inputs are computed in float32 and the result rounded once.
 Float64 needs ``jax.config.update("jax_enable_x64", True)`` set by the caller; this
-module never changes it. Inputs are checked in Python; steps 1-7 run under ``jax.jit``
+module never changes it. Inputs are checked in Python by the one input contract all impls
+share (``contract.py``); steps 1-7 run under ``jax.jit``
 with the options as static arguments, and are differentiable with ``jax.grad`` (a fully
 masked row has gradient 0, not NaN).
 
@@ -54,9 +55,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-ALIGNMENTS = ("top_left", "bottom_right")
+from . import contract
 
 
 def attention(
@@ -95,45 +95,46 @@ def attention(
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
     """
-    # 0. Validate: every problem is reported with the argument's name, the expected shape
-    # in letters and numbers, and what was given.
+    # 0. Validate: the input contract every impl shares (contract.py) checks shapes,
+    # dtypes and options, and names the argument, the expected shape and what was given.
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    _check_inputs(q, k, v)
-    unbatched = q.ndim == 3
-    if unbatched:
-        q, k, v = q[None], k[None], v[None]
-    B, H, T, D = q.shape
-    S = k.shape[-2]
-    mask = _check_mask(mask, (B, H, T, S), unbatched)
-    scale = _check_options(D, scale, is_causal, causal_alignment, window, softcap, dropout_p, key)
-    # jax.jit needs hashable static options: a list window becomes a tuple.
-    window = None if window is None else tuple(window)
-    return _attend(
+    mask = None if mask is None else jnp.asarray(mask)
+    call = contract.check(
         q,
         k,
         v,
-        mask,
-        key if dropout_p > 0 else None,
+        mask=mask,
+        is_causal=is_causal,
         scale=scale,
-        is_causal=bool(is_causal),
         causal_alignment=causal_alignment,
         window=window,
         softcap=softcap,
         dropout_p=dropout_p,
-        unbatched=unbatched,
-    )  # (B, H, T, E) or (H, T, E)
+        random=("key", key, _is_key(key), "a jax.random key"),
+    )
+    if call.unbatched:
+        q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
+    if mask is not None:
+        mask = mask.reshape(call.mask_shape)  # (B|1, H|1, T|1, S|1)
+    out = _attend(
+        q,
+        k,
+        v,
+        mask,
+        key if call.dropout_p > 0 else None,
+        scale=call.scale,
+        is_causal=call.is_causal,
+        causal_alignment=call.causal_alignment,
+        window=call.window,
+        softcap=call.softcap,
+        dropout_p=call.dropout_p,
+    )  # (B, H, T, E)
+    return out[0] if call.unbatched else out
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=(
-        "is_causal",
-        "causal_alignment",
-        "window",
-        "softcap",
-        "dropout_p",
-        "unbatched",
-    ),
+    static_argnames=("is_causal", "causal_alignment", "window", "softcap", "dropout_p"),
 )
 def _attend(
     q: jax.Array,
@@ -148,7 +149,6 @@ def _attend(
     window: tuple[int | None, int | None] | None,
     softcap: float | None,
     dropout_p: float,
-    unbatched: bool,
 ) -> jax.Array:
     """Steps 1-7 on checked, batched inputs; compiled once per shape, dtype and options.
 
@@ -158,7 +158,6 @@ def _attend(
     """
     B, H, T, D = q.shape
     _, K, S, _ = k.shape
-    E = v.shape[-1]
     G = H // K
 
     # Low precision inputs are computed in float32: exp() of a float16 score overflows
@@ -167,60 +166,78 @@ def _attend(
     work = jnp.float64 if out_dtype == jnp.float64 else jnp.float32
     q, k, v = q.astype(work), k.astype(work), v.astype(work)
 
-    # 1. Scores: every query against every key of its group's key/value head. Query head
-    # h = k·G + g shares key/value head k (PyTorch's repeat_interleave, not tiling).
-    q = q.reshape(B, K, G, T, D)  # (B, K, G, T, D)
-    scores = jnp.einsum("bkgtd,bksd->bkgts", q, k)  # (B, K, G, T, S)
+    # Grouped-query attention (K < H): each key/value head serves G = H // K consecutive
+    # query heads, so query head h uses key/value head h // G (PyTorch's repeat_interleave,
+    # not tiling). Repeating every key/value head G times turns it into plain multi-head
+    # attention; with K = H (G = 1) nothing changes.
+    k = jnp.repeat(k, G, axis=1)  # (B, H, S, D)
+    v = jnp.repeat(v, G, axis=1)  # (B, H, S, E)
 
-    # 2. Scale, so that the scores' spread does not grow with the head size D.
-    scores = scores * jnp.asarray(scale, work)  # (B, K, G, T, S)
-
-    # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
-    if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)  # (B, K, G, T, S)
-
-    # 4. Mask: a float mask is added; a bool mask, the causal triangle and the window
-    # decide which keys each query may see at all.
+    # Which keys each query may see: a bool mask, the causal triangle and the window
+    # decide it, and a float mask blocks where it is -inf. Blocked scores are replaced in
+    # step 4, not only pushed down by adding -inf, since NaN + -inf is NaN.
     allowed = jnp.ones((1, 1, T, S), dtype=bool)  # (1, 1, T, S)
     if mask is not None and mask.dtype == jnp.bool_:
         allowed = allowed & mask  # (B|1, H|1, T, S)
     elif mask is not None:
-        scores = scores + _grouped(mask.astype(work), K, G)  # (B, K, G, T, S)
+        allowed = allowed & (mask != -jnp.inf)  # (B|1, H|1, T, S)
     if is_causal or window is not None:
         allowed = allowed & _band(T, S, is_causal, causal_alignment, window)
-    scores = jnp.where(_grouped(allowed, K, G), scores, -jnp.inf)  # (B, K, G, T, S)
+
+    # A key that no query of its head may see (padding, a KV-cache slot not yet written)
+    # must have no effect, whatever it holds: a weight of 0 does not cancel it, because
+    # 0 · NaN and 0 · inf are NaN. Its key and value rows are replaced by 0 before they
+    # are used, by selection, so that their gradients are exactly 0 as well.
+    used = allowed.any(axis=2)[..., None]  # (B|1, H|1, S, 1)
+    k = jnp.where(used, k, 0.0)  # (B, H, S, D)
+    v = jnp.where(used, v, 0.0)  # (B, H, S, E)
+
+    # 1. Scores: every query against every key of its head.
+    scores = jnp.einsum("bhtd,bhsd->bhts", q, k)  # (B, H, T, S)
+
+    # 2. Scale, so that the scores' spread does not grow with the head size D.
+    scores = scores * jnp.asarray(scale, work)  # (B, H, T, S)
+
+    # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)  # (B, H, T, S)
+
+    # 4. Mask: a float mask is added, then every key a query may not see gets -inf.
+    if mask is not None and mask.dtype != jnp.bool_:
+        scores = scores + mask.astype(work)  # (B, H, T, S)
+    scores = jnp.where(allowed, scores, -jnp.inf)  # (B, H, T, S)
 
     # 5. Softmax over the keys. Subtracting the row maximum keeps exp() <= 1, so large
     # scores cannot overflow. A row with every key blocked has max -inf; it is given
     # weights of exactly 0 (as PyTorch SDPA and FlashAttention do) instead of
-    # the NaN that exp(-inf - -inf) would give.
+    # the NaN that exp(-inf - -inf) would give. With S = 0 every row is such a row: the
+    # maximum starts from -inf, since an empty axis has no maximum of its own.
     # Both guards are jnp.where on the value that would be bad (the "double where"):
     # the branch not taken gets a zero cotangent, so jax.grad through such a row is 0.
-    row_max = scores.max(axis=-1, keepdims=True)  # (B, K, G, T, 1)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # (B, K, G, T, 1)
-    p = jnp.exp(scores - row_max)  # (B, K, G, T, S)
-    row_sum = p.sum(axis=-1, keepdims=True)  # (B, K, G, T, 1)
-    weights = p / jnp.where(row_sum > 0, row_sum, 1.0)  # (B, K, G, T, S)
+    row_max = scores.max(axis=-1, keepdims=True, initial=-jnp.inf)  # (B, H, T, 1)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
+    shifted = scores - row_max  # (B, H, T, S)
+    # XLA fuses step 2's multiply into that subtraction as a fused multiply-add, which
+    # skips the product's rounding, while the maximum was taken of rounded products: past
+    # scores of ~1e18 the two differ by more than exp() can take. Shifting once more by the
+    # maximum of the very differences exp() receives makes the largest exactly 0 (without
+    # such fusion that second shift is 0 and changes nothing).
+    shift = shifted.max(axis=-1, keepdims=True, initial=-jnp.inf)  # (B, H, T, 1)
+    shifted = shifted - jnp.where(jnp.isfinite(shift), shift, 0.0)  # (B, H, T, S)
+    p = jnp.exp(shifted)  # (B, H, T, S)
+    row_sum = p.sum(axis=-1, keepdims=True)  # (B, H, T, 1)
+    weights = p / jnp.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
 
     # 6. Dropout: zero each weight with probability dropout_p and rescale the survivors
     # by 1 / (1 - dropout_p), so the expected output is unchanged.
     if dropout_p > 0:
         keep = jax.random.uniform(key, (B, H, T, S)) >= dropout_p  # (B, H, T, S)
-        keep = keep.reshape(B, K, G, T, S)  # (B, K, G, T, S)
-        weights = weights * keep / (1.0 - dropout_p)  # (B, K, G, T, S)
+        weights = weights * keep / (1.0 - dropout_p)  # (B, H, T, S)
 
-    # 7. Weighted sum of the values, then the query heads back in order h = k·G + g.
-    out = jnp.einsum("bkgts,bkse->bkgte", weights, v)  # (B, K, G, T, E)
-    out = out.reshape(B, H, T, E).astype(out_dtype)  # (B, H, T, E)
-    return out[0] if unbatched else out
-
-
-def _grouped(x: jax.Array, K: int, G: int) -> jax.Array:
-    """Broadcast a (B|1, H|1, T, S) array onto the grouped layout (B|1, K|1, G|1, T, S)."""
-    b, h, t, s = x.shape
-    if h == 1:
-        return x.reshape(b, 1, 1, t, s)  # (B|1, 1, 1, T, S)
-    return x.reshape(b, K, G, t, s)  # (B|1, K, G, T, S)
+    # 7. Weighted sum of the values.
+    out = jnp.einsum("bhts,bhse->bhte", weights, v)  # (B, H, T, E)
+    out = out.astype(out_dtype)  # (B, H, T, E)
+    return out
 
 
 def _band(
@@ -247,134 +264,6 @@ def _band(
         if right is not None:
             allowed &= distance <= right
     return allowed[None, None]  # (1, 1, T, S)
-
-
-def _is_float(a: jax.Array) -> bool:
-    # bfloat16 from ml_dtypes has kind "V", so it is recognised by name.
-    return a.dtype.kind == "f" or a.dtype.name == "bfloat16"
-
-
-def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
-    if q.ndim not in (3, 4):
-        raise ValueError(
-            f"q should have rank 4 (B, H, T, D) or 3 (H, T, D), got rank {q.ndim} "
-            f"with shape {q.shape}"
-        )
-    letters = "(B, K, S, D)" if q.ndim == 4 else "(K, S, D)"
-    for name, x in (("k", k), ("v", v)):
-        if x.ndim != q.ndim:
-            raise ValueError(
-                f"{name} should have rank {q.ndim} {letters} like q, got rank {x.ndim} "
-                f"with shape {x.shape}"
-            )
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not _is_float(x):
-            raise TypeError(f"{name} should be a floating array, got dtype {x.dtype}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} dtype should be {q.dtype} like q, got {x.dtype}")
-    q4, k4, v4 = (x if x.ndim == 4 else x[None] for x in (q, k, v))
-    B, H, T, D = q4.shape
-    _, K, S, _ = k4.shape
-    E = v4.shape[-1]
-    batch = "B, " if q.ndim == 4 else ""
-    drop = 0 if q.ndim == 4 else 1
-    if K == 0 or H % K != 0:
-        raise ValueError(
-            f"k heads K={K} should divide q heads H={H} (grouped-query attention shares "
-            f"each key/value head among H // K query heads), got k shape {k.shape}"
-        )
-    want_k = (B, K, S, D)[drop:]
-    if k.shape != want_k:
-        raise ValueError(
-            f"k shape should be ({batch}K, S, D) = {want_k} to match q {q.shape}, got {k.shape}"
-        )
-    want_v = (B, K, S, E)[drop:]
-    if v.shape[:-1] != want_v[:-1]:
-        raise ValueError(
-            f"v shape should be ({batch}K, S, E) = {want_v} to match k {k.shape}, got {v.shape}"
-        )
-
-
-def _check_mask(
-    mask: jax.Array | None, shape: tuple[int, int, int, int], unbatched: bool
-) -> jax.Array | None:
-    """Return the mask as a (B|1, H|1, T, S) array, or None."""
-    if mask is None:
-        return None
-    mask = jnp.asarray(mask)
-    if mask.dtype != jnp.bool_ and not _is_float(mask):
-        raise TypeError(
-            f"mask dtype should be bool (True = may attend) or floating (added to the "
-            f"scores), got {mask.dtype}: an integer mask is ambiguous"
-        )
-    want = shape[1:] if unbatched else shape
-    letters = "(H, T, S)" if unbatched else "(B, H, T, S)"
-    try:
-        fits = mask.ndim <= len(want) and jnp.broadcast_shapes(mask.shape, want) == want
-    except ValueError:
-        fits = False
-    if not fits:
-        raise ValueError(f"mask shape should broadcast to {letters} = {want}, got {mask.shape}")
-    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # (B|1, H|1, T|1, S|1)
-    B, H, T, S = shape
-    b, h = mask.shape[0], mask.shape[1]
-    return jnp.broadcast_to(mask, (b, h, T, S))  # (B|1, H|1, T, S)
-
-
-def _check_options(
-    D: int,
-    scale: float | None,
-    is_causal: bool,
-    causal_alignment: str,
-    window: tuple[int | None, int | None] | None,
-    softcap: float | None,
-    dropout_p: float,
-    key: jax.Array | None,
-) -> float:
-    """Check the keyword options; return the scale to use."""
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal should be a bool, got {is_causal!r}")
-    if causal_alignment not in ALIGNMENTS:
-        raise ValueError(
-            f"causal_alignment should be one of {ALIGNMENTS}, got {causal_alignment!r}"
-        )
-    if window is not None:
-        if not isinstance(window, (tuple, list)) or len(window) != 2:
-            raise ValueError(
-                f"window should be a pair (left, right) of ints >= 0 or None, got {window!r}"
-            )
-        for side in window:
-            if side is not None and (
-                isinstance(side, bool) or not isinstance(side, int) or side < 0
-            ):
-                raise ValueError(
-                    f"window should be a pair (left, right) of ints >= 0 or None, got {window!r}"
-                )
-    if softcap is not None and not (
-        isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0
-    ):
-        raise ValueError(f"softcap should be a positive finite float, got {softcap!r}")
-    if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
-        raise ValueError(f"dropout_p should be a float in [0, 1), got {dropout_p!r}")
-    if dropout_p > 0 and not _is_key(key):
-        raise ValueError(f"key should be a jax.random key when dropout_p > 0, got {key!r}")
-    if scale is None:
-        return 1.0 / math.sqrt(D)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)):
-        raise TypeError(f"scale should be a positive float or None, got {scale!r}")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale should be a positive finite float, got {scale!r}")
-    return float(scale)
-
-
-def _is_key(key: object) -> bool:
-    # A typed key from jax.random.key, or a legacy uint32 (2,) from jax.random.PRNGKey.
-    if not isinstance(key, jax.Array):
-        return False
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return key.ndim == 0
-    return key.dtype == jnp.uint32 and key.shape == (2,)
 
 
 class KVCache:
@@ -451,13 +340,7 @@ def multi_head_attention(
       (B, T, C)
     """
     x = jnp.asarray(x)
-    if x.ndim != 3:
-        raise ValueError(f"x shape should be (B, T, C), got {x.shape}")
-    B, T, C = x.shape
-    H = n_heads
-    if not isinstance(H, int) or H <= 0 or C % H != 0:
-        raise ValueError(f"n_heads H={H} should be a positive int dividing the model width C={C}")
-    D = C // H
+    B, T, C, H, D = contract.check_module_input(x, n_heads)
 
     # 1. Project to queries, keys and values with one fused matrix, then split them.
     qkv = linear(x, params["qkv.weight"], params["qkv.bias"])  # (B, T, 3C)
@@ -525,45 +408,50 @@ def attention_vjp(
       transpose of the broadcast sums the axes it was broadcast along). A bool mask has
       no gradient.
     """
-    # 0. Validate as the forward does (eagerly, so errors are ours, not a tracer's).
-    if dropout_p != 0.0:
-        raise NotImplementedError(
-            f"dropout_p: the backward pass takes no dropout (it would need the forward's "
-            f"random draw), got dropout_p={dropout_p!r}"
-        )
+    # 0. Validate as the forward does (eagerly, so errors are ours, not a tracer's), and
+    # d_out against the output's shape.
     q, k, v, d_out = (jnp.asarray(x) for x in (q, k, v, d_out))
-    _check_inputs(q, k, v)
-    unbatched = q.ndim == 3
-    B, H, T, D = (q[None] if unbatched else q).shape
-    S, E = k.shape[-2], v.shape[-1]
-    _check_mask(mask, (B, H, T, S), unbatched)
-    scale = _check_options(D, scale, is_causal, causal_alignment, window, softcap, 0.0, None)
-    want = (H, T, E) if unbatched else (B, H, T, E)
-    if d_out.shape != want:
-        letters = "(H, T, E)" if unbatched else "(B, H, T, E)"
-        raise ValueError(
-            f"d_out shape should be the output's {letters} = {want}, got {d_out.shape}"
-        )
-    if d_out.dtype != q.dtype:
-        raise TypeError(f"d_out dtype should be {q.dtype} like q, got {d_out.dtype}")
+    mask = None if mask is None else jnp.asarray(mask)
+    call = contract.check(
+        q,
+        k,
+        v,
+        mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        unsupported={"dropout_p": "the backward pass would need the forward's random draw"},
+        d_out=d_out,
+    )
     return _attend_vjp(
         q,
         k,
         v,
-        None if mask is None else jnp.asarray(mask),
+        mask,
         d_out,
-        scale=scale,
-        is_causal=bool(is_causal),
-        causal_alignment=causal_alignment,
-        window=None if window is None else tuple(window),
-        softcap=softcap,
-        unbatched=unbatched,
+        mask_shape=call.mask_shape,
+        unbatched=call.unbatched,
+        scale=call.scale,
+        is_causal=call.is_causal,
+        causal_alignment=call.causal_alignment,
+        window=call.window,
+        softcap=call.softcap,
     )
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("is_causal", "causal_alignment", "window", "softcap", "unbatched"),
+    static_argnames=(
+        "mask_shape",
+        "unbatched",
+        "is_causal",
+        "causal_alignment",
+        "window",
+        "softcap",
+    ),
 )
 def _attend_vjp(
     q: jax.Array,
@@ -572,18 +460,19 @@ def _attend_vjp(
     mask: jax.Array | None,
     d_out: jax.Array,
     *,
+    mask_shape: tuple[int, int, int, int] | None,
     unbatched: bool,
     **options,
 ) -> tuple[jax.Array, ...]:
-    """jax.vjp of the mask's broadcast and steps 1-7, compiled once per shape and options."""
+    """jax.vjp of the mask's reshape and steps 1-7, compiled once per shape and options."""
 
     def forward(q, k, v, mask):
         if unbatched:
-            q, k, v = q[None], k[None], v[None]
-        B, H, T, _ = q.shape
-        S = k.shape[-2]
-        mask = _check_mask(mask, (B, H, T, S), unbatched)  # (B|1, H|1, T, S)
-        return _attend(q, k, v, mask, None, dropout_p=0.0, unbatched=unbatched, **options)
+            q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
+        if mask is not None:
+            mask = mask.reshape(mask_shape)  # (B|1, H|1, T|1, S|1)
+        out = _attend(q, k, v, mask, None, dropout_p=0.0, **options)  # (B, H, T, E)
+        return out[0] if unbatched else out
 
     if mask is not None and mask.dtype != jnp.bool_:
         _, pullback = jax.vjp(forward, q, k, v, mask)
@@ -614,3 +503,12 @@ def module_vjp(
 
     _, pullback = jax.vjp(module, params, x)
     return pullback(d_out)
+
+
+def _is_key(key: object) -> bool:
+    # A typed key from jax.random.key, or a legacy uint32 (2,) from jax.random.PRNGKey.
+    if not isinstance(key, jax.Array):
+        return False
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key.ndim == 0
+    return key.dtype == jnp.uint32 and key.shape == (2,)

@@ -1,7 +1,7 @@
 """Blockwise (FlashAttention-style) attention in JAX, compiled: never a T × S matrix.
 
-The reference (``numpy_attention``) builds every score at once: a (B, H, T, S) array, 4 GiB
-in float32 for one 16384-token batch of 16 heads. Yet each output row only needs a weighted
+The reference (``numpy_attention``) builds every score at once: a (B, H, T, S) array, 16
+GiB in float32 for one 16384-token batch of 16 heads (16 · 16384² · 4 bytes). Yet each output row only needs a weighted
 average of value rows, and an average can be accumulated a block of keys at a time, if the
 softmax can be too. The *online softmax* makes it so.
 
@@ -43,9 +43,12 @@ and padded query rows are cut off at the end. The query blocks are a ``lax.fori_
 writing into the output, and the key blocks an inner ``lax.fori_loop`` carrying (m, l, a).
 
 Skipping blocks. Causal and window masks are bands around the diagonal, so for query block
-i only the key blocks [lo(i), hi(i)) can hold a visible key: the inner loop runs over just
-those (``fori_loop`` accepts traced bounds; it becomes a while loop). That halves the work
-under a causal mask, which is where fused kernels get their causal speed-up. (A
+i only the key blocks [first(i), last(i)) can hold a visible key: the inner loop runs
+over just those (``fori_loop`` accepts traced bounds; it becomes a while loop). That
+halves the work under a causal mask, which is where fused kernels get their causal
+speed-up. Of those blocks, the ones wholly inside the band need no masking at all, so
+the key loop is three loops: the blocks the band cuts on the left (a window), those
+inside it (no mask computed), those it cuts on the right (the causal diagonal). (A
 user-supplied mask is an input: its tiles are sliced, and a fully blocked tile is still
 computed.)
 
@@ -57,9 +60,12 @@ accumulators: with the defaults and B=1, H=8, a few MiB, whatever T and S are.
 
 Speed, on a CPU. XLA hands the two products of a tile to its matmul library and fuses
 the max, exp and sum passes into a few loops over the tile. Larger tiles amortise the
-loop overhead and make bigger matmuls; smaller ones stay in cache. 512 × 256 was fastest
-on 2 cores in float32, causal and not (T = 4096). Precision is HIGHEST, which the CPU honours anyway (it has no
-reduced-precision float32 matmul), and which keeps float32 results bitwise stable.
+loop overhead and make bigger matmuls; smaller ones stay in cache and waste less on the
+causal diagonal (a query block of Tb rows computes about Tb²/2 masked scores there).
+512 × 256 (queries × keys) was fastest on 2 cores in float32, causal and not (T = 4096,
+measured in one process: 256 × 256 took 1.7× as long non-causal, 1.5× causal). Precision is
+HIGHEST, which the CPU honours anyway (it has no reduced-precision float32 matmul), and
+which keeps float32 results bitwise stable.
 
 Shape legend (heads-first, as in PyTorch):
 
@@ -79,6 +85,12 @@ Unbatched inputs q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
     here           B    H    K    T    S    D    E
     jax.nn         B    N    K    T    S    H    H
 
+The grouped layout. Query head h = k·G + g shares key/value head k (PyTorch's
+repeat_interleave order), so the G query heads of a key/value head are stacked as G·Tb
+rows of one tile: (B, K, G·Tb, ·). Each key tile is then read and multiplied once for
+its G query heads, not G times, and no input is repeated or copied, which the
+memory-efficient impls must avoid (the teaching reference repeats k and v instead).
+
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
 windows, softcapping, grouped-query and multi-query attention (K < H), float64, float32,
 float16 and bfloat16 (computed in float32 and rounded once). A query row with no key left
@@ -94,10 +106,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-ALIGNMENTS = ("top_left", "bottom_right")
+from . import contract
 
 
 def attention(
@@ -140,46 +151,50 @@ def attention(
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
     """
-    # 0. Validate: every problem is reported with the argument's name, the expected shape
-    # in letters and numbers, and what was given.
+    # 0. Validate: the input contract every impl shares (contract.py) checks shapes,
+    # dtypes and options, and names the argument, the expected shape and what was given.
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    _check_inputs(q, k, v)
-    unbatched = q.ndim == 3
-    if unbatched:
-        q, k, v = q[None], k[None], v[None]
-    B, H, T, D = q.shape
-    S = k.shape[-2]
-    checked = _check_mask(mask, (B, H, T, S), unbatched)
-    if isinstance(dropout_p, (int, float)) and 0 < dropout_p < 1:
-        raise NotImplementedError(
-            f"dropout_p={dropout_p!r} is not supported by jax-flash (blockwise "
-            f"attention without dropout); pass dropout_p=0.0"
-        )
-    scale = _check_options(D, scale, is_causal, causal_alignment, window, softcap, dropout_p, key)
-    for name, size in (("block_q", block_q), ("block_k", block_k)):
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-            raise ValueError(f"{name} should be a positive int, got {size!r}")
-    if checked is not None:
+    mask = None if mask is None else jnp.asarray(mask)
+    call = contract.check(
+        q,
+        k,
+        v,
+        mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        unsupported={"dropout_p": "jax-flash is blockwise attention without dropout"},
+        tiles={"block_q": block_q, "block_k": block_k},
+    )
+    if call.unbatched:
+        q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
+    T, S = call.T, call.S
+    if mask is not None:
         # Keep the mask as small as it was given, (B|1, H|1, T|1, S|1): broadcasting it
         # to (B, H, T, S) here would build the very T × S array this module avoids.
-        mask = jnp.asarray(mask)
-        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # (B|1, H|1, T|1, S|1)
-    # jax.jit needs hashable static options: a list window becomes a tuple.
-    window = None if window is None else tuple(window)
+        mask = mask.reshape(call.mask_shape)  # (B|1, H|1, T|1, S|1)
+    if T == 0 or S == 0:
+        # Nothing to tile: with T = 0 there is no query, and with S = 0 every query has
+        # no key, so every output row is exactly 0, whatever q holds.
+        out = jnp.zeros((call.B, call.H, T, call.E), dtype=q.dtype)  # (B, H, T, E)
+        return out[0] if call.unbatched else out
     out = _flash(
         q,
         k,
         v,
         mask,
-        scale=scale,
-        is_causal=bool(is_causal),
-        offset=0 if causal_alignment == "top_left" else S - T,
-        window=window,
-        softcap=softcap,
+        scale=call.scale,
+        is_causal=call.is_causal,
+        offset=0 if call.causal_alignment == "top_left" else S - T,
+        window=call.window,
+        softcap=call.softcap,
         Tb=max(1, min(block_q, T)),
         Sb=max(1, min(block_k, S)),
     )  # (B, H, T, E)
-    return out[0] if unbatched else out
+    return out[0] if call.unbatched else out
 
 
 @functools.partial(
@@ -236,23 +251,40 @@ def _flash(
         hi = min(hi, 0)
     banded = is_causal or window is not None
 
-    def key_blocks(i: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The key blocks [first, last) that can hold a key visible to query block i."""
-        if not banded:
-            return jnp.int32(0), jnp.int32(nS)
+    def key_blocks(i: jax.Array) -> tuple[jax.Array, ...]:
+        """For query block i: the key blocks [first, last) that can hold a visible key, and
+        within them [inner_first, inner_last), the blocks where every query of the block
+        sees every key (no masking needed). Traced int32 scalars."""
         t0 = i * Tb + offset  # diagonal of the block's first query
-        first = 0 if lo == -math.inf else jnp.clip((t0 + lo) // Sb, 0, nS)
-        last = nS if hi == math.inf else jnp.clip((t0 + Tb - 1 + hi) // Sb + 1, 0, nS)
-        return jnp.int32(first), jnp.maximum(jnp.int32(first), jnp.int32(last))
+        first, inner_first, inner_last, last = 0, 0, nS, nS
+        if lo != -math.inf:
+            first = (t0 + lo) // Sb
+            # Inside from the first block whose first key is >= lo past the last query's
+            # diagonal: a ceiling division.
+            inner_first = -(-(t0 + Tb - 1 + lo) // Sb)
+        if hi != math.inf:
+            last = (t0 + Tb - 1 + hi) // Sb + 1
+            # Inside up to the last block whose last key is <= hi past the first query's.
+            inner_last = (t0 + hi + 1) // Sb
+        if Sp != S:
+            inner_last = jnp.minimum(inner_last, nS - 1)  # the padded block is masked
+        first = jnp.clip(first, 0, nS).astype(jnp.int32)
+        last = jnp.clip(last, first, nS).astype(jnp.int32)
+        inner_last = jnp.clip(inner_last, first, last).astype(jnp.int32)
+        inner_first = jnp.clip(inner_first, first, inner_last).astype(jnp.int32)
+        return first, inner_first, inner_last, last
 
-    def tile(i: jax.Array, j: jax.Array, x: jax.Array) -> jax.Array:
-        """Steps 3-4 on the scores x of tile (i, j): softcap, then mask."""
+    def tile(i: jax.Array, j: jax.Array, x: jax.Array, banded_tile: bool) -> jax.Array:
+        """Steps 3-4 on the scores x of tile (i, j): softcap, then mask. The band (and
+        the padding) is masked only on a ``banded_tile``; the others lie inside it."""
         # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
         if softcap is not None:
             x = softcap * jnp.tanh(x / softcap)  # (B, K, G·Tb, Sb)
 
         # 4. Mask: a float mask is added; a bool mask, the causal triangle and the window
-        # decide which keys each query may see at all.
+        # decide which keys each query may see at all, and so does a float mask's -inf:
+        # blocked scores are replaced, not only pushed down by adding -inf, since
+        # NaN + -inf is NaN.
         x = x.reshape(B, K, G, Tb, Sb)  # (B, K, G, Tb, Sb)
         allowed = None
         if mask is not None:
@@ -262,32 +294,36 @@ def _flash(
                 allowed = m
             else:
                 x = x + m.astype(work)  # (B, K, G, Tb, Sb)
-        s = j * Sb + jnp.arange(Sb)[None, :]  # (1, Sb)
-        if banded:
-            t = i * Tb + jnp.arange(Tb)[:, None]  # (Tb, 1)
-            distance = s - (t + offset)  # (Tb, Sb)
-            band = jnp.ones((Tb, Sb), dtype=bool)  # (Tb, Sb)
-            if lo != -math.inf:
-                band &= distance >= lo
-            if hi != math.inf:
-                band &= distance <= hi
-            allowed = band if allowed is None else allowed & band
-        if Sp != S:
-            allowed = s < S if allowed is None else allowed & (s < S)  # padded keys
+                allowed = m != -jnp.inf  # (B|1, K|1, G|1, Tb|1, Sb|1)
+        if banded_tile:
+            s = j * Sb + jnp.arange(Sb, dtype=jnp.int32)[None, :]  # (1, Sb)
+            if banded:
+                t = i * Tb + jnp.arange(Tb, dtype=jnp.int32)[:, None]  # (Tb, 1)
+                distance = s - (t + offset)  # (Tb, Sb)
+                band = jnp.ones((Tb, Sb), dtype=bool)  # (Tb, Sb)
+                if lo != -math.inf:
+                    band &= distance >= lo
+                if hi != math.inf:
+                    band &= distance <= hi
+                allowed = band if allowed is None else allowed & band
+            if Sp != S:
+                allowed = s < S if allowed is None else allowed & (s < S)  # padded keys
         if allowed is not None:
             x = jnp.where(allowed, x, -jnp.inf)  # (B, K, G, Tb, Sb)
         return x.reshape(B, K, G * Tb, Sb)  # (B, K, G·Tb, Sb)
 
     def query_block(i: jax.Array, out: jax.Array) -> jax.Array:
-        # 2. Scale, folded into the query tile (Tb·D multiplies instead of Tb·S), so that
-        # the scores' spread does not grow with the head size D. Query head h = k·G + g
+        # 1. Scores: every query of the block against every key, one key block at a time
+        # (key_block, below). Every tile's product starts from this query tile, so
+        # 2. Scale, so that the scores' spread does not grow with the head size D, is
+        # applied to it once, here: Tb·D multiplies instead of Tb·S. Query head h = k·G + g
         # shares key/value head k, so a kv head's tile serves its G query heads, stacked
         # as G·Tb rows.
         qi = lax.dynamic_slice_in_dim(q, i * Tb, Tb, axis=2)  # (B, H, Tb, D)
         qi = qi.astype(work) * work(scale)  # (B, H, Tb, D)
         qi = qi.reshape(B, K, G * Tb, D)  # (B, K, G·Tb, D)
 
-        def key_block(j: jax.Array, carry: tuple) -> tuple:
+        def key_block(j: jax.Array, carry: tuple, banded_tile: bool) -> tuple:
             m, l, acc = carry  # (B, K, G·Tb), (B, K, G·Tb), (B, K, G·Tb, E)
             # 1. Scores: every query of the block against every key of the block.
             kj = lax.dynamic_slice_in_dim(k, j * Sb, Sb, axis=2).astype(work)
@@ -295,7 +331,7 @@ def _flash(
             x = jnp.einsum(
                 "bkrd,bksd->bkrs", qi, kj, precision=lax.Precision.HIGHEST
             )  # (B, K, G·Tb, Sb), r = G·Tb rows
-            x = tile(i, j, x)  # (B, K, G·Tb, Sb)
+            x = tile(i, j, x, banded_tile)  # (B, K, G·Tb, Sb)
 
             # 5. Softmax over the keys, online: rescale what was accumulated against the
             # old running max onto the new one (see the module docstring). A row that has
@@ -307,22 +343,40 @@ def _flash(
             p = jnp.exp(x - m_safe[..., None])  # (B, K, G·Tb, Sb)
             l = alpha * l + p.sum(axis=-1)  # (B, K, G·Tb)
 
-            # 7. Weighted sum of the values, accumulated unnormalised.
+            # 7. Weighted sum of the values, accumulated unnormalised. A key that no query
+            # of the block may see (padding, a KV-cache slot not yet written) has weight 0,
+            # but 0 · NaN and 0 · inf are NaN: its value row is replaced by 0, so that
+            # whatever it holds has no effect. (Only tiles that mask anything have one.)
             vj = lax.dynamic_slice_in_dim(v, j * Sb, Sb, axis=2).astype(work)
             # vj: (B, K, Sb, E)
+            if mask is not None or banded_tile:
+                seen = (x != -jnp.inf).reshape(B, K, G, Tb, Sb)  # (B, K, G, Tb, Sb)
+                if Tp != T:
+                    # The padded query rows see keys too, but are dropped: they use none.
+                    real = i * Tb + jnp.arange(Tb, dtype=jnp.int32) < T  # (Tb,)
+                    seen = seen & real[:, None]  # (B, K, G, Tb, Sb)
+                used = seen.any(axis=(2, 3))  # (B, K, Sb)
+                vj = jnp.where(used[..., None], vj, 0.0)  # (B, K, Sb, E)
             pv = jnp.einsum(
                 "bkrs,bkse->bkre", p, vj, precision=lax.Precision.HIGHEST
             )  # (B, K, G·Tb, E)
             acc = alpha[..., None] * acc + pv  # (B, K, G·Tb, E)
             return m_new, l, acc
 
-        init = (
+        inside = functools.partial(key_block, banded_tile=False)
+        edge = functools.partial(key_block, banded_tile=True)
+        carry = (
             jnp.full((B, K, G * Tb), -jnp.inf, dtype=work),  # m: (B, K, G·Tb)
             jnp.zeros((B, K, G * Tb), dtype=work),  # l: (B, K, G·Tb)
             jnp.zeros((B, K, G * Tb, E), dtype=work),  # acc: (B, K, G·Tb, E)
         )
-        first, last = key_blocks(i)
-        _, l, acc = lax.fori_loop(first, last, key_block, init)
+        # The key blocks in order: those the band cuts on the left (a window), those
+        # wholly inside it, and those it cuts on the right (the causal diagonal), so
+        # that only the cut ones pay for the masking.
+        first, inner_first, inner_last, last = key_blocks(i)
+        carry = lax.fori_loop(first, inner_first, edge, carry)
+        carry = lax.fori_loop(inner_first, inner_last, inside, carry)
+        _, l, acc = lax.fori_loop(inner_last, last, edge, carry)
         # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
         acc = acc / jnp.where(l > 0, l, 1.0)[..., None]  # (B, K, G·Tb, E)
         acc = acc.reshape(B, H, Tb, E).astype(out_dtype)  # (B, H, Tb, E)
@@ -348,122 +402,3 @@ def _grouped(x: jax.Array, K: int, G: int) -> jax.Array:
     if h == 1:
         return x.reshape(b, 1, 1, t, s)  # (B|1, 1, 1, T, S)
     return x.reshape(b, K, G, t, s)  # (B|1, K, G, T, S)
-
-
-def _is_float(a: np.ndarray) -> bool:
-    # bfloat16 from ml_dtypes has kind "V", so it is recognised by name.
-    return a.dtype.kind == "f" or a.dtype.name == "bfloat16"
-
-
-def _check_inputs(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-    if q.ndim not in (3, 4):
-        raise ValueError(
-            f"q should have rank 4 (B, H, T, D) or 3 (H, T, D), got rank {q.ndim} "
-            f"with shape {q.shape}"
-        )
-    letters = "(B, K, S, D)" if q.ndim == 4 else "(K, S, D)"
-    for name, x in (("k", k), ("v", v)):
-        if x.ndim != q.ndim:
-            raise ValueError(
-                f"{name} should have rank {q.ndim} {letters} like q, got rank {x.ndim} "
-                f"with shape {x.shape}"
-            )
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not _is_float(x):
-            raise TypeError(f"{name} should be a floating array, got dtype {x.dtype}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} dtype should be {q.dtype} like q, got {x.dtype}")
-    q4, k4, v4 = (x if x.ndim == 4 else x[None] for x in (q, k, v))
-    B, H, T, D = q4.shape
-    _, K, S, _ = k4.shape
-    E = v4.shape[-1]
-    batch = "B, " if q.ndim == 4 else ""
-    drop = 0 if q.ndim == 4 else 1
-    if K == 0 or H % K != 0:
-        raise ValueError(
-            f"k heads K={K} should divide q heads H={H} (grouped-query attention shares "
-            f"each key/value head among H // K query heads), got k shape {k.shape}"
-        )
-    want_k = (B, K, S, D)[drop:]
-    if k.shape != want_k:
-        raise ValueError(
-            f"k shape should be ({batch}K, S, D) = {want_k} to match q {q.shape}, got {k.shape}"
-        )
-    want_v = (B, K, S, E)[drop:]
-    if v.shape[:-1] != want_v[:-1]:
-        raise ValueError(
-            f"v shape should be ({batch}K, S, E) = {want_v} to match k {k.shape}, got {v.shape}"
-        )
-
-
-def _check_mask(
-    mask: np.ndarray | None, shape: tuple[int, int, int, int], unbatched: bool
-) -> np.ndarray | None:
-    """Return the mask as a (B|1, H|1, T, S) array, or None."""
-    if mask is None:
-        return None
-    mask = np.asarray(mask)
-    if mask.dtype != np.bool_ and not _is_float(mask):
-        raise TypeError(
-            f"mask dtype should be bool (True = may attend) or floating (added to the "
-            f"scores), got {mask.dtype}: an integer mask is ambiguous"
-        )
-    want = shape[1:] if unbatched else shape
-    letters = "(H, T, S)" if unbatched else "(B, H, T, S)"
-    try:
-        fits = mask.ndim <= len(want) and np.broadcast_shapes(mask.shape, want) == want
-    except ValueError:
-        fits = False
-    if not fits:
-        raise ValueError(f"mask shape should broadcast to {letters} = {want}, got {mask.shape}")
-    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # (B|1, H|1, T|1, S|1)
-    B, H, T, S = shape
-    b, h = mask.shape[0], mask.shape[1]
-    return np.broadcast_to(mask, (b, h, T, S))  # (B|1, H|1, T, S)
-
-
-def _check_options(
-    D: int,
-    scale: float | None,
-    is_causal: bool,
-    causal_alignment: str,
-    window: tuple[int | None, int | None] | None,
-    softcap: float | None,
-    dropout_p: float,
-    rng: np.random.Generator | None,
-) -> float:
-    """Check the keyword options; return the scale to use."""
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal should be a bool, got {is_causal!r}")
-    if causal_alignment not in ALIGNMENTS:
-        raise ValueError(
-            f"causal_alignment should be one of {ALIGNMENTS}, got {causal_alignment!r}"
-        )
-    if window is not None:
-        if not isinstance(window, (tuple, list)) or len(window) != 2:
-            raise ValueError(
-                f"window should be a pair (left, right) of ints >= 0 or None, got {window!r}"
-            )
-        for side in window:
-            if side is not None and (
-                isinstance(side, bool) or not isinstance(side, int) or side < 0
-            ):
-                raise ValueError(
-                    f"window should be a pair (left, right) of ints >= 0 or None, got {window!r}"
-                )
-    if softcap is not None and not (
-        isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0
-    ):
-        raise ValueError(f"softcap should be a positive finite float, got {softcap!r}")
-    if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
-        raise ValueError(f"dropout_p should be a float in [0, 1), got {dropout_p!r}")
-    if dropout_p > 0 and not isinstance(rng, np.random.Generator):
-        raise ValueError(f"rng should be a numpy.random.Generator when dropout_p > 0, got {rng!r}")
-    if scale is None:
-        return 1.0 / math.sqrt(D)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)):
-        raise TypeError(f"scale should be a positive float or None, got {scale!r}")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale should be a positive finite float, got {scale!r}")
-    return float(scale)

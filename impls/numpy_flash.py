@@ -1,9 +1,9 @@
 """Blockwise (FlashAttention-style) attention in NumPy: the same answer, never a T × S matrix.
 
-The reference (``numpy_attention``) builds every score at once: a (B, H, T, S) array, 4 GiB
-in float32 for one 16384-token batch of 16 heads. Yet each output row only needs a weighted
-average of value rows, and an average can be accumulated a block of keys at a time, if the
-softmax can be too. The *online softmax* makes it so.
+The reference (``numpy_attention``) builds every score at once: a (B, H, T, S) array, 16
+GiB in float32 for one 16384-token batch of 16 heads (16 · 16384² · 4 bytes). Yet each
+output row only needs a weighted average of value rows, and an average can be accumulated
+a block of keys at a time, if the softmax can be too. The *online softmax* makes it so.
 
 The online softmax. For one query row with scores x_1 … x_S, the softmax-weighted sum is
 
@@ -37,26 +37,43 @@ against m_safe = 0 in that case, which gives exp(-inf) = 0 for the blocked keys 
 for the (empty) history. A row that never sees a key ends with l = 0 and a = 0, and returns
 exactly 0, as the reference does.
 
-Skipping blocks. Causal and window masks are bands around the diagonal; a (query block,
-key block) tile that lies entirely outside the band contributes nothing and is never
-computed, and a tile entirely inside needs no masking. That is where fused kernels get
-their 2× causal speed-up. (A user-supplied mask is an input: its tiles are sliced, and a
-fully blocked tile is still computed.)
+Deferring the max. Since any constant m gives the same answer, m = 0 does too, as long as
+nothing leaves the floating-point range: then there is no max to find, nothing to
+subtract and nothing to rescale, only exp(x), and l and a are plain sums. That is the
+common case (scores of a few units), and it saves two of the four passes over every tile
+(below). Whether it held is checked for each row after its last key tile: its sum l
+finite and at least √tiny (about 1e-19 in float32, where tiny is the smallest normal
+number), and its output sums a finite. An overflow shows as inf or NaN in l or a; a weight
+small enough to underflow is below tiny, so with l >= √tiny all such weights together
+weigh less than S · √tiny of the row, far below rounding. A row that fails the check (huge
+or very negative scores, no key at all, a NaN) is taken from a second pass over its
+block with the running max, exactly as above; the choice is made row by row, so a row's
+result never depends on another row's values.
+
+Skipping tiles. Causal and window masks are bands around the diagonal. For a block of
+queries, the keys split into ranges: keys no row of the block may see are skipped, keys
+every row sees need no masking, and only the two diagonal strips between them (each as
+wide as the query block) are masked key by key. That is where fused kernels get their 2×
+causal speed-up. (A user-supplied mask is an input: its tiles are sliced, and a fully
+blocked tile is still computed.)
 
 Memory. No input is copied whole: tiles are sliced from views of q, k and v (and cast
 to the working precision tile by tile), and each finished query block is written
 straight into the output. Beyond inputs and output, one call holds a (B·K, G·Tb, Sb)
-score tile, a (B·K, G·Tb, E) accumulator and a (B·K, G·Tb, D) query tile: with the
-defaults and B=1, H=8, about 10 MiB in float32, whatever T and S are.
+score tile (reused from tile to tile), a (B·K, G·Tb, E) accumulator and a (B·K, G·Tb, D)
+query tile: with the defaults and B=1, H=8, about 6 MiB in float32, whatever T and S are.
 
 Speed. The two products per tile are ``np.matmul`` on float32 arrays, which BLAS runs on
-all cores; everything else is an elementwise pass over the tile, done in place, on one
-core (NumPy's ufuncs are single-threaded). The block sizes trade Python overhead and BLAS
-efficiency (larger tiles) against cache residency (smaller ones). Square tiles also make
-causal skipping pay: with Tb < Sb every query block's diagonal tile is a wide, half-masked
-one. 512 × 512 was fastest on 2 cores, causal and not (T = 4096, float32). (Running query blocks on Python threads would parallelise the elementwise
-passes, but OpenBLAS's own threads then fight them for the cores and every matmul
-stalls.)
+all cores, and so is the row sum, a matrix-vector product with a vector of ones; the
+rest is elementwise passes over the tile, done in place, on one core (NumPy's ufuncs are
+single-threaded). So the passes are what to save: with the max deferred a tile needs one
+(exp) instead of four (max, subtract, exp, sum), and only the diagonal strips a fifth
+(the mask). The block sizes trade Python overhead and BLAS efficiency (larger tiles)
+against cache residency and causal skipping (smaller ones): a query block of Tb rows
+wastes about Tb²/2 masked scores on the diagonal. 256 × 512 was fastest on 2 cores,
+causal and not (T = 4096, float32). (Running query blocks on Python threads would
+parallelise the elementwise passes, but OpenBLAS's own threads then fight them for the
+cores and every matmul stalls.)
 
 Shape legend (heads-first, as in PyTorch):
 
@@ -71,6 +88,12 @@ Shape legend (heads-first, as in PyTorch):
 
 Unbatched inputs q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
 
+The grouped layout. Query head h = k·G + g shares key/value head k (PyTorch's
+repeat_interleave order), so the G query heads of a key/value head are stacked as G·Tb
+rows of one tile: (B·K, G·Tb, ·). Each key tile is then read and multiplied once for
+its G query heads, not G times, and no input is repeated or copied, which the
+memory-efficient impls must avoid (the teaching reference repeats k and v instead).
+
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
 windows, softcapping, grouped-query and multi-query attention (K < H), float64, float32,
 float16 and bfloat16 (``ml_dtypes``, computed in float32 and rounded once). A query row with
@@ -81,10 +104,11 @@ NotImplementedError).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import numpy as np
 
-ALIGNMENTS = ("top_left", "bottom_right")
+from . import contract
 
 
 def attention(
@@ -99,8 +123,7 @@ def attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     dropout_p: float = 0.0,
-    rng: np.random.Generator | None = None,
-    block_q: int = 512,
+    block_q: int = 256,
     block_k: int = 512,
 ) -> np.ndarray:
     """Scaled dot-product attention, computed one (query block, key block) tile at a time.
@@ -120,126 +143,223 @@ def attention(
         its aligned diagonal; None on a side is unbounded.
       softcap: scores become softcap · tanh(scores / softcap) before masking.
       dropout_p: must be 0; dropout is not supported here.
-      rng: unused (dropout is not supported).
       block_q: Tb, queries per tile (per query head).
       block_k: Sb, keys per tile.
 
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
     """
-    # 0. Validate: every problem is reported with the argument's name, the expected shape
-    # in letters and numbers, and what was given.
+    # 0. Validate: the input contract every impl shares (contract.py) checks shapes,
+    # dtypes and options, and names the argument, the expected shape and what was given.
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
-    _check_inputs(q, k, v)
-    unbatched = q.ndim == 3
-    if unbatched:
-        q, k, v = q[None], k[None], v[None]
-    B, H, T, D = q.shape
-    _, K, S, _ = k.shape
-    E = v.shape[-1]
-    G = H // K
-    mask = _check_mask(mask, (B, H, T, S), unbatched)
-    if isinstance(dropout_p, (int, float)) and 0 < dropout_p < 1:
-        raise NotImplementedError(
-            f"dropout_p={dropout_p!r} is not supported by numpy-flash (blockwise "
-            f"attention without dropout); pass dropout_p=0.0"
-        )
-    scale = _check_options(D, scale, is_causal, causal_alignment, window, softcap, dropout_p, rng)
-    for name, size in (("block_q", block_q), ("block_k", block_k)):
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-            raise ValueError(f"{name} should be a positive int, got {size!r}")
+    mask = None if mask is None else np.asarray(mask)
+    call = contract.check(
+        q,
+        k,
+        v,
+        mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        unsupported={"dropout_p": "numpy-flash is blockwise attention without dropout"},
+        tiles={"block_q": block_q, "block_k": block_k},
+    )
+    if call.unbatched:
+        q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
+    B, H, K, G, T, S, D, E = call.B, call.H, call.K, call.G, call.T, call.S, call.D, call.E
+    if mask is not None:
+        b, h = call.mask_shape[:2]
+        mask = np.broadcast_to(mask.reshape(call.mask_shape), (b, h, T, S))  # (B|1, H|1, T, S)
+    # The options in their normal form: a NumPy scalar as a float, a list window a tuple.
+    scale, softcap, is_causal, window = call.scale, call.softcap, call.is_causal, call.window
+    causal_alignment = call.causal_alignment
 
     # Low precision inputs are computed in float32: exp() of a float16 score overflows
     # past 11.09, and summing many weights in float16 loses the small ones.
     out_dtype = q.dtype
     work = np.float64 if out_dtype == np.float64 else np.float32
 
-    # Query head h = k·G + g shares key/value head k (PyTorch's repeat_interleave, not
-    # tiling). All of these are views: no copy of an input is made, only of its tiles.
+    # The grouped layout (module docstring): views, no copy of an input.
     q = q.reshape(B * K, G, T, D)  # (B·K, G, T, D)
-    k = k.reshape(B * K, S, D)  # (B·K, S, D)
-    v = v.reshape(B * K, S, E)  # (B·K, S, E)
+    offset = 0 if causal_alignment == "top_left" else S - T
+    tiles = _KeyTiles(
+        k.reshape(B * K, S, D),  # (B·K, S, D)
+        v.reshape(B * K, S, E),  # (B·K, S, E)
+        mask,
+        _Band(offset, is_causal, window),
+        softcap,
+        K,
+        G,
+        block_k,
+        work,
+    )
     out = np.empty((B * K, G, T, E), dtype=out_dtype)  # (B·K, G, T, E)
 
-    offset = 0 if causal_alignment == "top_left" else S - T
-    band = _Band(offset, is_causal, window)
-    float_mask = mask if mask is not None and mask.dtype != np.bool_ else None
-    bool_mask = mask if mask is not None and mask.dtype == np.bool_ else None
-
-    def query_block(t0: int) -> None:
+    for t0 in range(0, T, block_q):
         t1 = min(t0 + block_q, T)
         Tb = t1 - t0
-        # 2. Scale, folded into the query tile (Tb·D multiplies instead of Tb·S), so that
-        # the scores' spread does not grow with the head size D. A kv head's tile is
-        # shared by its G query heads: stack them as G·Tb rows.
-        qb = q[:, :, t0:t1].astype(work) * work(scale)  # (B·K, G, Tb, D), a copy
-        qb = qb.reshape(B * K, G * Tb, D)  # (B·K, G·Tb, D)
-        m = np.full((B * K, G * Tb, 1), -np.inf, dtype=work)  # (B·K, G·Tb, 1)
-        l = np.zeros((B * K, G * Tb, 1), dtype=work)  # (B·K, G·Tb, 1)
-        acc = np.zeros((B * K, G * Tb, E), dtype=work)  # (B·K, G·Tb, E)
-        pv = np.empty_like(acc)  # (B·K, G·Tb, E)
-        for s0 in range(0, S, block_k):
-            s1 = min(s0 + block_k, S)
-            Sb = s1 - s0
-            inside = band.tile(t0, t1, s0, s1)
-            if inside is None:
-                continue  # every (query, key) pair of the tile is outside the band
+        # 1. Scores: every query of the block against every key, one key tile at a time
+        # (_KeyTiles.scores). Every tile's product starts from this query tile, so
+        # 2. Scale, so that the scores' spread does not grow with the head size D, is
+        # applied to it once, here: Tb·D multiplies instead of Tb·S.
+        qs = q[:, :, t0:t1].astype(work) * work(scale)  # (B·K, G, Tb, D), a copy
+        qs = qs.reshape(B * K, G * Tb, D)  # (B·K, G·Tb, D)
 
-            # 1. Scores: every query of the block against every key of the block.
-            kb = k[:, s0:s1].astype(work, copy=False)  # (B·K, Sb, D)
-            x = np.matmul(qb, kb.transpose(0, 2, 1))  # (B·K, G·Tb, Sb)
-
-            # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
-            if softcap is not None:
-                np.tanh(x / softcap, out=x)  # (B·K, G·Tb, Sb)
-                x *= work(softcap)  # (B·K, G·Tb, Sb)
-
-            # 4. Mask: a float mask is added; a bool mask, the causal triangle and the
-            # window decide which keys each query may see at all.
-            x5 = x.reshape(B, K, G, Tb, Sb)  # (B, K, G, Tb, Sb), a view of x
-            if float_mask is not None:
-                tile = float_mask[:, :, t0:t1, s0:s1]  # (B|1, H|1, Tb, Sb)
-                x5 += _grouped(tile, K, G)  # (B, K, G, Tb, Sb)
-            allowed = None
-            if bool_mask is not None:
-                allowed = _grouped(bool_mask[:, :, t0:t1, s0:s1], K, G)
-                # allowed: (B|1, K|1, G|1, Tb, Sb)
-            if not inside:
-                allowed = band.allowed(t0, t1, s0, s1) & (
-                    True if allowed is None else allowed
-                )  # (B|1, K|1, G|1, Tb, Sb)
-            if allowed is not None:
-                np.copyto(x5, -np.inf, where=~allowed)  # (B, K, G, Tb, Sb)
-
-            # 5. Softmax over the keys, online: rescale what was accumulated against the
-            # old running max onto the new one (see the module docstring). A row that has
-            # seen only blocked keys keeps max -inf; its exponent is taken against 0, so
-            # its weights are exactly 0 instead of exp(-inf - -inf) = NaN.
-            m_new = np.maximum(m, x.max(axis=-1, keepdims=True))  # (B·K, G·Tb, 1)
-            m_safe = np.where(np.isfinite(m_new), m_new, 0.0)  # (B·K, G·Tb, 1)
-            alpha = np.exp(m - m_safe)  # (B·K, G·Tb, 1)
-            x -= m_safe  # (B·K, G·Tb, Sb)
-            p = np.exp(x, out=x)  # (B·K, G·Tb, Sb)
-            l *= alpha  # (B·K, G·Tb, 1)
-            l += p.sum(axis=-1, keepdims=True)  # (B·K, G·Tb, 1)
-            m = m_new
-
-            # 7. Weighted sum of the values, accumulated unnormalised.
-            acc *= alpha  # (B·K, G·Tb, E)
-            vb = v[:, s0:s1].astype(work, copy=False)  # (B·K, Sb, E)
-            acc += np.matmul(p, vb, out=pv)  # (B·K, G·Tb, E)
+        # Steps 3-5 and 7, key tile by key tile (_accumulate), with the max deferred; the
+        # rows where that left the floating-point range are taken from a second pass with
+        # the running max (module docstring). A row's result depends on its scores only.
+        acc, l = _accumulate(qs, t0, t1, tiles, running_max=False)
+        exact = _in_range(acc, l)  # (B·K, G·Tb, 1)
+        if not exact.all():
+            acc_m, l_m = _accumulate(qs, t0, t1, tiles, running_max=True)
+            acc = np.where(exact, acc, acc_m)  # (B·K, G·Tb, E)
+            l = np.where(exact, l, l_m)  # (B·K, G·Tb, 1)
 
         # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
         # Assigning into out rounds to the output dtype once.
         acc /= np.where(l > 0, l, 1.0)  # (B·K, G·Tb, E)
         out[:, :, t0:t1] = acc.reshape(B * K, G, Tb, E)  # (B·K, G, Tb, E)
 
-    for t0 in range(0, T, block_q):
-        query_block(t0)
-
     # The query heads back in order h = k·G + g.
     out = out.reshape(B, H, T, E)  # (B, H, T, E)
-    return out[0] if unbatched else out
+    return out[0] if call.unbatched else out
+
+
+class _KeyTiles:
+    """The keys and values, the mask and the band: which key tiles a query block visits,
+    and steps 1, 3 and 4 on one tile."""
+
+    def __init__(
+        self,
+        k: np.ndarray,
+        v: np.ndarray,
+        mask: np.ndarray | None,
+        band: _Band,
+        softcap: float | None,
+        K: int,
+        G: int,
+        block_k: int,
+        work: type,
+    ) -> None:
+        self.k, self.v = k, v  # (B·K, S, D), (B·K, S, E)
+        self.S = k.shape[1]
+        self.float_mask = mask if mask is not None and mask.dtype != np.bool_ else None
+        self.bool_mask = mask if mask is not None and mask.dtype == np.bool_ else None
+        self.band, self.softcap = band, softcap
+        self.K, self.G, self.block_k, self.work = K, G, block_k, work
+        self.ones = np.ones(block_k, dtype=work)  # (Sb,): row sums as a matrix-vector product
+        self.buffer = np.empty(0, dtype=work)  # the score tile, reused
+
+    def ranges(self, t0: int, t1: int) -> Iterator[tuple[int, int, bool]]:
+        """(s0, s1, whole) for each key tile query rows [t0, t1) visit, in key order.
+
+        ``whole``: every row of the block may see every key of the tile (as far as the
+        band goes), so the band needs no masking there.
+        """
+        for a, b, whole in self.band.ranges(t0, t1, self.S):
+            for s0 in range(a, b, self.block_k):
+                yield s0, min(s0 + self.block_k, b), whole
+
+    def scores(
+        self, qs: np.ndarray, t0: int, t1: int, s0: int, s1: int, whole: bool
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Steps 1, 3 and 4 on tile (t0:t1, s0:s1): (B·K, G·Tb, Sb), in the reused buffer,
+        and which keys of the tile some query of the block may see, (B·K, Sb, 1) bool, or
+        None when every query may see every key."""
+        BK, R, _ = qs.shape  # R = G·Tb rows
+        Tb, Sb = t1 - t0, s1 - s0
+        if self.buffer.size < BK * R * Sb:
+            self.buffer = np.empty(BK * R * self.block_k, dtype=self.work)
+
+        # 1. Scores: every query of the block against every key of the tile.
+        kb = self.k[:, s0:s1].astype(self.work, copy=False)  # (B·K, Sb, D)
+        x = self.buffer[: BK * R * Sb].reshape(BK, R, Sb)  # (B·K, G·Tb, Sb)
+        np.matmul(qs, kb.transpose(0, 2, 1), out=x)  # (B·K, G·Tb, Sb)
+
+        # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
+        if self.softcap is not None:
+            np.tanh(x / self.softcap, out=x)  # (B·K, G·Tb, Sb)
+            x *= self.work(self.softcap)  # (B·K, G·Tb, Sb)
+
+        # 4. Mask: a float mask is added; a bool mask, the causal triangle and the
+        # window decide which keys each query may see at all, and so does a float mask's
+        # -inf: blocked scores are replaced, not only pushed down by adding -inf, since
+        # NaN + -inf is NaN.
+        x5 = x.reshape(BK // self.K, self.K, self.G, Tb, Sb)  # (B, K, G, Tb, Sb), a view
+        allowed = True
+        if self.float_mask is not None:
+            tile = self.float_mask[:, :, t0:t1, s0:s1]  # (B|1, H|1, Tb, Sb)
+            x5 += _grouped(tile, self.K, self.G)  # (B, K, G, Tb, Sb)
+            allowed = _grouped(tile != -np.inf, self.K, self.G)  # (B|1, K|1, G|1, Tb, Sb)
+        if self.bool_mask is not None:
+            tile = self.bool_mask[:, :, t0:t1, s0:s1]  # (B|1, H|1, Tb, Sb)
+            allowed = _grouped(tile, self.K, self.G)  # (B|1, K|1, G|1, Tb, Sb)
+        if not whole:
+            allowed = allowed & self.band.allowed(t0, t1, s0, s1)  # (.., Tb, Sb)
+        if allowed is True:
+            return x, None
+        np.copyto(x5, -np.inf, where=~allowed)  # (B, K, G, Tb, Sb)
+        allowed = np.reshape(allowed, (1,) * (5 - np.ndim(allowed)) + np.shape(allowed))
+        used = allowed.any(axis=(2, 3))  # (B|1, K|1, Sb)
+        used = np.broadcast_to(used, (BK // self.K, self.K, Sb))  # (B, K, Sb)
+        return x, used.reshape(BK, Sb, 1)  # (B·K, Sb, 1)
+
+
+def _accumulate(
+    qs: np.ndarray, t0: int, t1: int, tiles: _KeyTiles, running_max: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Steps 5 and 7 of one query block over its key tiles: the unnormalised output acc
+    (B·K, G·Tb, E) and the row sums l (B·K, G·Tb, 1), both against the running max
+    (``running_max``) or against 0 (the max deferred)."""
+    BK, R, _ = qs.shape  # R = G·Tb rows
+    work = qs.dtype
+    E = tiles.v.shape[-1]
+    m = np.full((BK, R, 1), -np.inf, dtype=work)  # (B·K, G·Tb, 1)
+    l = np.zeros((BK, R, 1), dtype=work)  # (B·K, G·Tb, 1)
+    acc = np.zeros((BK, R, E), dtype=work)  # (B·K, G·Tb, E)
+    pv = np.empty_like(acc)  # (B·K, G·Tb, E)
+    for s0, s1, whole in tiles.ranges(t0, t1):
+        x, used = tiles.scores(qs, t0, t1, s0, s1, whole)  # (B·K, G·Tb, Sb), steps 1, 3, 4
+        Sb = s1 - s0
+
+        # 5. Softmax over the keys, online: rescale what was accumulated against the
+        # old running max onto the new one (see the module docstring). A row that has
+        # seen only blocked keys keeps max -inf; its exponent is taken against 0, so
+        # its weights are exactly 0 instead of exp(-inf - -inf) = NaN. With the max
+        # deferred, the exponent is taken against 0 throughout and nothing is rescaled.
+        if running_max:
+            m_new = np.maximum(m, x.max(axis=-1, keepdims=True))  # (B·K, G·Tb, 1)
+            m_safe = np.where(np.isfinite(m_new), m_new, 0.0)  # (B·K, G·Tb, 1)
+            alpha = np.exp(m - m_safe)  # (B·K, G·Tb, 1)
+            x -= m_safe  # (B·K, G·Tb, Sb)
+            l *= alpha  # (B·K, G·Tb, 1)
+            acc *= alpha  # (B·K, G·Tb, E)
+            m = m_new
+        p = np.exp(x, out=x)  # (B·K, G·Tb, Sb)
+        # The row sums as a matrix-vector product: BLAS runs it on every core.
+        l += np.dot(p.reshape(BK * R, Sb), tiles.ones[:Sb]).reshape(BK, R, 1)
+
+        # 7. Weighted sum of the values, accumulated unnormalised. A key that no query
+        # of the block may see (padding, a KV-cache slot not yet written) has weight 0,
+        # but 0 · NaN and 0 · inf are NaN: its value row is replaced by 0, so that
+        # whatever it holds has no effect.
+        vb = tiles.v[:, s0:s1].astype(work, copy=False)  # (B·K, Sb, E)
+        if used is not None:
+            vb = np.where(used, vb, 0.0)  # (B·K, Sb, E)
+        acc += np.matmul(p, vb, out=pv)  # (B·K, G·Tb, E)
+    return acc, l
+
+
+def _in_range(acc: np.ndarray, l: np.ndarray) -> np.ndarray:
+    """Which rows' sums are exact with the max deferred: (B·K, G·Tb, 1) bool. Not where
+    something overflowed (inf or NaN in l or acc), nor where the row sum is so small that
+    an underflowed weight could matter (module docstring)."""
+    floor = math.sqrt(np.finfo(l.dtype).tiny)
+    finite = np.isfinite(acc).all(axis=-1, keepdims=True)  # (B·K, G·Tb, 1)
+    return (l >= floor) & np.isfinite(l) & finite  # (B·K, G·Tb, 1)
 
 
 class _Band:
@@ -261,15 +381,26 @@ class _Band:
             self.hi = min(self.hi, 0)
         self.active = is_causal or window is not None
 
-    def tile(self, t0: int, t1: int, s0: int, s1: int) -> bool | None:
-        """True: the whole tile is inside the band; False: partly; None: all outside."""
+    def ranges(self, t0: int, t1: int, S: int) -> list[tuple[int, int, bool]]:
+        """Key ranges (s0, s1, whole) that query rows [t0, t1) can see, in key order.
+
+        Row t sees keys t + offset + lo … t + offset + hi. Moving down the block's Tb rows
+        shifts that range by Tb - 1, so the keys the block can see are: a strip Tb wide
+        that only the lower rows see, the keys every row sees (``whole``: no masking), and
+        a strip Tb wide that only the upper rows see. Keys outside are never visited.
+        """
         if not self.active:
-            return True
-        near = s0 - (t1 - 1 + self.offset)  # smallest distance in the tile
-        far = s1 - 1 - (t0 + self.offset)  # largest distance in the tile
-        if far < self.lo or near > self.hi:
-            return None
-        return bool(near >= self.lo and far <= self.hi)
+            return [(0, S, True)]
+        Tb = t1 - t0
+        first = t0 + self.offset + self.lo  # row t0's first key (-inf: key 0)
+        last = t0 + self.offset + self.hi  # row t0's last key (inf: key S - 1)
+        if first + Tb >= last:
+            # A band narrower than the block: all of it is a diagonal strip.
+            edges = [(first, last + Tb, False)]
+        else:
+            edges = [(first, first + Tb, False), (first + Tb, last, True), (last, last + Tb, False)]
+        clipped = [(max(a, 0), min(b, S), whole) for a, b, whole in edges]
+        return [(int(a), int(b), whole) for a, b, whole in clipped if a < b]
 
     def allowed(self, t0: int, t1: int, s0: int, s1: int) -> np.ndarray:
         """Which keys each query of the tile may see: (Tb, Sb) bool."""
@@ -285,122 +416,3 @@ def _grouped(x: np.ndarray, K: int, G: int) -> np.ndarray:
     if h == 1:
         return x.reshape(b, 1, 1, t, s)  # (B|1, 1, 1, T, S)
     return x.reshape(b, K, G, t, s)  # (B|1, K, G, T, S)
-
-
-def _is_float(a: np.ndarray) -> bool:
-    # bfloat16 from ml_dtypes has kind "V", so it is recognised by name.
-    return a.dtype.kind == "f" or a.dtype.name == "bfloat16"
-
-
-def _check_inputs(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-    if q.ndim not in (3, 4):
-        raise ValueError(
-            f"q should have rank 4 (B, H, T, D) or 3 (H, T, D), got rank {q.ndim} "
-            f"with shape {q.shape}"
-        )
-    letters = "(B, K, S, D)" if q.ndim == 4 else "(K, S, D)"
-    for name, x in (("k", k), ("v", v)):
-        if x.ndim != q.ndim:
-            raise ValueError(
-                f"{name} should have rank {q.ndim} {letters} like q, got rank {x.ndim} "
-                f"with shape {x.shape}"
-            )
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not _is_float(x):
-            raise TypeError(f"{name} should be a floating array, got dtype {x.dtype}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} dtype should be {q.dtype} like q, got {x.dtype}")
-    q4, k4, v4 = (x if x.ndim == 4 else x[None] for x in (q, k, v))
-    B, H, T, D = q4.shape
-    _, K, S, _ = k4.shape
-    E = v4.shape[-1]
-    batch = "B, " if q.ndim == 4 else ""
-    drop = 0 if q.ndim == 4 else 1
-    if K == 0 or H % K != 0:
-        raise ValueError(
-            f"k heads K={K} should divide q heads H={H} (grouped-query attention shares "
-            f"each key/value head among H // K query heads), got k shape {k.shape}"
-        )
-    want_k = (B, K, S, D)[drop:]
-    if k.shape != want_k:
-        raise ValueError(
-            f"k shape should be ({batch}K, S, D) = {want_k} to match q {q.shape}, got {k.shape}"
-        )
-    want_v = (B, K, S, E)[drop:]
-    if v.shape[:-1] != want_v[:-1]:
-        raise ValueError(
-            f"v shape should be ({batch}K, S, E) = {want_v} to match k {k.shape}, got {v.shape}"
-        )
-
-
-def _check_mask(
-    mask: np.ndarray | None, shape: tuple[int, int, int, int], unbatched: bool
-) -> np.ndarray | None:
-    """Return the mask as a (B|1, H|1, T, S) array, or None."""
-    if mask is None:
-        return None
-    mask = np.asarray(mask)
-    if mask.dtype != np.bool_ and not _is_float(mask):
-        raise TypeError(
-            f"mask dtype should be bool (True = may attend) or floating (added to the "
-            f"scores), got {mask.dtype}: an integer mask is ambiguous"
-        )
-    want = shape[1:] if unbatched else shape
-    letters = "(H, T, S)" if unbatched else "(B, H, T, S)"
-    try:
-        fits = mask.ndim <= len(want) and np.broadcast_shapes(mask.shape, want) == want
-    except ValueError:
-        fits = False
-    if not fits:
-        raise ValueError(f"mask shape should broadcast to {letters} = {want}, got {mask.shape}")
-    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # (B|1, H|1, T|1, S|1)
-    B, H, T, S = shape
-    b, h = mask.shape[0], mask.shape[1]
-    return np.broadcast_to(mask, (b, h, T, S))  # (B|1, H|1, T, S)
-
-
-def _check_options(
-    D: int,
-    scale: float | None,
-    is_causal: bool,
-    causal_alignment: str,
-    window: tuple[int | None, int | None] | None,
-    softcap: float | None,
-    dropout_p: float,
-    rng: np.random.Generator | None,
-) -> float:
-    """Check the keyword options; return the scale to use."""
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal should be a bool, got {is_causal!r}")
-    if causal_alignment not in ALIGNMENTS:
-        raise ValueError(
-            f"causal_alignment should be one of {ALIGNMENTS}, got {causal_alignment!r}"
-        )
-    if window is not None:
-        if not isinstance(window, (tuple, list)) or len(window) != 2:
-            raise ValueError(
-                f"window should be a pair (left, right) of ints >= 0 or None, got {window!r}"
-            )
-        for side in window:
-            if side is not None and (
-                isinstance(side, bool) or not isinstance(side, int) or side < 0
-            ):
-                raise ValueError(
-                    f"window should be a pair (left, right) of ints >= 0 or None, got {window!r}"
-                )
-    if softcap is not None and not (
-        isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0
-    ):
-        raise ValueError(f"softcap should be a positive finite float, got {softcap!r}")
-    if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
-        raise ValueError(f"dropout_p should be a float in [0, 1), got {dropout_p!r}")
-    if dropout_p > 0 and not isinstance(rng, np.random.Generator):
-        raise ValueError(f"rng should be a numpy.random.Generator when dropout_p > 0, got {rng!r}")
-    if scale is None:
-        return 1.0 / math.sqrt(D)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)):
-        raise TypeError(f"scale should be a positive float or None, got {scale!r}")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale should be a positive finite float, got {scale!r}")
-    return float(scale)

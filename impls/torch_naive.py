@@ -49,7 +49,7 @@ import math
 
 import torch
 
-ALIGNMENTS = ("top_left", "bottom_right")
+from . import contract
 
 
 def scaled_dot_product_attention(
@@ -93,21 +93,33 @@ def scaled_dot_product_attention(
       weights (only with return_weights): (B, H, T, S), or (H, T, S); the weights that
         multiplied v (after dropout, as SDPA's math backend returns them); same dtype as q.
     """
-    # 0. Validate: every problem is reported with the argument's name, the expected shape
-    # in letters and numbers, and what was given.
+    # 0. Validate: the input contract every impl shares (contract.py) checks shapes,
+    # dtypes and options, and names the argument, the expected shape and what was given.
     q, k, v = torch.as_tensor(q), torch.as_tensor(k), torch.as_tensor(v)
-    _check_inputs(q, k, v)
-    unbatched = q.ndim == 3
-    if unbatched:
-        q, k, v = q[None], k[None], v[None]
-    B, H, T, D = q.shape
-    _, K, S, _ = k.shape
-    E = v.shape[-1]
-    G = H // K
-    mask = _check_mask(mask, (B, H, T, S), unbatched)
-    scale = _check_options(
-        D, scale, is_causal, causal_alignment, window, softcap, dropout_p, generator
+    mask = None if mask is None else torch.as_tensor(mask)
+    call = contract.check(
+        q,
+        k,
+        v,
+        mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        random=(
+            "generator",
+            generator,
+            generator is None or isinstance(generator, torch.Generator),
+            "a torch.Generator or None",
+        ),
     )
+    B, H, T, S, G = call.B, call.H, call.T, call.S, call.G
+    if call.unbatched:
+        q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
+    if mask is not None:
+        mask = mask.reshape(call.mask_shape)  # (B|1, H|1, T|1, S|1)
 
     # Low precision inputs are computed in float32: exp() of a float16 score overflows
     # past 11.09, and summing many weights in float16 loses the small ones.
@@ -115,65 +127,82 @@ def scaled_dot_product_attention(
     work = torch.float64 if out_dtype == torch.float64 else torch.float32
     q, k, v = q.to(work), k.to(work), v.to(work)
 
-    # 1. Scores: every query against every key of its group's key/value head. Query head
-    # h = k·G + g shares key/value head k (PyTorch's repeat_interleave, not tiling).
-    q = q.reshape(B, K, G, T, D)  # (B, K, G, T, D)
-    scores = torch.einsum("bkgtd,bksd->bkgts", q, k)  # (B, K, G, T, S)
+    # Grouped-query attention (K < H): each key/value head serves G = H // K consecutive
+    # query heads, so query head h uses key/value head h // G (PyTorch's repeat_interleave,
+    # not tiling). Repeating every key/value head G times turns it into plain multi-head
+    # attention; with K = H (G = 1) nothing changes.
+    k = k.repeat_interleave(G, dim=1)  # (B, H, S, D)
+    v = v.repeat_interleave(G, dim=1)  # (B, H, S, E)
 
-    # 2. Scale, so that the scores' spread does not grow with the head size D.
-    scores = scores * scale  # (B, K, G, T, S)
-
-    # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)  # (B, K, G, T, S)
-
-    # 4. Mask: a float mask is added; a bool mask, the causal triangle and the window
-    # decide which keys each query may see at all.
+    # Which keys each query may see: a bool mask, the causal triangle and the window
+    # decide it, and a float mask blocks where it is -inf. Blocked scores are replaced in
+    # step 4, not only pushed down by adding -inf, since NaN + -inf is NaN.
     allowed = q.new_ones((1, 1, T, S), dtype=torch.bool)  # (1, 1, T, S)
-    if mask is not None and mask.dtype == torch.bool:
+    if mask is not None and call.mask_is_bool:
         allowed = allowed & mask  # (B|1, H|1, T, S)
     elif mask is not None:
-        scores = scores + _grouped(mask.to(work), K, G)  # (B, K, G, T, S)
-    if is_causal or window is not None:
-        allowed = allowed & _band(T, S, is_causal, causal_alignment, window, q.device)
-    scores = torch.where(_grouped(allowed, K, G), scores, -math.inf)  # (B, K, G, T, S)
+        allowed = allowed & (mask != -math.inf)  # (B|1, H|1, T, S)
+    if call.is_causal or call.window is not None:
+        allowed = allowed & _band(
+            T, S, call.is_causal, call.causal_alignment, call.window, q.device
+        )  # (B|1, H|1, T, S)
+
+    # A key that no query of its head may see (padding, a KV-cache slot not yet written)
+    # must have no effect, whatever it holds: a weight of 0 does not cancel it, because
+    # 0 · NaN and 0 · inf are NaN. Its key and value rows are replaced by 0 before they
+    # are used, by selection, so that their gradients are exactly 0 as well.
+    used = allowed.any(dim=2)[..., None]  # (B|1, H|1, S, 1)
+    k = torch.where(used, k, 0.0)  # (B, H, S, D)
+    v = torch.where(used, v, 0.0)  # (B, H, S, E)
+
+    # 1. Scores: every query against every key of its head.
+    scores = torch.einsum("bhtd,bhsd->bhts", q, k)  # (B, H, T, S)
+
+    # 2. Scale, so that the scores' spread does not grow with the head size D.
+    scores = scores * call.scale  # (B, H, T, S)
+
+    # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
+    if call.softcap is not None:
+        scores = call.softcap * torch.tanh(scores / call.softcap)  # (B, H, T, S)
+
+    # 4. Mask: a float mask is added, then every key a query may not see gets -inf.
+    if mask is not None and not call.mask_is_bool:
+        scores = scores + mask.to(work)  # (B, H, T, S)
+    scores = torch.where(allowed, scores, -math.inf)  # (B, H, T, S)
 
     # 5. Softmax over the keys. Subtracting the row maximum keeps exp() <= 1, so large
     # scores cannot overflow. A row with every key blocked has max -inf; it is given
     # weights of exactly 0 (as PyTorch SDPA and FlashAttention do) instead of
-    # the NaN that exp(-inf - -inf) would give.
-    row_max = scores.amax(dim=-1, keepdim=True)  # (B, K, G, T, 1)
-    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # (B, K, G, T, 1)
-    p = torch.exp(scores - row_max)  # (B, K, G, T, S)
-    row_sum = p.sum(dim=-1, keepdim=True)  # (B, K, G, T, 1)
-    weights = p / torch.where(row_sum > 0, row_sum, 1.0)  # (B, K, G, T, S)
+    # the NaN that exp(-inf - -inf) would give. With S = 0 every row is such a row: the
+    # maximum starts from -inf, since an empty axis has no maximum of its own.
+    row_max = (
+        scores.amax(dim=-1, keepdim=True)
+        if S
+        else scores.new_full((*scores.shape[:-1], 1), -math.inf)
+    )  # (B, H, T, 1)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
+    p = torch.exp(scores - row_max)  # (B, H, T, S)
+    row_sum = p.sum(dim=-1, keepdim=True)  # (B, H, T, 1)
+    weights = p / torch.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
 
     # 6. Dropout: zero each weight with probability dropout_p and rescale the survivors
     # by 1 / (1 - dropout_p), so the expected output is unchanged.
-    if dropout_p > 0:
+    if call.dropout_p > 0:
         # Drawn and applied exactly as at::dropout inside SDPA's math backend: one
         # bernoulli_ over (B, H, T, S) in the compute dtype, divided by 1 - p before it
         # multiplies the weights (the order matters to the last bit).
         keep = torch.empty((B, H, T, S), dtype=work, device=q.device)  # (B, H, T, S)
-        keep = keep.bernoulli_(1.0 - dropout_p, generator=generator)  # (B, H, T, S)
-        keep = keep.div_(1.0 - dropout_p).reshape(B, K, G, T, S)  # (B, K, G, T, S)
-        weights = weights * keep  # (B, K, G, T, S)
+        keep = keep.bernoulli_(1.0 - call.dropout_p, generator=generator)  # (B, H, T, S)
+        keep = keep.div_(1.0 - call.dropout_p)  # (B, H, T, S)
+        weights = weights * keep  # (B, H, T, S)
 
-    # 7. Weighted sum of the values, then the query heads back in order h = k·G + g.
-    out = torch.einsum("bkgts,bkse->bkgte", weights, v)  # (B, K, G, T, E)
-    out = out.reshape(B, H, T, E).to(out_dtype)  # (B, H, T, E)
+    # 7. Weighted sum of the values.
+    out = torch.einsum("bhts,bhse->bhte", weights, v)  # (B, H, T, E)
+    out = out.to(out_dtype)  # (B, H, T, E)
     if not return_weights:
-        return out[0] if unbatched else out
-    weights = weights.reshape(B, H, T, S).to(out_dtype)  # (B, H, T, S)
-    return (out[0], weights[0]) if unbatched else (out, weights)
-
-
-def _grouped(x: torch.Tensor, K: int, G: int) -> torch.Tensor:
-    """Broadcast a (B|1, H|1, T, S) tensor onto the grouped layout (B|1, K|1, G|1, T, S)."""
-    b, h, t, s = x.shape
-    if h == 1:
-        return x.reshape(b, 1, 1, t, s)  # (B|1, 1, 1, T, S)
-    return x.reshape(b, K, G, t, s)  # (B|1, K, G, T, S)
+        return out[0] if call.unbatched else out
+    weights = weights.to(out_dtype)  # (B, H, T, S)
+    return (out[0], weights[0]) if call.unbatched else (out, weights)
 
 
 def _band(
@@ -201,131 +230,6 @@ def _band(
         if right is not None:
             allowed &= distance <= right
     return allowed[None, None]  # (1, 1, T, S)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    # "float16", not "torch.float16": messages read the same as the NumPy reference's.
-    return str(dtype).removeprefix("torch.")
-
-
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.ndim not in (3, 4):
-        raise ValueError(
-            f"q should have rank 4 (B, H, T, D) or 3 (H, T, D), got rank {q.ndim} "
-            f"with shape {tuple(q.shape)}"
-        )
-    letters = "(B, K, S, D)" if q.ndim == 4 else "(K, S, D)"
-    for name, x in (("k", k), ("v", v)):
-        if x.ndim != q.ndim:
-            raise ValueError(
-                f"{name} should have rank {q.ndim} {letters} like q, got rank {x.ndim} "
-                f"with shape {tuple(x.shape)}"
-            )
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not x.dtype.is_floating_point:
-            raise TypeError(f"{name} should be a floating tensor, got dtype {_dtype_name(x.dtype)}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(
-                f"{name} dtype should be {_dtype_name(q.dtype)} like q, got {_dtype_name(x.dtype)}"
-            )
-    q4, k4, v4 = (x if x.ndim == 4 else x[None] for x in (q, k, v))
-    B, H, _, D = q4.shape
-    _, K, S, _ = k4.shape
-    E = v4.shape[-1]
-    batch = "B, " if q.ndim == 4 else ""
-    drop = 0 if q.ndim == 4 else 1
-    if K == 0 or H % K != 0:
-        raise ValueError(
-            f"k heads K={K} should divide q heads H={H} (grouped-query attention shares "
-            f"each key/value head among H // K query heads), got k shape {tuple(k.shape)}"
-        )
-    want_k = (B, K, S, D)[drop:]
-    if tuple(k.shape) != want_k:
-        raise ValueError(
-            f"k shape should be ({batch}K, S, D) = {want_k} to match q {tuple(q.shape)}, "
-            f"got {tuple(k.shape)}"
-        )
-    want_v = (B, K, S, E)[drop:]
-    if tuple(v.shape[:-1]) != want_v[:-1]:
-        raise ValueError(
-            f"v shape should be ({batch}K, S, E) = {want_v} to match k {tuple(k.shape)}, "
-            f"got {tuple(v.shape)}"
-        )
-
-
-def _check_mask(
-    mask: torch.Tensor | None, shape: tuple[int, int, int, int], unbatched: bool
-) -> torch.Tensor | None:
-    """Return the mask as a (B|1, H|1, T, S) tensor, or None."""
-    if mask is None:
-        return None
-    mask = torch.as_tensor(mask)
-    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-        raise TypeError(
-            f"mask dtype should be bool (True = may attend) or floating (added to the "
-            f"scores), got {_dtype_name(mask.dtype)}: an integer mask is ambiguous"
-        )
-    want = shape[1:] if unbatched else shape
-    letters = "(H, T, S)" if unbatched else "(B, H, T, S)"
-    try:
-        fits = mask.ndim <= len(want) and tuple(torch.broadcast_shapes(mask.shape, want)) == want
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(
-            f"mask shape should broadcast to {letters} = {want}, got {tuple(mask.shape)}"
-        )
-    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # (B|1, H|1, T|1, S|1)
-    _, _, T, S = shape
-    b, h = mask.shape[0], mask.shape[1]
-    return mask.expand(b, h, T, S)  # (B|1, H|1, T, S)
-
-
-def _check_options(
-    D: int,
-    scale: float | None,
-    is_causal: bool,
-    causal_alignment: str,
-    window: tuple[int | None, int | None] | None,
-    softcap: float | None,
-    dropout_p: float,
-    generator: torch.Generator | None,
-) -> float:
-    """Check the keyword options; return the scale to use."""
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal should be a bool, got {is_causal!r}")
-    if causal_alignment not in ALIGNMENTS:
-        raise ValueError(
-            f"causal_alignment should be one of {ALIGNMENTS}, got {causal_alignment!r}"
-        )
-    if window is not None:
-        if not isinstance(window, (tuple, list)) or len(window) != 2:
-            raise ValueError(
-                f"window should be a pair (left, right) of ints >= 0 or None, got {window!r}"
-            )
-        for side in window:
-            if side is not None and (
-                isinstance(side, bool) or not isinstance(side, int) or side < 0
-            ):
-                raise ValueError(
-                    f"window should be a pair (left, right) of ints >= 0 or None, got {window!r}"
-                )
-    if softcap is not None and not (
-        isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0
-    ):
-        raise ValueError(f"softcap should be a positive finite float, got {softcap!r}")
-    if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
-        raise ValueError(f"dropout_p should be a float in [0, 1), got {dropout_p!r}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise ValueError(f"generator should be a torch.Generator or None, got {generator!r}")
-    if scale is None:
-        return 1.0 / math.sqrt(D)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale should be a positive float or None, got {scale!r}")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale should be a positive finite float, got {scale!r}")
-    return float(scale)
 
 
 class KVCache:

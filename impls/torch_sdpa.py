@@ -98,8 +98,9 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-ALIGNMENTS = ("top_left", "bottom_right")
+from . import contract
 
 
 def attention(
@@ -138,17 +139,28 @@ def attention(
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
     """
-    # 0. Validate: every problem is reported with the argument's name, the expected shape
-    # in letters and numbers, and what was given.
+    # 0. Validate: the input contract every impl shares (contract.py) checks shapes,
+    # dtypes and options, and names the argument, the expected shape and what was given.
     q, k, v = torch.as_tensor(q), torch.as_tensor(k), torch.as_tensor(v)
-    _check_inputs(q, k, v)
-    unbatched = q.ndim == 3
-    if unbatched:
-        q, k, v = q[None], k[None], v[None]
-    B, H, T, D = q.shape
-    _, K, S, _ = k.shape
-    mask = _check_mask(mask, (B, H, T, S), unbatched)
-    scale = _check_options(D, scale, is_causal, causal_alignment, window, softcap, dropout_p)
+    mask = None if mask is None else torch.as_tensor(mask)
+    call = contract.check(
+        q,
+        k,
+        v,
+        mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+        dropout_p=dropout_p,
+    )
+    H, K, T, S = call.H, call.K, call.T, call.S
+    if call.unbatched:
+        q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
+    if mask is not None:
+        b, h = call.mask_shape[:2]
+        mask = mask.reshape(call.mask_shape).expand(b, h, T, S)  # (B|1, H|1, T, S)
 
     # A float mask is added at the precision the scores are computed in: float32 for
     # float16 and bfloat16 q (SDPA accepts a float32 mask for them), q's dtype otherwise.
@@ -159,24 +171,38 @@ def attention(
     # 4. Mask: a float mask is added; a bool mask, the causal triangle and the window
     # decide which keys each query may see at all.
     sdpa_causal = (
-        is_causal
+        call.is_causal
         and mask is None
-        and window is None
-        and softcap is None
-        and (causal_alignment == "top_left" or T == S)
+        and call.window is None
+        and call.softcap is None
+        and (call.causal_alignment == "top_left" or T == S)
     )
     allowed, additive = None, None
     if mask is not None and mask.dtype == torch.bool:
         allowed = mask  # (B|1, H|1, T, S)
     elif mask is not None:
         additive = mask.to(work)  # (B|1, H|1, T, S)
-    if (is_causal and not sdpa_causal) or window is not None:
-        band = _band(T, S, is_causal, causal_alignment, window, q.device)
+    if (call.is_causal and not sdpa_causal) or call.window is not None:
+        band = _band(T, S, call.is_causal, call.causal_alignment, call.window, q.device)
         allowed = band if allowed is None else allowed & band  # (B|1, H|1, T, S)
 
-    if softcap is not None:
-        out = _flex_attention(q, k, v, allowed, additive, scale, softcap, dropout_p)
-        return out[0] if unbatched else out
+    # A slot that no query of its key/value head may see (padding, a KV-cache slot not
+    # yet written, a key after every query) must have no effect, whatever it holds; but
+    # SDPA multiplies every value row by its weight (0 · NaN = NaN) and adds the mask to
+    # every score (NaN + -inf = NaN). Such key and value rows are replaced by 0 first, by
+    # selection, so that their gradients are exactly 0 as well; so is a query with no key
+    # to see (every query when S = 0), whose row SDPA would otherwise compute from a NaN
+    # in it.
+    used, has_key = _seen(allowed, additive, sdpa_causal, H, K, T, S, q.device)
+    if used is not None and not bool(used.all()):
+        k = torch.where(used, k, 0.0)  # (B, K, S, D)
+        v = torch.where(used, v, 0.0)  # (B, K, S, E)
+    if has_key is not None and not bool(has_key.all()):
+        q = torch.where(has_key, q, 0.0)  # (B, H, T, D)
+
+    if call.softcap is not None:
+        out = _flex_attention(q, k, v, allowed, additive, call.scale, call.softcap, call.dropout_p)
+        return out[0] if call.unbatched else out
 
     # A float mask carries the blocked keys as -inf. SDPA on the CPU turns a row of -inf
     # into weights of exactly 0 (checked above for torch 2.13), so no fix-up is needed.
@@ -187,17 +213,67 @@ def attention(
         attn_mask = additive  # (B|1, H|1, T, S)
 
     # 5.-7. Softmax, dropout and the weighted sum: SDPA, with K < H through enable_gqa.
-    out = F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=attn_mask,
-        dropout_p=dropout_p,
-        is_causal=sdpa_causal,
-        scale=scale,
-        enable_gqa=K != H,
-    )  # (B, H, T, E)
-    return out[0] if unbatched else out
+    sdpa = {
+        "attn_mask": attn_mask,
+        "dropout_p": call.dropout_p,
+        "is_causal": sdpa_causal,
+        "scale": call.scale,
+        "enable_gqa": K != H,
+    }
+    out = F.scaled_dot_product_attention(q, k, v, **sdpa)  # (B, H, T, E)
+
+    # SDPA's CPU flash kernel returns 0 for a row whose every score is NaN (a NaN query,
+    # or a row whose keys all hold a NaN), as if the row had no key: measured with torch
+    # 2.13 (conformance/builtin_profile.py). A NaN must never become a number (§4.9), so
+    # when q, k or the mask hold one, the rows that came back all 0 are computed again on
+    # SDPA's math backend, which propagates it; without a NaN this costs one pass over q
+    # and k.
+    if _has_nan(q, k, attn_mask):
+        zero_rows = (out == 0).all(dim=-1, keepdim=True)  # (B, H, T, 1)
+        if bool(zero_rows.any()):
+            with sdpa_kernel(SDPBackend.MATH):
+                again = F.scaled_dot_product_attention(q, k, v, **sdpa)  # (B, H, T, E)
+            out = torch.where(zero_rows, again, out)  # (B, H, T, E)
+    return out[0] if call.unbatched else out
+
+
+def _seen(
+    allowed: torch.Tensor | None,
+    additive: torch.Tensor | None,
+    sdpa_causal: bool,
+    H: int,
+    K: int,
+    T: int,
+    S: int,
+    device: torch.device,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Which key/value slots some query of their head group sees, (B|1, K|1, S, 1), and
+    which queries see some key, (B|1, H|1, T, 1); None where every one does."""
+    if S == 0:
+        return None, torch.zeros((1, 1, T, 1), dtype=torch.bool, device=device)  # no key
+    if sdpa_causal:
+        # SDPA's own top-left causal mask: query t sees keys s <= t, so key s is seen
+        # (from query s on) when s < T, and every query sees key 0.
+        return (torch.arange(S, device=device) < T)[:, None], None  # (S, 1)
+    visible = allowed
+    if additive is not None:
+        finite = additive != -math.inf  # (B|1, H|1, T, S)
+        visible = finite if visible is None else visible & finite  # (B|1, H|1, T, S)
+    if visible is None:
+        return None, None
+    b, h = visible.shape[:2]
+    kv = K if h == H else 1
+    groups = visible.reshape(b, kv, h // kv, T, S)  # (B|1, K|1, G|1, T, S)
+    used = groups.any(dim=3).any(dim=2)[..., None]  # (B|1, K|1, S, 1)
+    return used, visible.any(dim=-1, keepdim=True)  # (B|1, H|1, T, 1)
+
+
+def _has_nan(*tensors: torch.Tensor | None) -> bool:
+    """Whether any of the tensors may hold a NaN: its sum is NaN then (and also, harmlessly,
+    when +inf meets -inf). A sum allocates nothing of the inputs' size."""
+    return any(
+        x is not None and x.is_floating_point() and bool(torch.isnan(x.sum())) for x in tensors
+    )
 
 
 def _flex_attention(
@@ -284,125 +360,3 @@ def _band(
         if right is not None:
             allowed &= distance <= right
     return allowed[None, None]  # (1, 1, T, S)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    # "float16", not "torch.float16": messages read the same as the NumPy reference's.
-    return str(dtype).removeprefix("torch.")
-
-
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.ndim not in (3, 4):
-        raise ValueError(
-            f"q should have rank 4 (B, H, T, D) or 3 (H, T, D), got rank {q.ndim} "
-            f"with shape {tuple(q.shape)}"
-        )
-    letters = "(B, K, S, D)" if q.ndim == 4 else "(K, S, D)"
-    for name, x in (("k", k), ("v", v)):
-        if x.ndim != q.ndim:
-            raise ValueError(
-                f"{name} should have rank {q.ndim} {letters} like q, got rank {x.ndim} "
-                f"with shape {tuple(x.shape)}"
-            )
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not x.dtype.is_floating_point:
-            raise TypeError(f"{name} should be a floating tensor, got dtype {_dtype_name(x.dtype)}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(
-                f"{name} dtype should be {_dtype_name(q.dtype)} like q, got {_dtype_name(x.dtype)}"
-            )
-    q4, k4, v4 = (x if x.ndim == 4 else x[None] for x in (q, k, v))
-    B, H, _, D = q4.shape
-    _, K, S, _ = k4.shape
-    E = v4.shape[-1]
-    batch = "B, " if q.ndim == 4 else ""
-    drop = 0 if q.ndim == 4 else 1
-    if K == 0 or H % K != 0:
-        raise ValueError(
-            f"k heads K={K} should divide q heads H={H} (grouped-query attention shares "
-            f"each key/value head among H // K query heads), got k shape {tuple(k.shape)}"
-        )
-    want_k = (B, K, S, D)[drop:]
-    if tuple(k.shape) != want_k:
-        raise ValueError(
-            f"k shape should be ({batch}K, S, D) = {want_k} to match q {tuple(q.shape)}, "
-            f"got {tuple(k.shape)}"
-        )
-    want_v = (B, K, S, E)[drop:]
-    if tuple(v.shape[:-1]) != want_v[:-1]:
-        raise ValueError(
-            f"v shape should be ({batch}K, S, E) = {want_v} to match k {tuple(k.shape)}, "
-            f"got {tuple(v.shape)}"
-        )
-
-
-def _check_mask(
-    mask: torch.Tensor | None, shape: tuple[int, int, int, int], unbatched: bool
-) -> torch.Tensor | None:
-    """Return the mask as a (B|1, H|1, T, S) tensor, or None."""
-    if mask is None:
-        return None
-    mask = torch.as_tensor(mask)
-    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-        raise TypeError(
-            f"mask dtype should be bool (True = may attend) or floating (added to the "
-            f"scores), got {_dtype_name(mask.dtype)}: an integer mask is ambiguous"
-        )
-    want = shape[1:] if unbatched else shape
-    letters = "(H, T, S)" if unbatched else "(B, H, T, S)"
-    try:
-        fits = mask.ndim <= len(want) and tuple(torch.broadcast_shapes(mask.shape, want)) == want
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(
-            f"mask shape should broadcast to {letters} = {want}, got {tuple(mask.shape)}"
-        )
-    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # (B|1, H|1, T|1, S|1)
-    _, _, T, S = shape
-    b, h = mask.shape[0], mask.shape[1]
-    return mask.expand(b, h, T, S)  # (B|1, H|1, T, S)
-
-
-def _check_options(
-    D: int,
-    scale: float | None,
-    is_causal: bool,
-    causal_alignment: str,
-    window: tuple[int | None, int | None] | None,
-    softcap: float | None,
-    dropout_p: float,
-) -> float:
-    """Check the keyword options; return the scale to use."""
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal should be a bool, got {is_causal!r}")
-    if causal_alignment not in ALIGNMENTS:
-        raise ValueError(
-            f"causal_alignment should be one of {ALIGNMENTS}, got {causal_alignment!r}"
-        )
-    if window is not None:
-        if not isinstance(window, (tuple, list)) or len(window) != 2:
-            raise ValueError(
-                f"window should be a pair (left, right) of ints >= 0 or None, got {window!r}"
-            )
-        for side in window:
-            if side is not None and (
-                isinstance(side, bool) or not isinstance(side, int) or side < 0
-            ):
-                raise ValueError(
-                    f"window should be a pair (left, right) of ints >= 0 or None, got {window!r}"
-                )
-    if softcap is not None and not (
-        isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0
-    ):
-        raise ValueError(f"softcap should be a positive finite float, got {softcap!r}")
-    if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
-        raise ValueError(f"dropout_p should be a float in [0, 1), got {dropout_p!r}")
-    if scale is None:
-        return 1.0 / math.sqrt(D)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale should be a positive float or None, got {scale!r}")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale should be a positive finite float, got {scale!r}")
-    return float(scale)

@@ -3,6 +3,7 @@ import pytest
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "clause(number): the SPEC.md clause a test checks")
+    config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist keeps on one worker")
 
 
 @pytest.fixture

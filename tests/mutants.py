@@ -21,15 +21,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from conformance.impls.numpy_attention import (
-    _check_d_out,
-    _check_inputs,
-    _check_mask,
-    _check_options,
-    gelu,
-    layer_norm,
-    linear,
-)
+from conformance.impls import contract
+from conformance.impls.numpy_attention import gelu, layer_norm, linear
 
 from conformance.backends import ALL_CAPABILITIES, DTYPES, Backend
 
@@ -77,11 +70,17 @@ def band(T, S, is_causal, causal_alignment, window):
 
 def softmax(scores, dtype):
     """Stable softmax over the keys; a row with every key at -inf gets weights 0."""
-    row_max = scores.max(axis=-1, keepdims=True)
+    row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
     p = np.exp(scores - row_max)
     row_sum = p.sum(axis=-1, keepdims=True)
     return p / np.where(row_sum > 0, row_sum, 1.0)
+
+
+def hide_unused(k, v, allowed):
+    """Key and value rows no query of their head sees are replaced by 0 (SPEC §4.7)."""
+    used = allowed.any(axis=2)[..., None]  # (B|1, H|1, S, 1)
+    return np.where(used, k, 0.0), np.where(used, v, 0.0)
 
 
 def dropout(weights, p, rng):
@@ -210,6 +209,26 @@ def merge_heads_wrong_order(context):
     return context.transpose(0, 2, 3, 1).reshape(B, T, H * D)
 
 
+def hide_unused_never(k, v, allowed):
+    """BUG: unused slots are multiplied by weight 0, and 0 · NaN = NaN leaks out."""
+    return k, v
+
+
+def softmax_nan_as_empty(scores, dtype):
+    """BUG: NaN scores are read as blocked keys (PyTorch SDPA's CPU flash kernel does this
+    for rows whose every score is NaN): a NaN query row comes back 0."""
+    return softmax(np.where(np.isnan(scores), -np.inf, scores), dtype)
+
+
+def softmax_no_identity(scores, dtype):
+    """BUG: the row max of an empty key axis (S = 0) raises instead of starting at -inf."""
+    row_max = scores.max(axis=-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    p = np.exp(scores - row_max)
+    row_sum = p.sum(axis=-1, keepdims=True)
+    return p / np.where(row_sum > 0, row_sum, 1.0)
+
+
 # --- The correct backward steps ------------------------------------------------------------
 
 
@@ -221,7 +240,7 @@ def grouped(x, K, G):
 
 def backward_weights(scores):
     """The forward's weights again; a row with every key at -inf gets weights 0."""
-    row_max = scores.max(axis=-1, keepdims=True)
+    row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
     p = np.exp(scores - row_max)
     row_sum = p.sum(axis=-1, keepdims=True)
@@ -302,6 +321,7 @@ class Steps:
     apply_float_mask = staticmethod(apply_float_mask)
     bool_allowed = staticmethod(bool_allowed)
     band = staticmethod(band)
+    hide_unused = staticmethod(hide_unused)
     softmax = staticmethod(softmax)
     dropout = staticmethod(dropout)
     cast_output = staticmethod(cast_output)
@@ -323,32 +343,49 @@ class Steps:
         rng=None,
     ):
         q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
-        _check_inputs(q, k, v)
-        unbatched = q.ndim == 3
+        mask = None if mask is None else np.asarray(mask)
+        call = contract.check(
+            q,
+            k,
+            v,
+            mask=mask,
+            is_causal=is_causal,
+            scale=scale,
+            causal_alignment=causal_alignment,
+            window=window,
+            softcap=softcap,
+            dropout_p=dropout_p,
+            random=("rng", rng, isinstance(rng, np.random.Generator), "a numpy.random.Generator"),
+        )
+        unbatched = call.unbatched
         if unbatched:
             q, k, v = q[None], k[None], v[None]
         B, H, T, D = q.shape
         _, K, S, _ = k.shape
         G = H // K
-        mask = _check_mask(mask, (B, H, T, S), unbatched)  # (B|1, H|1, T, S)
-        _check_options(D, scale, is_causal, causal_alignment, window, softcap, dropout_p, rng)
-        scale = self.scale_for(D, scale)
+        if mask is not None:
+            mask = mask.reshape(call.mask_shape)  # (B|1, H|1, T|1, S|1)
+        scale = self.scale_for(D, None if scale is None else call.scale)
 
         dtype = q.dtype
         work = np.float64 if dtype == np.float64 else np.float32
         q, k, v = q.astype(work), k.astype(work), v.astype(work)
         k, v = self.expand_kv(k, G), self.expand_kv(v, G)  # (B, H, S, ·)
 
-        scores = np.einsum("bhtd,bhsd->bhts", q, k) * work(scale)  # (B, H, T, S)
-        if softcap is not None:
-            scores = softcap * np.tanh(scores / softcap)
         allowed = np.ones((1, 1, T, S), dtype=bool)
         if mask is not None and mask.dtype == np.bool_:
             allowed = allowed & self.bool_allowed(mask)
         elif mask is not None:
-            scores = self.apply_float_mask(scores, mask.astype(work))
+            allowed = allowed & (mask != -np.inf)
         if is_causal or window is not None:
             allowed = allowed & self.band(T, S, is_causal, causal_alignment, window)
+        k, v = self.hide_unused(k, v, allowed)  # (B, H, S, ·)
+
+        scores = np.einsum("bhtd,bhsd->bhts", q, k) * work(scale)  # (B, H, T, S)
+        if softcap is not None:
+            scores = softcap * np.tanh(scores / softcap)
+        if mask is not None and mask.dtype != np.bool_:
+            scores = self.apply_float_mask(scores, mask.astype(work))
         scores = np.where(allowed, scores, -np.inf)  # (B, H, T, S)
 
         weights = self.softmax(scores, dtype)  # (B, H, T, S)
@@ -409,35 +446,53 @@ class BackwardSteps:
         softcap=None,
     ):
         q, k, v, d_out = np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(d_out)
-        _check_inputs(q, k, v)
-        unbatched = q.ndim == 3
+        mask = None if mask is None else np.asarray(mask)
+        call = contract.check(
+            q,
+            k,
+            v,
+            mask=mask,
+            is_causal=is_causal,
+            scale=scale,
+            causal_alignment=causal_alignment,
+            window=window,
+            softcap=softcap,
+            d_out=d_out,
+        )
+        unbatched = call.unbatched
         if unbatched:
             q, k, v, d_out = q[None], k[None], v[None], d_out[None]
         B, H, T, D = q.shape
         _, K, S, _ = k.shape
         E = v.shape[-1]
         G = H // K
-        _check_d_out(d_out, (B, H, T, E), q.dtype, unbatched)
-        mask_shape = None if mask is None else np.shape(mask)
-        mask_dtype = None if mask is None else np.asarray(mask).dtype
-        mask = _check_mask(mask, (B, H, T, S), unbatched)
-        scale = _check_options(D, scale, is_causal, causal_alignment, window, softcap, 0.0, None)
+        mask_shape = None if mask is None else mask.shape
+        mask_dtype = None if mask is None else mask.dtype
+        if mask is not None:
+            mask = mask.reshape(call.mask_shape)  # (B|1, H|1, T|1, S|1)
+        scale = call.scale
 
         dtype = q.dtype
         work = np.float64 if dtype == np.float64 else np.float32
         q, k, v, d_out = q.astype(work), k.astype(work), v.astype(work), d_out.astype(work)
 
-        # The forward again, keeping the raw scores R, the weights P and the output O.
-        q = q.reshape(B, K, G, T, D)  # (B, K, G, T, D)
-        raw = np.einsum("bkgtd,bksd->bkgts", q, k) * work(scale)  # (B, K, G, T, S)
-        scores = softcap * np.tanh(raw / softcap) if softcap is not None else raw
+        # The forward again, keeping the raw scores R, the weights P and the output O;
+        # slots no query of a group sees are replaced by 0 (SPEC §4.7, §12.12).
         allowed = np.ones((1, 1, T, S), dtype=bool)
         if mask is not None and mask.dtype == np.bool_:
             allowed = allowed & mask
         elif mask is not None:
-            scores = scores + grouped(mask.astype(work), K, G)
+            allowed = allowed & (mask != -np.inf)
         if is_causal or window is not None:
             allowed = allowed & band(T, S, is_causal, causal_alignment, window)[None, None]
+        used = np.broadcast_to(allowed, (*allowed.shape[:2], T, S))
+        used = grouped(used, K, G).any(axis=(2, 3))[..., None]  # (B|1, K|1, S, 1)
+        k, v = np.where(used, k, 0.0), np.where(used, v, 0.0)
+        q = q.reshape(B, K, G, T, D)  # (B, K, G, T, D)
+        raw = np.einsum("bkgtd,bksd->bkgts", q, k) * work(scale)  # (B, K, G, T, S)
+        scores = softcap * np.tanh(raw / softcap) if softcap is not None else raw
+        if mask is not None and mask.dtype != np.bool_:
+            scores = scores + grouped(mask.astype(work), K, G)
         scores = np.where(grouped(allowed, K, G), scores, -np.inf)  # (B, K, G, T, S)
         weights = self.weights(scores)  # (B, K, G, T, S)
         out = np.einsum("bkgts,bkse->bkgte", weights, v)  # (B, K, G, T, E)
@@ -611,6 +666,22 @@ MUTANTS = {
             base=ModuleMutantBackend,
         ),
         {"9.1", "9.2"},
+        "",
+    ),
+    # Behaviour at the edges (SPEC §2.5, §4.7, §4.9).
+    "mutant-unused-slots-read": (
+        _mutant("mutant-unused-slots-read", "hide_unused", hide_unused_never),
+        {"4.7"},
+        "",
+    ),
+    "mutant-nan-rows-zero": (
+        _mutant("mutant-nan-rows-zero", "softmax", softmax_nan_as_empty),
+        {"4.9"},
+        "",
+    ),
+    "mutant-empty-keys-raise": (
+        _mutant("mutant-empty-keys-raise", "softmax", softmax_no_identity),
+        {"2.5"},
         "",
     ),
     # The backward pass (SPEC §12): the forward is correct, only the gradients are broken.

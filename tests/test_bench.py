@@ -1,34 +1,100 @@
-"""The benchmark command runs end to end and writes its tables and plots (no timing asserted)."""
+"""The benchmark command: it times backends through ``load_backend``, runs from any
+directory, and writes its tables and plots. Smoke tests on tiny sizes; no timing is
+asserted (speed is what the benchmark measures, not what the tests check)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import numpy as np
+import pytest
+from conformance.bench import backends as bench_backends
+from conformance.bench import run as bench_run
+
+import conformance
 
 
-def test_bench_quick_run(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench",
-        "--sizes",
-        "64",
-        "--repeats",
-        "1",
-        "--backends",
-        "numpy-flash",
-        "torch-sdpa",
-    ]
-    cmd += ["--no-progress", "--out", str(tmp_path)]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+def test_bench_quick_run_from_any_directory(tmp_path):
+    """``python -m conformance.bench`` from outside the repository: one worker process per
+    backend and size, results written, plain progress lines (no bar) when not on a TTY."""
+    out = tmp_path / "results"
+    cmd = [sys.executable, "-m", "conformance.bench", "--sizes", "64", "--repeats", "1"]
+    cmd += ["--backends", "numpy-flash", "torch-sdpa", "anchor:F.sdpa", "--causal", "yes"]
+    cmd += ["--out", str(out)]
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     for name in ("results.csv", "results.json", "results.md", "time_vs_T.png", "memory_vs_T.png"):
-        assert (tmp_path / name).stat().st_size > 0, name
-    rows = json.loads((tmp_path / "results.json").read_text())
-    text = json.dumps(rows)
-    assert "numpy-flash" in text and "torch-sdpa" in text
-    assert "| numpy-flash |" in (tmp_path / "results.md").read_text()
+        assert (out / name).stat().st_size > 0, name
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["backend"], r["causal"]) for r in rows] == [
+        ("numpy-flash", True),
+        ("torch-sdpa", True),
+        ("anchor:F.sdpa", True),
+    ]
+    assert all(r["status"] == "ok" for r in rows), [r["reason"] for r in rows]
+    assert all(r["vs_torch_sdpa"] is not None for r in rows)
+    table = (out / "results.md").read_text()
+    assert "| numpy-flash |" in table and "| anchor:F.sdpa |" in table
+    # Not a terminal: one line per run, no carriage-return redraws of a bar.
+    assert "\r" not in run.stderr
+    assert "[3/3] T=64 causal anchor:F.sdpa:" in run.stderr, run.stderr[-2000:]
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench_run.main(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert "python -m conformance bench" in text
+    assert "(default: 5)" in text  # --repeats
+    assert "anchor:jax.nn.dpa" in text
+
+
+def test_no_progress_prints_no_progress_lines(tmp_path, capsys):
+    code = bench_run.main(
+        ["--sizes", "32", "--repeats", "1", "--backends", "numpy-flash", "--causal", "no"]
+        + ["--memory", "off", "--no-progress", "--out", str(tmp_path)]
+    )
+    assert code == 0
+    assert "[1/1]" not in capsys.readouterr().err
+
+
+def test_backends_are_timed_through_load_backend(monkeypatch):
+    """The benchmark's call is ``load_backend(name).prepare(...)``; tile options reach
+    only the backends that take them."""
+    loaded = []
+    real = conformance.load_backend
+
+    def recording(name, **options):
+        loaded.append((name, options))
+        return real(name, **options)
+
+    monkeypatch.setattr(conformance, "load_backend", recording)
+    q, k, v = bench_backends.inputs(1, 2, 16, 8)
+    call = bench_backends.make_call("numpy-flash", q, k, v, True, {"block_q": 4, "block_k": 8})
+    expected = real("numpy").attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(call(), expected, rtol=1e-5, atol=1e-6)
+    assert ("numpy-flash", {"block_q": 4, "block_k": 8}) in loaded
+    loaded.clear()
+    call = bench_backends.make_call("numpy", q, k, v, False, {"block_q": 4})
+    np.testing.assert_allclose(call(), real("numpy").attention(q, k, v), rtol=1e-6)
+    assert loaded == [("numpy", {})]
+
+
+def test_prepare_waits_for_jax():
+    """``Backend.prepare`` converts once and its call returns a finished result."""
+    pytest.importorskip("jax")
+    q, k, v = bench_backends.inputs(1, 2, 16, 8)
+    call = conformance.load_backend("jax-flash").prepare(q, k, v, is_causal=True)
+    out = call()
+    assert out.is_ready()
+    expected = conformance.load_backend("numpy").attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_every_name_is_a_backend_or_an_anchor():
+    names = bench_backends.names()
+    assert set(conformance.registered_backends()) <= set(names)
+    assert {"anchor:F.sdpa", "anchor:jax.nn.dpa"} <= set(names)

@@ -108,6 +108,7 @@ def test_load_backend_defaults_are_what_users_get():
     import inspect
 
     from conformance.impls import numpy_flash
+
     from conformance.plugin import conformance_backend
 
     default = load_backend("numpy-flash")

@@ -1,15 +1,20 @@
-"""The main job's report: clause table, error matrix, pictures, the frameworks' own
-functions, in Markdown, JSON and JUnit XML, from one command."""
+"""The main job's report: verdicts, clause table, grouped skips, agreement from the tests'
+own measurements, pictures, the frameworks' own functions, in Markdown, JSON and JUnit XML,
+from one command."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from conformance.measure import max_error
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,84 +34,145 @@ def test_report_on_two_backends(tmp_path):
         "--backend",
         "numpy",
         "--backend",
-        "torch-naive",
+        "numpy-flash",
+        "--workers",
+        "2",
         "--out",
         str(tmp_path),
         "-k",
-        "fixture or worked or pair or bad_input",
+        "test_fixture_case or test_module_fixture or test_gradient_fixture or worked_example "
+        "or test_backends_agree or bad_input",
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads((tmp_path / "report.json").read_text())
-    assert data["backends"] == ["numpy", "torch-naive"]
-    assert data["summary"]["failed"] == 0 and data["summary"]["passed"] > 100
-    assert data["clauses"]["numpy"]["11.1"]["passed"] == 2
-    assert set(data["errors"]["float64"]["vs_oracle"]) == {"numpy", "torch-naive"}
-    assert "numpy~torch-naive" in data["errors"]["float32"]["pairs"]
-    assert "numpy~torch-naive" in data["errors"]["float32"]["pairs_eps"]
-    assert data["versions"]["torch"].startswith("2.13.0")
-    assert data["machine"] and data["date"]
     md = (tmp_path / "report.md").read_text()
+    assert data["backends"] == ["numpy", "numpy-flash"]
+    assert data["summary"]["failed"] == 0 and data["summary"]["passed"] > 100
+    assert data["versions"]["pytest-xdist"]  # the tests ran in two worker processes
+    assert data["machine"] and data["date"]
+
+    # "wrote ... report.md" stands on its own line, after pytest's.
+    assert f"wrote {tmp_path / 'report.md'}" in run.stdout.splitlines()
+
+    # The verdict comes first: one line per backend, with what it does not declare.
+    assert md.index("## Verdict") < md.index("## Clauses per backend")
+    from conformance import load_backend
+    from conformance.backends import CAPABILITIES
+
+    for name in ("numpy", "numpy-flash"):
+        verdict = data["verdicts"][name]
+        assert verdict["conforms"] and not verdict["failed_clauses"] and verdict["ran"] > 50
+        lacks = sorted(set(CAPABILITIES) - load_backend(name).capabilities)
+        assert verdict["lacks_capabilities"] == lacks
+        assert re.search(
+            rf"^\| {name} \| ✅ conforms: \d+ tests, none failed \| "
+            rf"{', '.join(lacks) or 'nothing: all declared'} \|$",
+            md,
+            re.M,
+        )
+    assert {"dropout", "grad", "module"} <= set(
+        data["verdicts"]["numpy-flash"]["lacks_capabilities"]
+    )
+    assert data["clauses"]["numpy"]["11.1"]["passed"] == 2
     assert "| §11.1 The worked example | ✅ 2/2 | ✅ 2/2 |" in md
-    assert "### bfloat16" in md and "numpy~torch-naive" in md
 
-    # Pairwise tests (SPEC §7.3, §12.10) count in both backends' columns and in the pair's
-    # own table, and once in the totals.
+    # Skips: one line per backend and missing capability, pairwise ones included.
+    skips = data["skips"]
+    keys = [(s["backend"], s["missing"]) for s in skips]
+    assert len(keys) == len(set(keys))
+    grad = next(s for s in skips if s["missing"] == "capability grad")
+    assert grad["backend"] == "numpy-flash" and grad["pairwise"] > 0 and "12.10" in grad["clauses"]
+    skip_lines = [line for line in md.splitlines() if line.startswith("- ") and "lacks" in line]
+    assert len(skip_lines) == len(skips) and not any("~" in line for line in skip_lines)
+
+    # The agreement numbers are the tests' own: one measurement per comparison a fixture
+    # test asserted, and the numbers are those of the comparison.
     rows = data["tests"]
-    assert sum(data["summary"].values()) == len(rows)
-    for clause in ("7.3", "12.10"):
-        pair_rows = [r for r in rows if r["clause"] == clause]
-        assert pair_rows and all(r["backend"] == "numpy~torch-naive" for r in pair_rows)
-        n = sum(r["outcome"] == "passed" for r in pair_rows)
-        assert n > 0
-        for column in ("numpy", "torch-naive", "numpy~torch-naive"):
-            assert data["clauses"][column][clause]["passed"] == n, (column, clause)
-    n = data["clauses"]["numpy~torch-naive"]["7.3"]["passed"]
-    assert f"| §7.3 Backends agree pairwise | ✅ {n}/{n} | ✅ {n}/{n} |" in md
-    assert "| §12.10 Backends agree pairwise | ✅" in md
-    assert "| numpy~torch-naive |" in md.split("## Every pair on random inputs")[1]
+    measured = data["measurements"]
+    passed = {
+        r["test"].split("[numpy-", 1)[1][:-1]
+        for r in rows
+        if r["backend"] == "numpy"
+        and r["outcome"] == "passed"
+        and "test_fixture_case[" in r["test"]
+    }
+    numpy_out = {m["case"] for m in measured if m["backend"] == "numpy" and m["quantity"] == "out"}
+    assert passed and passed <= numpy_out
+    from conformance.cases import load_case
 
-    # Gradients (SPEC §12): each backend against the oracle on the gradient fixtures, every
-    # pair, a table and a heatmap per dtype, after the forward agreement.
+    case = load_case("gqa-H6-K2-float32")
+    got = load_backend("numpy").attention(*case.inputs(), mask=case.mask(), **case.options())
+    (m,) = [
+        m for m in measured if (m["backend"], m["case"], m["quantity"]) == ("numpy", case.id, "out")
+    ]
+    assert m["error"] == max_error(got, case.expected) and 0 < m["error"] <= m["tolerance"]
+    assert {m["quantity"] for m in measured if m["backend"] == "numpy"} >= {"out", "dq", "dmask"}
+
+    outputs = data["agreement"]["outputs"]
     for dtype in ("float64", "float32", "float16", "bfloat16"):
-        block = data["gradients"][dtype]
-        assert set(block["vs_oracle"]) == {"numpy", "torch-naive"}
-        assert all(0 < e["max_fraction_of_tolerance"] <= 1 for e in block["vs_oracle"].values())
-        assert "numpy~torch-naive" in block["pairs"] and "numpy~torch-naive" in block["pairs_eps"]
+        block = outputs[dtype]
+        assert set(block["vs_oracle"]) == {"numpy", "numpy-flash"}
+        for s in block["vs_oracle"].values():
+            assert 0 < s["fraction_of_tolerance"] <= 1 and s["failed"] == 0
+            assert s["case"].endswith(dtype) or s["case"].startswith(("mha", "gpt"))
+            assert f"| `{s['case']}` |" in md  # the table names the worst fixture
+        # The pairwise tests (SPEC §7.3) run float64 and float32 only.
+        assert ("numpy~numpy-flash" in block["pairs"]) == (dtype in ("float64", "float32"))
+    gradients = data["agreement"]["gradients"]
+    for dtype in ("float64", "float32", "float16", "bfloat16"):
+        assert set(gradients[dtype]["vs_oracle"]) == {"numpy"}  # numpy-flash: no "grad"
+        assert gradients[dtype]["pairs"] == {}
         assert f"### {dtype} gradients" in md
     section = md.index("## Gradients: cross-framework agreement on the gradient fixtures")
     assert md.index("## Cross-framework agreement on the fixtures") < section
     assert section < md.index("## Every pair on random inputs")
 
-    # JUnit XML for CI, one testcase per test.
+    # Pairwise tests (SPEC §7.3, §12.10) count in both backends' columns and in the pair's
+    # own table, and once in the totals.
+    assert sum(data["summary"].values()) == len(rows)
+    pair_rows = [r for r in rows if r["clause"] == "7.3"]
+    assert pair_rows and all(r["backend"] == "numpy~numpy-flash" for r in pair_rows)
+    n = sum(r["outcome"] == "passed" for r in pair_rows)
+    for column in ("numpy", "numpy-flash", "numpy~numpy-flash"):
+        assert data["clauses"][column]["7.3"]["passed"] == n, column
+    assert f"| §7.3 Backends agree pairwise | ✅ {n}/{n} | ✅ {n}/{n} |" in md
+    assert "| numpy~numpy-flash |" in md.split("## Every pair on random inputs")[1]
+
+    # JUnit XML for CI, one testcase per test, with the measurements as properties.
     suite = ET.parse(tmp_path / "junit.xml").getroot()
     cases = suite.findall(".//testcase")
     assert len(cases) == data["summary"]["passed"] + data["summary"]["skipped"]
+    assert suite.findall(".//property[@name='conformance-measurement']")
 
     # Pictures, each linked from the Markdown.
     for name in (
         "masks.png",
         "worked-example-weights.png",
         "agreement-float32.png",
+        "agreement-bfloat16.png",
         "gradient-agreement-float32.png",
-        "gradient-agreement-bfloat16.png",
     ):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
         assert f"]({name})" in md
 
-    # The frameworks' own functions on the edge cases: information, never a failure.
+    # The frameworks' own functions on the edge cases: information, never a failure; each
+    # row says what the functions are given.
     profile = data["builtin_profile"]
     assert set(profile["functions"]) >= {"torch SDPA", "-inf masked softmax"}
-    rows = {row["case"]: row["results"] for row in profile["cases"]}
-    masked = rows["fully masked rows (bool mask)"]
-    assert masked["torch SDPA"]["conforms"] and "as the spec" in masked["torch SDPA"]["observed"]
+    by_case = {row["case"]: row for row in profile["cases"]}
+    masked = by_case["fully masked rows (bool mask)"]["results"]
+    assert masked["torch SDPA"]["conforms"] and masked["torch SDPA"]["summary"] == "as the spec"
     assert masked["-inf masked softmax"]["observed"].startswith("NaN")
+    integer = by_case["integer mask (int64 0/1)"]
+    assert "int64 mask" in integer["inputs"]
+    assert f"| **integer mask (int64 0/1)**: {integer['inputs']} |" in md
     assert "## The frameworks' own functions, as they are" in md
 
 
 @pytest.mark.clause("13.5", "13.7")
 def test_report_on_a_users_function_says_what_is_wrong(tmp_path):
     """The worked example without its known-failures file: the two failures, each with its
-    message and a replay of the call on saved inputs."""
+    message and a replay of the call on saved inputs, and the verdict names the clause."""
     run = _report(
         "--impl",
         "examples.my_attention:attention",
@@ -122,7 +188,10 @@ def test_report_on_a_users_function_says_what_is_wrong(tmp_path):
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["backends"] == ["my_attention.attention"]
     assert data["summary"]["failed"] == 2
+    verdict = data["verdicts"]["my_attention.attention"]
+    assert not verdict["conforms"] and verdict["failed_clauses"] == ["8.1"]
     md = (tmp_path / "report.md").read_text()
+    assert "| my_attention.attention | ❌ **fails §8.1** (2 tests) |" in md
     assert "## What failed, and how to reproduce it" in md
     assert "test_bad_input[my_attention.attention-integer-mask]" in md
     assert "mask=int64[5, 6]" in md and "load_call(" in md
@@ -152,7 +221,8 @@ def test_report_with_known_failures_passes(tmp_path):
     assert data["summary"]["xfailed"] == 2 and data["summary"]["failed"] == 0
     md = (tmp_path / "report.md").read_text()
     assert "| §8.1 Bad input raises a clear error | ⚠️" in md
-    assert "known failure (§8.1): integer masks are read as bool" in md
+    assert "| ⚠️ known failures in §8.1, nothing else fails |" in md
+    assert "known failure (§8.1, 1 test): integer masks are read as bool" in md
 
 
 @pytest.mark.clause("13.3")
@@ -163,49 +233,156 @@ def test_report_with_an_unknown_impl_is_an_error(tmp_path):
 
 @pytest.mark.clause("13.7")
 def test_without_matplotlib_the_report_says_so(monkeypatch, tmp_path):
-    from conformance import report
+    from conformance import report_pictures
+    from conformance.report_collect import OUTCOMES
+    from conformance.report_markdown import render_markdown
 
     def no_matplotlib():
         raise ImportError("No module named 'matplotlib'")
 
-    monkeypatch.setattr(report, "_pyplot", no_matplotlib)
-    pictures = report.draw_pictures(tmp_path, {})
+    monkeypatch.setattr(report_pictures, "_pyplot", no_matplotlib)
+    pictures = report_pictures.draw_pictures(tmp_path, {})
     assert "matplotlib is not installed" in pictures["error"]
     data = {
         "date": "today",
         "machine": "here",
         "command": "python -m conformance report",
         "versions": {},
-        "summary": dict.fromkeys(report.OUTCOMES, 0),
+        "summary": dict.fromkeys(OUTCOMES, 0),
         "exit_code": 0,
         "backends": [],
         "clauses": {},
         "tests": [],
-        "errors": {},
         "pictures": pictures,
     }
-    assert "no pictures: matplotlib is not installed" in report.render_markdown(data)
+    assert "no pictures: matplotlib is not installed" in render_markdown(data)
     assert not list(tmp_path.iterdir())
+
+
+def _row(backend, clause, outcome, reason="", test="t"):
+    return {
+        "test": test,
+        "backend": backend,
+        "clause": clause,
+        "outcome": outcome,
+        "reason": reason,
+    }
 
 
 @pytest.mark.clause("13.7")
 def test_a_pairwise_test_counts_for_both_backends_and_once_in_total():
-    from conformance import report
-
-    def row(backend, clause, outcome, reason=""):
-        return {"backend": backend, "clause": clause, "outcome": outcome, "reason": reason}
+    from conformance.report_outcomes import clause_table
 
     rows = [
-        row("a", "4.1", "passed"),
-        row("b", "4.1", "passed"),
-        row("a~b", "7.3", "passed"),
-        row("a~b", "7.3", "failed", "a vs b: too far"),
-        row("a~c", "12.10", "skipped", "c lacks capability 'grad'"),
+        _row("a", "4.1", "passed"),
+        _row("b", "4.1", "passed"),
+        _row("a~b", "7.3", "passed"),
+        _row("a~b", "7.3", "failed", "a vs b: too far"),
+        _row("a~c", "12.10", "skipped", "a or c lacks capability 'grad'"),
     ]
-    table = report.clause_table(rows)
+    table = clause_table(rows)
     assert table["a"]["7.3"]["passed"] == table["b"]["7.3"]["passed"] == 1
     assert table["a"]["7.3"]["failed"] == table["b"]["7.3"]["failed"] == 1
     assert table["a~b"]["7.3"]["failed"] == 1 and "7.3" not in table["c"]
     assert table["c"]["12.10"]["skipped"] == table["a"]["12.10"]["skipped"] == 1
-    assert table["b"]["7.3"]["reasons"]["failed"] == ["a vs b: too far"]
     assert table["a"]["4.1"]["passed"] == 1
+
+
+@pytest.mark.clause("13.7")
+def test_skips_are_grouped_by_the_backend_that_lacks_the_capability():
+    """60 pairwise skips for one backend's missing capability are one line, charged to
+    that backend and not to its partners; a failure shows in the verdict with its clause."""
+    from conformance.report_outcomes import grouped_skips, verdicts
+
+    declared = {
+        "a": {"capabilities": ["grad", "window"], "dtypes": ["float64"]},
+        "b": {"capabilities": ["grad", "window"], "dtypes": ["float64", "float32"]},
+        "c": {"capabilities": ["window"], "dtypes": ["float64", "float32"]},
+    }
+    rows = [_row("a~c", "12.10", "skipped", "a or c lacks capability 'grad'")] * 30
+    rows += [_row("b~c", "12.10", "skipped", "b or c lacks capability 'grad'")] * 30
+    rows += [_row("c", "12.1", "skipped", "c lacks capability 'grad'")] * 5
+    rows += [_row("a", "4.5", "skipped", "a lacks dtype 'float32'")] * 3
+    rows += [
+        _row("a", "4.1", "passed"),
+        _row("b", "4.1", "failed", "wrong"),
+        _row("c", "4.1", "passed"),
+    ]
+    skips = grouped_skips(rows, declared)
+    assert [(s["backend"], s["missing"], s["tests"], s["pairwise"]) for s in skips] == [
+        ("a", "dtype float32", 3, 0),
+        ("c", "capability grad", 65, 60),
+    ]
+    assert skips[1]["clauses"] == ["12.1", "12.10"]
+    v = verdicts(rows, declared)
+    assert v["a"]["conforms"] and v["c"]["conforms"]
+    assert not v["b"]["conforms"] and v["b"]["failed_clauses"] == ["4.1"]
+    # A pairwise failure: the two disagree, and neither is said to fail a clause alone.
+    v = verdicts([*rows, _row("a~c", "7.3", "failed", "a vs c: too far")], declared)
+    assert not v["a"]["conforms"] and not v["c"]["conforms"] and v["b"]["apart_from"] == {}
+    assert v["a"]["apart_from"] == {"c": {"tests": 1, "clauses": ["7.3"]}}
+    assert v["c"]["apart_from"] == {"a": {"tests": 1, "clauses": ["7.3"]}}
+    assert v["a"]["failed_clauses"] == v["c"]["failed_clauses"] == []
+    assert "grad" in v["c"]["lacks_capabilities"] and v["a"]["lacks_dtypes"] == [
+        "float32",
+        "float16",
+        "bfloat16",
+    ]
+
+
+@pytest.mark.clause("13.7")
+def test_agreement_keeps_the_worst_comparison_and_names_it():
+    from conformance.report_agreement import agreement
+
+    def m(backend, case, error, tolerance, dtype="float32", quantity="out"):
+        return {
+            "backend": backend,
+            "case": case,
+            "dtype": dtype,
+            "quantity": quantity,
+            "error": error,
+            "tolerance": tolerance,
+            "unit": 2.0**-23,
+        }
+
+    measured = [
+        m("a", "big-error-loose-tolerance", 1e-5, 1e-4),
+        m("a", "small-error-tight-tolerance", 1e-7, 2e-7),
+        m("a", "nan-output", float("inf"), 1e-6, dtype="float16"),
+        m("a~b", "plain", 3e-7, 1e-6),
+        m("a", "grad-case", 1e-6, 1e-6, quantity="dk"),
+    ]
+    result = agreement(measured, ["a", "b"])
+    worst = result["outputs"]["float32"]["vs_oracle"]["a"]
+    assert worst["case"] == "small-error-tight-tolerance" and worst["fraction_of_tolerance"] == 0.5
+    assert worst["comparisons"] == 2 and worst["failed"] == 0
+    assert worst["error_eps"] == pytest.approx(1e-7 * 2**23)
+    assert result["outputs"]["float32"]["pairs"]["a~b"]["fraction_of_tolerance"] == 0.3
+    f16 = result["outputs"]["float16"]["vs_oracle"]["a"]
+    assert f16["failed"] == 1 and f16["fraction_of_tolerance"] == float("inf")
+    assert result["gradients"]["float32"]["vs_oracle"]["a"]["quantity"] == "dk"
+
+
+@pytest.mark.clause("13.7")
+def test_heatmaps_share_one_colour_scale():
+    """The same fraction of the tolerance has the same colour in every heatmap; beyond 1
+    (a failing test) is red, a pair not compared is grey."""
+    pytest.importorskip("matplotlib")
+    from conformance.report_pictures import FAILS_COLOUR, NOT_COMPARED_COLOUR, cell_colours
+
+    colours = cell_colours(np.array([[0.0, 0.5, 1.0], [1.5, np.inf, np.nan]]))
+    assert colours[0, 0, :3].min() > 0.95  # white: nowhere near the tolerance
+    assert colours[0, 2, :3].max() < colours[0, 1, :3].max() < colours[0, 0, :3].max()
+    assert tuple(colours[1, 0]) == tuple(colours[1, 1]) == FAILS_COLOUR
+    assert tuple(colours[1, 2]) == NOT_COMPARED_COLOUR
+    assert np.array_equal(cell_colours(np.array([[0.5]]))[0, 0], colours[0, 1])
+
+
+@pytest.mark.clause("13.7")
+def test_a_measurement_is_what_assert_within_judges():
+    """NaN where a number is expected is infinitely wrong; a NaN that is expected matches."""
+    expected = np.array([1.0, np.nan, 3.0])
+    assert max_error(np.array([1.5, np.nan, 3.0]), expected) == 0.5
+    assert max_error(np.array([1.0, 2.0, 3.0]), expected) == float("inf")
+    assert max_error(np.array([np.nan, np.nan, 3.0]), expected) == float("inf")
+    assert max_error(np.zeros(2), expected) == float("inf")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from conformance.helpers import random_qkv, random_tolerance
+from conformance.measure import publish
 from conformance.tolerance import assert_within
 
 SETUPS = {
@@ -34,7 +35,7 @@ SETUPS = {
 @pytest.mark.pairwise
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("setup", list(SETUPS))
-def test_backends_agree(backend_pair, dtype, setup):
+def test_backends_agree(backend_pair, dtype, setup, request):
     a, b = backend_pair
     options, needs = SETUPS[setup]
     missing = [c for c in needs if c not in a.capabilities or c not in b.capabilities]
@@ -52,4 +53,13 @@ def test_backends_agree(backend_pair, dtype, setup):
     out_a = a.attention(q, k, v, **options)
     out_b = b.attention(q, k, v, **options)
     tol = 2 * random_tolerance(q, k, v, dtype, **options)
+    publish(
+        request.node,
+        backend=f"{a.name}~{b.name}",
+        case=setup,
+        dtype=dtype,
+        actual=out_a,
+        expected=out_b,
+        tolerance=tol,
+    )
     assert_within(out_a, out_b, tol, f"{a.name} vs {b.name} ({setup}, {dtype})")

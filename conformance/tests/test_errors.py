@@ -51,6 +51,12 @@ CASES = [
         lambda q, k, v, o: (q, k, v[..., :5, :], o),
     ),
     _case(
+        "k-length-differs",
+        ValueError,
+        ["k (2, 4, 5, 3) with S=5", "v (2, 4, 6, 2) with S=6"],
+        lambda q, k, v, o: (q, k[..., :5, :], v, o),
+    ),
+    _case(
         "batch-differs",
         ValueError,
         ["k", "(B, K, S, D)", "(1, 4, 6, 3)"],

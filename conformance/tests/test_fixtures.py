@@ -7,6 +7,7 @@ import pytest
 
 from conformance.cases import case_entries, load_case, worked_example
 from conformance.helpers import require
+from conformance.measure import publish
 from conformance.tolerance import assert_within, tolerance
 
 
@@ -18,7 +19,7 @@ def _case_params():
 
 
 @pytest.mark.parametrize("case_id", _case_params())
-def test_fixture_case(backend, case_id):
+def test_fixture_case(backend, case_id, request):
     """The output matches the 50-digit oracle within the tolerance of the case's dtype."""
     case = load_case(case_id)
     require(backend, *case.requires, dtype=case.dtype)
@@ -28,10 +29,19 @@ def test_fixture_case(backend, case_id):
     assert out.shape == case.expected.shape, (
         f"{case.id}: shape {out.shape}, expected {case.expected.shape}"
     )
+    tol = tolerance(case.dtype, case.naive_error, case.expected)
+    publish(
+        request.node,
+        backend=backend.name,
+        case=case.id,
+        dtype=case.dtype,
+        actual=out,
+        expected=case.expected,
+        tolerance=tol,
+    )
     assert out.dtype == case.inputs()[0].dtype, (
         f"{case.id}: dtype {out.dtype}, expected {case.dtype} (SPEC §2.4)"
     )
-    tol = tolerance(case.dtype, case.naive_error, case.expected)
     assert_within(
         out,
         case.expected,

@@ -15,6 +15,7 @@ import pytest
 from conformance.backends import numpy_dtype
 from conformance.cases import case_entries, load_case
 from conformance.helpers import SIZES, as64, random_qkv, require
+from conformance.measure import publish
 from conformance.tolerance import assert_identical, assert_within, tolerance
 
 GRADS = ("dq", "dk", "dv", "dmask")
@@ -54,7 +55,7 @@ def _grad_case_params():
 
 
 @pytest.mark.parametrize("case_id", _grad_case_params())
-def test_gradient_fixture(backend, case_id):
+def test_gradient_fixture(backend, case_id, request):
     """dq, dk, dv (and dmask) match the 50-digit oracle within the gradient tolerance."""
     case = load_case(case_id)
     require(backend, *case.requires, dtype=case.dtype)
@@ -73,6 +74,16 @@ def test_gradient_fixture(backend, case_id):
             f"{context}: {name} is {got.dtype} {got.shape}, expected {like.dtype} {like.shape}"
         )
         tol = tolerance(case.dtype, case.grad_naive_error(name), expected[name])
+        publish(
+            request.node,
+            backend=backend.name,
+            case=case.id,
+            dtype=case.dtype,
+            actual=got,
+            expected=expected[name],
+            tolerance=tol,
+            quantity=name,
+        )
         assert_within(
             got, expected[name], tol, f"{context}: {name}\n  reproduce: {case.call_vjp(backend)}"
         )
@@ -346,7 +357,7 @@ PAIR_SETUPS = {
 @pytest.mark.pairwise
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("setup", list(PAIR_SETUPS))
-def test_backends_agree_on_gradients(backend_pair, dtype, setup):
+def test_backends_agree_on_gradients(backend_pair, dtype, setup, request):
     """Every pair of backends gives gradients within twice SPEC §12.9's tolerance."""
     a, b = backend_pair
     options, needs = PAIR_SETUPS[setup]
@@ -366,7 +377,17 @@ def test_backends_agree_on_gradients(backend_pair, dtype, setup):
     grads_a = _vjp(a, q, k, v, d_out, **options)
     grads_b = _vjp(b, q, k, v, d_out, **options)
     tols = _grad_tolerances(q, k, v, d_out, dtype, **options)
-    for name in set(grads_a) & set(grads_b):
+    for name in sorted(set(grads_a) & set(grads_b)):
+        publish(
+            request.node,
+            backend=f"{a.name}~{b.name}",
+            case=setup,
+            dtype=dtype,
+            actual=grads_a[name],
+            expected=grads_b[name],
+            tolerance=2 * tols[name],
+            quantity=name,
+        )
         assert_within(
             grads_a[name],
             grads_b[name],
@@ -378,7 +399,7 @@ def test_backends_agree_on_gradients(backend_pair, dtype, setup):
 @pytest.mark.clause("12.10")
 @pytest.mark.pairwise
 @pytest.mark.parametrize("case_id", ["mha-causal-float64", "gpt-block-float32"])
-def test_backends_agree_on_module_gradients(backend_pair, case_id):
+def test_backends_agree_on_module_gradients(backend_pair, case_id, request):
     """Every pair of backends gives the same parameter gradients within twice SPEC §12.9."""
     a, b = backend_pair
     for backend in (a, b):
@@ -390,6 +411,16 @@ def test_backends_agree_on_module_gradients(backend_pair, case_id):
     grads_b = _module_grads(b, case, d_out)
     _, tols = _module_reference(case, d_out)
     for name, tol in tols.items():
+        publish(
+            request.node,
+            backend=f"{a.name}~{b.name}",
+            case=case_id,
+            dtype=case.dtype,
+            actual=grads_a[name],
+            expected=grads_b[name],
+            tolerance=2 * tol,
+            quantity=name,
+        )
         assert_within(
             grads_a[name], grads_b[name], 2 * tol, f"{a.name} vs {b.name}: {case.id} {name}"
         )

@@ -7,6 +7,7 @@ import pytest
 
 from conformance.cases import case_entries, load_case
 from conformance.helpers import require
+from conformance.measure import publish
 from conformance.tolerance import assert_identical, assert_within, tolerance
 
 
@@ -27,15 +28,24 @@ def _run(backend, case, x, **kwargs):
 
 
 @pytest.mark.parametrize("case_id", _module_params())
-def test_module_fixture(backend, case_id):
+def test_module_fixture(backend, case_id, request):
     """The layer's output from the shared weights matches the oracle within SPEC §7."""
     require(backend, "module")
     case = load_case(case_id)
     require(backend, dtype=case.dtype)
     x = case.arrays["x"].astype(case.dtype)
     out = _run(backend, case, x)
-    assert out.dtype == x.dtype, f"{backend.name}: dtype {out.dtype}, expected {x.dtype}"
     tol = tolerance(case.dtype, case.naive_error, case.expected)
+    publish(
+        request.node,
+        backend=backend.name,
+        case=case.id,
+        dtype=case.dtype,
+        actual=out,
+        expected=case.expected,
+        tolerance=tol,
+    )
+    assert out.dtype == x.dtype, f"{backend.name}: dtype {out.dtype}, expected {x.dtype}"
     assert_within(
         out, case.expected, tol, f"{backend.name} on module fixture {case.id} {case.meta['shape']}"
     )

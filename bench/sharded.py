@@ -1,0 +1,127 @@
+"""Ring attention across P devices: per-device memory, bytes sent, causal load balance.
+
+    python -m conformance.bench.sharded                      # T = S = 4096, 16384; P = 1, 2, 4, 8
+    python -m conformance.bench.sharded --lengths 4096 65536 --run
+
+A command, not a test. For each P, T = S and layout, on P simulated CPU devices
+(``jax_num_cpu_devices = 8``), float32, B = 1, H = 8, D = E = 64, causal:
+
+- per-device memory: XLA's own accounting of the compiled per-device program
+  (``compiled.memory_analysis()``: arguments + outputs + temporaries, in bytes), which
+  should fall as 1/P: O((T/P)·(D + E)) for the slices plus one (T/P) × (S/P) score block;
+- bytes each device sends per pass: measured from the compiled program (the operands of
+  its ``collective-permute`` instructions, times the P − 1 trips of the ring loop) and
+  the formula (P − 1) · (S/P) · (K·(D + E)·4 + 4) (keys, values and their int32
+  positions);
+- causal load balance: the number of (query piece, key piece) blocks each device
+  computes, counted with the very predicate the ring uses to skip a block, for the
+  contiguous and zigzag layouts (most and least per device).
+
+Compiling needs no run; ``--run`` also times one call. Wall time on simulated devices that
+share a few CPU cores is not a speed result: it is reported as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+
+import numpy as np
+
+DTYPE_BYTES = {"f32": 4, "f64": 8, "s32": 4, "bf16": 2, "f16": 2, "pred": 1}
+
+
+def _permute_bytes(hlo: str) -> int:
+    """Bytes moved by the collective-permute instructions of one compiled program."""
+    total = 0
+    for line in hlo.splitlines():
+        if "collective-permute(" not in line and "collective-permute-start(" not in line:
+            continue
+        shape = line.split("=", 1)[1].strip().split(" ", 1)[0]
+        for dtype, dims in re.findall(r"(f32|f64|s32|bf16|f16|pred)\[([0-9,]*)\]", shape):
+            n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+            total += n * DTYPE_BYTES[dtype]
+            if "collective-permute-start(" in line:
+                break  # the async start's tuple repeats the operand; count it once
+    return total
+
+
+def _blocks(P: int, T: int, layout: str) -> list[int]:
+    """Blocks each device computes under top-left causality (T = S), as the ring decides."""
+    from conformance.impls.jax_ring import _Ring
+
+    class Run:
+        mask = None
+        scale, softcap, is_causal, offset, window = 1.0, None, True, 0, None
+
+    run = Run()
+    run.T = run.S = T
+    ring = _Ring(run, P, layout)
+    pos = ring.perm["t"].reshape(P, ring.pieces, -1)  # (P, pieces, chunk)
+    counts = []
+    for me in range(P):
+        n = 0
+        for step in range(P):
+            src = (me - step) % P
+            for a in range(ring.pieces):
+                for b in range(ring.pieces):
+                    t, s = pos[me, a], pos[src, b]
+                    n += bool(((s[None, :] <= t[:, None]) & (t[:, None] < T)).any())
+        counts.append(n)
+    return counts
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument(
+        "--run", action="store_true", help="also time one call (not a speed result)"
+    )
+    args = parser.parse_args(argv)
+
+    import jax
+    from conformance.impls import jax_ring
+
+    jax_ring.host_devices(max(args.shards))
+    B, H, K, D, E = 1, 8, 8, 64, 64
+    print("per device, float32, B=1 H=K=8 D=E=64, causal; memory from XLA's memory_analysis")
+    print(
+        f"{'T=S':>6} {'P':>2} {'layout':>10} {'memory MiB':>10} {'sent MiB':>9} "
+        f"{'formula MiB':>11} {'blocks max/min':>14}" + (" wall s (not speed)" if args.run else "")
+    )
+    for T in args.lengths:
+        rng = np.random.default_rng(0)
+        q = rng.standard_normal((B, H, T, D), dtype=np.float32)
+        k = rng.standard_normal((B, K, T, D), dtype=np.float32)
+        v = rng.standard_normal((B, K, T, E), dtype=np.float32)
+        for P in args.shards:
+            for layout in ("contiguous", "zigzag"):
+                run = jax_ring._prepare(q, k, v, None, is_causal=True)
+                ring = jax_ring._Ring(run, P, layout)
+                fn = jax_ring._ring_fn(ring.mesh, **ring.static)
+                placed = ring.put(run)
+                compiled = fn.lower(*placed).compile()
+                mem = compiled.memory_analysis()
+                per_device = (
+                    mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+                )
+                sent = _permute_bytes(compiled.as_text()) * (P - 1)
+                Sl = len(ring.perm["s"]) // P
+                formula = (P - 1) * Sl * (K * (D + E) * 4 + 4)
+                blocks = _blocks(P, T, layout)
+                line = (
+                    f"{T:>6} {P:>2} {layout:>10} {per_device / 2**20:>10.1f} "
+                    f"{sent / 2**20:>9.2f} {formula / 2**20:>11.2f} "
+                    f"{max(blocks):>7}/{min(blocks):<6}"
+                )
+                if args.run:
+                    start = time.perf_counter()
+                    jax.block_until_ready(fn(*placed))
+                    line += f" {time.perf_counter() - start:>8.2f}"
+                print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""Profiles: one small TOML file per library function, so the whole spec runs on it.
+
+    pytest conformance --impl-profile torch.sdpa           # a shipped profile, by name
+    pytest conformance --impl-profile all                  # every shipped profile
+    pytest conformance --impl-profile path/to/mine.toml    # your own
+
+A profile is data only (SPEC §13.10): the target ``module:function`` (or a thin adapter
+module in this folder when the library cannot be called with arrays: ONNX, flex
+attention), its framework and layout, which keyword takes each spec option, the mask's
+convention, keywords fixed on every call, the capabilities and dtypes it has, the
+distributions it needs, and its known failures, each with the reason in words. The
+conversion itself is ``conformance/native.py``; a profile only says what to convert.
+
+    name = "torch.sdpa"
+    target = "torch.nn.functional:scaled_dot_product_attention"
+    framework = "torch"                      # numpy | torch | jax
+    layout = "BHTD"                          # or BTHD
+    requires = ["torch"]                     # distributions; missing -> skipped by name
+    jit = false                              # JAX: compile with jax.jit, options static
+    capabilities = ["unbatched", "gqa", "dropout", "grad", "grad_mask"]
+    dtypes = ["float64", "float32", "float16", "bfloat16"]
+
+    [options]                                # spec option = the library's keyword
+    is_causal = "is_causal"
+    scale = "scale"
+    dropout_p = "dropout_p"
+    seed = "global"                          # torch.manual_seed(seed) before the call
+
+    [mask]
+    bool = "attn_mask"                       # keyword for a bool mask (false: none)
+    bool_true = "attend"                     # or "blocked": inverted on the way in
+    float = "attn_mask"                      # keyword for an additive float mask
+
+    [fixed]                                  # passed on every call
+    enable_gqa = true
+
+    [known_failures]                         # test id (* matches anything) = reason
+    "test_bad_input[torch.sdpa-integer-mask]" = "SPEC §3.3: ... raises RuntimeError"
+
+Known failures are strict expected failures: a library that fixes one shows up as
+``XPASS(strict)``, and a pattern that matches no test as a ``StaleKnownFailure``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from conformance.backends import Backend, register_backend
+from conformance.native import BOOL_MEANINGS, SPEC_OPTIONS, OptionMap
+
+#: Where the shipped profiles live: ``<name>.toml``, adapters beside them.
+HERE = Path(__file__).resolve().parent
+KEYS = {
+    "name",
+    "description",
+    "target",
+    "framework",
+    "layout",
+    "requires",
+    "capabilities",
+    "dtypes",
+    "options",
+    "mask",
+    "fixed",
+    "known_failures",
+    "jit",
+}
+MASK_KEYS = {"bool", "bool_true", "float"}
+
+
+class ProfileError(LookupError):
+    """A profile that cannot be used: missing, malformed, or naming something missing."""
+
+
+def shipped_profiles() -> list[str]:
+    """The names of the profiles shipped in this folder."""
+    return sorted(path.stem for path in HERE.glob("*.toml"))
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A library function as a profile describes it (the TOML's keys, checked)."""
+
+    name: str
+    target: str
+    path: Path
+    framework: str = "numpy"
+    layout: str = "BHTD"
+    description: str = ""
+    requires: tuple[str, ...] = ()
+    capabilities: tuple[str, ...] = ()
+    dtypes: tuple[str, ...] = ("float64", "float32")
+    call: OptionMap = field(default_factory=OptionMap)
+    known_failures: dict[str, str] = field(default_factory=dict)
+    jit: bool = False
+
+    def missing(self) -> list[str]:
+        """The distributions in ``requires`` that are not installed here."""
+        return [p for p in self.requires if importlib.util.find_spec(_module_of(p)) is None]
+
+    def resolve(self) -> Backend:
+        """The backend, not yet registered (``impl.resolve_impl`` with this profile).
+
+        Raises:
+          ProfileError: a required distribution is not installed, or the target or
+            framework cannot be found.
+        """
+        from conformance.impl import ImplUnavailable, resolve_impl
+
+        missing = self.missing()
+        if missing:
+            raise ProfileError(
+                f"profile {self.name!r} ({self.path}) needs {', '.join(missing)}, not "
+                f"installed here (pip install {' '.join(missing)}); profiles whose libraries "
+                f"are installed: {installed_profiles()}"
+            )
+        try:
+            return resolve_impl(
+                self.target,
+                name=self.name,
+                capabilities=list(self.capabilities),
+                dtypes=list(self.dtypes),
+                framework=self.framework,
+                layout=self.layout,
+                call=self.call,
+                libraries=self.requires,
+                jit=self.jit,
+            )
+        except (ImplUnavailable, ValueError) as err:
+            raise ProfileError(f"profile {self.name!r} ({self.path}): {err}") from err
+
+
+def _module_of(distribution: str) -> str:
+    """The import name of a distribution in ``requires`` (onnxruntime, torch, ...)."""
+    return distribution.replace("-", "_")
+
+
+def installed_profiles() -> list[str]:
+    """The shipped profiles whose libraries are installed here."""
+    return [n for n in shipped_profiles() if not read_profile(n).missing()]
+
+
+def read_profile(name_or_path: str | Path) -> Profile:
+    """The profile called ``name_or_path`` (a shipped one) or stored at that path.
+
+    Raises:
+      ProfileError: no such profile, or the file is not a valid profile (the message says
+        which key is wrong and what is allowed).
+    """
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = HERE / f"{name_or_path}.toml"
+    if not path.is_file():
+        raise ProfileError(
+            f"no profile {str(name_or_path)!r}: neither a file nor a shipped profile; shipped: "
+            f"{', '.join(shipped_profiles())}"
+        )
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as err:
+        raise ProfileError(f"{path}: not valid TOML: {err}") from err
+    return parse_profile(data, path)
+
+
+def parse_profile(data: dict[str, Any], path: Path) -> Profile:
+    """Check a profile's keys and build the ``Profile``."""
+    where = str(path)
+    unknown = sorted(set(data) - KEYS)
+    if unknown:
+        raise ProfileError(f"{where}: unknown keys {unknown}; known: {', '.join(sorted(KEYS))}")
+    for key in ("name", "target"):
+        if not isinstance(data.get(key), str) or not data[key]:
+            raise ProfileError(f"{where}: {key!r} is required (a string)")
+    options = data.get("options", {})
+    bad = sorted(set(options) - set(SPEC_OPTIONS))
+    if bad:
+        raise ProfileError(
+            f"{where}: [options] names unknown spec options {bad}; known: {', '.join(SPEC_OPTIONS)}"
+        )
+    mask = data.get("mask", {})
+    bad = sorted(set(mask) - MASK_KEYS)
+    if bad:
+        raise ProfileError(f"{where}: [mask] has unknown keys {bad}; known: bool, bool_true, float")
+    bool_true = mask.get("bool_true", "attend")
+    if bool_true not in BOOL_MEANINGS:
+        raise ProfileError(
+            f"{where}: [mask] bool_true should be one of {', '.join(BOOL_MEANINGS)}, got {bool_true!r}"
+        )
+    try:
+        call = OptionMap(
+            options={k: v for k, v in options.items() if v},
+            mask_bool=mask.get("bool") or None,
+            bool_true=bool_true,
+            mask_float=mask.get("float") or None,
+            fixed=dict(data.get("fixed", {})),
+            layout=data.get("layout", "BHTD"),
+        )
+    except ValueError as err:
+        raise ProfileError(f"{where}: {err}") from err
+    known = data.get("known_failures", {})
+    for pattern, reason in known.items():
+        if not isinstance(reason, str) or not reason.strip():
+            raise ProfileError(f"{where}: known failure {pattern!r} needs a reason (a string)")
+    return Profile(
+        name=data["name"],
+        target=data["target"],
+        path=path,
+        framework=data.get("framework", "numpy"),
+        layout=data.get("layout", "BHTD"),
+        description=data.get("description", ""),
+        requires=tuple(data.get("requires", ())),
+        capabilities=tuple(data.get("capabilities", ())),
+        dtypes=tuple(data.get("dtypes", ("float64", "float32"))),
+        call=call,
+        known_failures=dict(known),
+        jit=bool(data.get("jit", False)),
+    )
+
+
+def load_profiles(names: Iterable[str]) -> tuple[list[Profile], list[Profile]]:
+    """Register the profiles ``names`` (``all``: every shipped one) as backends.
+
+    Returns (loaded, unavailable). A profile named explicitly must load; under ``all``,
+    one whose library is not installed here is registered as ``MissingLibrary`` (its
+    tests are skipped by name, ``skip_reason``), never left out in silence.
+
+    Raises:
+      ProfileError: a named profile is missing, malformed, or its library or target is.
+    """
+    from conformance.impl import load_impl
+
+    loaded, unavailable = [], []
+    for value in names:
+        every = value == "all"
+        for name in shipped_profiles() if every else [value]:
+            profile = read_profile(name)
+            if every and profile.missing():
+                register_backend(profile.name, lambda p=profile: MissingLibrary(p), replace=True)
+                unavailable.append(profile)
+                continue
+            load_impl(profile=str(profile.path))
+            loaded.append(profile)
+    return loaded, unavailable
+
+
+class MissingLibrary(Backend):
+    """A shipped profile whose library is not installed: its tests are skipped by name."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.name = profile.name
+        self.profile = profile
+
+    def _attention(self, q, k, v, **options):
+        raise NotImplementedError(skip_reason(self.profile))
+
+
+def skip_reason(profile: Profile) -> str:
+    return (
+        f"profile {profile.name}: {', '.join(profile.missing())} not installed here "
+        f"(pip install {' '.join(profile.missing())})"
+    )
+
+
+def _pattern(text: str) -> re.Pattern:
+    """A known-failure id as a regular expression: ``*`` matches anything, all else is
+    literal (``[`` included, unlike ``fnmatch``)."""
+    return re.compile(".*".join(re.escape(part) for part in text.split("*")) + r"\Z")
+
+
+def mark_items(items: list, loaded: list[Profile], unavailable: list[Profile]) -> list[str]:
+    """Mark the tests of the profiles' backends: known failures as strict xfails (with
+    their reason), every test of an unavailable profile as skipped (naming what is
+    missing). Returns the known-failure entries that match no test, "profile: pattern".
+    """
+    import pytest
+
+    from conformance.known_failures import known_failure_keys
+
+    patterns = {(p.name, text): _pattern(text) for p in loaded for text in p.known_failures}
+    reasons = {p.name: p.known_failures for p in loaded}
+    used: set[tuple[str, str]] = set()
+    skipped = {p.name: skip_reason(p) for p in unavailable}
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        pair, single = params.get("backend_pair"), params.get("backend")
+        names = tuple(pair) if isinstance(pair, tuple) else (single,)
+        for name in names:
+            if name in skipped:
+                item.add_marker(pytest.mark.skip(reason=skipped[name]))
+        keys = known_failure_keys(item.nodeid, getattr(item, "originalname", None))
+        hits = [
+            (name, text)
+            for (name, text), regex in patterns.items()
+            if name in names and any(regex.match(key) for key in keys)
+        ]
+        if hits:
+            used.update(hits)
+            reason = "; ".join(reasons[name][text] for name, text in hits)
+            item.add_marker(pytest.mark.xfail(strict=True, reason=f"known failure: {reason}"))
+    return [f"{name}: {text}" for name, text in patterns if (name, text) not in used]

@@ -1,0 +1,311 @@
+"""``report.md``: the report's data (``conformance/report.py``) as Markdown, in reading order.
+
+Verdict per backend first; then the clause table, known failures and skips (grouped by the
+missing capability), what failed with its replay, cross-framework agreement on the
+outputs and the gradients, the pairwise tests, the frameworks' own functions, and the
+pictures.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from conformance.report_agreement import names_in
+from conformance.report_collect import OUTCOMES
+from conformance.report_outcomes import clause_key
+
+HERE = Path(__file__).resolve().parent
+MAX_FAILURES_SHOWN = 40
+
+
+def clause_titles() -> dict[str, str]:
+    titles = {}
+    for line in (HERE / "SPEC.md").read_text().splitlines():
+        m = re.match(r"^\*\*(\d+\.\d+)\s+(.*?)\.?\*\*", line) or re.match(
+            r"^#+\s+(\d+\.\d+)\s+(.*)", line
+        )
+        if m:
+            titles[m.group(1)] = m.group(2)
+    return titles
+
+
+def _sections(clauses: list[str]) -> str:
+    return ", ".join(f"§{c}" for c in clauses)
+
+
+def render_markdown(data: dict) -> str:
+    summary = data["summary"]
+    pictures = data.get("pictures", {})
+    lines = [
+        "# Conformance report",
+        "",
+        f"Generated {data['date']} on {data['machine']} by `{data['command']}`.",
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(data["versions"].items())),
+        "",
+        f"Result: **{summary['passed']} passed, {summary['failed']} failed, "
+        f"{summary['skipped']} skipped, {summary['xfailed']} known failures** "
+        f"(pytest exit code {data['exit_code']}). Also written: `report.json`, `junit.xml`"
+        + (", and the inputs of failing calls in `repro/`." if summary["failed"] else "."),
+        "",
+        *render_verdicts(data.get("verdicts", {})),
+        *render_clauses(data),
+        *render_known_failures_and_skips(data),
+        *render_failures(data["tests"]),
+    ]
+    if "error" in pictures:
+        lines += [f"*{pictures['error']}*", ""]
+    agreement = data.get("agreement", {})
+    lines += render_agreement(agreement.get("outputs", {}), pictures, "outputs")
+    lines += render_agreement(agreement.get("gradients", {}), pictures, "gradients")
+    lines += render_pairs(data["clauses"])
+    lines += render_profile(data.get("builtin_profile"))
+    if "masks" in pictures:
+        lines += [
+            "## Pictures",
+            "",
+            "Run it, draw the mask: each picture is the weight matrix the reference returns "
+            "with equal scores and V = identity, so a query's n visible keys each get 1/n and "
+            "a query with none returns 0 (SPEC §3.4–§3.6, §4.3).",
+            "",
+            f"![causal and windowed masks]({pictures['masks']})",
+            "",
+            "The seed notes' worked example (SPEC §11.1): the weights, and the output rows in "
+            "the titles.",
+            "",
+            f"![worked example weights]({pictures['worked_example']})",
+            "",
+        ]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def render_verdicts(verdicts: dict[str, dict]) -> list[str]:
+    """One line per backend: conforms, or the clauses it fails; and what it does not declare."""
+    if not verdicts:
+        return []
+    lines = [
+        "## Verdict",
+        "",
+        "| backend | verdict | does not declare (its tests are skipped) |",
+        "|---|---|---|",
+    ]
+    for name, v in verdicts.items():
+        parts = []
+        if v["failed_clauses"]:
+            n = v["failed_tests"]
+            parts.append(
+                f"❌ **fails {_sections(v['failed_clauses'])}** ({n} test{'s' * (n != 1)})"
+            )
+        for partner, apart in v["apart_from"].items():
+            n = apart["tests"]
+            parts.append(
+                f"❌ **disagrees with {partner}** on {_sections(apart['clauses'])} "
+                f"({n} pairwise test{'s' * (n != 1)})"
+            )
+        if v["known_failure_clauses"]:
+            parts.append(f"⚠️ known failures in {_sections(v['known_failure_clauses'])}")
+        if v["conforms"]:
+            parts.append(f"✅ conforms: {v['ran']} tests, none failed")
+        elif not parts:
+            parts.append("➖ no test ran")
+        elif not v["failed_clauses"] and not v["apart_from"]:
+            parts.append("nothing else fails")
+        lacks = [*v["lacks_capabilities"], *(f"dtype {d}" for d in v["lacks_dtypes"])]
+        verdict = "; ".join(parts).replace("; nothing else fails", ", nothing else fails")
+        lines.append(f"| {name} | {verdict} | {', '.join(lacks) or 'nothing: all declared'} |")
+    lines.append("")
+    return lines
+
+
+def render_clauses(data: dict) -> list[str]:
+    titles = clause_titles()
+    lines = [
+        "## Clauses per backend",
+        "",
+        "Each cell: passed/run. ✅ all ran and passed, ❌ a failure, ⚠️ known failures "
+        "(from `--known-failures`), ➖ all skipped (the skips are listed below, by the "
+        "capability the backend lacks). A pairwise test counts in both backends' columns.",
+        "",
+    ]
+    backends = list(data["backends"])
+    clauses = sorted({c for b in data["clauses"].values() for c in b}, key=clause_key)
+    lines.append("| clause | " + " | ".join(backends) + " |")
+    lines.append("|---|" + "---|" * len(backends))
+    for clause in clauses:
+        cells = []
+        for b in backends:
+            cell = data["clauses"].get(b, {}).get(clause)
+            if cell is None:
+                cells.append("")
+                continue
+            run = cell["passed"] + cell["failed"]
+            mark = "❌" if cell["failed"] else "⚠️" if cell["xfailed"] else "✅" if run else "➖"
+            text = f"{mark} {cell['passed']}/{run}"
+            if cell["skipped"]:
+                text += f" ({cell['skipped']} skipped)"
+            if cell["xfailed"]:
+                text += f" ({cell['xfailed']} known)"
+            cells.append(text)
+        lines.append(f"| §{clause} {titles.get(clause, '')} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
+
+
+def render_known_failures_and_skips(data: dict) -> list[str]:
+    lines = []
+    known = data.get("known_failures", [])
+    if known:
+        lines += ["Known failures (from `--known-failures`), by backend and reason:", ""]
+        for g in known:
+            lines.append(
+                f"- {g['backend']}, known failure ({_sections(g['clauses'])}, "
+                f"{g['tests']} test{'s' * (g['tests'] != 1)}): {g['reason']}"
+            )
+        lines.append("")
+    skips = data.get("skips", [])
+    if skips:
+        lines += ["Skipped, one line per backend and what it lacks:", ""]
+        for g in skips:
+            who = g["backend"] or "the run"
+            pairwise = f", {g['pairwise']} of them pairwise" if g["pairwise"] else ""
+            lines.append(
+                f"- {who} lacks {g['missing']}: {g['tests']} test{'s' * (g['tests'] != 1)} "
+                f"skipped{pairwise} ({_sections(g['clauses'])})"
+            )
+        lines.append("")
+    return lines
+
+
+def render_failures(rows: list[dict]) -> list[str]:
+    failed = [r for r in rows if r["outcome"] == "failed"]
+    if not failed:
+        return []
+    lines = [
+        "## What failed, and how to reproduce it",
+        "",
+        "Each failure: the test, its message (max absolute and relative error, where, the "
+        "case), and Python that replays the call on the saved inputs. Rerun one test with "
+        '`pytest conformance <options of this run> "<test id>"`.',
+        "",
+    ]
+    for row in failed[:MAX_FAILURES_SHOWN]:
+        lines += [f"### `{row['test']}`", "", "```", row["message"].strip()]
+        if row["reproduce"]:
+            lines += ["", row["reproduce"].strip()]
+        lines += ["```", ""]
+    if len(failed) > MAX_FAILURES_SHOWN:
+        lines += [
+            f"… and {len(failed) - MAX_FAILURES_SHOWN} more failures: see `report.json`.",
+            "",
+        ]
+    return lines
+
+
+_AGREEMENT_INTRO = {
+    "outputs": (
+        "## Cross-framework agreement on the fixtures",
+        "Numbers the tests measured as they asserted (SPEC §7): per dtype, each backend's "
+        "worst error against the 50-digit oracle over the attention and module fixtures it "
+        "ran, as a fraction of SPEC §7's tolerance (1 is where the test fails), with the "
+        "fixture that gave it, its absolute error and its error in units of eps scaled by "
+        "max(1, |expected|); then each pair of backends on the same random inputs (SPEC "
+        "§7.3, float64 and float32), as a fraction of that test's tolerance (twice §7's). "
+        "The heatmaps share one colour scale: white 0, dark blue 1, red beyond.",
+    ),
+    "gradients": (
+        "## Gradients: cross-framework agreement on the gradient fixtures (SPEC §12)",
+        "The same for the backward pass: the worst of dq, dk, dv and dmask against the "
+        "oracle over every `grad-*` fixture of that dtype the backend ran (SPEC §12.9's "
+        "tolerance), then each pair on the same random inputs and on the module's "
+        "parameter gradients (SPEC §12.10). Only backends declaring `grad` appear.",
+    ),
+}
+
+
+def _at(s: dict) -> str:
+    return f"`{s['case']}`" + (f" {s['quantity']}" if s["quantity"] != "out" else "")
+
+
+def render_agreement(by_dtype: dict[str, dict], pictures: dict, quantity: str) -> list[str]:
+    if not by_dtype:
+        return []
+    title, intro = _AGREEMENT_INTRO[quantity]
+    lines = [title, "", intro, ""]
+    prefix = "agreement" if quantity == "outputs" else "gradient-agreement"
+    for dtype, block in by_dtype.items():
+        heading = dtype if quantity == "outputs" else f"{dtype} gradients"
+        lines += [f"### {heading}", ""]
+        if block["vs_oracle"]:
+            lines += [
+                "| backend | compared | worst: error / tolerance | at fixture | abs error | error / eps |",
+                "|---|---|---|---|---|---|",
+            ]
+            for b, s in block["vs_oracle"].items():
+                lines.append(
+                    f"| {b} | {s['comparisons']} | {_fraction(s)} | {_at(s)} | "
+                    f"{s['error']:.3e} | {s['error_eps']:.3g} |"
+                )
+            lines.append("")
+        if block["pairs"]:
+            lines += [
+                "| pair | compared | worst: difference / tolerance | setup | abs difference |",
+                "|---|---|---|---|---|",
+            ]
+            for pair, s in block["pairs"].items():
+                lines.append(
+                    f"| {pair} | {s['comparisons']} | {_fraction(s)} | {_at(s)} | {s['error']:.3e} |"
+                )
+            lines.append("")
+        picture = pictures.get(f"{prefix}-{dtype}")
+        if picture and len(names_in(block)) >= 1:
+            lines += [f"![{heading} agreement heatmap]({picture})", ""]
+    return lines
+
+
+def _fraction(s: dict) -> str:
+    x = s["fraction_of_tolerance"]
+    text = f"{x:.3g}"
+    if x > 1:
+        text = f"❌ **{text}** ({s['failed']} of {s['comparisons']} beyond 1)"
+    return text
+
+
+def render_pairs(clauses: dict) -> list[str]:
+    pairs = {b: c for b, c in clauses.items() if b and "~" in b}
+    if not pairs:
+        return []
+    lines = [
+        "## Every pair on random inputs (SPEC §7.3, §12.10)",
+        "",
+        "Each pairwise test also counts in both backends' columns of the clause table; "
+        "the totals above count it once.",
+        "",
+        "| pair | passed | failed | skipped |",
+        "|---|---|---|---|",
+    ]
+    for pair, by_clause in pairs.items():
+        cell = {o: sum(c[o] for c in by_clause.values()) for o in OUTCOMES}
+        lines.append(f"| {pair} | {cell['passed']} | {cell['failed']} | {cell['skipped']} |")
+    lines.append("")
+    return lines
+
+
+def render_profile(profile: dict | None) -> list[str]:
+    if not profile:
+        return []
+    from conformance.builtin_profile import render_markdown as render_table
+
+    return [
+        "## The frameworks' own functions, as they are",
+        "",
+        "Not our backends: the raw functions called directly on inputs that expose where "
+        "frameworks differ, to show where each deviates from the spec. Information only: "
+        "nothing here fails the run. ✅ what the spec requires, ❌ a deviation (what it does "
+        "instead). Versions: "
+        + ", ".join(f"{n} ({v})" for n, v in profile["functions"].items())
+        + ".",
+        "",
+        *render_table(profile),
+        "",
+    ]

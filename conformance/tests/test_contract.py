@@ -1,0 +1,275 @@
+"""SPEC §8.4-8.6: one input contract. Odd values get one answer on every backend, and an
+option a backend does not declare is refused with NotImplementedError.
+
+Each case of the battery states the answer the spec gives (an output, or an exception
+type), and every pair of backends must give that answer, and the same output within
+twice SPEC §7's tolerance where there is one. The expectations come from the spec's
+rules (§8.1, §8.4), not from any backend's behaviour.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from conformance.backends import numpy_dtype
+from conformance.helpers import random_qkv, random_tolerance, require
+from conformance.tolerance import assert_within
+
+B, H, T, S, D, E = 2, 4, 5, 6, 3, 2
+OUT = "output"
+
+
+def _qkv():
+    return random_qkv(40, B=B, H=H, T=T, S=S, D=D, E=E)
+
+
+def _case(name, expected, options=None, inputs=None, requires=(), normal=None):
+    """A battery case: the options (or a function of q, k, v giving new q, k, v), the
+    spec's answer, the capabilities it needs, and the options in their normal form for
+    the tolerance's naive run (default: the options themselves)."""
+    return pytest.param(expected, options or {}, inputs, requires, normal, id=name)
+
+
+# --- Numbers (§8.4): Python and NumPy scalars alike, 0-d arrays, bool is not a number -------
+
+NUMBERS = [
+    _case("scale-np-float32", OUT, {"scale": np.float32(0.5)}, normal={"scale": 0.5}),
+    _case("scale-np-float64", OUT, {"scale": np.float64(0.5)}, normal={"scale": 0.5}),
+    _case("scale-int", OUT, {"scale": 1}, normal={"scale": 1.0}),
+    _case("scale-np-int64", OUT, {"scale": np.int64(2)}, normal={"scale": 2.0}),
+    _case("scale-0d-array", OUT, {"scale": np.array(0.5)}, normal={"scale": 0.5}),
+    _case("scale-huge", OUT, {"scale": 1e30}),
+    _case("scale-tiny", OUT, {"scale": 5e-324}),
+    _case("scale-bool", TypeError, {"scale": True}),
+    _case("scale-np-bool", TypeError, {"scale": np.bool_(True)}),
+    _case("scale-string", TypeError, {"scale": "0.5"}),
+    _case("scale-complex", TypeError, {"scale": 0.5 + 0j}),
+    _case("scale-1-element-array", TypeError, {"scale": np.array([0.5])}),
+    _case("scale-minus-zero", ValueError, {"scale": -0.0}),
+    _case("scale-inf", ValueError, {"scale": math.inf}),
+    _case("scale-np-nan", ValueError, {"scale": np.float32("nan")}),
+    _case(
+        "softcap-np-float32",
+        OUT,
+        {"softcap": np.float32(2.0)},
+        requires=("softcap",),
+        normal={"softcap": 2.0},
+    ),
+    _case(
+        "softcap-0d-array",
+        OUT,
+        {"softcap": np.array(2.0)},
+        requires=("softcap",),
+        normal={"softcap": 2.0},
+    ),
+    _case("softcap-int", OUT, {"softcap": 2}, requires=("softcap",), normal={"softcap": 2.0}),
+    _case("softcap-huge", OUT, {"softcap": 1e300}, requires=("softcap",)),
+    _case("softcap-tiny", OUT, {"softcap": 5e-324}, requires=("softcap",)),
+    _case("softcap-bool", TypeError, {"softcap": True}, requires=("softcap",)),
+    _case("softcap-np-bool", TypeError, {"softcap": np.bool_(True)}, requires=("softcap",)),
+    _case("softcap-string", TypeError, {"softcap": "2"}, requires=("softcap",)),
+    _case("softcap-minus-zero", ValueError, {"softcap": -0.0}, requires=("softcap",)),
+    _case("softcap-inf", ValueError, {"softcap": math.inf}, requires=("softcap",)),
+    _case("dropout-bool", TypeError, {"dropout_p": True, "seed": 0}, requires=("dropout",)),
+    _case("dropout-string", TypeError, {"dropout_p": "0.1", "seed": 0}, requires=("dropout",)),
+    _case("dropout-none", TypeError, {"dropout_p": None, "seed": 0}, requires=("dropout",)),
+    _case(
+        "dropout-np-one",
+        ValueError,
+        {"dropout_p": np.float32(1.0), "seed": 0},
+        requires=("dropout",),
+    ),
+    _case("dropout-nan", ValueError, {"dropout_p": math.nan, "seed": 0}, requires=("dropout",)),
+    _case("dropout-negative", ValueError, {"dropout_p": -0.5, "seed": 0}, requires=("dropout",)),
+    _case("is-causal-np-bool", OUT, {"is_causal": np.bool_(True)}, normal={"is_causal": True}),
+    _case("is-causal-0d-array", OUT, {"is_causal": np.array(True)}, normal={"is_causal": True}),
+    _case("is-causal-int", TypeError, {"is_causal": 1}),
+    _case("is-causal-np-int", TypeError, {"is_causal": np.int64(1)}),
+    _case("is-causal-string", TypeError, {"is_causal": "yes"}),
+    _case("is-causal-none", TypeError, {"is_causal": None}),
+    _case(
+        "window-np-ints",
+        OUT,
+        {"window": (np.int64(2), None)},
+        requires=("window",),
+        normal={"window": (2, None)},
+    ),
+    _case("window-list", OUT, {"window": [2, 1]}, requires=("window",), normal={"window": (2, 1)}),
+    _case(
+        "window-0d-array",
+        OUT,
+        {"window": (np.array(2), 0)},
+        requires=("window",),
+        normal={"window": (2, 0)},
+    ),
+    _case("window-float-side", TypeError, {"window": (2.0, 1)}, requires=("window",)),
+    _case("window-bool-side", TypeError, {"window": (True, 1)}, requires=("window",)),
+    _case("window-string-side", TypeError, {"window": ("2", 1)}, requires=("window",)),
+    _case("window-negative", ValueError, {"window": (-1, 0)}, requires=("window",)),
+    _case("window-int", ValueError, {"window": 3}, requires=("window",)),
+    _case("window-triple", ValueError, {"window": (1, 2, 3)}, requires=("window",)),
+    _case(
+        "alignment-np-str",
+        OUT,
+        {"is_causal": True, "causal_alignment": np.str_("bottom_right")},
+        requires=("causal_bottom_right",),
+        normal={"is_causal": True, "causal_alignment": "bottom_right"},
+    ),
+    _case(
+        "alignment-upper-case",
+        ValueError,
+        {"is_causal": True, "causal_alignment": "BOTTOM_RIGHT"},
+        requires=("causal_bottom_right",),
+    ),
+]
+
+
+# --- Masks of every dtype and rank (§3.1-3.3, §8.1) ----------------------------------------
+
+
+def _mask(shape, dtype):
+    rng = np.random.default_rng(41)
+    if dtype == "bool":
+        return rng.random(shape) < 0.7
+    return rng.integers(0, 2, shape).astype(numpy_dtype(dtype))
+
+
+MASK_DTYPES = [
+    _case(f"mask-{dtype}", OUT, {"mask": _mask((T, S), dtype)})
+    for dtype in ("bool", "float16", "float32", "float64", "bfloat16")
+] + [
+    _case(f"mask-{dtype}", TypeError, {"mask": _mask((T, S), dtype)})
+    for dtype in (
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "complex64",
+    )
+]
+MASK_SHAPES = [
+    _case("mask-0d", OUT, {"mask": np.array(True)}),
+    _case("mask-S", OUT, {"mask": _mask((S,), "bool")}),
+    _case("mask-T1", OUT, {"mask": _mask((T, 1), "bool")}),
+    _case("mask-HTS", OUT, {"mask": _mask((H, T, S), "bool")}),
+    _case("mask-B1TS", OUT, {"mask": _mask((B, 1, T, S), "float32")}),
+    _case("mask-1H1S", OUT, {"mask": _mask((1, H, 1, S), "bool")}),
+    _case("mask-list", OUT, {"mask": _mask((T, S), "bool").tolist()}),
+    _case("mask-rank-5", ValueError, {"mask": _mask((1, B, H, T, S), "bool")}),
+    _case("mask-too-long", ValueError, {"mask": _mask((T, S + 1), "bool")}),
+    _case("mask-H-for-B", ValueError, {"mask": _mask((H, 1, T, S), "bool")}),
+]
+
+
+# --- Inputs that are not plain C-ordered writable arrays -----------------------------------
+
+
+def _read_only(q, k, v):
+    for x in (q, k, v):
+        x.setflags(write=False)
+    return q, k, v
+
+
+INPUTS = [
+    _case("inputs-lists", OUT, inputs=lambda q, k, v: (q.tolist(), k.tolist(), v.tolist())),
+    _case(
+        "inputs-non-contiguous",
+        OUT,
+        inputs=lambda q, k, v: tuple(np.repeat(x, 2, axis=-1)[..., ::2] for x in (q, k, v)),
+    ),
+    _case(
+        "inputs-transposed-views",
+        OUT,
+        inputs=lambda q, k, v: tuple(
+            np.ascontiguousarray(x.swapaxes(-1, -2)).swapaxes(-1, -2) for x in (q, k, v)
+        ),
+    ),
+    _case(
+        "inputs-fortran-order", OUT, inputs=lambda q, k, v: tuple(map(np.asfortranarray, (q, k, v)))
+    ),
+    _case("inputs-read-only", OUT, inputs=_read_only),
+]
+
+
+def _outcome(backend, q, k, v, options):
+    """(what the call gave: an exception type's name or "output", the output or None)."""
+    try:
+        return OUT, backend.attention(q, k, v, **options)
+    except Exception as err:  # any exception at all is an answer to compare
+        return type(err).__name__, None
+
+
+@pytest.mark.clause("8.4")
+@pytest.mark.pairwise
+@pytest.mark.parametrize(
+    "expected, options, inputs, requires, normal", NUMBERS + MASK_DTYPES + MASK_SHAPES + INPUTS
+)
+def test_odd_values_get_one_answer(backend_pair, expected, options, inputs, requires, normal):
+    """Both backends give the spec's answer: the same exception type, or outputs that agree."""
+    a, b = backend_pair
+    require(a, *requires)
+    require(b, *requires)
+    q, k, v = _qkv()
+    if inputs is not None:
+        q, k, v = inputs(q, k, v)
+    want = expected if expected == OUT else expected.__name__
+    (got_a, out_a), (got_b, out_b) = (_outcome(x, q, k, v, dict(options)) for x in (a, b))
+    assert (got_a, got_b) == (want, want), (
+        f"options {options!r}: the spec's answer is {want}; {a.name} gave {got_a}, "
+        f"{b.name} gave {got_b}"
+    )
+    if want == OUT:
+        plain = {n: o for n, o in {**options, **(normal or {})}.items() if n != "seed"}
+        if "mask" in plain:
+            plain["mask"] = np.asarray(plain["mask"])
+        q64, k64, v64 = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+        tol = 2 * random_tolerance(q64, k64, v64, "float64", **plain)
+        assert_within(out_a, out_b, tol, f"{a.name} vs {b.name} with {options!r}")
+
+
+# --- Options a backend does not declare (§8.5) ---------------------------------------------
+
+UNDECLARED = {
+    "causal_bottom_right": {"is_causal": True, "causal_alignment": "bottom_right"},
+    "window": {"window": (2, 1)},
+    "softcap": {"softcap": 2.0},
+    "dropout": {"dropout_p": 0.5, "seed": 0},
+}
+
+
+@pytest.mark.clause("8.5")
+@pytest.mark.parametrize("capability", list(UNDECLARED))
+def test_undeclared_option_is_refused(backend, capability):
+    """An option whose capability the backend lacks raises NotImplementedError naming it."""
+    if capability in backend.capabilities:
+        pytest.skip(f"{backend.name} declares {capability!r}: nothing to refuse")
+    options = UNDECLARED[capability]
+    option = next(name for name in options if name not in ("is_causal", "seed"))
+    with pytest.raises(NotImplementedError) as info:
+        backend.attention(*_qkv(), **options)
+    assert option in str(info.value), (
+        f"{backend.name}: the refusal should name {option!r}: {info.value}"
+    )
+
+
+@pytest.mark.clause("8.5")
+def test_undeclared_backward_is_refused(backend):
+    """A backend without the 'grad' capability refuses attention_vjp with
+    NotImplementedError; one without 'grad_softcap' refuses softcap in it."""
+    q, k, v = _qkv()
+    d_out = np.ones((B, H, T, E))
+    if "grad" not in backend.capabilities:
+        with pytest.raises(NotImplementedError):
+            backend.attention_vjp(q, k, v, d_out)
+    elif "softcap" in backend.capabilities and "grad_softcap" not in backend.capabilities:
+        with pytest.raises(NotImplementedError, match="softcap"):
+            backend.attention_vjp(q, k, v, d_out, softcap=2.0)
+    else:
+        pytest.skip(f"{backend.name} declares every gradient option it has")

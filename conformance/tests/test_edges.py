@@ -1,0 +1,496 @@
+"""SPEC §2.5, §3.8, §4.7-§4.9 and §12.12: behaviour at the edges.
+
+Empty sequences, key/value slots that no query may attend (whatever they hold), NaN in
+the inputs, and NaN or +inf in a float mask. The oracle's fixtures for these cases run in
+``test_fixtures.py`` / ``test_gradients.py``; the tests here check the properties that
+make the edges safe to rely on, on random inputs: an unused slot changes no output bit,
+a NaN reaches exactly the rows that read it and never turns into a finite number.
+
+Which keys a row attends comes from ``fixtures/oracle.py:allowed_keys`` (and the float
+mask's -inf entries), never from the backend under test.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conformance.backends import numpy_dtype
+from conformance.fixtures.oracle import allowed_keys
+from conformance.helpers import as64, random_qkv, random_tolerance, require
+from conformance.tolerance import assert_identical, assert_within
+
+DTYPES = ["float64", "float32", "float16", "bfloat16"]
+dtypes = pytest.mark.parametrize("dtype", DTYPES)
+GRADS = ("dq", "dk", "dv", "dmask")
+
+
+def _finfo_max(dtype: str) -> float:
+    import ml_dtypes
+
+    return float(ml_dtypes.finfo(numpy_dtype(dtype)).max)
+
+
+def _garbage(kind: str, n: int, dtype: str) -> np.ndarray:
+    """n values of one kind of garbage: "nan", "inf" (±inf), "max" (± the dtype's largest
+    finite number) or "mixed" (all of them in turn)."""
+    big = _finfo_max(dtype)
+    cycle = {
+        "nan": [np.nan],
+        "inf": [np.inf, -np.inf],
+        "max": [big, -big],
+        "mixed": [np.nan, np.inf, -np.inf, big, -big],
+    }[kind]
+    return np.array([cycle[i % len(cycle)] for i in range(n)], dtype=np.float64)
+
+
+def _fill(x: np.ndarray, slots: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """x (B, K, S, ·) with every entry of the slots[b, κ, s] rows set from ``values``."""
+    x = x.copy()
+    rows = np.broadcast_to(slots[..., None], x.shape)
+    x[rows] = values[: int(rows.sum())].astype(x.dtype)
+    return x
+
+
+def _attended(q, k, mask, options) -> np.ndarray:
+    """(B, H, T, S) bool: which keys each query row attends (SPEC §1.2), from the oracle's
+    ``allowed_keys`` and the float mask's -inf entries."""
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    full = None if mask is None else np.broadcast_to(mask, (B, H, T, S))
+    out = np.zeros((B, H, T, S), dtype=bool)
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                bool_row = full[b, h, t] if full is not None and full.dtype == np.bool_ else None
+                keys = allowed_keys(
+                    t,
+                    T,
+                    S,
+                    bool_row=bool_row,
+                    is_causal=options.get("is_causal", False),
+                    causal_alignment=options.get("causal_alignment", "top_left"),
+                    window=options.get("window"),
+                )
+                out[b, h, t, keys] = True
+    if full is not None and full.dtype != np.bool_:
+        out &= as64(full) != -np.inf
+    return out
+
+
+def _unused(q, k, mask, options) -> np.ndarray:
+    """(B, K, S) bool: slots that no query row of their batch element and key/value head
+    attends (SPEC §4.7)."""
+    B, H, T, S = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    K = k.shape[1]
+    attended = _attended(q, k, mask, options).reshape(B, K, H // K, T, S)
+    return ~attended.any(axis=(2, 3))
+
+
+# --- §2.5 and §12.12: empty sequences -----------------------------------------------------
+
+EMPTY = ["plain", "causal", "bool-mask", "float-mask"]
+
+
+def _empty_options(how: str, T: int, S: int, dtype: str) -> dict:
+    if how == "causal":
+        return {"is_causal": True}
+    if how == "bool-mask":
+        return {"mask": np.ones((T, S), dtype=bool)}
+    if how == "float-mask":
+        return {"mask": np.zeros((1, 1, T, S), dtype=numpy_dtype(dtype))}
+    return {}
+
+
+@pytest.mark.clause("2.5")
+@pytest.mark.parametrize("how", EMPTY)
+@pytest.mark.parametrize("T,S", [(0, 6), (5, 0), (0, 0)], ids=["T0", "S0", "T0-S0"])
+@dtypes
+def test_empty_sequences(backend, how, T, S, dtype):
+    """T = 0 gives an empty (B, H, 0, E) output; S = 0 leaves every query without a key,
+    so every output entry is exactly 0 (§4.3), whatever q holds."""
+    require(backend, dtype=dtype)
+    q, k, v = random_qkv(70, B=2, H=2, T=T, S=S, D=4, E=3, dtype=dtype)
+    q[..., :1, :] = np.nan  # a row with no key returns 0 even from a NaN query
+    out = backend.attention(q, k, v, **_empty_options(how, T, S, dtype))
+    assert out.shape == (2, 2, T, 3) and out.dtype == q.dtype, (
+        f"{backend.name}: T={T}, S={S} ({how}) gave {out.dtype} {out.shape}, "
+        f"expected {q.dtype} (2, 2, {T}, 3)"
+    )
+    nonzero = as64(out) != 0
+    if nonzero.any():
+        pytest.fail(
+            f"{backend.name}: S=0 ({how}): every row has no key and must be exactly 0, got "
+            f"{as64(out)[nonzero][:4]} at {np.argwhere(nonzero)[:2].tolist()}"
+        )
+
+
+@pytest.mark.clause("2.5")
+def test_empty_sequences_unbatched(backend):
+    require(backend, "unbatched")
+    q, k, v = random_qkv(71, B=1, H=2, T=4, S=0, D=3, E=2)
+    out = backend.attention(q[0], k[0], v[0], is_causal=True)
+    assert out.shape == (2, 4, 2) and (out == 0).all(), f"{backend.name}: {out!r}"
+    out = backend.attention(q[0, :, :0], k[0, :, :0], v[0, :, :0])
+    assert out.shape == (2, 0, 2), f"{backend.name}: T=0, S=0 unbatched gave {out.shape}"
+
+
+@pytest.mark.clause("12.12")
+@pytest.mark.parametrize("how", EMPTY)
+@pytest.mark.parametrize("T,S", [(0, 6), (5, 0), (0, 0)], ids=["T0", "S0", "T0-S0"])
+@dtypes
+def test_empty_sequence_gradients(backend, how, T, S, dtype):
+    """With nothing to attend or nobody attending, every gradient is exactly 0, shaped and
+    typed like its input (dmask like the mask)."""
+    require(backend, "grad", dtype=dtype)
+    if how == "float-mask":
+        require(backend, "grad_mask")
+    q, k, v = random_qkv(72, B=2, H=2, T=T, S=S, D=4, E=3, dtype=dtype)
+    options = _empty_options(how, T, S, dtype)
+    d_out = np.ones((2, 2, T, 3), dtype=q.dtype)
+    grads = dict(zip(GRADS, backend.attention_vjp(q, k, v, d_out, **options)))
+    likes = {"dq": q, "dk": k, "dv": v, "dmask": options.get("mask")}
+    want = ["dq", "dk", "dv"] + (["dmask"] if how == "float-mask" else [])
+    assert list(grads) == want, f"{backend.name}: got gradients {list(grads)}, expected {want}"
+    for name, g in grads.items():
+        like = likes[name]
+        assert g.shape == like.shape and g.dtype == like.dtype, (
+            f"{backend.name}: {name} is {g.dtype} {g.shape}, expected {like.dtype} {like.shape}"
+        )
+        assert (as64(g) == 0).all(), f"{backend.name}: {name} should be exactly 0 (T={T}, S={S})"
+
+
+# --- §4.7 and §12.12: slots no query attends are inert ------------------------------------
+
+#: Ways a slot ends up attended by no query row of its batch element and key/value head.
+INERT = {
+    "padding": ([], "a batch of unequal lengths, padding masked by a (B, 1, 1, S) bool mask"),
+    "bool-column": ([], "mask columns all False"),
+    "float-column": ([], "float mask columns all -inf"),
+    "causal-T<S": ([], "top-left causal with T < S: keys after every query"),
+    "window": (["window", "causal_bottom_right"], "keys before a bottom-right window"),
+    "gqa-group": (["gqa"], "a key blocked in every query head of its group, not others"),
+}
+
+
+def _inert_problem(how: str, dtype: str, seed: int = 80):
+    """Inputs, options and the (B, K, S) unused slots for one way of leaving slots unused."""
+    B, H, K, T, S = 2, 4, 4, 5, 9
+    if how == "gqa-group":
+        K = 2
+    q, k, v = random_qkv(seed, B=B, H=H, K=K, T=T, S=S, D=4, E=3, dtype=dtype)
+    rng = np.random.default_rng(seed + 1)
+    options: dict = {}
+    if how == "padding":
+        lengths = np.array([6, 3])
+        options["mask"] = (np.arange(S)[None, :] < lengths[:, None])[:, None, None, :]
+    elif how == "bool-column":
+        mask = rng.random((B, H, T, S)) < 0.8
+        mask[..., [0, 4, 8]] = False
+        options["mask"] = mask
+    elif how == "float-column":
+        mask = rng.standard_normal((T, S))
+        mask[rng.random((T, S)) < 0.2] = -np.inf
+        mask[:, [2, 7]] = -np.inf
+        options["mask"] = mask.astype(numpy_dtype(dtype))
+    elif how == "causal-T<S":
+        options["is_causal"] = True
+    elif how == "window":
+        options.update(window=(1, 0), causal_alignment="bottom_right")
+    else:
+        mask = rng.random((1, H, T, S)) < 0.8
+        mask[:, 0:2, :, 3] = False  # key 3 unused in group 0 (heads 0, 1), used in group 1
+        mask[:, 2:4, :, 6] = False  # key 6 the other way round
+        options["mask"] = mask
+    unused = _unused(q, k, options.get("mask"), options)
+    assert unused.any() and not unused.all()
+    return q, k, v, options, unused
+
+
+def _with_garbage(k, v, unused, garbage: str, dtype: str):
+    n = 10 * k.size
+    return (
+        _fill(k, unused, _garbage(garbage, n, dtype)),
+        _fill(v, unused, _garbage(garbage, n, dtype)[::-1].copy()),
+    )
+
+
+@pytest.mark.clause("4.7")
+@pytest.mark.parametrize("garbage", ["nan", "inf", "max", "mixed"])
+@pytest.mark.parametrize("how", list(INERT))
+@dtypes
+def test_unused_slots_hold_anything(backend, how, garbage, dtype):
+    """An unused slot may hold NaN, ±inf or the largest finite number: the output is bit for
+    bit what it is with ordinary numbers there."""
+    require(backend, *INERT[how][0], dtype=dtype)
+    q, k, v, options, unused = _inert_problem(how, dtype)
+    clean = backend.attention(q, k, v, **options)
+    assert np.isfinite(as64(clean)).all(), f"{backend.name}: non-finite output on clean inputs"
+    k2, v2 = _with_garbage(k, v, unused, garbage, dtype)
+    dirty = backend.attention(q, k2, v2, **options)
+    assert_identical(
+        dirty,
+        clean,
+        f"{backend.name}: {INERT[how][1]}, unused slots holding {garbage} ({dtype}), "
+        f"against the same call with ordinary numbers there",
+    )
+
+
+@pytest.mark.clause("4.7")
+@pytest.mark.parametrize("how", list(INERT))
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_unused_slots_are_deleted_keys(backend, how, dtype):
+    """The output with garbage in the unused slots equals, within the tolerance, the output
+    for each batch element and key/value head with those keys removed (the causal band or
+    window then given as the equivalent bool mask, since removing keys moves the diagonal)."""
+    require(backend, *INERT[how][0], dtype=dtype)
+    q, k, v, options, unused = _inert_problem(how, dtype)
+    k2, v2 = _with_garbage(k, v, unused, "mixed", dtype)
+    out = as64(backend.attention(q, k2, v2, **options))
+    attended = _attended(q, k, options.get("mask"), options)
+    K = k.shape[1]
+    G = q.shape[1] // K
+    for b in range(q.shape[0]):
+        for kv in range(K):
+            keys = np.flatnonzero(~unused[b, kv])
+            heads = slice(kv * G, (kv + 1) * G)
+            qs = q[b : b + 1, heads]
+            ks, vs = k[b : b + 1, kv : kv + 1, keys], v[b : b + 1, kv : kv + 1, keys]
+            mask = attended[b : b + 1, heads][..., keys]  # (1, G, T, S')
+            if "mask" in options and options["mask"].dtype != np.bool_:
+                full = np.broadcast_to(options["mask"], attended.shape)
+                mask = full[b : b + 1, heads][..., keys]  # the float values, -inf and all
+            removed = as64(backend.attention(qs, ks, vs, mask=mask))
+            tol = 2 * random_tolerance(qs, ks, vs, dtype, mask=mask)
+            assert_within(
+                out[b, heads],
+                removed[0],
+                tol,
+                f"{backend.name}: {INERT[how][1]} ({dtype}), batch {b}, key/value head "
+                f"{kv}: against the same call with keys {np.flatnonzero(unused[b, kv])} removed",
+            )
+
+
+@pytest.mark.clause("12.12")
+@pytest.mark.parametrize("garbage", ["nan", "inf", "max", "mixed"])
+@pytest.mark.parametrize("how", list(INERT))
+@dtypes
+def test_unused_slot_gradients(backend, how, garbage, dtype):
+    """Garbage in unused slots changes no gradient bit; the slots' own dk and dv are exactly
+    0, and so is dmask wherever the float mask is -inf."""
+    require(backend, "grad", *INERT[how][0], dtype=dtype)
+    q, k, v, options, unused = _inert_problem(how, dtype, seed=81)
+    float_mask = "mask" in options and options["mask"].dtype != np.bool_
+    if float_mask:
+        require(backend, "grad_mask")
+    d_out = np.random.default_rng(82).standard_normal((*q.shape[:-1], v.shape[-1]))
+    d_out = d_out.astype(q.dtype)
+    clean = dict(zip(GRADS, backend.attention_vjp(q, k, v, d_out, **options)))
+    for name, g in clean.items():
+        assert np.isfinite(as64(g)).all(), f"{backend.name}: non-finite {name} on clean inputs"
+    k2, v2 = _with_garbage(k, v, unused, garbage, dtype)
+    dirty = dict(zip(GRADS, backend.attention_vjp(q, k2, v2, d_out, **options)))
+    context = f"{backend.name}: {INERT[how][1]}, unused slots holding {garbage} ({dtype})"
+    assert list(dirty) == list(clean), f"{context}: gradients {list(dirty)} vs {list(clean)}"
+    for name in clean:
+        assert_identical(dirty[name], clean[name], f"{context}: {name}")
+    for name in ("dk", "dv"):
+        at_slots = as64(dirty[name])[unused]
+        assert (at_slots == 0).all(), f"{context}: {name} of unused slots should be exactly 0"
+    if float_mask:
+        blocked = np.broadcast_to(as64(options["mask"]) == -np.inf, dirty["dmask"].shape)
+        assert (as64(dirty["dmask"])[blocked] == 0).all(), (
+            f"{context}: dmask should be exactly 0 on -inf entries"
+        )
+
+
+# --- §4.8: keys that some rows attend -----------------------------------------------------
+
+SHARED = {
+    "causal": ([], "causal"),
+    "bool-mask": ([], "a bool mask"),
+    "float-mask": ([], "a float mask (-inf)"),
+    "window": (["window"], "a window"),
+}
+
+
+@pytest.mark.clause("4.8")
+@pytest.mark.parametrize("garbage", ["nan", "inf", "max"])
+@pytest.mark.parametrize("slot", ["k", "v"])
+@pytest.mark.parametrize("how", list(SHARED))
+@dtypes
+def test_keys_some_rows_attend(backend, how, slot, garbage, dtype):
+    """Key 3 is attended by some rows of its head and blocked for others. With a non-finite
+    (or the largest finite) value in its k or v row, every output entry of a row that blocks
+    it is either bit for bit what it is with ordinary numbers there, or NaN: never another
+    finite number, never an infinity."""
+    require(backend, *SHARED[how][0], dtype=dtype)
+    B, H, T, S = 2, 2, 6, 7
+    q, k, v = random_qkv(90, B=B, H=H, T=T, S=S, D=4, E=3, dtype=dtype)
+    options: dict = {}
+    if how == "causal":
+        options["is_causal"] = True
+    elif how == "window":
+        options["window"] = (1, 1)
+    else:
+        mask = np.random.default_rng(91).random((T, S)) < 0.8
+        mask[:, 3] = [True, False, True, False, False, True]
+        options["mask"] = mask if how == "bool-mask" else np.where(mask, 0.5, -np.inf)
+        if how == "float-mask":
+            options["mask"] = options["mask"].astype(q.dtype)
+    attended = _attended(q, k, options.get("mask"), options)
+    blocking = ~attended[1, 0, :, 3]  # rows of batch 1, head 0 that block key 3
+    assert blocking.any() and not blocking.all()
+    clean = as64(backend.attention(q, k, v, **options))
+    x = {"k": k, "v": v}[slot].copy()
+    x[1, 0, 3] = _garbage(garbage, x.shape[-1], dtype).astype(x.dtype)
+    dirty_inputs = {"k": k, "v": v, slot: x}
+    dirty = as64(backend.attention(q, dirty_inputs["k"], dirty_inputs["v"], **options))
+    rows_dirty, rows_clean = dirty[1, 0][blocking], clean[1, 0][blocking]
+    same = (rows_dirty == rows_clean) | np.isnan(rows_dirty)
+    assert same.all(), (
+        f"{backend.name}: {slot}[1, 0, 3] holding {garbage} ({dtype}, {SHARED[how][1]}); "
+        f"rows {np.flatnonzero(blocking).tolist()} block key 3, so each entry must be "
+        f"unchanged or NaN; got {rows_dirty[~same][:4]} where the clean run has "
+        f"{rows_clean[~same][:4]}"
+    )
+    others = np.ones((B, H), dtype=bool)
+    others[1, 0] = False
+    assert_identical(
+        dirty[others], clean[others], f"{backend.name}: the heads that do not read the key"
+    )
+
+
+# --- §4.9: NaN propagates and never disappears --------------------------------------------
+
+NAN_AT = ["q", "k-first", "k-middle", "k-all", "v"]
+STRUCTURES = {
+    "plain": ([], {}),
+    "causal": ([], {"is_causal": True}),
+    "float-mask": ([], {"mask": "float"}),
+    "gqa-causal": (["gqa"], {"is_causal": True}),
+    "softcap-causal": (["softcap"], {"is_causal": True, "softcap": 2.0}),
+}
+
+
+@pytest.mark.clause("4.9")
+@pytest.mark.parametrize("at", NAN_AT)
+@pytest.mark.parametrize("structure", list(STRUCTURES))
+@dtypes
+def test_nan_propagates(backend, structure, at, dtype):
+    """A NaN reaches exactly the outputs that read it (SPEC §4.9, the oracle's rows), and
+    never becomes a finite number: NaN in q row t makes row t NaN; NaN in k at a key row t
+    attends makes row t NaN; NaN in v[s, e] makes channel e NaN in the rows attending s.
+    Other batch elements and heads are finite and equal to the NaN-free run; rows of the
+    same head that block the key follow §4.8."""
+    needs, opts = STRUCTURES[structure]
+    require(backend, *needs, dtype=dtype)
+    from conformance.fixtures import oracle
+
+    B, H, K, T, S = 2, 4, 4, 6, 6
+    if structure == "gqa-causal":
+        K = 2
+    G = H // K
+    # E = D: PyTorch SDPA then takes its CPU flash kernel, which reads NaN rows as empty.
+    q, k, v = random_qkv(100, B=B, H=H, K=K, T=T, S=S, D=4, E=4, dtype=dtype)
+    options = dict(opts)
+    if options.get("mask") == "float":
+        mask = np.random.default_rng(101).standard_normal((B, 1, T, S))
+        mask[np.random.default_rng(102).random(mask.shape) < 0.25] = -np.inf
+        mask[..., 0] = 0.0  # key 0 stays attended by every row
+        options["mask"] = mask.astype(q.dtype)
+    clean = as64(backend.attention(q, k, v, **options))
+    q2, k2, v2 = q.copy(), k.copy(), v.copy()
+    b, kv = 1, K - 1
+    reading = np.zeros((B, H), dtype=bool)  # the (batch, head) pairs that read the NaN
+    if at == "q":
+        q2[b, H - 1, 0, 1] = np.nan  # row 0: under causal it attends key 0 alone
+        reading[b, H - 1] = True
+    else:
+        if at == "k-first":
+            k2[b, kv, 0, 2] = np.nan
+        elif at == "k-middle":
+            k2[b, kv, 3, 0] = np.nan
+        elif at == "k-all":
+            k2[b, kv, :, 1] = np.nan
+        else:
+            v2[b, kv, 0, 1] = np.nan
+        reading[b, kv * G : (kv + 1) * G] = True
+    out = as64(backend.attention(q2, k2, v2, **options))
+    mask = options.get("mask")
+    rest = {n: x for n, x in options.items() if n != "mask"}
+    expected = oracle.attention(
+        as64(q2), as64(k2), as64(v2), mask=None if mask is None else as64(mask), **rest
+    )
+    context = f"{backend.name}: NaN in {at} ({structure}, {dtype})"
+    must_nan = np.isnan(expected)
+    assert must_nan.any(), f"{context}: the oracle reads no NaN: a broken test"
+    lost = must_nan & ~np.isnan(out)
+    assert not lost.any(), (
+        f"{context}: NaN disappeared at {np.argwhere(lost)[:3].tolist()} (got "
+        f"{out[lost][:3]}): the oracle's output is NaN there"
+    )
+    tol = 2 * random_tolerance(q, k, v, dtype, mask=mask, **rest)
+    assert_within(
+        out[~reading],
+        clean[~reading],
+        tol,
+        f"{context}: batch elements and heads that do not read the NaN, against the NaN-free run",
+    )
+    # In the heads that read it: a row the NaN reaches is NaN exactly where the oracle says
+    # (checked above) and the NaN-free run's elsewhere, e.g. the other channels of a NaN in
+    # v. A row it does not reach is the NaN-free run's; where the NaN sits in a key that the
+    # row blocks, it may also be NaN (§4.8).
+    inside, inside_clean, want = out[reading], clean[reading], expected[reading]
+    reached = np.isnan(want).any(axis=-1, keepdims=True)  # (rows, 1)
+    finite = ~np.isnan(want)
+    close = np.abs(np.where(finite, inside - inside_clean, 0.0)) <= tol
+    ok = close | (np.isnan(inside) & ~reached & (at != "q"))
+    assert ok[finite].all(), (
+        f"{context}: entries the NaN does not reach changed: got "
+        f"{inside[finite & ~ok][:4]}, NaN-free run {inside_clean[finite & ~ok][:4]}"
+    )
+
+
+# --- §3.8: NaN and +inf in a float mask ---------------------------------------------------
+
+
+@pytest.mark.clause("3.8")
+@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+@dtypes
+def test_float_mask_nan_and_inf(backend, causal, dtype):
+    """NaN or +inf in a float mask, at a key the row may attend, makes that row NaN in every
+    channel (IEEE arithmetic, no exception); other rows are untouched. At a key causality
+    blocks, the same entries change no output bit."""
+    require(backend, dtype=dtype)
+    B, H, T, S = 2, 2, 6, 6
+    q, k, v = random_qkv(110, B=B, H=H, T=T, S=S, D=4, E=3, dtype=dtype)
+    base = np.random.default_rng(111).standard_normal((T, S))
+    base[2, 4] = -np.inf
+    base = base.astype(q.dtype)
+    options = {"is_causal": causal}
+    clean = as64(backend.attention(q, k, v, mask=base, **options))
+    mask = base.copy()
+    mask[1, 0] = np.nan  # key 0: every row may attend it
+    mask[4, 1] = np.inf
+    mask[2, 5] = np.nan  # key 5 of row 2: attended without causality, blocked with it
+    mask[3, 5] = np.inf
+    out = as64(backend.attention(q, k, v, mask=mask, **options))
+    nan_rows = [1, 4] if causal else [1, 2, 3, 4]
+    context = (
+        f"{backend.name}: NaN/+inf in a float mask ({'causal' if causal else 'plain'}, {dtype})"
+    )
+    assert np.isnan(out[:, :, nan_rows]).all(), (
+        f"{context}: rows {nan_rows} must be NaN in every channel, got "
+        f"{out[:, :, nan_rows][~np.isnan(out[:, :, nan_rows])][:4]}"
+    )
+    others = [t for t in range(T) if t not in nan_rows]
+    if causal:
+        assert_identical(
+            out[:, :, others], clean[:, :, others], f"{context}: rows the entries do not reach"
+        )
+    else:
+        tol = 2 * random_tolerance(q, k, v, dtype, mask=base)
+        assert_within(
+            out[:, :, others], clean[:, :, others], tol, f"{context}: rows the entries do not reach"
+        )

@@ -1,0 +1,279 @@
+"""SPEC §14: sharded (context-parallel) attention, held to the same oracle at every P.
+
+Each test runs on the chosen backends that declare the capability "sharded" and loads them
+at the device counts and layouts it needs with ``load_backend(name, shards=P,
+layout=...)``. Expected values come from the naive float64 run standing in for the oracle
+(SPEC §7.2), never from a sharded backend; the tolerance is §7's, the same at every P.
+The inputs share a few shapes, so that a compiling backend compiles each once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conformance.backends import load_backend
+from conformance.helpers import as64, random_qkv, random_tolerance, require
+from conformance.tolerance import assert_identical, assert_within, tolerance
+
+SHARDS = [1, 2, 3, 4]
+LAYOUTS = ["contiguous", "zigzag"]
+#: One shape for most tests: T and S not multiples of 2, 3 or 4; grouped heads (K < H),
+#: with H = 12 and K = 1 splitting over every P in 1-4 for head-sharding backends too.
+SHAPE = {"B": 2, "H": 12, "K": 1, "T": 7, "S": 13, "D": 5, "E": 3}
+VARIANTS = {
+    "plain": ((), {}),
+    "causal": ((), {"is_causal": True}),
+    "all": (
+        ("gqa", "causal_bottom_right", "window", "softcap"),
+        {"is_causal": True, "causal_alignment": "bottom_right", "window": (3, 0), "softcap": 2.5},
+    ),
+}
+
+
+def _sharded(backend, P: int, layout: str = "contiguous"):
+    # The shapes here have K < H: grouped-query attention across devices is the point.
+    require(backend, "sharded", "gqa")
+    at = load_backend(backend.name, shards=P, layout=layout)
+    assert (at.shards, at.layout) == (P, layout), (
+        f"load_backend({backend.name!r}, shards={P}, layout={layout!r}) reports "
+        f"shards={at.shards}, layout={at.layout!r}"
+    )
+    return at
+
+
+def _d_out(seed: int, q: np.ndarray, v: np.ndarray) -> np.ndarray:
+    shape = (*q.shape[:-1], v.shape[-1])
+    return np.random.default_rng(seed).standard_normal(shape).astype(q.dtype)
+
+
+def _grad_reference(q, k, v, d_out, dtype: str, **options):
+    """§12.9 for inputs without a fixture: the naive float64 backward, and per gradient
+    the tolerance from the naive backward in ``dtype``."""
+    from conformance.backends import numpy_dtype
+    from conformance.fixtures.oracle import naive_vjp_same_precision
+
+    ref = naive_vjp_same_precision(q, k, v, d_out, np.float64, **options)
+    low = naive_vjp_same_precision(q, k, v, d_out, numpy_dtype(dtype), **options)
+    tols = {
+        n: tolerance(dtype, float(np.max(np.abs(low[n] - ref[n]), initial=0.0)), ref[n])
+        for n in ref
+    }
+    return ref, tols
+
+
+def _check_grads(grads, ref, tols, context: str) -> None:
+    for name, got in zip(("dq", "dk", "dv", "dmask"), grads):
+        assert np.all(np.isfinite(as64(got))), f"{context}: {name} is not finite"
+        assert_within(as64(got), ref[name], tols[name], f"{context}: {name}")
+
+
+@pytest.mark.clause("14.1")
+def test_unknown_layout_raises(backend):
+    require(backend, "sharded")
+    with pytest.raises(ValueError, match="layout"):
+        load_backend(backend.name, shards=2, layout="striped-nonsense")
+
+
+@pytest.mark.clause("14.1")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_eight_shards(backend, layout):
+    """P = 8, every declared variant at once, forward and (with "grad") backward."""
+    at = _sharded(backend, 8, layout)
+    needs, options = VARIANTS["all"]
+    require(backend, *needs)
+    q, k, v = random_qkv(80, **{**SHAPE, "H": 8, "K": 2, "T": 13, "S": 11})
+    mask = np.random.default_rng(81).random((1, 1, 13, 11)) > 0.2  # (1, 1, T, S)
+    out = at.attention(q, k, v, mask=mask, **options)
+    ref = naive(q, k, v, mask=mask, **options)
+    tol = random_tolerance(q, k, v, "float64", mask=mask, **options)
+    assert_within(as64(out), ref, tol, f"{at.name} P=8 {layout} {options}")
+    if "grad" in backend.capabilities:
+        d_out = _d_out(82, q, v)
+        ref_g, tols = _grad_reference(q, k, v, d_out, "float64", mask=mask, **options)
+        grads = at.attention_vjp(q, k, v, d_out, mask=mask, **options)
+        _check_grads(grads, ref_g, tols, f"{at.name} P=8 {layout} {options}")
+
+
+def naive(q, k, v, **options):
+    from conformance.fixtures.oracle import naive_same_precision
+
+    return naive_same_precision(q, k, v, np.float64, **options)
+
+
+@pytest.mark.clause("14.2")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("P", SHARDS, ids=[f"P{P}" for P in SHARDS])
+def test_shard_count_invariance(backend, P, dtype, variant):
+    """Within §7's tolerance of the oracle at every P (so of P = 1), and deterministic."""
+    needs, options = VARIANTS[variant]
+    require(backend, *needs, dtype=dtype)
+    at = _sharded(backend, P)
+    one = _sharded(backend, 1)
+    q, k, v = random_qkv(140, **SHAPE, dtype=dtype)
+    ref = naive(q, k, v, **options)
+    tol = random_tolerance(q, k, v, dtype, **options)
+    out = at.attention(q, k, v, **options)
+    context = f"{at.name} P={P} {dtype} {variant}"
+    assert_within(as64(out), ref, tol, context)
+    assert_within(as64(out), as64(one.attention(q, k, v, **options)), 2 * tol, f"{context} vs P=1")
+    assert_identical(at.attention(q, k, v, **options), out, f"{context}, repeated")
+
+
+@pytest.mark.clause("14.3")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("T,S", [(1, 1), (3, 2), (9, 3), (5, 17)], ids=lambda x: str(x))
+@pytest.mark.parametrize("P", [2, 3, 4], ids=lambda P: f"P{P}")
+def test_lengths_not_multiples(backend, P, T, S, layout):
+    """T, S not multiples of P, S < P, T < P, T != S: padding is never attended."""
+    at = _sharded(backend, P, layout)
+    q, k, v = random_qkv(143, **{**SHAPE, "T": T, "S": S})
+    # Keys far from the origin: a padded (zero) key or value attended would show.
+    v = v + 5.0
+    for options in ({}, {"is_causal": True, "causal_alignment": "bottom_right"}):
+        if options and "causal_bottom_right" not in backend.capabilities:
+            continue
+        out = at.attention(q, k, v, **options)
+        ref = naive(q, k, v, **options)
+        tol = random_tolerance(q, k, v, "float64", **options)
+        assert out.shape == ref.shape, f"{at.name} P={P}: shape {out.shape}, expected {ref.shape}"
+        assert_within(as64(out), ref, tol, f"{at.name} P={P} {layout} T={T} S={S} {options}")
+
+
+@pytest.mark.clause("14.4")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("P", [2, 3, 4], ids=lambda P: f"P{P}")
+def test_keys_elsewhere_and_nowhere(backend, P, layout):
+    """Row 0 attends only the last keys (another device's); row 1 attends none."""
+    at = _sharded(backend, P, layout)
+    T = S = 24  # whole slices and zigzag chunks for P = 2, 3, 4
+    q, k, v = random_qkv(144, **{**SHAPE, "T": T, "S": S})
+    mask = np.ones((T, S), dtype=bool)  # (T, S)
+    mask[0] = False
+    # Query 0 sits on device 0 in both layouts; keys S/P and S/P + 1 never do (contiguous:
+    # device 1; zigzag: chunk 2 of 2P, on device 2, or 1 when P = 2).
+    mask[0, S // P : S // P + 2] = True
+    mask[1] = False  # query 1: no key anywhere
+    out = at.attention(q, k, v, mask=mask)
+    context = f"{at.name} P={P} {layout}"
+    assert_within(
+        as64(out),
+        naive(q, k, v, mask=mask),
+        random_tolerance(q, k, v, "float64", mask=mask),
+        context,
+    )
+    assert np.all(out[:, :, 1] == 0), (
+        f"{context}: the row with no key is {out[:, :, 1]}, not exactly 0"
+    )
+    if "grad" not in backend.capabilities:
+        return
+    d_out = _d_out(145, q, v)
+    grads = at.attention_vjp(q, k, v, d_out, mask=mask)
+    ref, tols = _grad_reference(q, k, v, d_out, "float64", mask=mask)
+    _check_grads(grads, ref, tols, context)
+    assert np.all(grads[0][:, :, 1] == 0), f"{context}: dq of the row with no key is not exactly 0"
+    d_out2 = d_out.copy()
+    d_out2[:, :, 1] += 3.0
+    again = at.attention_vjp(q, k, v, d_out2, mask=mask)
+    for name, a, b in zip(("dq", "dk", "dv"), grads, again):
+        assert_identical(b, a, f"{context}: {name} after changing d_out on the row with no key")
+
+
+@pytest.mark.clause("14.5")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("P", [2, 3, 4], ids=lambda P: f"P{P}")
+def test_large_logits_across_shards(backend, P, layout):
+    """Scores ≈ 1e4 in float32: each row's max on the last device, its mass on the others."""
+    require(backend, dtype="float32")
+    at = _sharded(backend, P, layout)
+    T = S = 24
+    q, k, v = random_qkv(146, **{**SHAPE, "T": T, "S": S}, dtype="float32")
+    rng = np.random.default_rng(147)
+    q = np.zeros_like(q)
+    q[..., 0] = 100.0  # score = 100 · k[..., 0] / √D
+    k = np.zeros_like(k)
+    # Every key scores about 1e4 (small spread); the last scores 1 more: each row's max
+    # sits alone at the end of the sequence, most of its mass on the other devices.
+    k[..., 0] = (1e4 * np.sqrt(SHAPE["D"]) / 100.0) + rng.standard_normal(k.shape[:-1]) * 0.02
+    k[..., -1, 0] += 1.0 * np.sqrt(SHAPE["D"]) / 100.0
+    q, k = q.astype(np.float32), k.astype(np.float32)
+    out = at.attention(q, k, v)
+    context = f"{at.name} P={P} {layout} large logits"
+    assert np.all(np.isfinite(as64(out))), f"{context}: non-finite output"
+    assert_within(as64(out), naive(q, k, v), random_tolerance(q, k, v, "float32"), context)
+
+
+@pytest.mark.clause("14.6")
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("P", [2, 3, 4], ids=lambda P: f"P{P}")
+def test_backward_uses_each_block(backend, P, is_causal):
+    """Every device's keys and values distinct: a stale block cannot pass."""
+    require(backend, "grad")
+    at = _sharded(backend, P)
+    T = S = 24
+    q, k, v = random_qkv(148, **{**SHAPE, "T": T, "S": S})
+    offset = (np.arange(S) // (S // P))[None, None, :, None]  # (1, 1, S, 1): the slice index
+    k = k + 0.5 * offset
+    v = v + 2.0 * offset
+    d_out = _d_out(149, q, v)
+    options = {"is_causal": is_causal}
+    grads = at.attention_vjp(q, k, v, d_out, **options)
+    ref, tols = _grad_reference(q, k, v, d_out, "float64", **options)
+    _check_grads(grads, ref, tols, f"{at.name} P={P} {options}")
+
+
+@pytest.mark.clause("14.7")
+@pytest.mark.parametrize("variant", ["plain", "causal"])
+@pytest.mark.parametrize("P", [2, 3, 4], ids=lambda P: f"P{P}")
+def test_zigzag_equals_contiguous(backend, P, variant):
+    needs, options = VARIANTS[variant]
+    require(backend, *needs)
+    q, k, v = random_qkv(150, **SHAPE)
+    contiguous = _sharded(backend, P, "contiguous").attention(q, k, v, **options)
+    zigzag = _sharded(backend, P, "zigzag").attention(q, k, v, **options)
+    tol = random_tolerance(q, k, v, "float64", **options)
+    assert_within(
+        as64(zigzag),
+        as64(contiguous),
+        2 * tol,
+        f"{backend.name} P={P} {variant}: zigzag vs contiguous",
+    )
+
+
+@pytest.mark.clause("14.8")
+@pytest.mark.parametrize("H,K,P", [(3, 3, 2), (4, 2, 3), (6, 3, 2), (4, 4, 8)])
+def test_heads_that_do_not_split(backend, H, K, P):
+    """A head-sharding backend refuses head counts P does not split, naming H, K and P."""
+    require(backend, "sharded_heads")
+    at = load_backend(backend.name, shards=P)
+    q, k, v = random_qkv(151, B=2, H=H, K=K, T=5, S=6)
+    with pytest.raises(ValueError) as err:
+        at.attention(q, k, v)
+    for part in (f"H={H}", f"K={K}", f"P={P}"):
+        assert part in str(err.value), (
+            f"{backend.name}: the error does not name {part}: {err.value}"
+        )
+
+
+@pytest.mark.clause("14.8")
+@pytest.mark.parametrize("K", [1, 2, 4, 8])
+def test_heads_batch_and_few_kv_heads(backend, K):
+    """B = 3 distinct batch elements, H = 8 on P = 4 devices, K from 1 (< P) to 8."""
+    require(backend, "sharded_heads", "gqa")
+    at = load_backend(backend.name, shards=4)
+    q, k, v = random_qkv(152, B=3, H=8, K=K, T=7, S=13)
+    mask = np.random.default_rng(153).random((3, 1, 7, 13)) > 0.3  # (B, 1, T, S)
+    options = {"mask": mask, "is_causal": True, "causal_alignment": "bottom_right"}
+    out = at.attention(q, k, v, **options)
+    context = f"{at.name} P=4 B=3 H=8 K={K}"
+    assert_within(
+        as64(out),
+        naive(q, k, v, **options),
+        random_tolerance(q, k, v, "float64", **options),
+        context,
+    )
+    if "grad" in backend.capabilities:
+        d_out = _d_out(154, q, v)
+        ref, tols = _grad_reference(q, k, v, d_out, "float64", **options)
+        _check_grads(at.attention_vjp(q, k, v, d_out, **options), ref, tols, context)

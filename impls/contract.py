@@ -1,0 +1,355 @@
+"""The input contract every attention impl checks as its step 0, in one place.
+
+Each impl file is a standalone teaching page for the *math*; what it accepts is this
+module's business, so that the seven impls cannot drift apart on it (their copies of these
+checks did: ``softcap=np.float32(2.0)`` was refused by one file and accepted by another).
+It is plain Python on shapes, dtype names and option values, and imports no framework:
+an impl hands it its arrays (anything with ``.shape`` and ``.dtype``: NumPy, JAX, torch)
+and gets back the sizes and the options in one normal form, or an error that names the
+argument, the expected shape in letters and numbers, and what was given (SPEC §8).
+
+Shape legend (heads-first):
+
+    B batch            H query heads      K key/value heads (H % K == 0)
+    G = H // K         T query length     S key/value length
+    D q/k head dim     E v head dim
+
+    q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    mask broadcastable to (B, H, T, S)
+    unbatched: q (H, T, D), k (K, S, D), v (K, S, E), mask broadcastable to (H, T, S)
+
+One rule for numbers (``scale``, ``softcap``, ``dropout_p``, the window's sides; SPEC §8.4):
+
+- a Python or NumPy scalar, or a 0-d array of an integer or floating dtype, is a number;
+  all of them are read as the same Python ``float`` (or ``int``);
+- ``bool`` is not a number (``softcap=True`` is a mistake, not 1.0), nor is a NumPy bool,
+  a string, ``None`` where a number is required, a complex number, or an array with
+  elements: each raises ``TypeError``;
+- a number outside the option's range raises ``ValueError``: ``scale`` and ``softcap``
+  must be finite and > 0 (so -0.0, inf and NaN are refused; 1e300 and 5e-324 are
+  accepted), ``dropout_p`` must lie in [0, 1) (-0.0 is 0), a window side must be an
+  integer >= 0.
+
+``is_causal`` is a Python or NumPy bool (or a 0-d bool array); ``causal_alignment`` one of
+``ALIGNMENTS``. An option the impl does not implement is refused with
+``NotImplementedError`` naming it, once its value has passed the checks above.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What the contract found: the sizes, and the options in their normal form.
+
+    ``mask_shape`` is the mask's shape with leading 1s up to rank 4, (B|1, H|1, T|1, S|1),
+    so that after ``mask.reshape(mask_shape)`` it broadcasts against the (B, H, T, S)
+    scores of a batched call; ``mask_is_bool`` tells a bool mask (which keys may be
+    attended) from a floating one (added to the scores).
+    """
+
+    unbatched: bool
+    B: int
+    H: int
+    K: int
+    G: int
+    T: int
+    S: int
+    D: int
+    E: int
+    mask_shape: tuple[int, int, int, int] | None
+    mask_is_bool: bool
+    is_causal: bool
+    scale: float
+    causal_alignment: str
+    window: tuple[int | None, int | None] | None
+    softcap: float | None
+    dropout_p: float
+
+
+def check(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    mask: Any = None,
+    is_causal: Any = False,
+    scale: Any = None,
+    causal_alignment: Any = "top_left",
+    window: Any = None,
+    softcap: Any = None,
+    dropout_p: Any = 0.0,
+    random: tuple[str, Any, bool, str] | None = None,
+    unsupported: dict[str, str] | None = None,
+    tiles: dict[str, Any] | None = None,
+    d_out: Any = None,
+) -> Checked:
+    """Check one attention call; return its sizes and normalised options.
+
+    Args:
+      q, k, v, mask: arrays (``.shape``, ``.dtype``); mask may be None.
+      is_causal, scale, causal_alignment, window, softcap, dropout_p: the options as given.
+      random: (name, value, acceptable, what is expected) for the impl's source of
+        randomness (a NumPy Generator, a JAX key, a torch Generator, a dropout callable),
+        checked when it is given or when dropout_p > 0.
+      unsupported: {option: why} for options this impl does not implement; a value other
+        than the option's default raises NotImplementedError.
+      tiles: {name: value} of tile sizes that must be positive ints (blockwise impls).
+      d_out: for a backward pass, the upstream gradient, shaped and typed like the output.
+
+    Raises:
+      ValueError, TypeError: bad input, with a message naming the argument, the expected
+        shape in letters and numbers, and what was given (SPEC §8).
+      NotImplementedError: an option in ``unsupported`` was used.
+    """
+    unbatched = _check_qkv(q, k, v)
+    qs, ks, vs = (tuple(x.shape) for x in (q, k, v))
+    B, H, T, D = (1, *qs) if unbatched else qs
+    K, S, E = ks[-3], ks[-2], vs[-1]
+    mask_shape = _check_mask(mask, (B, H, T, S), unbatched)
+    is_causal = _check_bool("is_causal", is_causal)
+    if not isinstance(causal_alignment, str) or causal_alignment not in ALIGNMENTS:
+        raise ValueError(
+            f"causal_alignment should be one of {ALIGNMENTS}, got {causal_alignment!r}"
+        )
+    window = _check_window(window)
+    softcap = None if softcap is None else _positive("softcap", softcap)
+    dropout_p = _probability("dropout_p", dropout_p)
+    scale = 1.0 / math.sqrt(D) if scale is None else _positive("scale", scale)
+    if random is not None:
+        name, value, acceptable, expected = random
+        if not acceptable and value is not None:
+            raise TypeError(f"{name} should be {expected}, got {value!r}")
+        if not acceptable and dropout_p > 0:
+            raise ValueError(f"{name} should be {expected} when dropout_p > 0, got {value!r}")
+    for name, size in (tiles or {}).items():
+        if _integer(name, size) <= 0:
+            raise ValueError(f"{name} should be a positive int, got {size!r}")
+    if d_out is not None:
+        _check_d_out(d_out, (H, T, E) if unbatched else (B, H, T, E), _dtype_name(q))
+    checked = Checked(
+        unbatched=unbatched,
+        B=B,
+        H=H,
+        K=K,
+        G=H // K,
+        T=T,
+        S=S,
+        D=D,
+        E=E,
+        mask_shape=mask_shape,
+        mask_is_bool=mask is not None and _dtype_name(mask) == "bool",
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+        dropout_p=dropout_p,
+    )
+    for option, why in (unsupported or {}).items():
+        value, default = getattr(checked, option), _DEFAULTS[option]
+        if value != default:
+            raise NotImplementedError(
+                f"{option}={value!r} is not supported ({why}); leave it at {default!r}"
+            )
+    return checked
+
+
+#: The value of each option that means "not used", for ``unsupported``.
+_DEFAULTS = {
+    "is_causal": False,
+    "causal_alignment": "top_left",
+    "window": None,
+    "softcap": None,
+    "dropout_p": 0.0,
+}
+
+
+def _dtype_name(x: Any) -> str:
+    # NumPy and JAX dtypes have a name ("float32", "bfloat16"); torch's print as
+    # "torch.float32".
+    dtype = x.dtype
+    return getattr(dtype, "name", None) or str(dtype).removeprefix("torch.")
+
+
+def _is_floating(name: str) -> bool:
+    return name.startswith("float") or name == "bfloat16"
+
+
+def _check_qkv(q: Any, k: Any, v: Any) -> bool:
+    """Check ranks, dtypes and sizes of q, k, v; return whether the call is unbatched."""
+    qs, ks, vs = (tuple(x.shape) for x in (q, k, v))
+    if len(qs) not in (3, 4):
+        raise ValueError(
+            f"q should have rank 4 (B, H, T, D) or 3 (H, T, D), got rank {len(qs)} with shape {qs}"
+        )
+    unbatched = len(qs) == 3
+    batch = "" if unbatched else "B, "
+    for name, shape, letters in (("k", ks, f"({batch}K, S, D)"), ("v", vs, f"({batch}K, S, E)")):
+        if len(shape) != len(qs):
+            raise ValueError(
+                f"{name} should have rank {len(qs)} {letters} like q, got rank {len(shape)} "
+                f"with shape {shape}"
+            )
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not _is_floating(_dtype_name(x)):
+            raise TypeError(f"{name} should be a floating array, got dtype {_dtype_name(x)}")
+    for name, x in (("k", k), ("v", v)):
+        if _dtype_name(x) != _dtype_name(q):
+            raise TypeError(f"{name} dtype should be {_dtype_name(q)} like q, got {_dtype_name(x)}")
+    lead = () if unbatched else qs[:1]  # (B,) or ()
+    H, D = qs[-3], qs[-1]
+    K, S, E = ks[-3], ks[-2], vs[-1]
+    if K == 0 or H % K != 0:
+        raise ValueError(
+            f"k heads K={K} should divide q heads H={H} (grouped-query attention shares "
+            f"each key/value head among H // K query heads), got k shape {ks}"
+        )
+    want_k = (*lead, K, S, D)
+    if ks != want_k:
+        raise ValueError(f"k shape should be ({batch}K, S, D) = {want_k} to match q {qs}, got {ks}")
+    want_v = (*lead, K, S, E)
+    if vs[:-2] != want_v[:-2]:
+        raise ValueError(f"v shape should be ({batch}K, S, E) = {want_v} to match k {ks}, got {vs}")
+    if vs[-2] != S:
+        # Keys and values come in pairs: either one may be the wrong length.
+        raise ValueError(
+            f"k and v should have the same length S, got k {ks} with S={S} and v {vs} "
+            f"with S={vs[-2]}: v shape should be ({batch}K, S, E) = {want_v} to match k, "
+            f"or k shape ({batch}K, S, D) = {(*lead, K, vs[-2], D)} to match v"
+        )
+    return unbatched
+
+
+def _check_mask(
+    mask: Any, shape: tuple[int, int, int, int], unbatched: bool
+) -> tuple[int, int, int, int] | None:
+    """Check the mask's dtype and shape; return its shape padded to rank 4, or None."""
+    if mask is None:
+        return None
+    name = _dtype_name(mask)
+    if name != "bool" and not _is_floating(name):
+        ambiguous = ": an integer mask is ambiguous" if "int" in name else ""
+        raise TypeError(
+            f"mask dtype should be bool (True = may attend) or floating (added to the "
+            f"scores), got {name}{ambiguous}"
+        )
+    want = shape[1:] if unbatched else shape
+    letters = "(H, T, S)" if unbatched else "(B, H, T, S)"
+    got = tuple(mask.shape)
+    fits = len(got) <= len(want) and all(m in (1, w) for m, w in zip(reversed(got), reversed(want)))
+    if not fits:
+        raise ValueError(f"mask shape should broadcast to {letters} = {want}, got {got}")
+    return (1,) * (4 - len(got)) + got  # (B|1, H|1, T|1, S|1)
+
+
+def _check_d_out(d_out: Any, want: tuple[int, ...], dtype: str) -> None:
+    letters = "(H, T, E)" if len(want) == 3 else "(B, H, T, E)"
+    if tuple(d_out.shape) != want:
+        raise ValueError(
+            f"d_out shape should be the output's {letters} = {want}, got {tuple(d_out.shape)}"
+        )
+    if _dtype_name(d_out) != dtype:
+        raise TypeError(f"d_out dtype should be {dtype} like q, got {_dtype_name(d_out)}")
+
+
+# --- The one rule for numbers ----------------------------------------------------------------
+
+
+def _scalar(value: Any) -> Any:
+    """A NumPy scalar or a 0-d array (NumPy, JAX, torch) as the Python scalar it holds;
+    anything else as it is."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        return value.item()
+    return value
+
+
+def _number(name: str, value: Any, expected: str) -> float:
+    """The float a Python or NumPy number (or 0-d array) stands for; TypeError otherwise."""
+    x = _scalar(value)
+    # numbers.Real is int and float here (NumPy scalars were made Python ones above);
+    # bool is an int subclass, but not a number.
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} should be {expected}, got {value!r}")
+    return float(x)
+
+
+def _positive(name: str, value: Any) -> float:
+    x = _number(name, value, "a positive finite float or None")
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError(f"{name} should be a positive finite float, got {value!r}")
+    return x
+
+
+def _probability(name: str, value: Any) -> float:
+    x = _number(name, value, "a float in [0, 1)")
+    if not 0.0 <= x < 1.0:
+        raise ValueError(f"{name} should be a float in [0, 1), got {value!r}")
+    return x + 0.0  # -0.0 becomes 0.0
+
+
+def _integer(name: str, value: Any) -> int:
+    x = _scalar(value)
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} should be an int, got {value!r}")
+    return int(x)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    x = _scalar(value)  # a NumPy bool becomes a Python bool here
+    if isinstance(x, bool):
+        return x
+    raise TypeError(f"{name} should be a bool, got {value!r}")
+
+
+def _check_window(window: Any) -> tuple[int | None, int | None] | None:
+    """A pair (left, right) of ints >= 0 or None, as a tuple (hashable, for jax.jit)."""
+    if window is None:
+        return None
+    pair = f"window should be a pair (left, right) of ints >= 0 or None, got {window!r}"
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(pair)
+    sides = []
+    for side in window:
+        if side is None:
+            sides.append(None)
+            continue
+        x = _scalar(side)
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            raise TypeError(f"{pair}: {side!r} is not an int")
+        if x < 0:
+            raise ValueError(pair)
+        sides.append(int(x))
+    return (sides[0], sides[1])
+
+
+# --- The multi-head layer --------------------------------------------------------------------
+
+
+def check_heads(n_heads: Any, d_model: int) -> int:
+    """Check that H = n_heads divides the model width C; return the head dim D = C // H."""
+    H = _scalar(n_heads)
+    if isinstance(H, bool) or not isinstance(H, numbers.Integral) or H <= 0 or d_model % H:
+        raise ValueError(
+            f"n_heads H={n_heads!r} should be a positive int dividing the model width C={d_model}"
+        )
+    return d_model // int(H)
+
+
+def check_module_input(
+    x: Any, n_heads: Any, d_model: int | None = None
+) -> tuple[int, int, int, int, int]:
+    """Check the layer's input x (B, T, C) and its head count; return (B, T, C, H, D)."""
+    shape = tuple(x.shape)
+    if len(shape) != 3 or (d_model is not None and shape[-1] != d_model):
+        width = "" if d_model is None else f" with C = d_model = {d_model}"
+        raise ValueError(f"x shape should be (B, T, C){width}, got {shape}")
+    B, T, C = shape
+    D = check_heads(n_heads, C)
+    return B, T, C, C // D, D

@@ -1,0 +1,534 @@
+"""Ring attention in JAX: the sequence split over P devices, key/value blocks passed round.
+
+When T and S outgrow one device, each device keeps one slice of the queries and one slice
+of the keys and values (Liu, Zaharia, Abbeel 2023, "Ring Attention"). The key/value slices
+then travel round a ring of devices, one hop per step, and after P steps every query slice
+has met every key slice. Nothing bigger than a slice ever sits on one device: per-device
+memory is O((T/P)·D + (S/P)·(D + E)) plus one (T/P) × (S/P) score block.
+
+The ring, P = 4, contiguous layout (q_i, kv_i: the i-th quarter of the sequence):
+
+    step          device 0      device 1      device 2      device 3
+    0             q0 · kv0      q1 · kv1      q2 · kv2      q3 · kv3
+    1             q0 · kv3      q1 · kv0      q2 · kv1      q3 · kv2
+    2             q0 · kv2      q1 · kv3      q2 · kv0      q3 · kv1
+    3             q0 · kv1      q1 · kv2      q2 · kv3      q3 · kv0
+                  after each step: device i sends its kv block to device i + 1 (mod P)
+                  with lax.ppermute, so at step j it holds block (i − j) mod P
+
+Why the merge is exact. Each device runs the online softmax of ``jax_flash`` over the key
+blocks as they arrive: it keeps, per query row, the running max m, the running sum
+l = Σ exp(x_s − m) and the unnormalised output a = Σ exp(x_s − m) v_s over the keys seen so
+far, and rescales the old l and a by α = exp(m_old − m_new) when a block raises the max.
+exp(x − m_old) · exp(m_old − m_new) = exp(x − m_new) is an identity, so after the last
+block l and a are exactly Σ_s exp(x_s − m) and Σ_s exp(x_s − m) v_s with m the true row
+max, whatever order the blocks came in: only rounding differs from the reference. The
+form is the stable one: m only grows, α <= 1, nothing is exponentiated above 0, so a
+row's maximum on another device than most of its mass cannot overflow. (The other
+form keeps a log-sum-exp lse and merges out = out_a·exp(lse_a − lse) + ...;
+written as log(exp(a) + exp(b)) it overflows, EasyContext #14.)
+
+Where the causal imbalance comes from. Under a causal mask, query slice i needs only the
+key slices j <= i. A block wholly above the diagonal is skipped (``lax.cond``), so in the
+contiguous layout device 0 computes 1 block and device P − 1 computes P: the ring is as
+slow as its busiest device, which does about twice the average work. The zigzag layout
+(Brandon et al. 2023; ring-flash-attention's "zigzag") cuts the sequence into 2P chunks
+and gives device i chunks i and 2P − 1 − i, one early and one late:
+
+    zigzag, P = 4, chunks c0 … c7:   device 0: c0 c7   device 1: c1 c6
+                                     device 2: c2 c5   device 3: c3 c4
+
+Each device's slice is then two half-blocks, and at every step of the ring each device
+computes the same number of unmasked half-block pairs (2 of 4 off the diagonal, 3 of 4 on
+it): the causal work is balanced. The layout is a permutation of the sequence made on the
+host before sharding and undone after gathering; every mask decision is taken on the
+tokens' original positions, which travel with them, so the result is the same function.
+
+Lengths that are not multiples of P. T and S are padded up to whole slices (for zigzag,
+whole chunks). Padded keys carry position S or more and are blocked like any blocked key,
+so they are never attended; padded queries are computed and cut off. A query whose keys
+all live on other devices is fine (it simply gets nothing from its own block); one with no
+key anywhere ends with l = 0, a = 0 and returns exactly 0, as the reference does.
+
+Gradients: ``attention_vjp`` differentiates the whole ring with ``jax.vjp`` — the
+transpose of ``ppermute`` sends the key/value gradients back round the ring in the other
+direction, so each step's gradient lands on the block that step used.
+
+Masks. A mask with a T axis is sharded along T with its queries (each device holds the
+rows of its own query slice, every column), so it never travels; its column block for the
+key slice at hand is sliced by the slice's index. A mask without a T axis is replicated.
+Per-device mask memory is (T/P) × S.
+
+Shape legend (heads-first, as in PyTorch):
+
+    B batch            H query heads      K key/value heads (H % K == 0)
+    G = H // K         T query length     S key/value length
+    D q/k head dim     E v head dim       P devices (shards)
+    Tl, Sl: the per-device slice lengths  Tc, Sc: their halves in zigzag (pieces)
+
+    q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
+
+Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
+windows, softcapping, grouped-query and multi-query attention (K < H, no repeated heads
+built), float64, float32, float16 and bfloat16 (computed in float32 and rounded once),
+unbatched inputs, and the backward pass with a float mask's gradient. Not supported:
+dropout. On a CPU-only machine, P devices need ``jax.config.update("jax_num_cpu_devices",
+P)`` before JAX's first computation (``host_devices`` does it, or says why it cannot).
+The same code runs unchanged over real devices, and over hosts after
+``jax.distributed.initialize()``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as PS
+
+from . import contract
+
+LAYOUTS = ("contiguous", "zigzag")
+AXIS = "ring"
+_FAR = 2**30  # "unbounded" for a window side, as an int32
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    mask=None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    shards: int | None = None,
+    layout: str = "zigzag",
+) -> np.ndarray:
+    """Scaled dot-product attention over P devices, key/value blocks passed round a ring.
+
+    Args:
+      q: queries, (B, H, T, D) or unbatched (H, T, D).
+      k: keys, (B, K, S, D) or (K, S, D); K must divide H.
+      v: values, (B, K, S, E) or (K, S, E).
+      mask: bool (True = may attend) or floating (added to the scores, -inf blocks),
+        broadcastable to (B, H, T, S).
+      is_causal: query t attends only keys s on or before its diagonal.
+      scale: multiplies q·k; defaults to 1/√D.
+      causal_alignment: "top_left" (s <= t) or "bottom_right" (s <= t + S - T); also
+        places the window's diagonal.
+      window: (left, right): query t attends keys in [t' - left, t' + right], t' its
+        aligned diagonal; None on a side is unbounded.
+      softcap: scores become softcap · tanh(scores / softcap) before masking.
+      dropout_p: must be 0; dropout is not supported here.
+      shards: P, the number of devices in the ring (default: every device JAX sees).
+      layout: "contiguous" (device i holds the i-th slice) or "zigzag" (chunks i and
+        2P - 1 - i of 2P: balanced causal work).
+
+    Returns:
+      out: (B, H, T, E), or (H, T, E) for unbatched input, as a NumPy array in q's dtype.
+    """
+    # 0. Validate, and lay the sequence out over the devices (pad, permute, shard).
+    run = _prepare(
+        q,
+        k,
+        v,
+        mask,
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+        dropout_p=dropout_p,
+    )
+    ring = _Ring(run, shards, layout)
+    fn = _ring_fn(ring.mesh, **ring.static)
+    out = fn(*ring.put(run))  # (B, H, Tp, E), sharded along Tp
+    out = ring.unpermute(np.asarray(out), axis=2, n=run.T)  # (B, H, T, E)
+    return out[0] if run.unbatched else out
+
+
+def attention_vjp(
+    q,
+    k,
+    v,
+    d_out,
+    *,
+    mask=None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    shards: int | None = None,
+    layout: str = "zigzag",
+) -> tuple[np.ndarray, ...]:
+    """Gradients of ``attention`` by ``jax.vjp`` through the ring.
+
+    Args:
+      q, k, v, mask, options, shards, layout: as for ``attention`` (no dropout).
+      d_out: ∂L/∂out, shaped like the output, in q's dtype.
+
+    Returns:
+      (dq, dk, dv), shaped like q, k, v, for L = Σ d_out · attention(q, k, v, ...); with a
+      floating mask, (dq, dk, dv, dmask), dmask shaped like the mask.
+    """
+    run = _prepare(
+        q,
+        k,
+        v,
+        mask,
+        d_out,
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+        dropout_p=dropout_p,
+    )
+    ring = _Ring(run, shards, layout)
+    float_mask = run.mask is not None and run.mask.dtype != np.bool_
+    fn = _ring_vjp_fn(ring.mesh, float_mask, **ring.static)
+    args = ring.put(run)
+    d_out = ring.permute(run.d_out, axis=2, n=run.T, seq="t")  # (B, H, Tp, E)
+    d_out = ring.shard(d_out, PS(None, None, AXIS, None))
+    grads = fn(*args, d_out)
+    dq = ring.unpermute(np.asarray(grads[0]), axis=2, n=run.T, seq="t")  # (B, H, T, D)
+    dk = ring.unpermute(np.asarray(grads[1]), axis=2, n=run.S, seq="s")  # (B, K, S, D)
+    dv = ring.unpermute(np.asarray(grads[2]), axis=2, n=run.S, seq="s")  # (B, K, S, E)
+    out = [x[0] if run.unbatched else x for x in (dq, dk, dv)]
+    if float_mask:
+        dm = np.asarray(grads[3])  # (B|1, H|1, Tp|1, Sp|1)
+        if run.mask.shape[2] != 1:
+            dm = ring.unpermute(dm, axis=2, n=run.T, seq="t")
+        if run.mask.shape[3] != 1:
+            dm = ring.unpermute(dm, axis=3, n=run.S, seq="s")
+        out.append(dm.reshape(run.mask_shape))
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------------------
+# The per-device ring: steps 1-7, written as for one device; the axis name is the ring.
+
+
+def _ring_body(q, k, v, tpos, spos, mask, opts, *, P, pieces, softcap_on):
+    """One device's share: its query slice against every key/value slice in turn.
+
+    q (B, H, Tl, D), k (B, K, Sl, D), v (B, K, Sl, E), tpos (Tl,), spos (Sl,): the original
+    positions of the local queries and keys (padding at positions >= T, >= S); mask
+    (B|1, H|1, Tl|1, Sp|1) or None; opts: the scalar options, traced (one compilation
+    serves every scale, alignment, window and softcap value).
+    """
+    B, H, Tl, D = q.shape
+    _, K, Sl, _ = k.shape
+    E = v.shape[-1]
+    G = H // K
+    Tc, Sc = Tl // pieces, Sl // pieces  # rows and keys per piece (zigzag: two pieces)
+    out_dtype = q.dtype
+    # Low precision inputs are computed in float32: exp() of a float16 score overflows
+    # past 11.09, and summing many weights in float16 loses the small ones.
+    work = jnp.float64 if out_dtype == jnp.float64 else jnp.float32
+    me = lax.axis_index(AXIS)
+    # Query t' = t + offset (its aligned diagonal) sees keys s with lo <= s - t' <= hi.
+    scale, softcap = opts["scale"].astype(work), opts["softcap"].astype(work)
+    offset, lo, hi, T, S = (opts[n] for n in ("offset", "lo", "hi", "T", "S"))
+
+    # 2. Scale, folded into the queries. Query head h = κ·G + g shares key/value head κ,
+    # so a kv head's block serves its G query heads, stacked as G·Tc rows.
+    q = (q.astype(work) * scale).reshape(B, K, G, Tl, D)  # (B, K, G, Tl, D)
+    qs = [q[:, :, :, a * Tc : (a + 1) * Tc].reshape(B, K, G * Tc, D) for a in range(pieces)]
+    tps = [tpos[a * Tc : (a + 1) * Tc] for a in range(pieces)]  # (Tc,) each
+
+    def allowed_keys(tp, sp):
+        """Causality, the window and padding, from the tokens' original positions."""
+        distance = sp[None, :] - (tp[:, None] + offset)  # (Tc, Sc)
+        # Padding (a key at position >= S, a query at >= T) attends and is attended by
+        # nothing, so that it cannot make a key look used.
+        padding = (tp < T)[:, None] & (sp < S)[None, :]  # (Tc, Sc)
+        return padding & (distance >= lo) & (distance <= hi)  # (Tc, Sc)
+
+    def update(carry, qa, tp, kb, vb, sp, mb):
+        m, l, acc = carry  # (B, K, G·Tc), (B, K, G·Tc), (B, K, G·Tc, E)
+        # Which keys each query may see: causality, the window, the padding, a bool mask,
+        # and a float mask's -inf entries. A key no query of this block may see must have
+        # no effect whatever it holds (0 · NaN is NaN), so its key and value rows are
+        # replaced by 0, by selection, before they are used.
+        allowed = allowed_keys(tp, sp)  # (Tc, Sc)
+        if mb is not None:
+            mb = _grouped(mb, K, G)  # (B|1, K|1, G|1, Tc|1, Sc|1)
+            allowed = allowed & (mb if mb.dtype == jnp.bool_ else mb != -jnp.inf)
+        used = allowed.any(axis=-2) if allowed.ndim == 2 else allowed.any(axis=(-3, -2))
+        kb = jnp.where(used[..., None], kb.astype(work), 0.0)  # (B, K, Sc, D)
+        vb = jnp.where(used[..., None], vb.astype(work), 0.0)  # (B, K, Sc, E)
+
+        # 1. Scores: the local query piece against the key piece now on this device.
+        x = jnp.einsum(
+            "bkrd,bksd->bkrs", qa, kb, precision=lax.Precision.HIGHEST
+        )  # (B, K, G·Tc, Sc), r = G·Tc rows
+
+        # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
+        if softcap_on:
+            x = softcap * jnp.tanh(x / softcap)  # (B, K, G·Tc, Sc)
+
+        # 4. Mask: a float mask is added, then every key a query may not see gets -inf
+        # (replaced, not only pushed down: NaN + -inf is NaN).
+        x = x.reshape(B, K, G, Tc, Sc)  # (B, K, G, Tc, Sc)
+        if mb is not None and mb.dtype != jnp.bool_:
+            x = x + mb.astype(work)
+        x = jnp.where(allowed, x, -jnp.inf).reshape(B, K, G * Tc, Sc)  # (B, K, G·Tc, Sc)
+
+        # 5. Softmax over the keys, online: rescale what was accumulated against the old
+        # running max onto the new one (see the module docstring). A row that has seen
+        # only blocked keys keeps max -inf; its exponent is taken against 0, so its
+        # weights are exactly 0 instead of exp(-inf - -inf) = NaN.
+        m_new = jnp.maximum(m, x.max(axis=-1))  # (B, K, G·Tc)
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # (B, K, G·Tc)
+        alpha = jnp.exp(m - m_safe)  # (B, K, G·Tc)
+        p = jnp.exp(x - m_safe[..., None])  # (B, K, G·Tc, Sc)
+        l = alpha * l + p.sum(axis=-1)  # (B, K, G·Tc)
+
+        # 7. Weighted sum of the values, accumulated unnormalised.
+        pv = jnp.einsum(
+            "bkrs,bkse->bkre", p, vb, precision=lax.Precision.HIGHEST
+        )  # (B, K, G·Tc, E)
+        return m_new, l, alpha[..., None] * acc + pv
+
+    def step(i, carry, k, v, spos):
+        """Merge the key/value slice this device holds at ring step i into every piece."""
+        src = (me - i) % P  # whose key/value slice this device holds now
+        carry = list(carry)
+        for a in range(pieces):
+            for b in range(pieces):
+                kb = k[:, :, b * Sc : (b + 1) * Sc]  # (B, K, Sc, D)
+                vb = v[:, :, b * Sc : (b + 1) * Sc]  # (B, K, Sc, E)
+                sp = spos[b * Sc : (b + 1) * Sc]  # (Sc,)
+                mb = None
+                if mask is not None:
+                    mb = mask if mask.shape[2] == 1 else mask[:, :, a * Tc : (a + 1) * Tc]
+                    if mb.shape[3] != 1:
+                        mb = lax.dynamic_slice_in_dim(mb, src * Sl + b * Sc, Sc, axis=3)
+                    # mb: (B|1, H|1, Tc|1, Sc|1)
+                # Skip a block no query of this piece may see (above the causal diagonal,
+                # outside the window, or all padding): this is the causal saving, and
+                # the source of the contiguous layout's imbalance.
+                visible = jnp.any(allowed_keys(tps[a], sp))
+                args = (qs[a], tps[a], kb, vb, sp, mb)
+                carry[a] = lax.cond(visible, update, lambda c, *x: c, carry[a], *args)
+        return tuple(carry)
+
+    def step_and_pass(i, state):
+        carry, k, v, spos = state
+        carry = step(i, carry, k, v, spos)
+        # Pass the key/value slice (and its positions) on: device i sends to i + 1.
+        ring = [(j, (j + 1) % P) for j in range(P)]
+        k, v, spos = (lax.ppermute(x, AXIS, ring) for x in (k, v, spos))
+        return carry, k, v, spos
+
+    # The running statistics differ from device to device ("varying" over the ring axis).
+    init = (
+        jnp.full((B, K, G * Tc), -jnp.inf, dtype=work),  # m: running row max
+        jnp.zeros((B, K, G * Tc), dtype=work),  # l: running row sum
+        jnp.zeros((B, K, G * Tc, E), dtype=work),  # acc: unnormalised output
+    )
+    carry = tuple(tuple(lax.pcast(x, AXIS, to="varying") for x in init) for _ in range(pieces))
+    # Steps 0 .. P-2 compute and pass the slice on; the last step only computes, so each
+    # slice makes P - 1 hops.
+    carry, k, v, spos = lax.fori_loop(0, P - 1, step_and_pass, (carry, k, v, spos))
+    carry = step(P - 1, carry, k, v, spos)
+
+    outs = []
+    for _, l, acc in carry:
+        # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
+        acc = acc / jnp.where(l > 0, l, 1.0)[..., None]  # (B, K, G·Tc, E)
+        outs.append(acc.reshape(B, K, G, Tc, E))
+    out = jnp.concatenate(outs, axis=3).reshape(B, H, Tl, E)  # (B, H, Tl, E)
+    return out.astype(out_dtype)
+
+
+def _specs(mask_spec):
+    seq = PS(None, None, AXIS, None)
+    return (seq, seq, seq, PS(AXIS), PS(AXIS), mask_spec, PS())
+
+
+def _sharded(mesh, mask_spec, static):
+    body = functools.partial(_ring_body, P=mesh.size, **static)
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=_specs(mask_spec), out_specs=PS(None, None, AXIS, None)
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _ring_fn(mesh, mask_spec, **static):
+    return jax.jit(_sharded(mesh, mask_spec, static))
+
+
+@functools.lru_cache(maxsize=64)
+def _ring_vjp_fn(mesh, float_mask, mask_spec, **static):
+    ring = _sharded(mesh, mask_spec, static)
+
+    def vjp(q, k, v, tpos, spos, mask, opts, d_out):
+        if float_mask:
+            _, pull = jax.vjp(lambda q, k, v, m: ring(q, k, v, tpos, spos, m, opts), q, k, v, mask)
+        else:
+            _, pull = jax.vjp(lambda q, k, v: ring(q, k, v, tpos, spos, mask, opts), q, k, v)
+        return pull(d_out)
+
+    return jax.jit(vjp)
+
+
+# ----------------------------------------------------------------------------------------
+# The host side: validate, lay out (pad, permute), shard; gather and undo the layout.
+
+
+class _Run:
+    """Checked, batched inputs and options."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+def _prepare(q, k, v, mask, d_out=None, **options) -> _Run:
+    """Step 0: the input contract every impl shares (contract.py), on the host arrays."""
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    mask = None if mask is None else np.asarray(mask)
+    d_out = None if d_out is None else np.asarray(d_out)
+    why = "ring attention here has no dropout"
+    if d_out is not None:
+        why = "the backward pass would need the forward's random draw"
+    call = contract.check(
+        q, k, v, mask=mask, **options, unsupported={"dropout_p": why}, d_out=d_out
+    )
+    if call.unbatched:
+        q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
+        d_out = None if d_out is None else d_out[None]  # (1, H, T, E)
+    return _Run(
+        q=q,
+        k=k,
+        v=v,
+        d_out=d_out,
+        mask=None if mask is None else mask.reshape(call.mask_shape),  # (B|1, H|1, T|1, S|1)
+        mask_shape=None if mask is None else mask.shape,
+        unbatched=call.unbatched,
+        T=call.T,
+        S=call.S,
+        scale=call.scale,
+        is_causal=call.is_causal,
+        offset=0 if call.causal_alignment == "top_left" else call.S - call.T,
+        window=call.window,
+        softcap=call.softcap,
+    )
+
+
+def host_devices(P: int) -> list:
+    """P devices for the ring; on a CPU-only machine, make 8 (or P) host devices visible.
+
+    ``jax_num_cpu_devices`` takes effect only before JAX's first computation; after it,
+    the devices are what they are, and too few is an error that says so.
+    """
+    try:
+        jax.config.update("jax_num_cpu_devices", max(8, P))
+    except RuntimeError:
+        pass  # JAX has started: its devices are fixed
+    devices = jax.devices()
+    if len(devices) < P:
+        raise RuntimeError(
+            f"the ring needs P={P} devices but JAX sees {len(devices)} ({devices[0].platform}); "
+            f"on a CPU, call jax.config.update('jax_num_cpu_devices', {max(8, P)}) (or set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={max(8, P)}) before JAX's first "
+            f"computation in this process"
+        )
+    return devices[:P]
+
+
+class _Ring:
+    """The mesh and the layout: which original position sits in which slot of which device."""
+
+    def __init__(self, run: _Run, shards: int | None, layout: str):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout should be one of {LAYOUTS}, got {layout!r}")
+        if shards is None:
+            shards = len(jax.devices())
+        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+            raise ValueError(f"shards should be a positive int (P devices), got {shards!r}")
+        P = shards
+        self.mesh = Mesh(np.array(host_devices(P)), (AXIS,))
+        self.P, self.layout = P, layout
+        self.pieces = 2 if layout == "zigzag" else 1
+        # perm[slot] = original position (>= n: padding); slots are device-major.
+        self.perm = {"t": self._perm(run.T), "s": self._perm(run.S)}
+        mask = run.mask
+        self.mask_spec = None if mask is None or mask.shape[2] == 1 else PS(None, None, AXIS, None)
+        self.static = dict(
+            mask_spec=self.mask_spec, pieces=self.pieces, softcap_on=run.softcap is not None
+        )
+        # The scalar options travel as data, so that one compilation serves them all.
+        left, right = run.window if run.window is not None else (None, None)
+        hi = _FAR if right is None else right
+        self.opts = dict(
+            scale=np.float64(run.scale),
+            softcap=np.float64(run.softcap or 1.0),
+            offset=np.int32(run.offset),
+            lo=np.int32(-_FAR if left is None else -left),
+            hi=np.int32(min(hi, 0) if run.is_causal else hi),
+            T=np.int32(run.T),
+            S=np.int32(run.S),
+        )
+
+    def _perm(self, n: int) -> np.ndarray:
+        chunks = self.P * self.pieces  # P slices, or 2P zigzag chunks
+        c = max(1, -(-n // chunks))  # chunk length: n padded up to whole chunks
+        if self.layout == "contiguous":
+            return np.arange(chunks * c)  # (Np,)
+        order = [i for d in range(self.P) for i in (d, 2 * self.P - 1 - d)]
+        return np.concatenate([np.arange(i * c, (i + 1) * c) for i in order])  # (Np,)
+
+    def permute(self, x: np.ndarray, *, axis: int, n: int, seq: str) -> np.ndarray:
+        """Pad axis (length n) to Np and put it in the layout's order."""
+        perm = self.perm[seq]
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, len(perm) - n)
+        return np.take(np.pad(x, pad), perm, axis=axis)
+
+    def unpermute(self, x: np.ndarray, *, axis: int, n: int, seq: str = "t") -> np.ndarray:
+        """Undo ``permute``: back to the original order, padding cut off."""
+        perm = self.perm[seq]
+        out = np.empty_like(x)
+        idx = [slice(None)] * x.ndim
+        idx[axis] = perm
+        out[tuple(idx)] = x
+        return np.take(out, np.arange(n), axis=axis)
+
+    def shard(self, x: np.ndarray, spec) -> jax.Array:
+        return jax.device_put(x, NamedSharding(self.mesh, spec))
+
+    def put(self, run: _Run) -> tuple:
+        seq = PS(None, None, AXIS, None)
+        q = self.shard(self.permute(run.q, axis=2, n=run.T, seq="t"), seq)  # (B, H, Tp, D)
+        k = self.shard(self.permute(run.k, axis=2, n=run.S, seq="s"), seq)  # (B, K, Sp, D)
+        v = self.shard(self.permute(run.v, axis=2, n=run.S, seq="s"), seq)  # (B, K, Sp, E)
+        tpos = self.shard(self.perm["t"].astype(np.int32), PS(AXIS))  # (Tp,)
+        spos = self.shard(self.perm["s"].astype(np.int32), PS(AXIS))  # (Sp,)
+        mask = run.mask
+        if mask is not None:
+            if mask.shape[2] != 1:
+                mask = self.permute(mask, axis=2, n=run.T, seq="t")
+            if mask.shape[3] != 1:
+                mask = self.permute(mask, axis=3, n=run.S, seq="s")
+            mask = self.shard(mask, self.mask_spec or PS())  # (B|1, H|1, Tp|1, Sp|1)
+        opts = {n: self.shard(x, PS()) for n, x in self.opts.items()}
+        return q, k, v, tpos, spos, mask, opts
+
+
+def _grouped(x, K: int, G: int):
+    """Broadcast a (B|1, H|1, T, S) array onto the grouped layout (B|1, K|1, G|1, T, S)."""
+    b, h, t, s = x.shape
+    if h == 1:
+        return x.reshape(b, 1, 1, t, s)
+    return x.reshape(b, K, G, t, s)

@@ -1,0 +1,324 @@
+"""The backward pass of scaled dot-product attention in NumPy, written by hand.
+
+    out = softmax(mask(softcap(scale · q kᵀ))) v
+
+Given the gradient dO = ∂L/∂out of some loss L, the backward pass returns ∂L/∂q, ∂L/∂k,
+∂L/∂v (and ∂L/∂mask for a float mask). It walks the forward's steps
+(``numpy_attention.py``) in reverse, each step turning the gradient of its output into the
+gradient of its input by the chain rule. Writing P for the weights, O for the output and
+Z for the scores fed to the softmax (after softcap and the mask), for one query row t:
+
+    O[t]  = Σ_s P[t,s] · v[s]        →  dv[s]   = Σ_t P[t,s] · dO[t]              dV = Pᵀ·dO
+                                      →  dP[t,s] = dO[t] · v[s]                     dP = dO·Vᵀ
+    P[t]  = softmax(Z[t])             →  dZ[t,s] = P[t,s] · (dP[t,s] − Σ_s' P[t,s'] dP[t,s'])
+                                                 = P[t,s] · (dP[t,s] − dO[t]·O[t])
+    Z     = C + mask                  →  dmask = dZ,  dC = dZ
+    C     = c · tanh(R / c)           →  dR = dC · (1 − tanh²(R / c))
+    R     = scale · q kᵀ              →  dq = scale · dR · k,   dk = scale · dRᵀ · q
+
+Why the softmax line: ∂P[s]/∂Z[s'] = P[s] (δ(s, s') − P[s']), so
+dZ[s] = Σ_s' dP[s'] P[s'] (δ(s', s) − P[s]) = P[s] (dP[s] − Σ_s' P[s'] dP[s']), and the
+sum Σ_s' P[s'] dP[s'] = Σ_s' P[s'] (dO · v[s']) = dO · O: one dot product per row, from
+the output the forward already made (FlashAttention's "D" term), not a (T, S) reduction.
+
+Blocked keys need no step of their own: their weight P is exactly 0, so dZ = 0 there and
+nothing flows to their keys, values or mask entries. A row with no key at all has P = 0
+and O = 0 and so gets zero gradients, never NaN.
+
+Grouped-query attention: the forward repeats each key/value head G times; the gradient of
+a repeat is the sum over its copies, so a shared head collects its whole group's gradient.
+
+Shape legend (heads-first, as in PyTorch):
+
+    B batch            H query heads      K key/value heads (H % K == 0)
+    G = H // K         T query length     S key/value length
+    D q/k head dim     E v head dim       C model width (module only)
+    F MLP hidden width (block only)
+
+    q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    d_out, out (B, H, T, E)
+
+Supports every option of the forward but dropout (its gradient needs the forward's random
+draw): masks, both causal alignments, windows, softcap, GQA, unbatched inputs, float64,
+float32, float16 and bfloat16 (computed in float32, each gradient rounded once). Also
+here: the parameter gradients of the multi-head layer and the pre-LN GPT block.
+
+The forward functions come from ``numpy_attention.py``, the page this one differentiates;
+the inputs are checked by the same input contract (``contract.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import contract
+from . import numpy_attention as forward
+
+
+def attention_backward(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    d_out: np.ndarray,
+    *,
+    mask: np.ndarray | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+) -> tuple[np.ndarray, ...]:
+    """Gradients of ``attention`` with respect to q, k, v (and a float mask).
+
+    Args:
+      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap: as for
+        ``attention`` (no dropout: the backward of a random draw needs the draw itself).
+      d_out: ∂L/∂out, the gradient arriving from above, shaped like the output:
+        (B, H, T, E) or unbatched (H, T, E), same dtype as q.
+      dropout_p: must be 0.
+
+    Returns:
+      (dq, dk, dv): (B, H, T, D), (B, K, S, D), (B, K, S, E), or unbatched without B;
+      same dtype as q. With a floating mask, (dq, dk, dv, dmask) with dmask shaped and
+      typed like the mask: ∂L/∂mask, summed over the axes the mask was broadcast along.
+    """
+    # 0. Validate with the forward's contract, and d_out against the output's shape.
+    q, k, v, d_out = np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(d_out)
+    mask = None if mask is None else np.asarray(mask)
+    call = contract.check(
+        q,
+        k,
+        v,
+        mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        unsupported={"dropout_p": "the backward pass would need the forward's random draw"},
+        d_out=d_out,
+    )
+    B, K, G, T, S, D, E = call.B, call.K, call.G, call.T, call.S, call.D, call.E
+    if call.unbatched:
+        q, k, v, d_out = q[None], k[None], v[None], d_out[None]  # batched, B = 1
+    given_mask = mask
+    if mask is not None:
+        mask = mask.reshape(call.mask_shape)  # (B|1, H|1, T|1, S|1)
+
+    out_dtype = q.dtype
+    work = np.float64 if out_dtype == np.float64 else np.float32
+    q, k, v, d_out = q.astype(work), k.astype(work), v.astype(work), d_out.astype(work)
+    k = np.repeat(k, G, axis=1)  # (B, H, S, D)
+    v = np.repeat(v, G, axis=1)  # (B, H, S, E)
+
+    # Forward steps 1-5 and 7 again, keeping the raw scores R, the weights P and the
+    # output O; first, as there, which keys each query may see, and the key and value
+    # rows that no query of their head may see replaced by 0 (whatever they hold).
+    allowed = np.ones((1, 1, T, S), dtype=bool)  # (1, 1, T, S)
+    if mask is not None and call.mask_is_bool:
+        allowed = allowed & mask  # (B|1, H|1, T, S)
+    elif mask is not None:
+        allowed = allowed & (mask != -np.inf)  # (B|1, H|1, T, S)
+    if call.is_causal or call.window is not None:
+        allowed = allowed & forward._band(
+            T, S, call.is_causal, call.causal_alignment, call.window
+        )  # (1, 1, T, S)
+    used = allowed.any(axis=2)[..., None]  # (B|1, H|1, S, 1)
+    k = np.where(used, k, 0.0)  # (B, H, S, D)
+    v = np.where(used, v, 0.0)  # (B, H, S, E)
+    raw = np.einsum("bhtd,bhsd->bhts", q, k) * work(call.scale)  # (B, H, T, S)
+    scores = raw  # (B, H, T, S)
+    if call.softcap is not None:
+        scores = call.softcap * np.tanh(raw / call.softcap)  # (B, H, T, S)
+    if mask is not None and not call.mask_is_bool:
+        scores = scores + mask.astype(work)  # (B, H, T, S)
+    scores = np.where(allowed, scores, -np.inf)  # (B, H, T, S)
+    row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)  # (B, H, T, 1)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
+    p = np.exp(scores - row_max)  # (B, H, T, S)
+    row_sum = p.sum(axis=-1, keepdims=True)  # (B, H, T, 1)
+    weights = p / np.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
+    out = np.einsum("bhts,bhse->bhte", weights, v)  # (B, H, T, E)
+
+    # 7'. Weighted sum, out = P·V. Each value row s was used by every query t with weight
+    # P[t, s], so dV = Pᵀ·dO ...
+    d_v = np.einsum("bhts,bhte->bhse", weights, d_out)  # (B, H, S, E)
+    # ... and each weight P[t, s] multiplied value row s, so dP = dO·Vᵀ.
+    d_weights = np.einsum("bhte,bhse->bhts", d_out, v)  # (B, H, T, S)
+
+    # 5'. Softmax: dZ = P ⊙ (dP − rowsum(dO ⊙ O)). The row sum is where the weights'
+    # coupling shows: raising one score lowers every other weight of its row.
+    d_row = np.sum(d_out * out, axis=-1, keepdims=True)  # (B, H, T, 1)
+    d_scores = weights * (d_weights - d_row)  # (B, H, T, S)
+
+    # 4'. Mask: a float mask was added to the scores, so its gradient is dZ itself, summed
+    # over every axis along which one mask entry served many scores (broadcasting). A
+    # blocked key has P = 0 and so dZ = 0: no gradient reaches it.
+    d_mask = None
+    if mask is not None and not call.mask_is_bool:
+        d_full = d_scores[0] if call.unbatched else d_scores  # (B, H, T, S) or (H, T, S)
+        d_mask = _sum_to(d_full, given_mask.shape).astype(given_mask.dtype)  # mask's shape
+
+    # 3'. Softcap: d/dR of c·tanh(R/c) is 1 − tanh²(R/c), which fades where the cap bites.
+    if call.softcap is not None:
+        d_scores = d_scores * (1.0 - np.tanh(raw / call.softcap) ** 2)  # (B, H, T, S)
+
+    # 2'. Scale: R = scale · q·k, so the scale multiplies the gradient on the way back.
+    d_scores = d_scores * work(call.scale)  # (B, H, T, S)
+
+    # 1'. Scores, R = q·kᵀ: dq = dR·k (a query moves towards the keys it should weigh
+    # more), dk = dRᵀ·q.
+    d_q = np.einsum("bhts,bhsd->bhtd", d_scores, k)  # (B, H, T, D)
+    d_k = np.einsum("bhts,bhtd->bhsd", d_scores, q)  # (B, H, S, D)
+
+    # The slots replaced by 0 in the forward get nothing back: a selection passes the
+    # gradient only to the branch it took.
+    d_k = np.where(used, d_k, 0.0)  # (B, H, S, D)
+    d_v = np.where(used, d_v, 0.0)  # (B, H, S, E)
+
+    # The repeat of the key/value heads, backwards: each of the G copies of a head sends
+    # its gradient back to that head, so the group's gradients add up.
+    d_k = d_k.reshape(B, K, G, S, D).sum(axis=2)  # (B, K, S, D)
+    d_v = d_v.reshape(B, K, G, S, E).sum(axis=2)  # (B, K, S, E)
+
+    grads = [d_q.astype(out_dtype), d_k.astype(out_dtype), d_v.astype(out_dtype)]
+    if call.unbatched:
+        grads = [g[0] for g in grads]
+    return (*grads, d_mask) if d_mask is not None else tuple(grads)
+
+
+def _sum_to(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Undo broadcasting: sum x over the axes along which an array of ``shape`` was broadcast."""
+    x = x.sum(axis=tuple(range(x.ndim - len(shape))))  # drop the leading axes
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    return x.sum(axis=axes, keepdims=True).reshape(shape)
+
+
+def linear_backward(
+    x: np.ndarray, weight: np.ndarray, d_y: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients of y = x Wᵀ + b: (dx, dW, db) for x (..., in), W (out, in), dy (..., out)."""
+    d_x = d_y @ weight  # (..., in)
+    d_weight = d_y.reshape(-1, d_y.shape[-1]).T @ x.reshape(-1, x.shape[-1])  # (out, in)
+    d_bias = d_y.reshape(-1, d_y.shape[-1]).sum(axis=0)  # (out,)
+    return d_x, d_weight, d_bias
+
+
+def layer_norm_backward(
+    x: np.ndarray, weight: np.ndarray, d_y: np.ndarray, eps: float = 1e-5
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients of ``layer_norm``: (dx, dweight, dbias) for x, dy (..., C).
+
+    With x̂ = (x − mean) / σ, y = x̂·w + b: the gradient reaching x̂ is dx̂ = dy·w, and
+    because the mean and σ depend on every x of the row, dx = (dx̂ − mean(dx̂) −
+    x̂·mean(dx̂·x̂)) / σ: the part of dx̂ that would shift or stretch the row is removed.
+    """
+    mean = x.mean(axis=-1, keepdims=True)  # (..., 1)
+    sigma = np.sqrt(((x - mean) ** 2).mean(axis=-1, keepdims=True) + eps)  # (..., 1)
+    x_hat = (x - mean) / sigma  # (..., C)
+    d_x_hat = d_y * weight  # (..., C)
+    d_x = (
+        d_x_hat
+        - d_x_hat.mean(axis=-1, keepdims=True)
+        - x_hat * (d_x_hat * x_hat).mean(axis=-1, keepdims=True)
+    ) / sigma  # (..., C)
+    rows = d_y.reshape(-1, d_y.shape[-1])  # (N, C)
+    d_weight = (rows * x_hat.reshape(rows.shape)).sum(axis=0)  # (C,)
+    return d_x, d_weight, rows.sum(axis=0)
+
+
+def gelu_backward(x: np.ndarray, d_y: np.ndarray) -> np.ndarray:
+    """Gradient of the exact GELU, x·Φ(x): dy · (Φ(x) + x·φ(x))."""
+    erf = np.vectorize(math.erf, otypes=[np.float64])
+    cdf = 0.5 * (1.0 + erf(x / math.sqrt(2.0)))  # Φ(x)
+    pdf = np.exp(-0.5 * x.astype(np.float64) ** 2) / math.sqrt(2.0 * math.pi)  # φ(x)
+    return (d_y * (cdf + x * pdf)).astype(x.dtype)
+
+
+def multi_head_attention_backward(
+    params: dict[str, np.ndarray],
+    x: np.ndarray,
+    d_out: np.ndarray,
+    *,
+    n_heads: int,
+    mask: np.ndarray | None = None,
+    is_causal: bool = False,
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Gradients of ``multi_head_attention``: (dx, {parameter name: gradient}).
+
+    The forward's four steps in reverse: out_proj, merge heads, attention, split heads and
+    the fused projection. A float mask's gradient is not returned (it is no parameter).
+    """
+    x = np.asarray(x)
+    B, T, C, H, D = contract.check_module_input(x, n_heads)
+
+    # Forward steps 1-3 again, keeping their inputs.
+    qkv = forward.linear(x, params["qkv.weight"], params["qkv.bias"])  # (B, T, 3C)
+    q, k, v = (
+        part.reshape(B, T, H, D).transpose(0, 2, 1, 3) for part in np.split(qkv, 3, axis=-1)
+    )  # 3 × (B, H, T, D)
+    context = forward.attention(q, k, v, mask=mask, is_causal=is_causal)  # (B, H, T, D)
+    context = context.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C)
+
+    # 4'. out_proj, then un-merge the heads: the merge was a reshape, so is its gradient.
+    d_context, d_w_out, d_b_out = linear_backward(context, params["out_proj.weight"], d_out)
+    d_context = d_context.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
+
+    # 3'. Attention in every head at once.
+    grads = attention_backward(q, k, v, d_context, mask=mask, is_causal=is_causal)
+    d_q, d_k, d_v = grads[:3]  # 3 × (B, H, T, D)
+
+    # 2'. and 1'. Heads back into the width, q, k, v side by side, then the projection.
+    d_qkv = np.concatenate(
+        [g.transpose(0, 2, 1, 3).reshape(B, T, C) for g in (d_q, d_k, d_v)], axis=-1
+    )  # (B, T, 3C)
+    d_x, d_w_qkv, d_b_qkv = linear_backward(x, params["qkv.weight"], d_qkv)
+    return d_x, {
+        "qkv.weight": d_w_qkv,
+        "qkv.bias": d_b_qkv,
+        "out_proj.weight": d_w_out,
+        "out_proj.bias": d_b_out,
+    }
+
+
+def gpt_block_backward(
+    params: dict[str, np.ndarray], x: np.ndarray, d_out: np.ndarray, *, n_heads: int
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Gradients of ``gpt_block``: (dx, {parameter name: gradient}).
+
+    Each residual connection x + f(x) passes the gradient straight through and adds f's
+    backward, which is why deep pre-LN stacks keep their gradients alive.
+    """
+    attn = {name[5:]: p for name, p in params.items() if name.startswith("attn.")}
+    # Forward again, keeping every sublayer's input.
+    h1 = forward.layer_norm(x, params["norm1.weight"], params["norm1.bias"])  # (B, T, C)
+    x1 = x + forward.multi_head_attention(attn, h1, n_heads=n_heads, is_causal=True)  # (B, T, C)
+    h2 = forward.layer_norm(x1, params["norm2.weight"], params["norm2.bias"])  # (B, T, C)
+    u = forward.linear(h2, params["mlp.0.weight"], params["mlp.0.bias"])  # (B, T, F)
+    g = forward.gelu(u)  # (B, T, F)
+
+    # MLP sublayer: out = x1 + mlp(norm2(x1)).
+    d_g, d_w2, d_b2 = linear_backward(g, params["mlp.2.weight"], d_out)  # d_g (B, T, F)
+    d_u = gelu_backward(u, d_g)  # (B, T, F)
+    d_h2, d_w1, d_b1 = linear_backward(h2, params["mlp.0.weight"], d_u)  # d_h2 (B, T, C)
+    d_x1, d_n2w, d_n2b = layer_norm_backward(x1, params["norm2.weight"], d_h2)
+    d_x1 = d_out + d_x1  # (B, T, C)
+
+    # Attention sublayer: x1 = x + mha(norm1(x)).
+    d_h1, d_attn = multi_head_attention_backward(attn, h1, d_x1, n_heads=n_heads, is_causal=True)
+    d_x, d_n1w, d_n1b = layer_norm_backward(x, params["norm1.weight"], d_h1)
+    d_x = d_x1 + d_x  # (B, T, C)
+    return d_x, {
+        **{f"attn.{name}": grad for name, grad in d_attn.items()},
+        "norm1.weight": d_n1w,
+        "norm1.bias": d_n1b,
+        "norm2.weight": d_n2w,
+        "norm2.bias": d_n2b,
+        "mlp.0.weight": d_w1,
+        "mlp.0.bias": d_b1,
+        "mlp.2.weight": d_w2,
+        "mlp.2.bias": d_b2,
+    }

@@ -1,0 +1,385 @@
+"""Ring attention with torch.distributed: P processes, key/value blocks passed round a ring.
+
+The same algorithm as ``jax_ring`` (read its docstring for why the merge is exact and where
+the causal imbalance comes from), written the way PyTorch runs it: one process per rank,
+a process group created once (gloo on CPU, nccl with CUDA), and the ring as point-to-point
+``batch_isend_irecv``. Rank r keeps its query slice; at step j it holds the key/value slice
+of rank (r − j) mod P, and while it computes on it, the slice is already on its way to
+rank r + 1:
+
+    step          rank 0        rank 1        rank 2        rank 3
+    0             q0 · kv0      q1 · kv1      q2 · kv2      q3 · kv3
+    1             q0 · kv3      q1 · kv0      q2 · kv1      q3 · kv2
+    2             q0 · kv2      q1 · kv3      q2 · kv0      q3 · kv1
+    3             q0 · kv1      q1 · kv2      q2 · kv3      q3 · kv0
+                  send to r + 1 and receive from r − 1, overlapped with the step's compute
+
+Each rank merges the blocks by the online softmax (running max m, running sum l,
+unnormalised output a; α = exp(m_old − m_new) <= 1, the stable form), skips a block no query
+of its slice may see (causal, window, padding), and returns a / l (0 for a row with no
+key). The zigzag layout (rank r holds chunks r and 2P − 1 − r of 2P) balances causal work,
+exactly as in ``jax_ring``; positions travel with the keys, so every mask decision is taken
+on the original positions. Padding (T or S not a multiple of the chunk count) is never
+attended.
+
+``ring_attention`` is the per-rank function: a user's own ``torchrun`` script calls it on
+its shards (``examples/torch_ring_torchrun.py``). ``attention`` is the single-process
+entry: it lays the sequence out, hands each rank its shard through a pool of P worker
+processes (started on first use, reused, one pool per P, shut down at exit), and gathers
+the result.
+Every collective has the process group's timeout; a worker that dies raises a clear
+error in the caller, and the next call starts a fresh pool.
+
+Shape legend: B batch · H query heads · K key/value heads (H % K == 0) · G = H // K ·
+T query length · S key/value length · D q/k head dim · E v head dim · P ranks ·
+Tl, Sl the per-rank slice lengths.
+
+    q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
+
+Supports: bool and float masks, causal (both alignments), windows, softcap, GQA (no
+repeated heads built), every dtype (computed in float32 or float64, rounded once),
+unbatched inputs. Not supported: dropout, and the backward pass (autograd does not
+differentiate point-to-point communication; a hand-written ring backward is future work).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import queue
+import socket
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from . import contract
+
+LAYOUTS = ("contiguous", "zigzag")
+_FAR = 2**30  # "unbounded" for a window side
+TIMEOUT_S = 120.0  # every collective, and the caller's wait for a result
+
+
+def ring_attention(q, k, v, tpos, spos, mask, *, opts: dict, pieces: int) -> torch.Tensor:
+    """One rank's share: its query slice against every key/value slice in turn.
+
+    q (B, H, Tl, D), k (B, K, Sl, D), v (B, K, Sl, E) in the working dtype; tpos (Tl,),
+    spos (Sl,) int64, the original positions (padding at >= T, >= S); mask (B|1, H|1,
+    Tl|1, Sp|1) or None: this rank's rows, every column in the layout's order. The
+    process group is the default one; every rank calls this with its own shard.
+    """
+    P, me = dist.get_world_size(), dist.get_rank()
+    B, H, Tl, D = q.shape
+    _, K, Sl, _ = k.shape
+    E = v.shape[-1]
+    G = H // K
+    Tc, Sc = Tl // pieces, Sl // pieces  # rows and keys per piece (zigzag: two pieces)
+    work = q.dtype
+    k, v, spos = (x.contiguous() for x in (k, v, spos))  # what travels must be contiguous
+
+    # 2. Scale, folded into the queries; query head h = κ·G + g shares kv head κ.
+    q = (q * opts["scale"]).reshape(B, K, G, Tl, D)  # (B, K, G, Tl, D)
+    qs = [q[:, :, :, a * Tc : (a + 1) * Tc].reshape(B, K, G * Tc, D) for a in range(pieces)]
+    tps = [tpos[a * Tc : (a + 1) * Tc] for a in range(pieces)]  # (Tc,) each
+
+    def allowed_keys(tp, sp):
+        """Causality, the window and padding, from the tokens' original positions."""
+        distance = sp[None, :] - (tp[:, None] + opts["offset"])  # (Tc, Sc)
+        padding = (tp < opts["T"])[:, None] & (sp < opts["S"])[None, :]  # (Tc, Sc)
+        return padding & (distance >= opts["lo"]) & (distance <= opts["hi"])
+
+    def update(carry, qa, tp, kb, vb, sp, mb):
+        m, l, acc = carry  # (B, K, G·Tc), (B, K, G·Tc), (B, K, G·Tc, E)
+        # A key no query of this block may see is replaced by 0 before use (0 · NaN is NaN).
+        allowed = allowed_keys(tp, sp)  # (Tc, Sc)
+        if mb is not None:
+            mb = _grouped(mb, K, G)  # (B|1, K|1, G|1, Tc|1, Sc|1)
+            allowed = allowed & (mb if mb.dtype == torch.bool else mb != -torch.inf)
+        used = allowed.any(dim=-2) if allowed.ndim == 2 else allowed.any(dim=-2).any(dim=-2)
+        kb = torch.where(used[..., None], kb, 0.0)  # (B, K, Sc, D)
+        vb = torch.where(used[..., None], vb, 0.0)  # (B, K, Sc, E)
+
+        # 1. Scores: the local query piece against the key piece now on this rank.
+        x = torch.einsum("bkrd,bksd->bkrs", qa, kb)  # (B, K, G·Tc, Sc)
+
+        # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
+        if opts["softcap"] is not None:
+            x = opts["softcap"] * torch.tanh(x / opts["softcap"])
+
+        # 4. Mask: a float mask is added, then every key a query may not see gets -inf.
+        x = x.reshape(B, K, G, Tc, Sc)  # (B, K, G, Tc, Sc)
+        if mb is not None and mb.dtype != torch.bool:
+            x = x + mb
+        x = torch.where(allowed, x, -torch.inf).reshape(B, K, G * Tc, Sc)
+
+        # 5. Softmax over the keys, online (the stable form: α <= 1, exp of values <= 0).
+        m_new = torch.maximum(m, x.amax(dim=-1))  # (B, K, G·Tc)
+        m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)  # (B, K, G·Tc)
+        alpha = torch.exp(m - m_safe)  # (B, K, G·Tc)
+        p = torch.exp(x - m_safe[..., None])  # (B, K, G·Tc, Sc)
+        l = alpha * l + p.sum(dim=-1)  # (B, K, G·Tc)
+
+        # 7. Weighted sum of the values, accumulated unnormalised.
+        acc = alpha[..., None] * acc + torch.einsum("bkrs,bkse->bkre", p, vb)
+        return m_new, l, acc
+
+    carry = [
+        (
+            torch.full((B, K, G * Tc), -torch.inf, dtype=work),  # m: running row max
+            torch.zeros((B, K, G * Tc), dtype=work),  # l: running row sum
+            torch.zeros((B, K, G * Tc, E), dtype=work),  # acc: unnormalised output
+        )
+        for _ in range(pieces)
+    ]
+    for step in range(P):
+        src = (me - step) % P  # whose key/value slice this rank holds now
+        pending = []
+        if step < P - 1:
+            # Pass the slice on while computing on it: send to r + 1, receive from r − 1.
+            nxt = [torch.empty_like(x) for x in (k, v, spos)]
+            ops = [dist.P2POp(dist.isend, x, (me + 1) % P) for x in (k, v, spos)]
+            ops += [dist.P2POp(dist.irecv, x, (me - 1) % P) for x in nxt]
+            pending = dist.batch_isend_irecv(ops)
+        for a in range(pieces):
+            for b in range(pieces):
+                sp = spos[b * Sc : (b + 1) * Sc]  # (Sc,)
+                # Skip a block no query of this piece may see: the causal saving.
+                if not allowed_keys(tps[a], sp).any():
+                    continue
+                mb = None
+                if mask is not None:
+                    mb = mask if mask.shape[2] == 1 else mask[:, :, a * Tc : (a + 1) * Tc]
+                    if mb.shape[3] != 1:
+                        start = src * Sl + b * Sc
+                        mb = mb[..., start : start + Sc]  # (B|1, H|1, Tc|1, Sc)
+                kb = k[:, :, b * Sc : (b + 1) * Sc]  # (B, K, Sc, D)
+                vb = v[:, :, b * Sc : (b + 1) * Sc]  # (B, K, Sc, E)
+                carry[a] = update(carry[a], qs[a], tps[a], kb, vb, sp, mb)
+        for req in pending:
+            req.wait()
+        if pending:
+            k, v, spos = nxt
+
+    outs = []
+    for _, l, acc in carry:
+        # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
+        acc = acc / torch.where(l > 0, l, 1.0)[..., None]  # (B, K, G·Tc, E)
+        outs.append(acc.reshape(B, K, G, Tc, E))
+    return torch.cat(outs, dim=3).reshape(B, H, Tl, E)  # (B, H, Tl, E)
+
+
+def _grouped(x, K: int, G: int):
+    b, h, t, s = x.shape
+    return x.reshape(b, 1, 1, t, s) if h == 1 else x.reshape(b, K, G, t, s)
+
+
+# ----------------------------------------------------------------------------------------
+# The single-process entry: lay out, hand each rank its shard, gather.
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    mask=None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    world_size: int = 2,
+    layout: str = "zigzag",
+) -> np.ndarray:
+    """Ring attention on a pool of ``world_size`` worker processes; NumPy in and out."""
+    # 0. Validate: the input contract every impl shares (contract.py).
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    mask = None if mask is None else np.asarray(mask)
+    call = contract.check(
+        q, k, v, mask=mask, is_causal=is_causal, scale=scale,
+        causal_alignment=causal_alignment, window=window, softcap=softcap,
+        dropout_p=dropout_p, unsupported={"dropout_p": "torch-ring has no dropout"},
+    )  # fmt: skip
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout should be one of {LAYOUTS}, got {layout!r}")
+    P = world_size
+    out_dtype = q.dtype
+    if call.unbatched:
+        q, k, v = q[None], k[None], v[None]
+    # Low precision is computed in float32 (inputs are exact there) and rounded once.
+    work = np.float64 if out_dtype == np.float64 else np.float32
+    pieces = 2 if layout == "zigzag" else 1
+    perm_t, perm_s = _perm(call.T, P, pieces, layout), _perm(call.S, P, pieces, layout)
+    q = _permute(q.astype(work), 2, perm_t)  # (B, H, Tp, D)
+    k = _permute(k.astype(work), 2, perm_s)  # (B, K, Sp, D)
+    v = _permute(v.astype(work), 2, perm_s)  # (B, K, Sp, E)
+    if mask is not None:
+        mask = mask.reshape(call.mask_shape)
+        mask = mask if mask.dtype == np.bool_ else mask.astype(work)
+        if mask.shape[2] != 1:
+            mask = _permute(mask, 2, perm_t)
+        if mask.shape[3] != 1:
+            mask = _permute(mask, 3, perm_s)
+    left, right = call.window if call.window is not None else (None, None)
+    hi = _FAR if right is None else right
+    opts = dict(
+        scale=call.scale,
+        softcap=call.softcap,
+        offset=0 if call.causal_alignment == "top_left" else call.S - call.T,
+        lo=-_FAR if left is None else -left,
+        hi=min(hi, 0) if call.is_causal else hi,
+        T=call.T,
+        S=call.S,
+    )
+    Tl, Sl = len(perm_t) // P, len(perm_s) // P
+    shards = []
+    for r in range(P):
+        rows = slice(r * Tl, (r + 1) * Tl)
+        cols = slice(r * Sl, (r + 1) * Sl)
+        m = None
+        if mask is not None:
+            m = mask if mask.shape[2] == 1 else mask[:, :, rows]
+        shards.append((q[:, :, rows], k[:, :, cols], v[:, :, cols], perm_t[rows], perm_s[cols], m))
+    outs = _pool(P).run(shards, opts, pieces)  # P × (B, H, Tl, E)
+    out = np.concatenate(outs, axis=2)  # (B, H, Tp, E), in the layout's order
+    back = np.empty_like(out)
+    back[:, :, perm_t] = out
+    out = back[:, :, : call.T].astype(out_dtype)  # (B, H, T, E)
+    return out[0] if call.unbatched else out
+
+
+def _perm(n: int, P: int, pieces: int, layout: str) -> np.ndarray:
+    """perm[slot] = original position (>= n: padding); slots are rank-major."""
+    chunks = P * pieces
+    c = max(1, -(-n // chunks))
+    if layout == "contiguous":
+        return np.arange(chunks * c)
+    order = [i for r in range(P) for i in (r, 2 * P - 1 - r)]
+    return np.concatenate([np.arange(i * c, (i + 1) * c) for i in order])
+
+
+def _permute(x: np.ndarray, axis: int, perm: np.ndarray) -> np.ndarray:
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, len(perm) - x.shape[axis])
+    return np.take(np.pad(x, pad), perm, axis=axis)
+
+
+# ----------------------------------------------------------------------------------------
+# The pool: the only place processes are started or stopped.
+
+
+class WorkerDied(RuntimeError):
+    """A torch-ring worker process died or stopped answering; the pool is shut down."""
+
+
+class _Pool:
+    def __init__(self, P: int) -> None:
+        ctx = mp.get_context("spawn")
+        with socket.socket() as s:  # a free port for the process group's rendezvous
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.P = P
+        self.tasks = [ctx.Queue() for _ in range(P)]
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, P, port, self.tasks[r], self.results), daemon=True)
+            for r in range(P)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, shards, opts, pieces) -> list[np.ndarray]:
+        for r, shard in enumerate(shards):
+            self.tasks[r].put((shard, opts, pieces))
+        outs: dict[int, np.ndarray] = {}
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(outs) < self.P:
+            try:
+                rank, result = self.results.get(timeout=1.0)
+            except queue.Empty:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    self._fail(f"no answer within {TIMEOUT_S:.0f} s")
+                continue
+            if isinstance(result, BaseException):
+                self._fail(f"rank {rank} raised {result!r}")
+            outs[rank] = result
+        return [outs[r] for r in range(self.P)]
+
+    def _check_alive(self) -> None:
+        for r, p in enumerate(self.procs):
+            if not p.is_alive():
+                self._fail(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}")
+
+    def _fail(self, why: str):
+        self.close()
+        raise WorkerDied(
+            f"torch-ring worker pool (P={self.P}, gloo) failed: {why}; the pool was shut "
+            f"down and the next call starts a fresh one"
+        )
+
+    def close(self) -> None:
+        for t in self.tasks:
+            try:
+                t.put(None)
+            except (OSError, ValueError):
+                pass
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        if _POOLS.get(self.P) is self:
+            del _POOLS[self.P]
+
+
+_POOLS: dict[int, _Pool] = {}
+
+
+def _pool(P: int) -> _Pool:
+    """The pool of P workers, started on first use and reused. A pool with a dead worker
+    raises WorkerDied and is shut down; the next call starts a fresh one."""
+    pool = _POOLS.get(P)
+    if pool is not None:
+        pool._check_alive()  # a worker that died since the last call is an error, once
+    else:
+        pool = _POOLS[P] = _Pool(P)
+    return pool
+
+
+@atexit.register
+def shutdown() -> None:
+    """Stop every worker pool (also run at exit)."""
+    for pool in list(_POOLS.values()):
+        pool.close()
+
+
+def _worker(rank: int, P: int, port: int, tasks, results) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=P,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )
+    try:
+        while (task := tasks.get()) is not None:
+            (q, k, v, tpos, spos, mask), opts, pieces = task
+            try:
+                to = torch.from_numpy
+                out = ring_attention(
+                    to(q.copy()), to(k.copy()), to(v.copy()), to(tpos.astype(np.int64)),
+                    to(spos.astype(np.int64)), None if mask is None else to(mask.copy()),
+                    opts=opts, pieces=pieces,
+                )  # fmt: skip
+                results.put((rank, out.numpy()))
+            except Exception as err:  # the caller raises it, naming the rank
+                results.put((rank, err))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,390 @@
+"""Native calls and profiles (SPEC §13.10-§13.14): the machinery that runs the spec on other
+libraries' own functions. The shipped profiles themselves run in ``tox -e frameworks``."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conformance.impls.numpy_attention import attention as reference
+
+from conformance import impl, native, profiles
+from conformance.backends import numpy_dtype, unregister_backend
+
+ROOT = Path(__file__).resolve().parent.parent
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+HAS_JAX = importlib.util.find_spec("jax") is not None
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+
+
+def _pytest(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", str(ROOT / "conformance"), "-q", "-p", "no:cacheprovider"]
+        + list(args),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+    )
+
+
+def _qkv(dtype="float64", B=2, H=4, K=2, T=5, S=6, D=3, E=2, seed=0):
+    rng = np.random.default_rng(seed)
+    dt = numpy_dtype(dtype)
+    return (
+        rng.standard_normal((B, H, T, D)).astype(dt),
+        rng.standard_normal((B, K, S, D)).astype(dt),
+        rng.standard_normal((B, K, S, E)).astype(dt),
+    )
+
+
+# --- Conversion --------------------------------------------------------------------------------
+
+FRAMEWORKS = [
+    "numpy",
+    pytest.param("torch", marks=needs_torch),
+    pytest.param("jax", marks=pytest.mark.skipif(not HAS_JAX, reason="jax not installed")),
+]
+
+
+@pytest.mark.clause("13.10")
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16", "bool", "int64"])
+def test_round_trip_keeps_dtype_and_bits(framework, dtype):
+    arrays = native.make_framework(framework)
+    x = np.random.default_rng(1).standard_normal((2, 3, 4)) * 1e3
+    x = (x > 0) if dtype == "bool" else x.astype(numpy_dtype(dtype))
+    back = arrays.to_numpy(arrays.from_numpy(x))
+    assert back.dtype == x.dtype and back.shape == x.shape
+    assert np.array_equal(back.view(np.uint8), np.ascontiguousarray(x).view(np.uint8))
+
+
+@pytest.mark.clause("13.10")
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_layout_swap_is_heads_and_time(framework):
+    arrays = native.make_framework(framework)
+    x = np.arange(2 * 3 * 4 * 5.0).reshape(2, 3, 4, 5)
+    swapped = arrays.to_numpy(arrays.swap_heads_and_time(arrays.from_numpy(x)))
+    assert np.array_equal(swapped, x.transpose(0, 2, 1, 3))
+    unbatched = arrays.to_numpy(arrays.swap_heads_and_time(arrays.from_numpy(x[0])))
+    assert np.array_equal(unbatched, x[0].transpose(1, 0, 2))
+
+
+@pytest.mark.clause("13.10")
+def test_auto_framework_from_the_module():
+    assert native.framework_of(reference) == "numpy"
+    if HAS_TORCH:
+        import torch
+
+        assert native.framework_of(torch.nn.functional.scaled_dot_product_attention) == "torch"
+        assert native.framework_of(native.TorchFramework.vjp) == "numpy"  # imports no torch
+
+
+def bthd_attention(q, k, v, *, mask=None, is_causal=False, scale=None):
+    """The reference, taking and returning (B, T, H, D): a function in another layout."""
+    q, k, v = (np.swapaxes(x, -3, -2) for x in (q, k, v))
+    out = reference(q, k, v, mask=mask, is_causal=is_causal, scale=scale)
+    return np.swapaxes(out, -3, -2)
+
+
+def blocked_mask_attention(q, k, v, *, blocked=None, bias=None, is_causal=False, scale=None):
+    """The reference with a bool mask that means True = blocked, and a separate bias."""
+    mask = bias if blocked is None else ~blocked
+    return reference(q, k, v, mask=mask, is_causal=is_causal, scale=scale)
+
+
+@pytest.mark.clause("13.10")
+def test_bthd_function_gives_the_reference():
+    backend = impl.FunctionBackend(
+        bthd_attention, name="bthd", capabilities=["gqa"], call=native.OptionMap(layout="BTHD")
+    )
+    q, k, v = _qkv()
+    mask = np.random.default_rng(2).random((5, 6)) > 0.3
+    for options in ({}, {"is_causal": True}, {"mask": mask, "scale": 0.3}):
+        np.testing.assert_array_equal(
+            backend.attention(q, k, v, **options), reference(q, k, v, **options)
+        )
+
+
+@pytest.mark.clause("13.11")
+def test_mask_conventions_are_converted_visibly():
+    call = native.OptionMap(
+        options={"is_causal": "is_causal", "scale": "scale"},
+        mask_bool="blocked",
+        bool_true="blocked",
+        mask_float="bias",
+    )
+    backend = impl.FunctionBackend(blocked_mask_attention, name="blocked", call=call)
+    q, k, v = _qkv(K=4)
+    mask = np.random.default_rng(3).random((5, 6)) > 0.3
+    np.testing.assert_array_equal(
+        backend.attention(q, k, v, mask=mask), reference(q, k, v, mask=mask)
+    )
+    assert call.mask("f", mask, q.dtype)["blocked"].tolist() == (~mask).tolist()
+    additive = native.OptionMap(mask_bool=None, mask_float="bias").mask("f", mask, q.dtype)
+    assert additive["bias"].dtype == q.dtype
+    assert np.array_equal(additive["bias"] == 0, mask) and np.all(
+        np.isneginf(additive["bias"][~mask])
+    )
+    # A mask the spec refuses (integer) reaches the library unchanged: refusing is its job.
+    ints = np.ones((5, 6), np.int64)
+    assert call.mask("f", ints, q.dtype)["blocked"] is not None
+    assert call.mask("f", ints, q.dtype)["blocked"].dtype == np.int64
+
+
+@pytest.mark.clause("13.11")
+def test_an_option_without_a_keyword_is_never_dropped():
+    call = native.OptionMap(options={"is_causal": "is_causal"})
+    backend = impl.FunctionBackend(reference, name="no-scale", call=call)
+    q, k, v = _qkv(K=4)
+    backend.attention(q, k, v)  # scale left at its default: nothing to pass
+    with pytest.raises(NotImplementedError, match=r"no keyword for the spec's scale=0\.5"):
+        backend.attention(q, k, v, scale=0.5)
+
+
+@pytest.mark.clause("13.13")
+def test_a_result_that_is_not_an_array_fails_as_an_assertion():
+    backend = impl.FunctionBackend(lambda q, k, v, **o: [1, 2], name="lister")
+    q, k, v = _qkv(K=4)
+    # Never a ValueError or TypeError, which a bad-input test would take for a refusal.
+    with pytest.raises(AssertionError, match="returned a list, not a numpy array"):
+        backend.attention(q, k, v)
+
+
+@needs_torch
+@pytest.mark.clause("13.10")
+def test_torch_function_gradients_by_autograd():
+    import torch
+
+    def sdpa(q, k, v, **options):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, **options)
+
+    call = native.OptionMap(
+        options={"is_causal": "is_causal", "scale": "scale"},
+        mask_bool="attn_mask",
+        mask_float="attn_mask",
+    )
+    backend = impl.FunctionBackend(
+        sdpa, name="sdpa-fn", framework="torch", call=call, capabilities=["grad", "grad_mask"]
+    )
+    q, k, v = _qkv(K=4)
+    mask = np.random.default_rng(4).standard_normal((5, 6))
+    d_out = np.random.default_rng(5).standard_normal((2, 4, 5, 2))
+    grads = backend.attention_vjp(q, k, v, d_out, mask=mask)
+    numpy_backend = __import__("conformance.backends", fromlist=["load_backend"]).load_backend(
+        "numpy"
+    )
+    expected = numpy_backend.attention_vjp(q, k, v, d_out, mask=mask)
+    assert len(grads) == 4
+    for got, want in zip(grads, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+# --- Usage errors ------------------------------------------------------------------------------
+
+
+@pytest.mark.clause("13.12")
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--impl-profile", "no-such-profile"], "no profile 'no-such-profile'"),
+        (["--impl-profile", "no-such-profile"], "shipped: "),
+        (["--impl-framework", "torch"], "--impl-framework describes an --impl"),
+        (
+            [
+                "--impl",
+                "examples.my_attention:attention",
+                "--impl-layout",
+                "BTHD",
+                "--impl-name",
+                "x",
+            ]
+            + ["--impl-framework", "numpy", "--impl-profile", "torch.sdpa", "--backend", "nope"],
+            "unknown backend 'nope'",
+        ),
+    ],
+)
+def test_naming_something_missing_is_a_usage_error(args, message):
+    run = _pytest(*args)
+    out = run.stdout + run.stderr
+    assert run.returncode == 4, out[-3000:]
+    assert message in out, out[-3000:]
+
+
+def _write_profile(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "mine.toml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.mark.clause("13.12")
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ('name = "x"\ntarget = "no_such_module_xyz:f"\n', "No module named 'no_such_module_xyz'"),
+        ('name = "x"\ntarget = "numpy:no_such_function"\n', "has no attribute 'no_such_function'"),
+        ('name = "x"\ntarget = "numpy:add"\nframework = "tensorflow"\n', "known: auto, numpy"),
+        ('name = "x"\ntarget = "numpy:add"\nrequires = ["no_such_dist_xyz"]\n', "not installed"),
+        ('name = "x"\ntarget = "numpy:add"\nlayuot = "BTHD"\n', "unknown keys ['layuot']"),
+        ('name = "x"\ntarget = "numpy:add"\n[options]\nwindows = "w"\n', "unknown spec options"),
+        ('name = "x"\ntarget = "numpy:add"\n[mask]\nbool_true = "yes"\n', "attend, blocked"),
+        ('name = "x"\ntarget = "numpy:add"\ncapabilities = ["window"]\n', "maps no keyword"),
+        ('target = "numpy:add"\n', "'name' is required"),
+    ],
+)
+def test_a_broken_profile_says_what_is_missing(tmp_path, body, message):
+    path = _write_profile(tmp_path, body)
+    with pytest.raises(profiles.ProfileError) as info:
+        profiles.read_profile(path).resolve()
+    assert message in str(info.value)
+
+
+@pytest.mark.clause("13.12")
+def test_unavailable_library_is_skipped_by_name_under_all(tmp_path, monkeypatch):
+    (tmp_path / "ghost.toml").write_text(
+        'name = "ghost"\ntarget = "ghost_lib:attention"\nrequires = ["ghost_lib_xyz"]\n'
+    )
+    monkeypatch.setattr(profiles, "HERE", tmp_path)
+    try:
+        loaded, unavailable = profiles.load_profiles(["all"])
+        assert loaded == [] and [p.name for p in unavailable] == ["ghost"]
+        assert "ghost_lib_xyz not installed" in profiles.skip_reason(unavailable[0])
+        with pytest.raises(profiles.ProfileError, match="ghost_lib_xyz"):
+            profiles.load_profiles(["ghost"])  # named explicitly: an error, not a skip
+    finally:
+        unregister_backend("ghost")
+
+
+# --- Shipped profiles --------------------------------------------------------------------------
+
+
+@pytest.mark.clause("13.14")
+@pytest.mark.parametrize("name", profiles.shipped_profiles())
+def test_shipped_profile_is_well_formed(name):
+    profile = profiles.read_profile(name)
+    assert profile.name == name and profile.requires
+    assert profile.description
+    for pattern, reason in profile.known_failures.items():
+        assert name in pattern, f"{pattern}: a known failure names its backend"
+        assert "§" in reason, f"{pattern}: the reason names the clause: {reason}"
+    if not profile.missing():
+        backend = profile.resolve()
+        assert backend.name == name and set(backend.dtypes) == set(profile.dtypes)
+
+
+# --- A profile written from the documentation alone ----------------------------------------------
+
+MY_LIBRARY = '''
+"""Somebody's attention library: torch tensors, (B, T, H, D), True = padding."""
+import math
+
+import torch
+
+
+def attend(query, key, value, *, padding=None, causal=False, softmax_scale=None):
+    q, k, v = (x.transpose(-3, -2) for x in (query, key, value))
+    scores = q @ k.transpose(-1, -2) * (softmax_scale or 1 / math.sqrt(q.shape[-1]))
+    T, S = scores.shape[-2:]
+    blocked = torch.zeros(T, S, dtype=torch.bool)
+    if causal:
+        blocked = torch.ones(T, S, dtype=torch.bool).triu(1)
+    if padding is not None:
+        blocked = blocked | padding
+    scores = scores.masked_fill(blocked, -math.inf)
+    weights = torch.softmax(scores, dim=-1)
+    return (weights @ v).transpose(-3, -2)
+'''
+
+MY_PROFILE = """
+name = "mylib.attend"
+description = "mylib.attend, from its docstring"
+target = "mylib:attend"
+framework = "torch"
+layout = "BTHD"
+requires = ["torch"]
+dtypes = ["float64", "float32"]
+
+[options]
+is_causal = "causal"
+scale = "softmax_scale"
+
+[mask]
+bool = "padding"
+bool_true = "blocked"
+
+[known_failures]
+"test_fixture_case[mylib.attend-fully-masked-rows-*]" = "SPEC §4.3: a fully masked row is NaN, not 0"
+"test_never_matches[mylib.attend]" = "SPEC §0: an entry that matches nothing"
+"""
+
+
+@needs_torch
+@pytest.mark.clause("13.10", "13.14")
+def test_profile_written_from_the_docs_runs(tmp_path):
+    (tmp_path / "mylib.py").write_text(MY_LIBRARY)
+    (tmp_path / "mylib.toml").write_text(MY_PROFILE)
+    run = _pytest(
+        "--impl-profile",
+        str(tmp_path / "mylib.toml"),
+        "-k",
+        "fixture_case and (T7-S7 or causal-T7 or fully-masked-rows)",
+        "-p",
+        "no:randomly",
+        "-W",
+        "default",
+        cwd=tmp_path,
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    assert " passed" in out and "xfailed" in out and " failed" not in out
+    assert "StaleKnownFailure" in out and "test_never_matches[mylib.attend]" in out
+
+
+@needs_torch
+@pytest.mark.clause("13.13")
+def test_a_library_error_fails_one_test_and_replays(tmp_path):
+    (tmp_path / "fragile.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+            def attend(q, k, v, *, is_causal=False, scale=None):
+                if q.shape[-2] == 1:
+                    raise RuntimeError("fragile: T = 1 is not supported")
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=is_causal, scale=scale
+                )
+            """
+        )
+    )
+    run = _pytest(
+        "--impl",
+        "fragile:attend",
+        "--impl-framework",
+        "auto",
+        "-k",
+        "fixture_case and float64 and (T1-S1 or T7-S7)",
+        "--repro-dir",
+        str(tmp_path / "repro"),
+        cwd=tmp_path,
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out[-4000:]
+    assert "RuntimeError: fragile" in out and " passed" in out
+    assert "load_call(" in out
+    saved = sorted((tmp_path / "repro").glob("*.npz"))
+    assert saved
+    from conformance.replay import load_call
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        backend, method, args, kwargs = load_call(saved[0])
+        assert backend.framework == "torch"
+        with pytest.raises(RuntimeError, match="fragile"):
+            getattr(backend, method)(*args, **kwargs)
+    finally:
+        sys.path.remove(str(tmp_path))

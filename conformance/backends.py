@@ -467,23 +467,17 @@ class _TorchBackend(Backend):
     dtypes = DTYPES
 
     def __init__(self) -> None:
-        import torch
+        # The one converter between NumPy and torch, shared with the profiles' calls.
+        from conformance.native import TorchFramework
 
-        self.torch = torch
+        self.arrays = TorchFramework()
+        self.torch = self.arrays.torch
 
     def from_numpy(self, x):
-        x = np.asarray(x)
-        if x.dtype.name == "bfloat16":
-            # torch cannot read ml_dtypes' bfloat16; the bits are the same, so reinterpret.
-            bits = self.torch.from_numpy(np.ascontiguousarray(x).view(np.int16))
-            return bits.view(self.torch.bfloat16)
-        return self.torch.from_numpy(np.array(x))
+        return self.arrays.from_numpy(x)
 
     def to_numpy(self, x):
-        x = x.detach()
-        if x.dtype == self.torch.bfloat16:
-            return x.view(self.torch.int16).numpy().view(numpy_dtype("bfloat16"))
-        return x.numpy()
+        return self.arrays.to_numpy(x)
 
     def versions(self):
         return {**super().versions(), "torch": self.torch.__version__}

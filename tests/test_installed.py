@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,21 @@ import pytest
 from conformance.cases import manifest
 
 ROOT = Path(__file__).resolve().parent.parent
+#: What a checkout holds beside its sources: build outputs, caches, environments.
+NOT_SOURCES = (
+    ".git",
+    ".tox",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".*cache",
+    ".hypothesis",
+    "venv",
+    ".venv",
+    "report",
+    "bench-results",
+)
 
 # One venv for the whole module: under pytest-xdist its tests stay on one worker.
 pytestmark = [pytest.mark.clause("13.9"), pytest.mark.xdist_group("installed")]
@@ -107,6 +123,10 @@ def installed(tmp_path_factory):
     """A fresh venv with the wheel built from this checkout; and a user's directory."""
     work = tmp_path_factory.mktemp("installed")
     wheels = work / "wheels"
+    # setuptools builds in the source tree's build/, which tox's own editable build (or a
+    # stale one) may hold at the same moment; a private copy of the sources cannot clash.
+    source = work / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*NOT_SOURCES))
     subprocess.run(
         [
             sys.executable,
@@ -117,7 +137,7 @@ def installed(tmp_path_factory):
             "--no-deps",
             "-w",
             str(wheels),
-            str(ROOT),
+            str(source),
         ],
         check=True,
     )

@@ -317,6 +317,8 @@ def gelu(x: jax.Array) -> jax.Array:
     return (x * 0.5 * (1.0 + erf(x / math.sqrt(2.0)))).astype(x.dtype)
 
 
+# Under jit the layer is one compiled program per shape, not a dozen small ones.
+@functools.partial(jax.jit, static_argnames=("n_heads", "is_causal", "dropout_p"))
 def multi_head_attention(
     params: dict[str, jax.Array],
     x: jax.Array,
@@ -361,6 +363,7 @@ def multi_head_attention(
     return linear(context, params["out_proj.weight"], params["out_proj.bias"])
 
 
+@functools.partial(jax.jit, static_argnames=("n_heads",))
 def gpt_block(params: dict[str, jax.Array], x: jax.Array, *, n_heads: int) -> jax.Array:
     """One pre-LN decoder block: x + attn(norm1(x)), then + mlp(norm2(x)).
 

@@ -1,9 +1,14 @@
+import os
+import shutil
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
 import pytest
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "clause(number): the SPEC.md clause a test checks")
-    config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist keeps on one worker")
 
 
 @pytest.fixture
@@ -15,3 +20,43 @@ def registry(monkeypatch):
     monkeypatch.setattr(backends, "REGISTRY", fresh)
     monkeypatch.setattr(impl, "LOADERS", {})
     return fresh
+
+
+@pytest.fixture(scope="session")
+def once(tmp_path_factory) -> Callable[[str, Callable[[Path], None]], Path]:
+    """``once(name, build)``: a directory that ``build`` fills a single time per test run.
+
+    Under pytest-xdist the workers share the parent of their base temporary directories;
+    the first worker to take the lock builds while the others wait, so a slow setup (a
+    wheel in a fresh venv, a measurement of the installed frameworks) is paid once."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+
+    def get(name: str, build: Callable[[Path], None]) -> Path:
+        work = base / name
+        with _locked(base / f"{name}.lock"):
+            if not (work / ".ready").exists():
+                if work.exists():
+                    shutil.rmtree(work)
+                work.mkdir()
+                build(work)
+                (work / ".ready").write_text("")
+        return work
+
+    return get
+
+
+@contextmanager
+def _locked(path: Path):
+    try:
+        import fcntl
+    except ImportError:  # Windows: each pytest-xdist worker builds its own copy
+        yield
+        return
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

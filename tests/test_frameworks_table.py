@@ -3,6 +3,7 @@ cells are what ``python -m conformance frameworks`` measures on the installed ve
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,14 @@ from conformance import frameworks
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def measured() -> dict:
-    return frameworks.measure()
+@pytest.fixture(scope="session")
+def measured(once) -> dict:
+    """One measurement per test run, shared by the pytest-xdist workers."""
+
+    def measure(work: Path) -> None:
+        (work / "measured.json").write_text(json.dumps(frameworks.measure()))
+
+    return json.loads((once("frameworks-measured", measure) / "measured.json").read_text())
 
 
 def test_the_readme_table_is_what_a_fresh_measurement_gives(measured):

@@ -36,8 +36,7 @@ NOT_SOURCES = (
     "bench-results",
 )
 
-# One venv for the whole module: under pytest-xdist its tests stay on one worker.
-pytestmark = [pytest.mark.clause("13.9"), pytest.mark.xdist_group("installed")]
+pytestmark = pytest.mark.clause("13.9")
 
 #: A user's own package: a correct attention, and one whose causal mask lets each query
 #: see one key too far (the off-by-one every causal kernel has met once).
@@ -118,10 +117,15 @@ def pytest_runtest_logreport(report):
 """
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    """A fresh venv with the wheel built from this checkout; and a user's directory."""
-    work = tmp_path_factory.mktemp("installed")
+@pytest.fixture(scope="session")
+def installed(once):
+    """A fresh venv with the wheel built from this checkout; and a user's directory. Built
+    once per test run, whichever pytest-xdist worker needs it first."""
+    work = once("installed", _build)
+    return work / "venv" / "bin" / "python", work / "user"
+
+
+def _build(work: Path) -> None:
     wheels = work / "wheels"
     # setuptools builds in the source tree's build/, which tox's own editable build (or a
     # stale one) may hold at the same moment; a private copy of the sources cannot clash.
@@ -154,15 +158,14 @@ def installed(tmp_path_factory):
     (user / "mypkg" / "__init__.py").write_text("")
     (user / "mypkg" / "attn.py").write_text(textwrap.dedent(USER_PACKAGE))
     (user / "clause_log.py").write_text(textwrap.dedent(CLAUSE_LOG))
-    return python, user
 
 
-def _run(installed, *args, env=None):
+def _run(installed, *args, env=None, cwd=None):
     python, user = installed
     environment = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     environment.update(env or {})
     return subprocess.run(
-        [str(python), *args], cwd=user, capture_output=True, text=True, env=environment
+        [str(python), *args], cwd=cwd or user, capture_output=True, text=True, env=environment
     )
 
 
@@ -249,10 +252,8 @@ def test_report_runs_anywhere(installed, tmp_path):
 
 def test_plugin_stays_quiet_in_other_projects(installed, tmp_path):
     """In another project's test run the plugin adds options and does nothing else."""
-    python, user = installed
-    (user / "test_other.py").write_text("def test_other():\n    assert 1 + 1 == 2\n")
-    try:
-        run = _run(installed, "-m", "pytest", "test_other.py", "-q", "-p", "no:cacheprovider")
-    finally:
-        (user / "test_other.py").unlink()
+    (tmp_path / "test_other.py").write_text("def test_other():\n    assert 1 + 1 == 2\n")
+    run = _run(
+        installed, "-m", "pytest", "test_other.py", "-q", "-p", "no:cacheprovider", cwd=tmp_path
+    )
     assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr

@@ -1,86 +1,169 @@
-"""How the frameworks' own attention functions differ from the spec: the README's table,
-measured on the installed versions, never written by hand.
+"""Other libraries' own attention functions against the whole spec: every shipped profile
+(``conformance/profiles``) run through the suite, the README's table made from that run,
+and the profiles' known failures measured by it.
 
-    python -m conformance frameworks                          # measure, print the table
-    python -m conformance frameworks --out docs/frameworks.md # and write it, with details
-    python -m conformance frameworks --readme README.md       # rewrite the README's table
+    python -m conformance frameworks                          # run, report, print the table
+    python -m conformance frameworks --readme README.md       # and rewrite the README's table
+    python -m conformance frameworks --check README.md        # fail if the README's is not this
+    python -m conformance frameworks --update-profiles        # re-measure the known failures
 
-Each cell is what ``conformance/builtin_profile.py`` measured when it called the
-installed function on that row's inputs: a short label of the behaviour (✅ what the spec
-requires, ❌ what the function does instead), never an error size, so a cell means the
-same on any machine with the same versions. ``--readme`` replaces only the text between
-``START`` and ``END``; ``tests/test_frameworks_table.py`` checks that the committed cells
-are what a fresh measurement gives.
+The run is ``python -m conformance report --impl-profile all -m "not pairwise"``: the
+report (``--out``) holds every test, the clause × function matrix, the versions and the
+agreement tables. The table has a row per SPEC clause where some function departs from the
+spec, and a cell per function: ✅ every test of the clause passes, ❌ how many fail and how
+(words, never an error size, so a cell means the same on any machine with the same
+versions), — the function does not declare what the clause needs. ``--readme`` replaces only
+the text between ``START`` and ``END``; ``--check`` compares the marks (✅ ❌ —) only.
+
+``--update-profiles`` runs with ``--ignore-known-failures`` and rewrites each profile's
+``[known_failures]`` from what failed: a test function whose every run fails gets one
+``name[profile-*]`` entry, the others one entry per test, each with the clause and the
+test's message.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
+from collections import Counter, defaultdict
 from pathlib import Path
 
 START = "<!-- frameworks-table:start -->"
 END = "<!-- frameworks-table:end -->"
-#: The profile's functions that are frameworks', with the column heading they get.
-FRAMEWORKS = {
-    "torch SDPA": "PyTorch `F.scaled_dot_product_attention`",
-    "jax.nn.dot_product_attention": "`jax.nn.dot_product_attention`",
-}
+PASS, FAIL, NONE = "✅", "❌", "—"
+
+#: A failure message, in words: the first pattern that matches names it.
+KINDS = [
+    (r"DID NOT RAISE", "accepts it (no error)"),
+    (r"raised (\w+), expected", r"raises \1"),
+    (r"Regex pattern did not match", "error message without the argument"),
+    (r"Timeout", "hangs"),
+    (r"Hypothesis found", "fails on drawn problems"),
+    # An exception from the library itself (the test's own verdicts are AssertionError).
+    (r"^(?:[\w.]+\.)?((?!AssertionError|Failed)[A-Z]\w*):", r"raises \1"),
+    (r"NaN disappeared|becomes a number", "a NaN becomes a number"),
+    (r"exactly 0|should be 0|must be 0", "not zero where nothing is attended"),
+    (r"non-finite|NaN|nan", "NaN or inf where the spec has a number"),
+    (r"not bit-for-bit identical", "changes bits it must not"),
+    (r"dtype \S+, expected", "returns another dtype"),
+    (r"shape \S+, expected", "returns another shape"),
+    (r"max abs error|tolerance|within|oracle", "outside the tolerance"),
+]
 
 
-def measure() -> dict:
-    """The built-in profile: every function on every edge case (imports the frameworks)."""
-    from conformance.builtin_profile import profile
+def describe(message: str) -> str:
+    """A failure message as a few words (see ``KINDS``); no numbers, so it is stable."""
+    for pattern, words in KINDS:
+        found = re.search(pattern, message)
+        if found:
+            return found.expand(words)
+    return "fails"
 
-    return profile()
+
+def run(out: Path, workers: str, remeasure: bool, extra: list[str]) -> tuple[int, dict]:
+    """The suite on every shipped profile, through the report: (exit code, report data)."""
+    from conformance import report
+
+    argv = ["--impl-profile", "all", "--out", str(out), "--workers", workers]
+    argv += ["-m", "not pairwise", "--timeout", "120", *extra]
+    if remeasure:
+        argv.append("--ignore-known-failures")
+    code = report.main(argv)
+    return code, json.loads((out / "report.json").read_text())
 
 
-def table(profile: dict) -> str:
-    """The Markdown table: a row per edge case, the spec, then one column per framework
-    the profile measured, headed with its version."""
-    names = [n for n in FRAMEWORKS if n in profile["functions"]]
-    heads = [f"{FRAMEWORKS[n]} ({profile['functions'][n]})" for n in names]
+def matrix(data: dict) -> dict:
+    """{"functions": {name: heading}, "clauses": {clause: {name: (mark, words)}}}."""
+    from conformance.profiles import read_profile, shipped_profiles
+
+    functions = {}
+    for name in shipped_profiles():
+        profile = read_profile(name)
+        library = profile.requires[0] if profile.requires else profile.framework
+        version = data["versions"].get(library)
+        functions[name] = f"`{name}` ({library} {version})" if version else f"`{name}`"
+    tests: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for row in data["tests"]:
+        if row["backend"] in functions and row["clause"]:
+            tests[row["clause"]][row["backend"]].append(row)
+    clauses = {}
+    for clause, by_function in tests.items():
+        clauses[clause] = {name: _cell(by_function.get(name, [])) for name in functions}
+    return {"functions": functions, "clauses": clauses}
+
+
+def _cell(rows: list[dict]) -> tuple[str, str]:
+    ran = [r for r in rows if r["outcome"] != "skipped"]
+    if not ran:
+        return NONE, "not declared" if rows else "not run"
+    bad = [r for r in ran if r["outcome"] in ("failed", "xfailed")]
+    if not bad:
+        return PASS, ""
+    kinds = Counter(describe(r["message"] or r["reason"]) for r in bad)
+    words = "; ".join(kind for kind, _ in kinds.most_common(2))
+    return FAIL, f"{len(bad)}/{len(ran)}: {words}"
+
+
+def table(found: dict) -> str:
+    """The Markdown table: a row per clause where some function departs from the spec."""
+    from conformance.report_markdown import clause_titles
+    from conformance.report_outcomes import clause_key
+
+    titles = clause_titles()
+    names = list(found["functions"])
     lines = [
-        "| behaviour | this suite | " + " | ".join(heads) + " |",
-        "|---|---|" + "---|" * len(names),
+        "| clause | " + " | ".join(found["functions"][n] for n in names) + " |",
+        "|---|" + "---|" * len(names),
     ]
-    for row in profile["cases"]:
-        cells = [_cell(row["results"][n]) for n in names]
-        lines.append(f"| {row['case']} | {row['spec']} | " + " | ".join(cells) + " |")
+    conforming = []
+    for clause in sorted(found["clauses"], key=clause_key):
+        cells = found["clauses"][clause]
+        if all(cells[n][0] != FAIL for n in names):
+            conforming.append(clause)
+            continue
+        row = [f"{mark} {words}".strip() for mark, words in (cells[n] for n in names)]
+        title = titles.get(clause, "")
+        lines.append(
+            f"| §{clause} {title} | " + " | ".join(r.replace("|", "\\|") for r in row) + " |"
+        )
+    lines.append("")
+    lines.append(
+        "No function departs from "
+        + ", ".join(f"§{c}" for c in conforming)
+        + f" ({NONE} where it does not declare what the clause needs)."
+    )
     return "\n".join(lines) + "\n"
 
 
-def _cell(result: dict) -> str:
-    text = result["summary"].replace("|", "\\|")
-    return f"{'✅' if result['conforms'] else '❌'} {text}"
-
-
-def block(profile: dict) -> str:
-    """What goes between the README's markers: the table and where it came from."""
-    versions = ", ".join(profile["functions"][n] for n in FRAMEWORKS if n in profile["functions"])
+def block(found: dict) -> str:
+    """What goes between the README's markers: the table and the command that made it."""
     return (
         f"{START}\n"
-        f"{table(profile)}\n"
-        f"Measured on {versions} (CPU) by `python -m conformance frameworks --readme "
-        "README.md`, which calls each function on the row's inputs "
-        "(`conformance/builtin_profile.py`) and writes this table; the report shows the "
-        "same with the errors and messages.\n"
+        f"{table(found)}\n"
+        "Measured on the versions in the header (CPU) by `python -m conformance frameworks "
+        "--readme README.md`, which runs the whole spec on each shipped profile "
+        "(`--impl-profile all`) and writes this table; its report has every test, message "
+        "and replay.\n"
         f"{END}"
     )
 
 
-def cells(text: str) -> dict[tuple[str, int], str]:
-    """The cells of the table in ``text`` (between the markers, if it has them), keyed by
-    the row's first cell and the column number; the header row is left out, so the
-    versions in it do not count."""
+def marks(text: str) -> dict[tuple[str, str], str]:
+    """The marks (✅ ❌ —) of the table in ``text``, keyed by (clause, column heading's
+    function name); the versions and the words do not count."""
     if START in text:
         text = text.split(START, 1)[1].split(END, 1)[0]
-    rows = [line for line in text.splitlines() if line.startswith("|")]
+    rows = [_split_row(line) for line in text.splitlines() if line.startswith("|")]
+    if len(rows) < 2:
+        return {}
+    heads = [re.sub(r"`([^`]*)`.*", r"\1", h.strip()) for h in rows[0][1:]]
     found = {}
-    for line in rows[2:]:
-        parts = [p.strip() for p in _split_row(line)]
-        for i, part in enumerate(parts[1:], start=1):
-            found[parts[0], i] = part
+    for row in rows[2:]:
+        clause = row[0].split()[0]
+        for head, cell in zip(heads, row[1:]):
+            found[clause, head] = cell.strip()[:1]
     return found
 
 
@@ -97,44 +180,105 @@ def _split_row(line: str) -> list[str]:
     return [*parts, cell]
 
 
-def rewrite_readme(path: Path, profile: dict) -> bool:
+def rewrite_readme(path: Path, found: dict) -> bool:
     """Replace the table between the markers in ``path``; whether anything changed."""
-    text = path.read_text()
+    text = path.read_text(encoding="utf-8")
     if text.count(START) != 1 or text.count(END) != 1:
         raise ValueError(f"{path}: expected one {START} and one {END}")
     before, rest = text.split(START, 1)
     after = rest.split(END, 1)[1]
-    new = before + block(profile) + after
-    path.write_text(new)
+    new = before + block(found) + after
+    path.write_text(new, encoding="utf-8")
     return new != text
+
+
+def known_failures(data: dict, profile: str) -> dict[str, str]:
+    """What failed on ``profile`` in a run without known failures, as profile entries."""
+    from conformance.report_markdown import clause_titles
+
+    titles = clause_titles()
+    runs: dict[str, list[dict]] = defaultdict(list)
+    for row in data["tests"]:
+        if row["backend"] == profile and row["outcome"] != "skipped":
+            name = row["test"].rpartition("::")[2]
+            runs[name.partition("[")[0]].append({**row, "name": name})
+    entries = {}
+    for function, rows in sorted(runs.items()):
+        bad = [r for r in rows if r["outcome"] == "failed"]
+        if not bad:
+            continue
+        if len(bad) == len(rows) > 1:
+            first = bad[0]
+            entries[f"{function}[{profile}-*]"] = (
+                _reason(first, titles) + f" (and {len(bad) - 1} more like it)"
+            )
+            continue
+        for row in bad:
+            entries[row["name"]] = _reason(row, titles)
+    return entries
+
+
+def _reason(row: dict, titles: dict[str, str]) -> str:
+    message = " ".join((row["message"] or row["reason"]).split())[:240]
+    return f"SPEC §{row['clause']} {titles.get(row['clause'], '')}: {message}"
+
+
+def write_known_failures(path: Path, entries: dict[str, str]) -> None:
+    """Replace the ``[known_failures]`` table, the profile's last, with ``entries``."""
+    text = path.read_text(encoding="utf-8")
+    head = text.split("\n[known_failures]\n", 1)[0]
+    body = "".join(
+        f"{json.dumps(test)} = {json.dumps(reason)}\n" for test, reason in entries.items()
+    )
+    path.write_text(f"{head}\n[known_failures]\n{body}", encoding="utf-8")
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m conformance frameworks", description=__doc__.splitlines()[0]
+        prog="python -m conformance frameworks",
+        description=__doc__.splitlines()[0],
+        epilog="Any other options are passed to pytest.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--out", type=Path, help="write the table, with the details, here")
+    parser.add_argument("--out", type=Path, default=Path("frameworks-report"), help="report here")
+    parser.add_argument("--workers", default="auto", help="test processes, as for the report")
+    parser.add_argument("--readme", type=Path, help=f"rewrite the table between {START} and {END}")
+    parser.add_argument("--check", type=Path, help="fail if this file's table has other marks")
     parser.add_argument(
-        "--readme", type=Path, help=f"rewrite the table between {START} and {END} in this file"
+        "--update-profiles",
+        action="store_true",
+        help="run without the profiles' known failures and rewrite them from what fails",
     )
-    args = parser.parse_args(argv)
-    profile = measure()
-    missing = [n for n in FRAMEWORKS if n not in profile["functions"]]
-    if missing:
-        print(f"not installed, so not measured: {', '.join(missing)}", file=sys.stderr)
-    print(table(profile), end="")
-    if args.out:
-        from conformance.builtin_profile import render_markdown
+    args, extra = parser.parse_known_args(argv)
+    code, data = run(args.out, args.workers, args.update_profiles, extra)
+    found = matrix(data)
+    (args.out / "frameworks.json").write_text(json.dumps(found, indent=1, ensure_ascii=False))
+    (args.out / "frameworks.md").write_text(block(found), encoding="utf-8")
+    print(table(found), end="")
+    if args.update_profiles:
+        from conformance.profiles import read_profile
 
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            "# The frameworks' own attention functions, measured\n\n"
-            + block(profile)
-            + "\n\nIn detail, with the inputs of each row (and a plain -inf masked softmax "
-            "for comparison):\n\n" + "\n".join(render_markdown(profile)) + "\n"
-        )
-        print(f"wrote {args.out}")
+        for name in found["functions"]:
+            if any(r["backend"] == name and r["outcome"] != "skipped" for r in data["tests"]):
+                profile = read_profile(name)
+                write_known_failures(profile.path, known_failures(data, name))
+                print(f"rewrote the known failures of {profile.path}")
+        # Without its known failures the run fails by design; what counts is what it wrote.
+        code = 0
     if args.readme:
-        changed = rewrite_readme(args.readme, profile)
+        changed = rewrite_readme(args.readme, found)
         print(f"{'rewrote' if changed else 'unchanged:'} the table in {args.readme}")
-    return 0
+    if args.check:
+        committed = marks(args.check.read_text(encoding="utf-8"))
+        fresh = marks(block(found))
+        differ = {k: (committed.get(k), fresh.get(k)) for k in committed.keys() | fresh.keys()}
+        differ = {k: v for k, v in differ.items() if v[0] != v[1]}
+        if differ:
+            print(
+                f"{args.check}: the table is not what this run measured ((clause, function): "
+                f"(committed, measured)): {differ}; rerun python -m conformance frameworks "
+                f"--readme {args.check}",
+                file=sys.stderr,
+            )
+            return code or 1
+    return code

@@ -137,6 +137,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="tests expected to fail: one 'test_id  # reason' per line (strict xfail)",
     )
     group.addoption(
+        "--ignore-known-failures",
+        action="store_true",
+        help="run as if no known failures were listed (--known-failures, the profiles'), "
+        "so each fails with today's message: how they are measured afresh",
+    )
+    group.addoption(
         "--repro-dir",
         default=None,
         metavar="DIR",
@@ -280,6 +286,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     suite has that id.
     """
     _usage_error_without_backends(config, items)
+    if config.getoption("--ignore-known-failures"):
+        _mark_profile_items(config, items, known=False)
+        return
     _mark_profile_items(config, items)
     known = config.conformance_known_failures
     if not known:
@@ -303,15 +312,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         )
 
 
-def _mark_profile_items(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Profiles' known failures become strict xfails; an unavailable profile's tests are
-    skipped by name; a known failure that matches no test is a ``StaleKnownFailure``."""
+def _mark_profile_items(config: pytest.Config, items: list[pytest.Item], known=True) -> None:
+    """Profiles' known failures become strict xfails (unless ``known`` is False); an
+    unavailable profile's tests are skipped by name; a known failure that matches no test
+    is a ``StaleKnownFailure``."""
     loaded, unavailable = getattr(config, "conformance_profiles", ([], []))
     if not loaded and not unavailable:
         return
     from conformance import profiles
 
-    stale = profiles.mark_items(items, loaded, unavailable)
+    stale = profiles.mark_items(items, loaded, unavailable, known=known)
     if stale:
         warnings.warn(
             known_failures.StaleKnownFailure(

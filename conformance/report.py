@@ -11,9 +11,11 @@ it does not declare); each clause passed / failed / skipped / known to fail per 
 with the skips grouped by the capability the backend lacks; every failure's message with
 a snippet that replays it; per dtype, the cross-framework agreement on the outputs and
 the gradients, as the tests measured it (tables naming the worst fixture, and heatmaps on
-one scale: the fraction of the tolerance); the frameworks' own functions on the spec's
-edge cases (``builtin_profile.py``); pictures of the masks and the worked example; the
-versions, the machine and the date.
+one scale: the fraction of the tolerance); pictures of the masks and the worked example;
+the versions, the machine and the date. With ``--impl-profile`` (``all``: every shipped
+one) the library functions the profiles describe are columns of the clause table beside
+the backends, with their libraries' versions (``python -m conformance frameworks`` is that
+run, with the README's table).
 
 The parts: ``report_collect`` (the pytest run and what it gathers), ``report_outcomes``
 (clauses, verdicts, grouped skips), ``report_agreement`` (the tests' measurements,
@@ -109,9 +111,12 @@ def _parser() -> argparse.ArgumentParser:
         "are 2 cores or more, else 1 (in this process); an --impl runs in this process",
     )
     parser.add_argument(
-        "--no-builtin-profile",
-        action="store_true",
-        help="skip the frameworks' own functions on the edge cases",
+        "--impl-profile",
+        action="append",
+        default=[],
+        metavar="NAME|PATH",
+        help="a library function described by a profile (repeatable; 'all' = every shipped "
+        "one): the report then has its clauses, versions and agreement beside the backends'",
     )
     return parser
 
@@ -159,8 +164,14 @@ def main(argv: list[str]) -> int:
             parser.error(str(err))
         # Registered in this process, so the in-process pytest run finds it by name.
         backends = list(dict.fromkeys([*backends, impl.name]))
-    if not backends:
-        parser.error("choose backends with --backend NAME, --backend all, or --impl MODULE:ATTR")
+    for profile in args.impl_profile:
+        # Every test process (xdist's workers too) registers the profiles from this option.
+        extra += ["--impl-profile", profile]
+    if not backends and not args.impl_profile:
+        parser.error(
+            "choose backends with --backend NAME, --backend all, --impl MODULE:ATTR or "
+            "--impl-profile NAME"
+        )
     declared = {}
     for name in backends:
         try:
@@ -180,11 +191,6 @@ def main(argv: list[str]) -> int:
         if name and "~" not in name and name not in declared:
             backends.append(name)
             declared[name] = _declarations(name)
-    profile = None
-    if not args.no_builtin_profile:
-        from conformance.builtin_profile import profile as run_profile
-
-        profile = run_profile()
     agreed = agreement(collected.measurements, backends)
     data = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -200,7 +206,6 @@ def main(argv: list[str]) -> int:
         "known_failures": grouped_known_failures(rows),
         "agreement": agreed,
         "measurements": collected.measurements,
-        "builtin_profile": profile,
         "pictures": draw_pictures(args.out, agreed),
         "tests": rows,
     }

@@ -54,6 +54,9 @@ class Collector:
         reason = message = ""
         if hasattr(report, "wasxfail"):
             result, reason = "xfailed", report.wasxfail
+            # The known failure's stored reason, and what the test said this time.
+            crash = getattr(report.longrepr, "reprcrash", None)
+            message = crash.message if crash else ""
         elif report.skipped and isinstance(report.longrepr, tuple):
             reason = report.longrepr[2].removeprefix("Skipped: ")
         elif report.failed:

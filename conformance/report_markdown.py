@@ -2,8 +2,7 @@
 
 Verdict per backend first; then the clause table, known failures and skips (grouped by the
 missing capability), what failed with its replay, cross-framework agreement on the
-outputs and the gradients, the pairwise tests, the frameworks' own functions, and the
-pictures.
+outputs and the gradients, the pairwise tests, and the pictures.
 """
 
 from __future__ import annotations
@@ -60,7 +59,6 @@ def render_markdown(data: dict) -> str:
     lines += render_agreement(agreement.get("outputs", {}), pictures, "outputs")
     lines += render_agreement(agreement.get("gradients", {}), pictures, "gradients")
     lines += render_pairs(data["clauses"])
-    lines += render_profile(data.get("builtin_profile"))
     if "masks" in pictures:
         lines += [
             "## Pictures",
@@ -289,23 +287,3 @@ def render_pairs(clauses: dict) -> list[str]:
         lines.append(f"| {pair} | {cell['passed']} | {cell['failed']} | {cell['skipped']} |")
     lines.append("")
     return lines
-
-
-def render_profile(profile: dict | None) -> list[str]:
-    if not profile:
-        return []
-    from conformance.builtin_profile import render_markdown as render_table
-
-    return [
-        "## The frameworks' own functions, as they are",
-        "",
-        "Not our backends: the raw functions called directly on inputs that expose where "
-        "frameworks differ, to show where each deviates from the spec. Information only: "
-        "nothing here fails the run. ✅ what the spec requires, ❌ a deviation (what it does "
-        "instead). Versions: "
-        + ", ".join(f"{n} ({v})" for n, v in profile["functions"].items())
-        + ".",
-        "",
-        *render_table(profile),
-        "",
-    ]

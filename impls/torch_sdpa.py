@@ -224,10 +224,10 @@ def attention(
 
     # SDPA's CPU flash kernel returns 0 for a row whose every score is NaN (a NaN query,
     # or a row whose keys all hold a NaN), as if the row had no key: measured with torch
-    # 2.13 (conformance/builtin_profile.py). A NaN must never become a number (§4.9), so
-    # when q, k or the mask hold one, the rows that came back all 0 are computed again on
-    # SDPA's math backend, which propagates it; without a NaN this costs one pass over q
-    # and k.
+    # 2.13 (the torch.sdpa profile fails test_nan_propagates). A NaN must never become a
+    # number (§4.9), so when q, k or the mask hold one, the rows that came back all 0 are
+    # computed again on SDPA's math backend, which propagates it; without a NaN this
+    # costs one pass over q and k.
     if _has_nan(q, k, attn_mask):
         zero_rows = (out == 0).all(dim=-1, keepdim=True)  # (B, H, T, 1)
         if bool(zero_rows.any()):

@@ -1,75 +1,146 @@
-"""The README's table of how the frameworks' own functions differ is a measurement: its
-cells are what ``python -m conformance frameworks`` measures on the installed versions."""
+"""The README's table of how other libraries' functions meet the spec is made from a run of
+the spec on their profiles (``python -m conformance frameworks``; ``tox -e frameworks``
+checks the committed table against a fresh run). Here: how a run becomes the table, and
+how its failures become a profile's known failures."""
 
 from __future__ import annotations
 
-import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from conformance import frameworks
+from conformance.profiles import _pattern, read_profile, shipped_profiles
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="session")
-def measured(once) -> dict:
-    """One measurement per test run, shared by the pytest-xdist workers."""
-
-    def measure(work: Path) -> None:
-        (work / "measured.json").write_text(json.dumps(frameworks.measure()))
-
-    return json.loads((once("frameworks-measured", measure) / "measured.json").read_text())
-
-
-def test_the_readme_table_is_what_a_fresh_measurement_gives(measured):
-    """Cells only: the header's versions may differ on another machine. A cell that
-    differs means the README's claim is not what the installed framework does: rerun
-    ``python -m conformance frameworks --readme README.md``."""
-    print("measured on:", ", ".join(measured["functions"].values()))
-    assert set(frameworks.FRAMEWORKS) <= set(measured["functions"]), (
-        "the table's frameworks must be installed to be measured"
-    )
-    committed = frameworks.cells((ROOT / "README.md").read_text())
-    fresh = frameworks.cells(frameworks.table(measured))
-    assert committed, "no table between the README's frameworks-table markers"
-    differ = {
-        key: (committed.get(key), fresh.get(key))
-        for key in committed.keys() | fresh.keys()
-        if committed.get(key) != fresh.get(key)
+def _row(backend, test, clause, outcome, message=""):
+    return {
+        "backend": backend,
+        "test": f"conformance/tests/test_x.py::{test}",
+        "clause": clause,
+        "outcome": outcome,
+        "reason": "",
+        "message": message,
     }
-    assert not differ, f"README cell (row, column): (committed, measured): {differ}"
 
 
-def test_rewriting_the_readme_changes_only_the_table(tmp_path, measured):
+def _data(rows):
+    return {"versions": {"torch": "9.9"}, "tests": rows}
+
+
+@pytest.mark.parametrize(
+    "message, words",
+    [
+        ("Failed: DID NOT RAISE any of (ValueError, TypeError)", "accepts it (no error)"),
+        ("raised ValueError, expected TypeError: value shape", "raises ValueError"),
+        ("RuntimeError: Expected size for first two dimensions", "raises RuntimeError"),
+        (
+            "fully masked rows [0, 3] should be exactly 0 (bool-mask)",
+            "not zero where nothing is attended",
+        ),
+        ("NaN disappeared at [[0, 1]] (got [0.])", "a NaN becomes a number"),
+        ("max abs error 3.1e-05 at index (0, 1)", "outside the tolerance"),
+    ],
+)
+def test_a_failure_is_described_in_words_without_numbers(message, words):
+    assert frameworks.describe(message) == words
+    assert not any(ch.isdigit() for ch in words)
+
+
+def test_cells_say_passes_fails_or_not_declared():
+    rows = [
+        _row("torch.sdpa", "test_a[torch.sdpa-1]", "4.3", "passed"),
+        _row("torch.sdpa", "test_a[torch.sdpa-2]", "4.3", "xfailed", "DID NOT RAISE"),
+        _row("torch.sdpa", "test_b[torch.sdpa]", "2.5", "passed"),
+        _row("torch.sdpa", "test_c[torch.sdpa]", "3.6", "skipped"),
+        _row("numpy", "test_a[numpy-1]", "4.3", "failed", "DID NOT RAISE"),  # not a profile
+    ]
+    found = frameworks.matrix(_data(rows))
+    assert set(found["functions"]) == set(shipped_profiles())
+    assert "torch 9.9" in found["functions"]["torch.sdpa"]
+    cells = {clause: by_name["torch.sdpa"] for clause, by_name in found["clauses"].items()}
+    assert cells == {
+        "4.3": (frameworks.FAIL, "1/2: accepts it (no error)"),
+        "2.5": (frameworks.PASS, ""),
+        "3.6": (frameworks.NONE, "not declared"),
+    }
+    table = frameworks.table(found)
+    assert "| §4.3 " in table and "❌ 1/2: accepts it (no error)" in table
+    assert "| §2.5 " not in table and "§2.5" in table.splitlines()[-1]  # passed by all: listed
+
+
+def test_marks_read_back_and_the_readme_rewrites_only_the_table(tmp_path):
+    rows = [
+        _row("torch.sdpa", "test_a[torch.sdpa]", "4.3", "xfailed", "DID NOT RAISE"),
+        _row(
+            "jax.nn.dot_product_attention", "test_a[jax.nn.dot_product_attention]", "4.3", "passed"
+        ),
+    ]
+    found = frameworks.matrix(_data(rows))
+    marks = frameworks.marks(frameworks.block(found))
+    assert marks["§4.3", "torch.sdpa"] == frameworks.FAIL
+    assert marks["§4.3", "jax.nn.dot_product_attention"] == frameworks.PASS
     readme = tmp_path / "README.md"
     readme.write_text(
         f"# Title\n\nbefore\n\n{frameworks.START}\nstale | table\n{frameworks.END}\n\nafter\n"
     )
-    assert frameworks.rewrite_readme(readme, measured)
+    assert frameworks.rewrite_readme(readme, found)
     text = readme.read_text()
     assert text.startswith("# Title\n\nbefore\n\n") and text.endswith("\n\nafter\n")
-    assert "stale" not in text
-    assert frameworks.cells(text) == frameworks.cells(frameworks.table(measured))
-    assert not frameworks.rewrite_readme(readme, measured)  # a second run changes nothing
+    assert "stale" not in text and frameworks.marks(text) == marks
+    assert not frameworks.rewrite_readme(readme, found)  # a second run changes nothing
 
 
-def test_every_row_names_its_inputs_and_every_cell_is_measured(measured):
-    """The rows come from the profile's edge cases, each with what the functions are
-    given; a cell is a label of what the function returned or raised, with no error size
-    (those change with the machine; the report shows them)."""
-    table = frameworks.table(measured)
-    assert len(table.splitlines()) == 2 + len(measured["cases"])
-    for row in measured["cases"]:
-        assert row["fixture"] in row["inputs"], row["case"]
-        for name in frameworks.FRAMEWORKS:
-            result = row["results"][name]
-            assert result["summary"] and result["observed"], (row["case"], name)
-            assert "eps" not in result["summary"], (row["case"], name)
-    # The claim the README once had by hand and got wrong: "PyTorch SDPA: causal with
-    # T ≠ S, top-left only". torch 2.13 (pinned) has a bottom-right causal mask,
-    # torch.nn.attention.bias.causal_lower_right, and SDPA follows it.
-    by_case = {row["case"]: row["results"] for row in measured["cases"]}
-    bottom_right = by_case["causal bottom-right, T=13 > S=7"]["torch SDPA"]
-    assert bottom_right["conforms"] and "causal_lower_right" in bottom_right["summary"]
+def test_the_readme_table_has_a_column_per_shipped_profile():
+    """The committed table is a run of every shipped profile (``tox -e frameworks`` checks
+    its marks against a fresh run; here, that it has them all)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    marks = frameworks.marks(text)
+    assert marks, "no table between the README's frameworks-table markers"
+    assert {name for _, name in marks} == set(shipped_profiles())
+    assert set(marks.values()) <= {frameworks.PASS, frameworks.FAIL, frameworks.NONE}
+
+
+def test_known_failures_cover_exactly_what_failed(tmp_path):
+    """A function whose every run fails gets one wildcard entry; otherwise one entry per
+    failing test; and the entries, as the plugin matches them, hit the failures only."""
+    p = "torch.sdpa"
+    rows = [
+        _row(p, f"test_all[{p}-a]", "4.3", "failed", "fully masked rows should be exactly 0"),
+        _row(p, f"test_all[{p}-b]", "4.3", "failed", "fully masked rows should be exactly 0"),
+        _row(p, f"test_all[{p}-c]", "4.3", "skipped"),
+        _row(p, f"test_some[{p}-a]", "8.1", "failed", "DID NOT RAISE"),
+        _row(p, f"test_some[{p}-b]", "8.1", "passed"),
+        _row(p, f"test_ok[{p}]", "2.5", "passed"),
+    ]
+    entries = frameworks.known_failures(_data(rows), p)
+    assert set(entries) == {f"test_all[{p}-*]", f"test_some[{p}-a]"}
+    assert entries[f"test_some[{p}-a]"].startswith("SPEC §8.1 ")
+    assert "DID NOT RAISE" in entries[f"test_some[{p}-a]"]
+    assert "(and 1 more like it)" in entries[f"test_all[{p}-*]"]
+    for row in rows:
+        name = row["test"].rpartition("::")[2]
+        hit = any(_pattern(entry).match(name) for entry in entries)
+        if row["outcome"] != "skipped":  # a skip is a skip with or without an entry
+            assert hit == (row["outcome"] == "failed"), name
+
+
+def test_writing_known_failures_keeps_the_rest_of_the_profile(tmp_path):
+    path = tmp_path / "torch.sdpa.toml"
+    shutil.copy(read_profile("torch.sdpa").path, path)
+    before = read_profile(path)
+    entries = {"test_x[torch.sdpa-*]": 'SPEC §4.3 Fully masked rows are 0: "quoted" \\ text'}
+    frameworks.write_known_failures(path, entries)
+    after = read_profile(path)
+    assert after.known_failures == entries
+    assert (after.target, after.call, after.capabilities, after.dtypes) == (
+        before.target,
+        before.call,
+        before.capabilities,
+        before.dtypes,
+    )
+    head = path.read_text().split("[known_failures]")[0]
+    assert head == before.path.read_text().split("[known_failures]")[0]

@@ -244,7 +244,6 @@ def test_report_runs_anywhere(installed, tmp_path):
         "mypkg.attn:attention",
         "--out",
         str(tmp_path / "report"),
-        "--no-builtin-profile",
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert (tmp_path / "report" / "report.md").exists()

@@ -278,16 +278,21 @@ def _pattern(text: str) -> re.Pattern:
     return re.compile(".*".join(re.escape(part) for part in text.split("*")) + r"\Z")
 
 
-def mark_items(items: list, loaded: list[Profile], unavailable: list[Profile]) -> list[str]:
+def mark_items(
+    items: list, loaded: list[Profile], unavailable: list[Profile], known: bool = True
+) -> list[str]:
     """Mark the tests of the profiles' backends: known failures as strict xfails (with
-    their reason), every test of an unavailable profile as skipped (naming what is
-    missing). Returns the known-failure entries that match no test, "profile: pattern".
+    their reason; not when ``known`` is False), every test of an unavailable profile as
+    skipped (naming what is missing). Returns the known-failure entries that match no
+    test, "profile: pattern".
     """
     import pytest
 
     from conformance.known_failures import known_failure_keys
 
-    patterns = {(p.name, text): _pattern(text) for p in loaded for text in p.known_failures}
+    patterns = {
+        (p.name, text): _pattern(text) for p in loaded if known for text in p.known_failures
+    }
     reasons = {p.name: p.known_failures for p in loaded}
     used: set[tuple[str, str]] = set()
     skipped = {p.name: skip_reason(p) for p in unavailable}

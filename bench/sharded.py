@@ -1,7 +1,8 @@
 """Ring attention across P devices: per-device memory, bytes sent, causal load balance.
 
     python -m conformance.bench.sharded                      # T = S = 4096, 16384; P = 1, 2, 4, 8
-    python -m conformance.bench.sharded --lengths 4096 65536 --run
+    python -m conformance.bench.sharded --lengths 4096 16384 65536 --out docs/benchmark-sharded
+    python -m conformance.bench.sharded --lengths 4096 --run  # also one timed call
 
 A command, not a test. For each P, T = S and layout, on P simulated CPU devices
 (``jax_num_cpu_devices = 8``), float32, B = 1, H = 8, D = E = 64, causal:
@@ -17,15 +18,19 @@ A command, not a test. For each P, T = S and layout, on P simulated CPU devices
   computes, counted with the very predicate the ring uses to skip a block, for the
   contiguous and zigzag layouts (most and least per device).
 
-Compiling needs no run; ``--run`` also times one call. Wall time on simulated devices that
-share a few CPU cores is not a speed result: it is reported as such.
+Compiling needs no run (nothing of that size is allocated); ``--run`` also times one
+call. Wall time on simulated devices that share a few CPU cores is not a speed result: it
+is reported as such. ``--out DIR`` writes ``results.json``, ``results.md`` and, with
+matplotlib, ``memory_vs_P.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -79,7 +84,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--run", action="store_true", help="also time one call (not a speed result)"
     )
+    parser.add_argument("--out", type=Path, help="write results.json, results.md and a plot here")
     args = parser.parse_args(argv)
+    rows = []
 
     import jax
     from conformance.impls import jax_ring
@@ -116,11 +123,73 @@ def main(argv: list[str] | None = None) -> None:
                     f"{sent / 2**20:>9.2f} {formula / 2**20:>11.2f} "
                     f"{max(blocks):>7}/{min(blocks):<6}"
                 )
+                row = {
+                    "T": T, "P": P, "layout": layout, "memory_bytes": per_device,
+                    "sent_bytes": sent, "formula_bytes": formula,
+                    "blocks_max": max(blocks), "blocks_min": min(blocks),
+                }  # fmt: skip
                 if args.run:
                     start = time.perf_counter()
                     jax.block_until_ready(fn(*placed))
-                    line += f" {time.perf_counter() - start:>8.2f}"
+                    row["wall_s_not_speed"] = time.perf_counter() - start
+                    line += f" {row['wall_s_not_speed']:>8.2f}"
+                rows.append(row)
                 print(line, flush=True)
+    if args.out:
+        _write(args.out, rows, argv)
+
+
+def _write(out: Path, rows: list[dict], argv: list[str] | None) -> None:
+    import jax
+
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python -m conformance.bench.sharded " + " ".join(argv or [])
+    (out / "results.json").write_text(
+        json.dumps({"command": command, "jax": jax.__version__, "rows": rows}, indent=1) + "\n"
+    )
+    lines = [
+        "# Ring attention across P devices (jax-ring)",
+        "",
+        f"`{command}` (jax {jax.__version__}; simulated CPU devices). Per device, float32, "
+        "B = 1, H = K = 8, D = E = 64, causal. Memory: XLA's `memory_analysis()` of the "
+        "compiled per-device program (arguments + outputs + temporaries); sent: the "
+        "`collective-permute` operands of the compiled program times the P − 1 ring steps, "
+        "beside the formula (P − 1)·(S/P)·(K·(D + E)·4 + 4); blocks: (query piece, key "
+        "piece) blocks a device computes, most/least over devices.",
+        "",
+        "| T = S | P | layout | memory MiB | sent MiB | formula MiB | blocks max/min |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['T']} | {r['P']} | {r['layout']} | {r['memory_bytes'] / 2**20:.1f} | "
+            f"{r['sent_bytes'] / 2**20:.2f} | {r['formula_bytes'] / 2**20:.2f} | "
+            f"{r['blocks_max']}/{r['blocks_min']} |"
+        )
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for T in sorted({r["T"] for r in rows}):
+        pts = [
+            (r["P"], r["memory_bytes"] / 2**20)
+            for r in rows
+            if r["T"] == T and r["layout"] == "zigzag"
+        ]
+        ax.plot(*zip(*pts), marker="o", label=f"T = S = {T}")
+    Ps = sorted({r["P"] for r in rows})
+    ax.set(xscale="log", yscale="log", xlabel="P devices", ylabel="per-device memory (MiB)")
+    ax.set_xticks(Ps, [str(P) for P in Ps])
+    ax.set_title("jax-ring, causal, zigzag: XLA memory_analysis per device")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "memory_vs_P.png", dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

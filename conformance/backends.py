@@ -513,19 +513,26 @@ class TorchRingBackend(_TorchBackend):
     ``load_backend("torch-ring", shards=P, layout=...)`` (``world_size=P`` is the same);
     left out, P = 4 and the zigzag layout. The pool starts on first use, is reused, and
     stops at exit; a dead worker raises ``WorkerDied`` and the next call starts a new one.
-    Forward only: autograd does not differentiate point-to-point communication.
+    The backward pass is a second ring, written by hand (autograd does not differentiate
+    point-to-point communication).
     """
 
     name = "torch-ring"
-    capabilities = (ALL_CAPABILITIES - {"dropout", "module"}) | {"sharded"}
+    capabilities = (
+        (ALL_CAPABILITIES - {"dropout", "module"})
+        | (GRAD_CAPABILITIES - {"module_grad"})
+        | {"sharded"}
+    )
     conformance_options = MappingProxyType({"shards": 3, "layout": "zigzag"})
+    default_shards = 4
 
     def __init__(
         self, *, shards: int | None = None, world_size: int | None = None, layout: str = "zigzag"
     ) -> None:
         super().__init__()
         self.impl = importlib.import_module("conformance.impls.torch_ring")
-        P = shards if shards is not None else world_size if world_size is not None else 4
+        P = shards if shards is not None else world_size
+        P = self.default_shards if P is None else P
         if isinstance(P, bool) or not isinstance(P, int) or P < 1:
             raise ValueError(f"shards should be a positive int (P processes), got {P!r}")
         if layout not in self.impl.LAYOUTS:
@@ -544,9 +551,8 @@ class TorchRingBackend(_TorchBackend):
         return self.impl.attention(q, k, v, world_size=self.shards, layout=self.layout, **options)
 
     def _attention_vjp(self, q, k, v, d_out, **options):
-        raise NotImplementedError(
-            f"{self.name} does not declare the 'grad' capability: autograd does not "
-            f"differentiate its point-to-point ring"
+        return self.impl.attention_vjp(
+            q, k, v, d_out, world_size=self.shards, layout=self.layout, **options
         )
 
 
@@ -647,6 +653,7 @@ BUILTIN: dict[str, type[Backend]] = {
     **{f"jax-ring-p{P}": _at_shards(JaxRingBackend, P) for P in (1, 2, 3)},
     "jax-ulysses": JaxUlyssesBackend,
     "torch-ring": TorchRingBackend,
+    **{f"torch-ring-p{P}": _at_shards(TorchRingBackend, P) for P in (1, 2, 4)},
 }
 #: The framework each built-in backend needs, to tell "not installed" from "broken".
 REQUIRES = {
@@ -659,6 +666,7 @@ REQUIRES = {
     **{f"jax-ring-p{P}": "jax" for P in (1, 2, 3)},
     "jax-ulysses": "jax",
     "torch-ring": "torch",
+    **{f"torch-ring-p{P}": "torch" for P in (1, 2, 4)},
 }
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from conformance.backends import CAPABILITIES, DTYPES, BackendUnavailable, load_backend
-from conformance.report_agreement import agreement
+from conformance.report_agreement import agreement, shard_counts
 from conformance.report_collect import OUTCOMES, run_tests, xdist_installed
 from conformance.report_markdown import render_markdown
 from conformance.report_outcomes import (
@@ -205,6 +205,7 @@ def main(argv: list[str]) -> int:
         "skips": grouped_skips(rows, declared),
         "known_failures": grouped_known_failures(rows),
         "agreement": agreed,
+        "shard_counts": shard_counts(collected.measurements),
         "measurements": collected.measurements,
         "pictures": draw_pictures(args.out, agreed),
         "tests": rows,

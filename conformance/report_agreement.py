@@ -18,7 +18,13 @@ from conformance.backends import DTYPES
 QUANTITIES = ("outputs", "gradients")
 
 
+#: The quantity of a sharded backend's output compared with its own P = 1 output (§14.2).
+VS_ONE_SHARD = "vs P=1"
+
+
 def quantity_of(measurement: dict) -> str:
+    if measurement["quantity"] == VS_ONE_SHARD:
+        return "shards"
     return "outputs" if measurement["quantity"] == "out" else "gradients"
 
 
@@ -89,3 +95,21 @@ def names_in(block: dict) -> list[str]:
             if name not in names:
                 names.append(name)
     return names
+
+
+def shard_counts(measurements: list[dict]) -> dict[str, dict[str, dict]]:
+    """{backend: {P: summary}}: each sharded backend's worst output difference from its
+    own P = 1 output over the variants and dtypes tested (SPEC §14.2); the case names P
+    first ("P=3 causal")."""
+    grouped: dict = {}
+    for m in measurements:
+        if quantity_of(m) == "shards":
+            P = m["case"].split()[0].removeprefix("P=")
+            grouped.setdefault(m["backend"], {}).setdefault(P, []).append(m)
+    return {
+        backend: {
+            P: {"comparisons": len(found), **_worst(found)}
+            for P, found in sorted(by_p.items(), key=lambda item: int(item[0]))
+        }
+        for backend, by_p in grouped.items()
+    }

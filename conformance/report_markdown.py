@@ -58,6 +58,7 @@ def render_markdown(data: dict) -> str:
     agreement = data.get("agreement", {})
     lines += render_agreement(agreement.get("outputs", {}), pictures, "outputs")
     lines += render_agreement(agreement.get("gradients", {}), pictures, "gradients")
+    lines += render_shard_counts(data.get("shard_counts", {}))
     lines += render_pairs(data["clauses"])
     if "masks" in pictures:
         lines += [
@@ -219,6 +220,30 @@ _AGREEMENT_INTRO = {
         "parameter gradients (SPEC §12.10). Only backends declaring `grad` appear.",
     ),
 }
+
+
+def render_shard_counts(by_backend: dict[str, dict]) -> list[str]:
+    if not by_backend:
+        return []
+    lines = [
+        "## Shard-count invariance (SPEC §14.2)",
+        "",
+        "Each sharded backend's output at P devices against its own output at P = 1, on the "
+        "same inputs: the worst over the variants and dtypes tested, as a fraction of the "
+        "test's tolerance (twice §7's, whatever P: it does not widen with P), with the "
+        "variant that gave it.",
+        "",
+        "| backend | P | worst difference from P = 1 | in eps | fraction of tolerance | comparisons |",
+        "|---|---|---|---|---|---|",
+    ]
+    for backend, by_p in by_backend.items():
+        for P, s in by_p.items():
+            lines.append(
+                f"| {backend} | {P} | {s['error']:.3g} (`{s['case']}`) | {s['error_eps']:.3g} | "
+                f"{s['fraction_of_tolerance']:.3g} | {s['comparisons']} |"
+            )
+    lines.append("")
+    return lines
 
 
 def _at(s: dict) -> str:

@@ -38,8 +38,21 @@ Tl, Sl the per-rank slice lengths.
 
 Supports: bool and float masks, causal (both alignments), windows, softcap, GQA (no
 repeated heads built), every dtype (computed in float32 or float64, rounded once),
-unbatched inputs. Not supported: dropout, and the backward pass (autograd does not
-differentiate point-to-point communication; a hand-written ring backward is future work).
+unbatched inputs, and the backward pass. Not supported: dropout.
+
+The backward (``ring_attention_backward``) is a second ring, written by hand because
+autograd does not differentiate point-to-point communication. The forward's per-row
+log-sum-exp L = m + log l fixes every weight on its own, P = exp(x − L), so each key/value
+block's share of the gradient needs only that block (numpy_attention_backward.py derives
+the steps):
+
+    dV_j += Pᵀ·dO        dP = dO·V_jᵀ        dZ = P ⊙ (dP − rowsum(dO ⊙ O))
+    dK_j += dRᵀ·q        dq += dR·K_j        (dR: dZ through softcap and the scale)
+
+dq stays on its rank; dK_j and dV_j travel round the ring with block j, each rank adding
+its rows' share, and after the last step one more hop brings them home to the block's
+owner. Every step computes with the block it holds, so a stale block cannot pass
+(SPEC §14.4).
 """
 
 from __future__ import annotations
@@ -71,6 +84,13 @@ def ring_attention(q, k, v, tpos, spos, mask, *, opts: dict, pieces: int) -> tor
     Tl|1, Sp|1) or None: this rank's rows, every column in the layout's order. The
     process group is the default one; every rank calls this with its own shard.
     """
+    out, _ = _ring_forward(q, k, v, tpos, spos, mask, opts=opts, pieces=pieces)
+    return out  # (B, H, Tl, E)
+
+
+def _ring_forward(q, k, v, tpos, spos, mask, *, opts: dict, pieces: int):
+    """The forward ring: (out (B, H, Tl, E), lse (B, H, Tl)), lse = -inf for a row with
+    no key."""
     P, me = dist.get_world_size(), dist.get_rank()
     B, H, Tl, D = q.shape
     _, K, Sl, _ = k.shape
@@ -163,12 +183,126 @@ def ring_attention(q, k, v, tpos, spos, mask, *, opts: dict, pieces: int) -> tor
         if pending:
             k, v, spos = nxt
 
-    outs = []
-    for _, l, acc in carry:
+    outs, lses = [], []
+    for m, l, acc in carry:
         # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
         acc = acc / torch.where(l > 0, l, 1.0)[..., None]  # (B, K, G·Tc, E)
         outs.append(acc.reshape(B, K, G, Tc, E))
-    return torch.cat(outs, dim=3).reshape(B, H, Tl, E)  # (B, H, Tl, E)
+        m_safe = torch.where(torch.isfinite(m), m, 0.0)  # (B, K, G·Tc)
+        lse = torch.where(l > 0, m_safe + torch.log(torch.where(l > 0, l, 1.0)), -torch.inf)
+        lses.append(lse.reshape(B, K, G, Tc))
+    out = torch.cat(outs, dim=3).reshape(B, H, Tl, E)  # (B, H, Tl, E)
+    return out, torch.cat(lses, dim=3).reshape(B, H, Tl)  # (B, H, Tl)
+
+
+def ring_attention_backward(q, k, v, tpos, spos, mask, d_out, *, opts: dict, pieces: int):
+    """One rank's share of the backward: (dq, dk, dv, dmask or None).
+
+    The arguments are ``ring_attention``'s and d_out (B, H, Tl, E), this rank's rows of
+    ∂L/∂out. dq (B, H, Tl, D) is this rank's rows; dk (B, K, Sl, D) and dv (B, K, Sl, E)
+    are its own key/value slice's, summed over every rank's queries; dmask (B, H, Tl, Sp)
+    with a float mask: its rows, every column in the layout's order.
+    """
+    P, me = dist.get_world_size(), dist.get_rank()
+    out, lse = _ring_forward(q, k, v, tpos, spos, mask, opts=opts, pieces=pieces)
+    B, H, Tl, D = q.shape
+    _, K, Sl, _ = k.shape
+    G = H // K
+    Tc, Sc = Tl // pieces, Sl // pieces
+    work = q.dtype
+    float_mask = mask is not None and mask.dtype != torch.bool
+    k, v, spos = (x.contiguous() for x in (k, v, spos))
+
+    def piece(x, a):  # (B, H, Tl, ·) -> (B, K, G·Tc, ·): query piece a, grouped by kv head
+        x = x.reshape(B, K, G, Tl, *x.shape[3:])[:, :, :, a * Tc : (a + 1) * Tc]
+        return x.reshape(B, K, G * Tc, *x.shape[4:])
+
+    qs = q * opts["scale"]  # (B, H, Tl, D)
+    # 5'. The softmax's row term, rowsum(dO ⊙ O): one dot product per row.
+    d_row = (d_out * out).sum(dim=-1)  # (B, H, Tl)
+    lse = torch.where(torch.isfinite(lse), lse, torch.inf)  # a row with no key: P = 0
+    dq = torch.zeros((B, H, Tl, D), dtype=work)
+    dmask = torch.zeros((B, H, Tl, P * Sl), dtype=work) if float_mask else None
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # travel with their block
+
+    def allowed_keys(tp, sp):
+        distance = sp[None, :] - (tp[:, None] + opts["offset"])  # (Tc, Sc)
+        padding = (tp < opts["T"])[:, None] & (sp < opts["S"])[None, :]  # (Tc, Sc)
+        return padding & (distance >= opts["lo"]) & (distance <= opts["hi"])
+
+    for step in range(P):
+        src = (me - step) % P  # whose key/value slice this rank holds now
+        for a in range(pieces):
+            tp = tpos[a * Tc : (a + 1) * Tc]  # (Tc,)
+            for b in range(pieces):
+                cols = slice(b * Sc, (b + 1) * Sc)
+                sp = spos[cols]  # (Sc,)
+                allowed = allowed_keys(tp, sp)  # (Tc, Sc)
+                if not allowed.any():
+                    continue
+                mb = None
+                if mask is not None:
+                    mb = mask if mask.shape[2] == 1 else mask[:, :, a * Tc : (a + 1) * Tc]
+                    if mb.shape[3] != 1:
+                        start = src * Sl + b * Sc
+                        mb = mb[..., start : start + Sc]  # (B|1, H|1, Tc|1, Sc)
+                    mb = _grouped(mb, K, G)  # (B|1, K|1, G|1, Tc|1, Sc|1)
+                    allowed = allowed & (mb if mb.dtype == torch.bool else mb != -torch.inf)
+                used = allowed.any(dim=-2) if allowed.ndim == 2 else allowed.any(dim=-2).any(dim=-2)
+                kb = torch.where(used[..., None], k[:, :, cols], 0.0)  # (B, K, Sc, D)
+                vb = torch.where(used[..., None], v[:, :, cols], 0.0)  # (B, K, Sc, E)
+
+                # Forward steps 1-5 again for this block: raw scores, weights from lse.
+                qa = piece(qs, a)  # (B, K, G·Tc, D)
+                raw = torch.einsum("bkrd,bksd->bkrs", qa, kb)  # (B, K, G·Tc, Sc)
+                x = raw
+                if opts["softcap"] is not None:
+                    x = opts["softcap"] * torch.tanh(raw / opts["softcap"])
+                x = x.reshape(B, K, G, Tc, Sc)  # (B, K, G, Tc, Sc)
+                if float_mask:
+                    x = x + mb
+                x = torch.where(allowed, x, -torch.inf).reshape(B, K, G * Tc, Sc)
+                p = torch.exp(x - piece(lse, a)[..., None])  # (B, K, G·Tc, Sc)
+
+                # 7'. dV = Pᵀ·dO, and dP = dO·Vᵀ.
+                do = piece(d_out, a)  # (B, K, G·Tc, E)
+                dv_b = torch.einsum("bkrs,bkre->bkse", p, do)  # (B, K, Sc, E)
+                dp = torch.einsum("bkre,bkse->bkrs", do, vb)  # (B, K, G·Tc, Sc)
+                # 5'. dZ = P ⊙ (dP − rowsum(dO ⊙ O)).
+                dz = p * (dp - piece(d_row, a)[..., None])  # (B, K, G·Tc, Sc)
+                # 4'. A float mask was added to the scores: its gradient is dZ.
+                if float_mask:
+                    rows = slice(a * Tc, (a + 1) * Tc)
+                    start = src * Sl + b * Sc
+                    dmask[:, :, rows, start : start + Sc] = dz.reshape(B, H, Tc, Sc)
+                # 3'. Softcap: d/dR of c·tanh(R/c) is 1 − tanh²(R/c).
+                if opts["softcap"] is not None:
+                    dz = dz * (1.0 - torch.tanh(raw / opts["softcap"]) ** 2)
+                # 2'-1'. The scale is folded into qa; dq gets it once at the end.
+                dq_a = torch.einsum("bkrs,bksd->bkrd", dz, kb)  # (B, K, G·Tc, D)
+                dq_a = dq_a.reshape(B, K, G, Tc, D).reshape(B, H, Tc, D)
+                dq[:, :, a * Tc : (a + 1) * Tc] += dq_a
+                dk_b = torch.einsum("bkrs,bkrd->bksd", dz, qa)  # (B, K, Sc, D)
+                # The slots replaced by 0 get nothing back.
+                dk[:, :, cols] += torch.where(used[..., None], dk_b, 0.0)
+                dv[:, :, cols] += torch.where(used[..., None], dv_b, 0.0)
+        if step < P - 1:
+            # The block and its gradients so far go on to r + 1; r − 1's arrive here.
+            k, v, spos, dk, dv = _pass_on((k, v, spos, dk, dv), me, P)
+    if P > 1:
+        # One more hop: the gradients of the block held now belong to rank r + 1.
+        dk, dv = _pass_on((dk, dv), me, P)
+    return dq * opts["scale"], dk, dv, dmask
+
+
+def _pass_on(tensors, me: int, P: int):
+    """Send each tensor to rank r + 1 and receive rank r − 1's in its place."""
+    nxt = [torch.empty_like(x) for x in tensors]
+    ops = [dist.P2POp(dist.isend, x.contiguous(), (me + 1) % P) for x in tensors]
+    ops += [dist.P2POp(dist.irecv, x, (me - 1) % P) for x in nxt]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    return nxt
 
 
 def _grouped(x, K: int, G: int):
@@ -204,52 +338,123 @@ def attention(
         causal_alignment=causal_alignment, window=window, softcap=softcap,
         dropout_p=dropout_p, unsupported={"dropout_p": "torch-ring has no dropout"},
     )  # fmt: skip
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout should be one of {LAYOUTS}, got {layout!r}")
-    P = world_size
-    out_dtype = q.dtype
-    if call.unbatched:
-        q, k, v = q[None], k[None], v[None]
-    # Low precision is computed in float32 (inputs are exact there) and rounded once.
-    work = np.float64 if out_dtype == np.float64 else np.float32
-    pieces = 2 if layout == "zigzag" else 1
-    perm_t, perm_s = _perm(call.T, P, pieces, layout), _perm(call.S, P, pieces, layout)
-    q = _permute(q.astype(work), 2, perm_t)  # (B, H, Tp, D)
-    k = _permute(k.astype(work), 2, perm_s)  # (B, K, Sp, D)
-    v = _permute(v.astype(work), 2, perm_s)  # (B, K, Sp, E)
-    if mask is not None:
-        mask = mask.reshape(call.mask_shape)
-        mask = mask if mask.dtype == np.bool_ else mask.astype(work)
-        if mask.shape[2] != 1:
-            mask = _permute(mask, 2, perm_t)
-        if mask.shape[3] != 1:
-            mask = _permute(mask, 3, perm_s)
-    left, right = call.window if call.window is not None else (None, None)
-    hi = _FAR if right is None else right
-    opts = dict(
-        scale=call.scale,
-        softcap=call.softcap,
-        offset=0 if call.causal_alignment == "top_left" else call.S - call.T,
-        lo=-_FAR if left is None else -left,
-        hi=min(hi, 0) if call.is_causal else hi,
-        T=call.T,
-        S=call.S,
-    )
-    Tl, Sl = len(perm_t) // P, len(perm_s) // P
-    shards = []
-    for r in range(P):
-        rows = slice(r * Tl, (r + 1) * Tl)
-        cols = slice(r * Sl, (r + 1) * Sl)
-        m = None
-        if mask is not None:
-            m = mask if mask.shape[2] == 1 else mask[:, :, rows]
-        shards.append((q[:, :, rows], k[:, :, cols], v[:, :, cols], perm_t[rows], perm_s[cols], m))
-    outs = _pool(P).run(shards, opts, pieces)  # P × (B, H, Tl, E)
-    out = np.concatenate(outs, axis=2)  # (B, H, Tp, E), in the layout's order
-    back = np.empty_like(out)
-    back[:, :, perm_t] = out
-    out = back[:, :, : call.T].astype(out_dtype)  # (B, H, T, E)
+    ring = _Layout(call, q, k, v, mask, None, world_size, layout)
+    outs = _pool(ring.P).run("forward", ring.shards, ring.opts, ring.pieces)  # P × (B, H, Tl, E)
+    out = ring.rows_back(np.concatenate(outs, axis=2)).astype(q.dtype)  # (B, H, T, E)
     return out[0] if call.unbatched else out
+
+
+def attention_vjp(
+    q,
+    k,
+    v,
+    d_out,
+    *,
+    mask=None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    world_size: int = 2,
+    layout: str = "zigzag",
+) -> tuple[np.ndarray, ...]:
+    """The backward ring: (dq, dk, dv), and dmask with a float mask; NumPy in and out,
+    shaped and typed like q, k, v and the mask (summed over its broadcast axes)."""
+    q, k, v, d_out = np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(d_out)
+    mask = None if mask is None else np.asarray(mask)
+    call = contract.check(
+        q, k, v, mask=mask, is_causal=is_causal, scale=scale,
+        causal_alignment=causal_alignment, window=window, softcap=softcap, d_out=d_out,
+    )  # fmt: skip
+    ring = _Layout(call, q, k, v, mask, d_out, world_size, layout)
+    parts = _pool(ring.P).run("backward", ring.shards, ring.opts, ring.pieces)
+    dq = ring.rows_back(np.concatenate([g[0] for g in parts], axis=2))  # (B, H, T, D)
+    dk = ring.cols_back(np.concatenate([g[1] for g in parts], axis=2), 2)  # (B, K, S, D)
+    dv = ring.cols_back(np.concatenate([g[2] for g in parts], axis=2), 2)  # (B, K, S, E)
+    grads = [g.astype(q.dtype) for g in (dq, dk, dv)]
+    if call.unbatched:
+        grads = [g[0] for g in grads]
+    if mask is None or mask.dtype == np.bool_:
+        return tuple(grads)
+    d_full = ring.cols_back(ring.rows_back(np.concatenate([g[3] for g in parts], axis=2)), 3)
+    d_full = d_full[0] if call.unbatched else d_full  # (B, H, T, S) or (H, T, S)
+    return (*grads, _sum_to(d_full, mask.shape).astype(mask.dtype))
+
+
+class _Layout:
+    """The sequence laid out over P ranks: the shards each rank gets, and the way back."""
+
+    def __init__(self, call, q, k, v, mask, d_out, P: int, layout: str) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout should be one of {LAYOUTS}, got {layout!r}")
+        if call.unbatched:
+            q, k, v = q[None], k[None], v[None]
+            d_out = None if d_out is None else d_out[None]
+        # Low precision is computed in float32 (inputs are exact there) and rounded once.
+        work = np.float64 if q.dtype == np.float64 else np.float32
+        self.P, self.T, self.S = P, call.T, call.S
+        self.pieces = 2 if layout == "zigzag" else 1
+        self.perm_t = _perm(call.T, P, self.pieces, layout)
+        self.perm_s = _perm(call.S, P, self.pieces, layout)
+        q = _permute(q.astype(work), 2, self.perm_t)  # (B, H, Tp, D)
+        k = _permute(k.astype(work), 2, self.perm_s)  # (B, K, Sp, D)
+        v = _permute(v.astype(work), 2, self.perm_s)  # (B, K, Sp, E)
+        if d_out is not None:
+            d_out = _permute(d_out.astype(work), 2, self.perm_t)  # (B, H, Tp, E)
+        if mask is not None:
+            mask = mask.reshape(call.mask_shape)
+            mask = mask if mask.dtype == np.bool_ else mask.astype(work)
+            if mask.shape[2] != 1:
+                mask = _permute(mask, 2, self.perm_t)
+            if mask.shape[3] != 1:
+                mask = _permute(mask, 3, self.perm_s)
+        left, right = call.window if call.window is not None else (None, None)
+        hi = _FAR if right is None else right
+        self.opts = dict(
+            scale=call.scale,
+            softcap=call.softcap,
+            offset=0 if call.causal_alignment == "top_left" else call.S - call.T,
+            lo=-_FAR if left is None else -left,
+            hi=min(hi, 0) if call.is_causal else hi,
+            T=call.T,
+            S=call.S,
+        )
+        Tl, Sl = len(self.perm_t) // P, len(self.perm_s) // P
+        self.shards = []
+        for r in range(P):
+            rows = slice(r * Tl, (r + 1) * Tl)
+            cols = slice(r * Sl, (r + 1) * Sl)
+            m = None
+            if mask is not None:
+                m = mask if mask.shape[2] == 1 else mask[:, :, rows]
+            shard = (q[:, :, rows], k[:, :, cols], v[:, :, cols], self.perm_t[rows])
+            shard += (self.perm_s[cols], m)
+            if d_out is not None:
+                shard += (d_out[:, :, rows],)
+            self.shards.append(shard)
+
+    def rows_back(self, x: np.ndarray) -> np.ndarray:
+        """Axis 2 from the layout's order back to the original one, padding cut off."""
+        back = np.empty_like(x)
+        back[:, :, self.perm_t] = x
+        return back[:, :, : self.T]
+
+    def cols_back(self, x: np.ndarray, axis: int) -> np.ndarray:
+        """The key axis from the layout's order back to the original one, padding cut off."""
+        back = np.empty_like(x)
+        index = [slice(None)] * x.ndim
+        index[axis] = self.perm_s
+        back[tuple(index)] = x
+        index[axis] = slice(0, self.S)
+        return back[tuple(index)]
+
+
+def _sum_to(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Undo broadcasting: sum x over the axes along which an array of ``shape`` was broadcast."""
+    x = x.sum(axis=tuple(range(x.ndim - len(shape))))  # drop the leading axes
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    return x.sum(axis=axes, keepdims=True).reshape(shape)
 
 
 def _perm(n: int, P: int, pieces: int, layout: str) -> np.ndarray:
@@ -292,9 +497,9 @@ class _Pool:
         for p in self.procs:
             p.start()
 
-    def run(self, shards, opts, pieces) -> list[np.ndarray]:
+    def run(self, kind: str, shards, opts, pieces) -> list:
         for r, shard in enumerate(shards):
-            self.tasks[r].put((shard, opts, pieces))
+            self.tasks[r].put((kind, shard, opts, pieces))
         outs: dict[int, np.ndarray] = {}
         deadline = time.monotonic() + TIMEOUT_S
         while len(outs) < self.P:
@@ -370,15 +575,20 @@ def _worker(rank: int, P: int, port: int, tasks, results) -> None:
     )
     try:
         while (task := tasks.get()) is not None:
-            (q, k, v, tpos, spos, mask), opts, pieces = task
+            kind, shard, opts, pieces = task
             try:
-                to = torch.from_numpy
-                out = ring_attention(
-                    to(q.copy()), to(k.copy()), to(v.copy()), to(tpos.astype(np.int64)),
-                    to(spos.astype(np.int64)), None if mask is None else to(mask.copy()),
-                    opts=opts, pieces=pieces,
-                )  # fmt: skip
-                results.put((rank, out.numpy()))
+                q, k, v, tpos, spos, mask, *d_out = (
+                    None if x is None else torch.from_numpy(np.array(x)) for x in shard
+                )
+                tpos, spos = tpos.to(torch.int64), spos.to(torch.int64)
+                if kind == "forward":
+                    out = ring_attention(q, k, v, tpos, spos, mask, opts=opts, pieces=pieces)
+                    results.put((rank, out.numpy()))
+                else:
+                    grads = ring_attention_backward(
+                        q, k, v, tpos, spos, mask, *d_out, opts=opts, pieces=pieces
+                    )
+                    results.put((rank, tuple(None if g is None else g.numpy() for g in grads)))
             except Exception as err:  # the caller raises it, naming the rank
                 results.put((rank, err))
     finally:

@@ -371,3 +371,25 @@ def test_a_measurement_is_what_assert_within_judges():
     assert max_error(np.array([1.0, 2.0, 3.0]), expected) == float("inf")
     assert max_error(np.array([np.nan, np.nan, 3.0]), expected) == float("inf")
     assert max_error(np.zeros(2), expected) == float("inf")
+
+
+@pytest.mark.clause("14.2")
+def test_shard_count_table_keeps_the_worst_difference_per_p():
+    from conformance.report_agreement import VS_ONE_SHARD, agreement, shard_counts
+    from conformance.report_markdown import render_shard_counts
+
+    def m(P, variant, error, tolerance=1e-15):
+        return {
+            "backend": "torch-ring", "case": f"P={P} {variant}", "dtype": "float64",
+            "quantity": VS_ONE_SHARD, "error": error, "tolerance": tolerance, "unit": 2.2e-16,
+        }  # fmt: skip
+
+    found = shard_counts([m(2, "plain", 1e-16), m(2, "causal", 5e-16), m(10, "plain", 0.0)])
+    assert list(found["torch-ring"]) == ["2", "10"]  # numeric order of P
+    worst = found["torch-ring"]["2"]
+    assert worst["case"] == "P=2 causal" and worst["comparisons"] == 2
+    assert worst["fraction_of_tolerance"] == pytest.approx(0.5)
+    # They are not outputs against the oracle: the agreement tables leave them out.
+    assert agreement([m(2, "plain", 1e-16)], ["torch-ring"]) == {"outputs": {}, "gradients": {}}
+    md = "\n".join(render_shard_counts(found))
+    assert "| torch-ring | 2 | 5e-16 (`P=2 causal`) |" in md

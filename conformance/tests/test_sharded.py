@@ -14,6 +14,8 @@ import pytest
 
 from conformance.backends import load_backend
 from conformance.helpers import as64, random_qkv, random_tolerance, require
+from conformance.measure import publish
+from conformance.report_agreement import VS_ONE_SHARD
 from conformance.tolerance import assert_identical, assert_within, tolerance
 
 SHARDS = [1, 2, 3, 4]
@@ -105,8 +107,9 @@ def naive(q, k, v, **options):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("P", SHARDS, ids=[f"P{P}" for P in SHARDS])
-def test_shard_count_invariance(backend, P, dtype, variant):
-    """Within §7's tolerance of the oracle at every P (so of P = 1), and deterministic."""
+def test_shard_count_invariance(backend, P, dtype, variant, request):
+    """Within §7's tolerance of the oracle at every P (so of P = 1), and deterministic. The
+    difference from P = 1 is published for the report."""
     needs, options = VARIANTS[variant]
     require(backend, *needs, dtype=dtype)
     at = _sharded(backend, P)
@@ -117,7 +120,12 @@ def test_shard_count_invariance(backend, P, dtype, variant):
     out = at.attention(q, k, v, **options)
     context = f"{at.name} P={P} {dtype} {variant}"
     assert_within(as64(out), ref, tol, context)
-    assert_within(as64(out), as64(one.attention(q, k, v, **options)), 2 * tol, f"{context} vs P=1")
+    at_one = as64(one.attention(q, k, v, **options))
+    publish(
+        request.node, backend=backend.name, case=f"P={P} {variant}", dtype=dtype,
+        actual=as64(out), expected=at_one, tolerance=2 * tol, quantity=VS_ONE_SHARD,
+    )  # fmt: skip
+    assert_within(as64(out), at_one, 2 * tol, f"{context} vs P=1")
     assert_identical(at.attention(q, k, v, **options), out, f"{context}, repeated")
 
 

@@ -172,6 +172,7 @@ def _write(out: Path, rows: list[dict], argv: list[str] | None) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -185,6 +186,7 @@ def _write(out: Path, rows: list[dict], argv: list[str] | None) -> None:
     Ps = sorted({r["P"] for r in rows})
     ax.set(xscale="log", yscale="log", xlabel="P devices", ylabel="per-device memory (MiB)")
     ax.set_xticks(Ps, [str(P) for P in Ps])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_title("jax-ring, causal, zigzag: XLA memory_analysis per device")
     ax.legend()
     fig.tight_layout()

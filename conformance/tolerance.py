@@ -83,10 +83,10 @@ def describe_error(actual: np.ndarray, expected: np.ndarray) -> str:
     where = np.unravel_index(int(np.argmax(diff)), diff.shape) if diff.size else ()
     where = tuple(int(i) for i in where)
     rel = diff / np.maximum(np.abs(np.where(both, expected, 1.0)), np.finfo(np.float64).tiny)
+    got, want = (f"{float(x[where]):.17g}" if diff.size else "none" for x in (actual, expected))
     return (
         f"max abs error {diff.max(initial=0.0):.3e} at index {where} "
-        f"(got {actual[where] if diff.size else None!r}, expected {expected[where] if diff.size else None!r}); "
-        f"max rel error {rel.max(initial=0.0):.3e}"
+        f"(got {got}, expected {want}); max rel error {rel.max(initial=0.0):.3e}"
     )
 
 

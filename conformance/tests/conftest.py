@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conformance import replay
+from conformance import backends, replay
 from conformance.plugin import conformance_backend
 
 
@@ -22,6 +22,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize(
             "backend_pair", pairs, ids=[f"{a}~{b}" for a, b in pairs], indirect=True
         )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_after_each_module():
+    """After each test module, every loaded backend drops what it keeps from earlier calls
+    (``Backend.release``): a process that keeps every compiled program can run out of
+    memory mappings long before the run ends."""
+    yield
+    for loaded in backends.REGISTRY.loaded():
+        loaded.release()
 
 
 @pytest.fixture

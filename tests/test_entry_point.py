@@ -130,3 +130,38 @@ def test_load_backend_defaults_are_what_users_get():
 def test_unknown_backend_option_is_a_type_error():
     with pytest.raises(TypeError, match=r"'numpy' does not take the options \['block_q'\]"):
         load_backend("numpy", block_q=4)
+
+
+@pytest.mark.clause("10.4")
+def test_the_run_releases_every_loaded_backend_after_each_module(registry):
+    """After each test module the conformance run calls ``release()`` on every backend it
+    loaded, so a backend can drop compiled programs before they exhaust the process."""
+    from pathlib import Path
+
+    from conformance.backends import NumpyBackend
+
+    released: list[str] = []
+
+    class Releasing(NumpyBackend):
+        name = "releasing-numpy"
+
+        def release(self) -> None:
+            released.append(self.name)
+
+    registry.register(Releasing.name, Releasing)
+    suite = Path(conformance.__file__).resolve().parent / "tests"
+    code = pytest.main(
+        [
+            str(suite / "test_invariants.py"),
+            str(suite / "test_fixtures.py"),
+            "--backend",
+            Releasing.name,
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "shapes_and_dtypes or worked_example",
+        ]
+    )
+    assert code == 0
+    assert released == [Releasing.name, Releasing.name]  # one per module that ran

@@ -70,11 +70,7 @@ def oracle_attention(q, k, v, *, mask=None, **options) -> np.ndarray:
     from conformance.fixtures import oracle
 
     arrays = (q, k, v) if mask is None else (q, k, v, mask)
-    key = (
-        tuple((x.dtype.str, x.shape, x.tobytes()) for x in arrays),
-        mask is None,
-        tuple(sorted(options.items())),
-    )
+    key = (tuple((x.dtype.str, x.shape, x.tobytes()) for x in arrays), *sorted(options.items()))
     if key not in _ORACLE_CACHE:
         _ORACLE_CACHE[key] = oracle.attention(q, k, v, mask=mask, **options)
     return _ORACLE_CACHE[key].copy()

@@ -105,20 +105,9 @@ def _ring_forward(q, k, v, tpos, spos, mask, *, opts: dict, pieces: int):
     qs = [q[:, :, :, a * Tc : (a + 1) * Tc].reshape(B, K, G * Tc, D) for a in range(pieces)]
     tps = [tpos[a * Tc : (a + 1) * Tc] for a in range(pieces)]  # (Tc,) each
 
-    def allowed_keys(tp, sp):
-        """Causality, the window and padding, from the tokens' original positions."""
-        distance = sp[None, :] - (tp[:, None] + opts["offset"])  # (Tc, Sc)
-        padding = (tp < opts["T"])[:, None] & (sp < opts["S"])[None, :]  # (Tc, Sc)
-        return padding & (distance >= opts["lo"]) & (distance <= opts["hi"])
-
-    def update(carry, qa, tp, kb, vb, sp, mb):
+    def update(carry, qa, kb, vb, allowed, used, mb):
         m, l, acc = carry  # (B, K, G·Tc), (B, K, G·Tc), (B, K, G·Tc, E)
         # A key no query of this block may see is replaced by 0 before use (0 · NaN is NaN).
-        allowed = allowed_keys(tp, sp)  # (Tc, Sc)
-        if mb is not None:
-            mb = _grouped(mb, K, G)  # (B|1, K|1, G|1, Tc|1, Sc|1)
-            allowed = allowed & (mb if mb.dtype == torch.bool else mb != -torch.inf)
-        used = allowed.any(dim=-2) if allowed.ndim == 2 else allowed.any(dim=-2).any(dim=-2)
         kb = torch.where(used[..., None], kb, 0.0)  # (B, K, Sc, D)
         vb = torch.where(used[..., None], vb, 0.0)  # (B, K, Sc, E)
 
@@ -167,17 +156,13 @@ def _ring_forward(q, k, v, tpos, spos, mask, *, opts: dict, pieces: int):
             for b in range(pieces):
                 sp = spos[b * Sc : (b + 1) * Sc]  # (Sc,)
                 # Skip a block no query of this piece may see: the causal saving.
-                if not allowed_keys(tps[a], sp).any():
+                if not _allowed_keys(tps[a], sp, opts).any():
                     continue
-                mb = None
-                if mask is not None:
-                    mb = mask if mask.shape[2] == 1 else mask[:, :, a * Tc : (a + 1) * Tc]
-                    if mb.shape[3] != 1:
-                        start = src * Sl + b * Sc
-                        mb = mb[..., start : start + Sc]  # (B|1, H|1, Tc|1, Sc)
+                mb = _mask_block(mask, a, b, src, Tc, Sc, Sl)
+                allowed, used, mb = _visible(tps[a], sp, mb, opts, K, G)
                 kb = k[:, :, b * Sc : (b + 1) * Sc]  # (B, K, Sc, D)
                 vb = v[:, :, b * Sc : (b + 1) * Sc]  # (B, K, Sc, E)
-                carry[a] = update(carry[a], qs[a], tps[a], kb, vb, sp, mb)
+                carry[a] = update(carry[a], qs[a], kb, vb, allowed, used, mb)
         for req in pending:
             req.wait()
         if pending:
@@ -225,11 +210,6 @@ def ring_attention_backward(q, k, v, tpos, spos, mask, d_out, *, opts: dict, pie
     dmask = torch.zeros((B, H, Tl, P * Sl), dtype=work) if float_mask else None
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # travel with their block
 
-    def allowed_keys(tp, sp):
-        distance = sp[None, :] - (tp[:, None] + opts["offset"])  # (Tc, Sc)
-        padding = (tp < opts["T"])[:, None] & (sp < opts["S"])[None, :]  # (Tc, Sc)
-        return padding & (distance >= opts["lo"]) & (distance <= opts["hi"])
-
     for step in range(P):
         src = (me - step) % P  # whose key/value slice this rank holds now
         for a in range(pieces):
@@ -237,18 +217,10 @@ def ring_attention_backward(q, k, v, tpos, spos, mask, d_out, *, opts: dict, pie
             for b in range(pieces):
                 cols = slice(b * Sc, (b + 1) * Sc)
                 sp = spos[cols]  # (Sc,)
-                allowed = allowed_keys(tp, sp)  # (Tc, Sc)
-                if not allowed.any():
+                if not _allowed_keys(tp, sp, opts).any():
                     continue
-                mb = None
-                if mask is not None:
-                    mb = mask if mask.shape[2] == 1 else mask[:, :, a * Tc : (a + 1) * Tc]
-                    if mb.shape[3] != 1:
-                        start = src * Sl + b * Sc
-                        mb = mb[..., start : start + Sc]  # (B|1, H|1, Tc|1, Sc)
-                    mb = _grouped(mb, K, G)  # (B|1, K|1, G|1, Tc|1, Sc|1)
-                    allowed = allowed & (mb if mb.dtype == torch.bool else mb != -torch.inf)
-                used = allowed.any(dim=-2) if allowed.ndim == 2 else allowed.any(dim=-2).any(dim=-2)
+                mb = _mask_block(mask, a, b, src, Tc, Sc, Sl)
+                allowed, used, mb = _visible(tp, sp, mb, opts, K, G)
                 kb = torch.where(used[..., None], k[:, :, cols], 0.0)  # (B, K, Sc, D)
                 vb = torch.where(used[..., None], v[:, :, cols], 0.0)  # (B, K, Sc, E)
 
@@ -303,6 +275,36 @@ def _pass_on(tensors, me: int, P: int):
     for req in dist.batch_isend_irecv(ops):
         req.wait()
     return nxt
+
+
+def _allowed_keys(tp, sp, opts: dict):
+    """(Tc, Sc): causality, the window and padding, from the tokens' original positions."""
+    distance = sp[None, :] - (tp[:, None] + opts["offset"])  # (Tc, Sc)
+    padding = (tp < opts["T"])[:, None] & (sp < opts["S"])[None, :]  # (Tc, Sc)
+    return padding & (distance >= opts["lo"]) & (distance <= opts["hi"])
+
+
+def _mask_block(mask, a: int, b: int, src: int, Tc: int, Sc: int, Sl: int):
+    """This rank's mask for query piece a and key piece b of rank src's slice, or None."""
+    if mask is None:
+        return None
+    mb = mask if mask.shape[2] == 1 else mask[:, :, a * Tc : (a + 1) * Tc]
+    if mb.shape[3] != 1:
+        start = src * Sl + b * Sc
+        mb = mb[..., start : start + Sc]  # (B|1, H|1, Tc|1, Sc)
+    return mb
+
+
+def _visible(tp, sp, mb, opts: dict, K: int, G: int):
+    """(allowed, used, mb) for one block: which keys each query may see, (Tc, Sc) or
+    (B|1, K|1, G|1, Tc, Sc) with a mask; which keys any of them sees, (Sc,) or
+    (B|1, K|1, Sc); and the mask grouped by key/value head (or None)."""
+    allowed = _allowed_keys(tp, sp, opts)  # (Tc, Sc)
+    if mb is not None:
+        mb = _grouped(mb, K, G)  # (B|1, K|1, G|1, Tc|1, Sc|1)
+        allowed = allowed & (mb if mb.dtype == torch.bool else mb != -torch.inf)
+    used = allowed.any(dim=-2) if allowed.ndim == 2 else allowed.any(dim=-2).any(dim=-2)
+    return allowed, used, mb
 
 
 def _grouped(x, K: int, G: int):

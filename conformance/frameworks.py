@@ -75,12 +75,17 @@ def run(out: Path, workers: str, remeasure: bool, extra: list[str]) -> tuple[int
 
 
 def matrix(data: dict) -> dict:
-    """{"functions": {name: heading}, "clauses": {clause: {name: (mark, words)}}}."""
+    """{"functions": {name: heading}, "clauses": {clause: {name: (mark, words)}},
+    "elsewhere": {name: why}}: a profile that needs hardware this machine lacks is no
+    column (it would be all skips), but a line saying why it did not run."""
     from conformance.profiles import read_profile, shipped_profiles
 
-    functions = {}
+    functions, elsewhere = {}, {}
     for name in shipped_profiles():
         profile = read_profile(name)
+        if profile.needs and profile.unavailable():
+            elsewhere[name] = profile.unavailable()  # hardware this machine lacks
+            continue
         library = profile.requires[0] if profile.requires else profile.framework
         version = data["versions"].get(library)
         functions[name] = f"`{name}` ({library} {version})" if version else f"`{name}`"
@@ -91,7 +96,7 @@ def matrix(data: dict) -> dict:
     clauses = {}
     for clause, by_function in tests.items():
         clauses[clause] = {name: _cell(by_function.get(name, [])) for name in functions}
-    return {"functions": functions, "clauses": clauses}
+    return {"functions": functions, "clauses": clauses, "elsewhere": elsewhere}
 
 
 def _cell(rows: list[dict]) -> tuple[str, str]:
@@ -134,6 +139,9 @@ def table(found: dict) -> str:
         + ", ".join(f"§{c}" for c in conforming)
         + f" ({NONE} where it does not declare what the clause needs)."
     )
+    for name, why in found.get("elsewhere", {}).items():
+        lines.append("")
+        lines.append(f"Not run here: `{name}`, {why}")
     return "\n".join(lines) + "\n"
 
 

@@ -45,14 +45,20 @@ host before sharding and undone after gathering; every mask decision is taken on
 tokens' original positions, which travel with them, so the result is the same function.
 
 Lengths that are not multiples of P. T and S are padded up to whole slices (for zigzag,
-whole chunks). Padded keys carry position S or more and are blocked like any blocked key,
+whole chunks), and a chunk's length up to a multiple of 8 rows: XLA compiles one program
+per shape, and so one program serves every length in a band of 8 rows a chunk, for at
+most 7 padded rows a chunk (none when the chunks are already multiples of 8). Padded keys carry position S or more and are blocked like any blocked key,
 so they are never attended; padded queries are computed and cut off. A query whose keys
 all live on other devices is fine (it simply gets nothing from its own block); one with no
 key anywhere ends with l = 0, a = 0 and returns exactly 0, as the reference does.
 
-Gradients: ``attention_vjp`` differentiates the whole ring with ``jax.vjp`` — the
-transpose of ``ppermute`` sends the key/value gradients back round the ring in the other
-direction, so each step's gradient lands on the block that step used.
+Gradients: ``attention_vjp`` is a second ring, written by hand (FlashAttention's
+backward, ring-distributed). The forward ring runs again for each row's log-sum-exp;
+then, as the key/value slices travel round once more, each device recomputes a block's
+weights from it, keeps dq for its own queries, and adds dk and dv for the slice at hand
+into buffers that travel with the slice and make one last hop home. Per-device memory
+stays that of the forward, where ``jax.vjp`` through the loop would store every step's
+weights; and each step's gradient is computed from the block that step holds.
 
 Masks. A mask with a T axis is sharded along T with its queries (each device holds the
 rows of its own query slice, every column), so it never travels; its column block for the
@@ -94,6 +100,7 @@ from . import contract
 LAYOUTS = ("contiguous", "zigzag")
 AXIS = "ring"
 _FAR = 2**30  # "unbounded" for a window side, as an int32
+ROWS = 8  # a chunk's length is a multiple of ROWS: one compiled program per band of lengths
 
 
 def attention(
@@ -170,7 +177,7 @@ def attention_vjp(
     shards: int | None = None,
     layout: str = "zigzag",
 ) -> tuple[np.ndarray, ...]:
-    """Gradients of ``attention`` by ``jax.vjp`` through the ring.
+    """Gradients of ``attention`` by a second ring (see the module docstring).
 
     Args:
       q, k, v, mask, options, shards, layout: as for ``attention`` (no dropout).
@@ -224,47 +231,36 @@ def _ring_body(q, k, v, tpos, spos, mask, opts, *, P, pieces, softcap_on):
     q (B, H, Tl, D), k (B, K, Sl, D), v (B, K, Sl, E), tpos (Tl,), spos (Sl,): the original
     positions of the local queries and keys (padding at positions >= T, >= S); mask
     (B|1, H|1, Tl|1, Sp|1) or None; opts: the scalar options, traced (one compilation
-    serves every scale, alignment, window and softcap value).
+    serves every scale, alignment, window and softcap value). Returns (B, H, Tl, E).
     """
+    out, _ = _ring_forward(
+        q, k, v, tpos, spos, mask, opts, P=P, pieces=pieces, softcap_on=softcap_on
+    )
+    return out.astype(q.dtype)
+
+
+def _ring_forward(q, k, v, tpos, spos, mask, opts, *, P, pieces, softcap_on):
+    """The forward ring, in the working dtype: (out (B, H, Tl, E), lse (B, H, Tl)), with
+    lse = -inf for a row that sees no key."""
     B, H, Tl, D = q.shape
     _, K, Sl, _ = k.shape
     E = v.shape[-1]
     G = H // K
     Tc, Sc = Tl // pieces, Sl // pieces  # rows and keys per piece (zigzag: two pieces)
-    out_dtype = q.dtype
-    # Low precision inputs are computed in float32: exp() of a float16 score overflows
-    # past 11.09, and summing many weights in float16 loses the small ones.
-    work = jnp.float64 if out_dtype == jnp.float64 else jnp.float32
+    work = _working_dtype(q.dtype)
     me = lax.axis_index(AXIS)
-    # Query t' = t + offset (its aligned diagonal) sees keys s with lo <= s - t' <= hi.
     scale, softcap = opts["scale"].astype(work), opts["softcap"].astype(work)
-    offset, lo, hi, T, S = (opts[n] for n in ("offset", "lo", "hi", "T", "S"))
 
     # 2. Scale, folded into the queries. Query head h = κ·G + g shares key/value head κ,
     # so a kv head's block serves its G query heads, stacked as G·Tc rows.
-    q = (q.astype(work) * scale).reshape(B, K, G, Tl, D)  # (B, K, G, Tl, D)
-    qs = [q[:, :, :, a * Tc : (a + 1) * Tc].reshape(B, K, G * Tc, D) for a in range(pieces)]
-    tps = [tpos[a * Tc : (a + 1) * Tc] for a in range(pieces)]  # (Tc,) each
-
-    def allowed_keys(tp, sp):
-        """Causality, the window and padding, from the tokens' original positions."""
-        distance = sp[None, :] - (tp[:, None] + offset)  # (Tc, Sc)
-        # Padding (a key at position >= S, a query at >= T) attends and is attended by
-        # nothing, so that it cannot make a key look used.
-        padding = (tp < T)[:, None] & (sp < S)[None, :]  # (Tc, Sc)
-        return padding & (distance >= lo) & (distance <= hi)  # (Tc, Sc)
+    qs = _pieces(q.astype(work) * scale, K, pieces)  # (pieces, B, K, G·Tc, D)
+    tps = tpos.reshape(pieces, Tc)  # (pieces, Tc)
 
     def update(carry, qa, tp, kb, vb, sp, mb):
         m, l, acc = carry  # (B, K, G·Tc), (B, K, G·Tc), (B, K, G·Tc, E)
-        # Which keys each query may see: causality, the window, the padding, a bool mask,
-        # and a float mask's -inf entries. A key no query of this block may see must have
-        # no effect whatever it holds (0 · NaN is NaN), so its key and value rows are
-        # replaced by 0, by selection, before they are used.
-        allowed = allowed_keys(tp, sp)  # (Tc, Sc)
-        if mb is not None:
-            mb = _grouped(mb, K, G)  # (B|1, K|1, G|1, Tc|1, Sc|1)
-            allowed = allowed & (mb if mb.dtype == jnp.bool_ else mb != -jnp.inf)
-        used = allowed.any(axis=-2) if allowed.ndim == 2 else allowed.any(axis=(-3, -2))
+        # A key no query of this block may see must have no effect whatever it holds
+        # (0 · NaN is NaN): its key and value rows are replaced by 0, by selection.
+        allowed, used, mb = _visible(tp, sp, mb, opts, K, G)
         kb = jnp.where(used[..., None], kb.astype(work), 0.0)  # (B, K, Sc, D)
         vb = jnp.where(used[..., None], vb.astype(work), 0.0)  # (B, K, Sc, E)
 
@@ -300,56 +296,255 @@ def _ring_body(q, k, v, tpos, spos, mask, opts, *, P, pieces, softcap_on):
         )  # (B, K, G·Tc, E)
         return m_new, l, alpha[..., None] * acc + pv
 
-    def step(i, carry, k, v, spos):
+    def step(i, carry, kv):
         """Merge the key/value slice this device holds at ring step i into every piece."""
         src = (me - i) % P  # whose key/value slice this device holds now
-        carry = list(carry)
-        for a in range(pieces):
-            for b in range(pieces):
-                kb = k[:, :, b * Sc : (b + 1) * Sc]  # (B, K, Sc, D)
-                vb = v[:, :, b * Sc : (b + 1) * Sc]  # (B, K, Sc, E)
-                sp = spos[b * Sc : (b + 1) * Sc]  # (Sc,)
-                mb = None
-                if mask is not None:
-                    mb = mask if mask.shape[2] == 1 else mask[:, :, a * Tc : (a + 1) * Tc]
-                    if mb.shape[3] != 1:
-                        mb = lax.dynamic_slice_in_dim(mb, src * Sl + b * Sc, Sc, axis=3)
-                    # mb: (B|1, H|1, Tc|1, Sc|1)
-                # Skip a block no query of this piece may see (above the causal diagonal,
-                # outside the window, or all padding): this is the causal saving, and
-                # the source of the contiguous layout's imbalance.
-                visible = jnp.any(allowed_keys(tps[a], sp))
-                args = (qs[a], tps[a], kb, vb, sp, mb)
-                carry[a] = lax.cond(visible, update, lambda c, *x: c, carry[a], *args)
-        return tuple(carry)
 
-    def step_and_pass(i, state):
-        carry, k, v, spos = state
-        carry = step(i, carry, k, v, spos)
-        # Pass the key/value slice (and its positions) on: device i sends to i + 1.
-        ring = [(j, (j + 1) % P) for j in range(P)]
-        k, v, spos = (lax.ppermute(x, AXIS, ring) for x in (k, v, spos))
-        return carry, k, v, spos
+        def piece_pair(c, carry):
+            # Query piece a against key piece b: one loop body, so that XLA compiles the
+            # block update once, not once per pair (zigzag has four).
+            a, b = c // pieces, c % pieces
+            kb, vb, sp = (_key_piece(x, b, Sc) for x in kv)
+            mb = _mask_block(mask, a, b, src, Tc, Sc, Sl)  # (B|1, H|1, Tc|1, Sc|1)
+            # Skip a block no query of this piece may see (above the causal diagonal,
+            # outside the window, or all padding): this is the causal saving, and the
+            # source of the contiguous layout's imbalance.
+            visible = jnp.any(_allowed_keys(tps[a], sp, opts))
+            mine = tuple(x[a] for x in carry)  # this piece's (m, l, acc)
+            mine = lax.cond(visible, update, _skip, mine, qs[a], tps[a], kb, vb, sp, mb)
+            return tuple(lax.dynamic_update_index_in_dim(x, y, a, 0) for x, y in zip(carry, mine))
 
-    # The running statistics differ from device to device ("varying" over the ring axis).
-    init = (
-        jnp.full((B, K, G * Tc), -jnp.inf, dtype=work),  # m: running row max
-        jnp.zeros((B, K, G * Tc), dtype=work),  # l: running row sum
-        jnp.zeros((B, K, G * Tc, E), dtype=work),  # acc: unnormalised output
+        return lax.fori_loop(0, pieces * pieces, piece_pair, carry)
+
+    # One (m, l, acc) per query piece, stacked on a leading axis; they differ from device
+    # to device ("varying" over the ring axis).
+    carry = _varying(
+        jnp.full((pieces, B, K, G * Tc), -jnp.inf, dtype=work),  # m: running row max
+        jnp.zeros((pieces, B, K, G * Tc), dtype=work),  # l: running row sum
+        jnp.zeros((pieces, B, K, G * Tc, E), dtype=work),  # acc: unnormalised output
     )
-    carry = tuple(tuple(lax.pcast(x, AXIS, to="varying") for x in init) for _ in range(pieces))
     # Steps 0 .. P-2 compute and pass the slice on; the last step only computes, so each
     # slice makes P - 1 hops.
-    carry, k, v, spos = lax.fori_loop(0, P - 1, step_and_pass, (carry, k, v, spos))
-    carry = step(P - 1, carry, k, v, spos)
+    carry, kv = lax.fori_loop(
+        0, P - 1, lambda i, s: (step(i, s[0], s[1]), _pass_on(s[1], P)), (carry, (k, v, spos))
+    )
+    m, l, acc = step(P - 1, carry, kv)
 
-    outs = []
-    for _, l, acc in carry:
-        # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
-        acc = acc / jnp.where(l > 0, l, 1.0)[..., None]  # (B, K, G·Tc, E)
-        outs.append(acc.reshape(B, K, G, Tc, E))
-    out = jnp.concatenate(outs, axis=3).reshape(B, H, Tl, E)  # (B, H, Tl, E)
-    return out.astype(out_dtype)
+    # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
+    some = l > 0
+    out = acc / jnp.where(some, l, 1.0)[..., None]  # (pieces, B, K, G·Tc, E)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # (pieces, B, K, G·Tc)
+    lse = jnp.where(some, m_safe + jnp.log(jnp.where(some, l, 1.0)), -jnp.inf)
+    return _unpieces(out, H), _unpieces(lse[..., None], H)[..., 0]  # (B, H, Tl, E), (B, H, Tl)
+
+
+def _ring_backward(q, k, v, tpos, spos, mask, opts, d_out, *, P, pieces, softcap_on, float_mask):
+    """One device's share of the backward: (dq, dk, dv) and, with a float mask, dmask.
+
+    The arguments are ``_ring_body``'s and d_out (B, H, Tl, E), this device's rows of
+    ∂L/∂out. The forward ring runs again for each row's log-sum-exp, then a second ring
+    recomputes every block's weights from it (FlashAttention's backward): dq stays with
+    its queries, while dk and dv travel round the ring with their key/value slice and
+    make one hop more, home. dq (B, H, Tl, D) is this device's rows; dk (B, K, Sl, D) and
+    dv (B, K, Sl, E) its own slice's, summed over every device's queries; dmask has the
+    mask's shape (its T axis sharded with the queries, or summed over the devices).
+    """
+    out, lse = _ring_forward(
+        q, k, v, tpos, spos, mask, opts, P=P, pieces=pieces, softcap_on=softcap_on
+    )
+    B, H, Tl, D = q.shape
+    _, K, Sl, _ = k.shape
+    G = H // K
+    Tc, Sc = Tl // pieces, Sl // pieces
+    work = _working_dtype(q.dtype)
+    me = lax.axis_index(AXIS)
+    scale, softcap = opts["scale"].astype(work), opts["softcap"].astype(work)
+    d_out = d_out.astype(work)  # (B, H, Tl, E)
+
+    qs = _pieces(q.astype(work) * scale, K, pieces)  # (pieces, B, K, G·Tc, D)
+    dos = _pieces(d_out, K, pieces)  # (pieces, B, K, G·Tc, E)
+    # 5'. The softmax's row term, rowsum(dO ⊙ O): one dot product per row.
+    d_row = _pieces((d_out * out).sum(axis=-1, keepdims=True), K, pieces)[..., 0]
+    # A row with no key has lse = -inf; against +inf its weights are exp(-inf) = 0.
+    lse = jnp.where(jnp.isfinite(lse), lse, jnp.inf)  # (B, H, Tl)
+    lses = _pieces(lse[..., None], K, pieces)[..., 0]  # (pieces, B, K, G·Tc)
+    tps = tpos.reshape(pieces, Tc)  # (pieces, Tc)
+
+    def block(grads, a, b, src, kb, vb, sp, mb):
+        dq, dk, dv, dm = grads
+        allowed, used, mbg = _visible(tps[a], sp, mb, opts, K, G)
+        kb = jnp.where(used[..., None], kb.astype(work), 0.0)  # (B, K, Sc, D)
+        vb = jnp.where(used[..., None], vb.astype(work), 0.0)  # (B, K, Sc, E)
+
+        # Forward steps 1-5 again for this block: raw scores, weights from lse.
+        qa = qs[a]  # (B, K, G·Tc, D)
+        raw = jnp.einsum("bkrd,bksd->bkrs", qa, kb, precision=lax.Precision.HIGHEST)
+        x = softcap * jnp.tanh(raw / softcap) if softcap_on else raw  # (B, K, G·Tc, Sc)
+        x = x.reshape(B, K, G, Tc, Sc)  # (B, K, G, Tc, Sc)
+        if float_mask:
+            x = x + mbg.astype(work)
+        x = jnp.where(allowed, x, -jnp.inf).reshape(B, K, G * Tc, Sc)  # (B, K, G·Tc, Sc)
+        p = jnp.exp(x - lses[a][..., None])  # (B, K, G·Tc, Sc)
+
+        # 7'. dV = Pᵀ·dO, and dP = dO·Vᵀ.
+        do = dos[a]  # (B, K, G·Tc, E)
+        dv_b = jnp.einsum("bkrs,bkre->bkse", p, do, precision=lax.Precision.HIGHEST)
+        dp = jnp.einsum("bkre,bkse->bkrs", do, vb, precision=lax.Precision.HIGHEST)
+        # 5'. dZ = P ⊙ (dP − rowsum(dO ⊙ O)).
+        dz = p * (dp - d_row[a][..., None])  # (B, K, G·Tc, Sc)
+        # 4'. A float mask was added to the scores: its gradient is dZ, summed over the
+        # axes the mask broadcasts along.
+        if float_mask:
+            dm = _add_mask_grad(dm, dz.reshape(B, K, G, Tc, Sc), a, b, src, Sl)
+        # 3'. Softcap: d/dR of c·tanh(R/c) is 1 − tanh²(R/c).
+        if softcap_on:
+            dz = dz * (1.0 - jnp.tanh(raw / softcap) ** 2)
+        # 2'-1'. The scale is folded into qa; dq gets it once at the end.
+        dq_a = jnp.einsum("bkrs,bksd->bkrd", dz, kb, precision=lax.Precision.HIGHEST)
+        dq = lax.dynamic_update_index_in_dim(dq, dq[a] + dq_a, a, 0)
+        dk_b = jnp.einsum("bkrs,bkrd->bksd", dz, qa, precision=lax.Precision.HIGHEST)
+        # The slots replaced by 0 get nothing back.
+        dk = _add_key_piece(dk, jnp.where(used[..., None], dk_b, 0.0), b, Sc)
+        dv = _add_key_piece(dv, jnp.where(used[..., None], dv_b, 0.0), b, Sc)
+        return dq, dk, dv, dm
+
+    def step(i, grads, kv):
+        src = (me - i) % P  # whose key/value slice this device holds now
+
+        def piece_pair(c, grads):
+            a, b = c // pieces, c % pieces
+            kb, vb, sp = (_key_piece(x, b, Sc) for x in kv)
+            mb = _mask_block(mask, a, b, src, Tc, Sc, Sl)
+            visible = jnp.any(_allowed_keys(tps[a], sp, opts))
+            return lax.cond(visible, block, _skip, grads, a, b, src, kb, vb, sp, mb)
+
+        return lax.fori_loop(0, pieces * pieces, piece_pair, grads)
+
+    grads = _varying(
+        jnp.zeros((pieces, B, K, G * Tc, D), dtype=work),  # dq, by query piece
+        jnp.zeros(k.shape, dtype=work),  # dk, travels with its slice
+        jnp.zeros(v.shape, dtype=work),  # dv, travels with its slice
+        jnp.zeros(mask.shape, dtype=work) if float_mask else None,  # dmask, mask-shaped
+    )
+
+    def step_and_pass(i, state):
+        (dq, dk, dv, dm), kv = state
+        dq, dk, dv, dm = step(i, (dq, dk, dv, dm), kv)
+        # The slice and its gradients so far go on to device i + 1.
+        k, v, spos, dk, dv = _pass_on((*kv, dk, dv), P)
+        return (dq, dk, dv, dm), (k, v, spos)
+
+    grads, kv = lax.fori_loop(0, P - 1, step_and_pass, (grads, (k, v, spos)))
+    dq, dk, dv, dm = step(P - 1, grads, kv)
+    if P > 1:
+        # One more hop: the gradients of the slice held now belong to the next device.
+        dk, dv = _pass_on((dk, dv), P)
+    dq = _unpieces(dq * scale, H)  # (B, H, Tl, D)
+    out = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+    if float_mask:
+        if mask.shape[2] == 1:
+            dm = lax.psum(dm, AXIS)  # a mask without a T axis: every device's rows add up
+        out += (dm.astype(mask.dtype),)
+    return out
+
+
+def _working_dtype(dtype):
+    # Low precision inputs are computed in float32: exp() of a float16 score overflows
+    # past 11.09, and summing many weights in float16 loses the small ones.
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+def _skip(carry, *_):
+    return carry  # a block no query may see changes nothing
+
+
+def _varying(*xs):
+    # Values that differ from device to device are "varying" over the ring axis.
+    return tuple(None if x is None else lax.pcast(x, AXIS, to="varying") for x in xs)
+
+
+def _pass_on(xs, P: int) -> tuple:
+    """Send each array to device i + 1 (mod P) and receive device i − 1's."""
+    ring = [(j, (j + 1) % P) for j in range(P)]
+    return tuple(lax.ppermute(x, AXIS, ring) for x in xs)
+
+
+def _pieces(x, K: int, pieces: int):
+    """(B, H, Tl, F) -> (pieces, B, K, G·Tc, F): query pieces, rows grouped by kv head."""
+    B, H, Tl, F = x.shape
+    G, Tc = H // K, Tl // pieces
+    x = x.reshape(B, K, G, pieces, Tc, F)  # (B, K, G, pieces, Tc, F)
+    return jnp.moveaxis(x, 3, 0).reshape(pieces, B, K, G * Tc, F)
+
+
+def _unpieces(x, H: int):
+    """Undo ``_pieces``: (pieces, B, K, G·Tc, F) -> (B, H, Tl, F)."""
+    pieces, B, K, _, F = x.shape
+    G = H // K
+    x = x.reshape(pieces, B, K, G, -1, F)  # (pieces, B, K, G, Tc, F)
+    return jnp.moveaxis(x, 0, 3).reshape(B, H, -1, F)
+
+
+def _key_piece(x, b, Sc: int):
+    """Key piece b of a slice: (B, K, Sc, ·) of (B, K, Sl, ·), or (Sc,) of positions."""
+    return lax.dynamic_slice_in_dim(x, b * Sc, Sc, axis=min(2, x.ndim - 1))
+
+
+def _add_key_piece(x, update, b, Sc: int):
+    """x with ``update`` added into key piece b (axis 2)."""
+    return lax.dynamic_update_slice_in_dim(x, _key_piece(x, b, Sc) + update, b * Sc, axis=2)
+
+
+def _allowed_keys(tp, sp, opts):
+    """(Tc, Sc): causality, the window and padding, from the tokens' original positions.
+
+    Query t' = t + offset (its aligned diagonal) sees keys s with lo <= s - t' <= hi.
+    Padding (a key at position >= S, a query at >= T) attends and is attended by nothing,
+    so that it cannot make a key look used.
+    """
+    distance = sp[None, :] - (tp[:, None] + opts["offset"])  # (Tc, Sc)
+    padding = (tp < opts["T"])[:, None] & (sp < opts["S"])[None, :]  # (Tc, Sc)
+    return padding & (distance >= opts["lo"]) & (distance <= opts["hi"])  # (Tc, Sc)
+
+
+def _mask_block(mask, a, b, src, Tc: int, Sc: int, Sl: int):
+    """This device's mask for query piece a and key piece b of device src's slice."""
+    if mask is None:
+        return None
+    mb = mask
+    if mb.shape[2] != 1:
+        mb = lax.dynamic_slice_in_dim(mb, a * Tc, Tc, axis=2)
+    if mb.shape[3] != 1:
+        mb = lax.dynamic_slice_in_dim(mb, src * Sl + b * Sc, Sc, axis=3)
+    return mb  # (B|1, H|1, Tc|1, Sc|1)
+
+
+def _visible(tp, sp, mb, opts, K: int, G: int):
+    """(allowed, used, mb) for one block: which keys each query may see, (Tc, Sc) or
+    (B|1, K|1, G|1, Tc, Sc) with a mask (a bool mask's False and a float mask's -inf
+    block); which keys any of them sees, (Sc,) or (B|1, K|1, Sc); and the mask grouped
+    by key/value head (or None)."""
+    allowed = _allowed_keys(tp, sp, opts)  # (Tc, Sc)
+    if mb is not None:
+        mb = _grouped(mb, K, G)  # (B|1, K|1, G|1, Tc|1, Sc|1)
+        allowed = allowed & (mb if mb.dtype == jnp.bool_ else mb != -jnp.inf)
+    used = allowed.any(axis=-2) if allowed.ndim == 2 else allowed.any(axis=(-3, -2))
+    return allowed, used, mb
+
+
+def _add_mask_grad(dm, dz, a, b, src, Sl: int):
+    """dm (the mask's shape) with one block's dZ (B, K, G, Tc, Sc) added where that block
+    read the mask: summed over every axis the mask broadcasts along."""
+    mb, mh, mt, ms = dm.shape
+    B, K, G, Tc, Sc = dz.shape
+    sums = (0,) * (mb == 1) + (1, 2) * (mh == 1) + (3,) * (mt == 1) + (4,) * (ms == 1)
+    dz = dz.sum(axis=sums, keepdims=True).reshape(
+        mb, mh, Tc if mt != 1 else 1, Sc if ms != 1 else 1
+    )
+    start = (0, 0, a * Tc if mt != 1 else 0, src * Sl + b * Sc if ms != 1 else 0)
+    start = tuple(jnp.asarray(i, dtype=jnp.int32) for i in start)  # one index type
+    old = lax.dynamic_slice(dm, start, dz.shape)
+    return lax.dynamic_update_slice(dm, old + dz, start)
 
 
 def _specs(mask_spec):
@@ -357,30 +552,22 @@ def _specs(mask_spec):
     return (seq, seq, seq, PS(AXIS), PS(AXIS), mask_spec, PS())
 
 
-def _sharded(mesh, mask_spec, static):
-    body = functools.partial(_ring_body, P=mesh.size, **static)
-    return jax.shard_map(
-        body, mesh=mesh, in_specs=_specs(mask_spec), out_specs=PS(None, None, AXIS, None)
-    )
-
-
 @functools.lru_cache(maxsize=64)
 def _ring_fn(mesh, mask_spec, **static):
-    return jax.jit(_sharded(mesh, mask_spec, static))
+    body = functools.partial(_ring_body, P=mesh.size, **static)
+    ring = jax.shard_map(
+        body, mesh=mesh, in_specs=_specs(mask_spec), out_specs=PS(None, None, AXIS, None)
+    )
+    return jax.jit(ring)
 
 
 @functools.lru_cache(maxsize=64)
 def _ring_vjp_fn(mesh, float_mask, mask_spec, **static):
-    ring = _sharded(mesh, mask_spec, static)
-
-    def vjp(q, k, v, tpos, spos, mask, opts, d_out):
-        if float_mask:
-            _, pull = jax.vjp(lambda q, k, v, m: ring(q, k, v, tpos, spos, m, opts), q, k, v, mask)
-        else:
-            _, pull = jax.vjp(lambda q, k, v: ring(q, k, v, tpos, spos, mask, opts), q, k, v)
-        return pull(d_out)
-
-    return jax.jit(vjp)
+    body = functools.partial(_ring_backward, P=mesh.size, float_mask=float_mask, **static)
+    seq = PS(None, None, AXIS, None)
+    grads = (seq, seq, seq) + ((mask_spec or PS(),) if float_mask else ())
+    ring = jax.shard_map(body, mesh=mesh, in_specs=(*_specs(mask_spec), seq), out_specs=grads)
+    return jax.jit(ring)
 
 
 # ----------------------------------------------------------------------------------------
@@ -483,7 +670,8 @@ class _Ring:
 
     def _perm(self, n: int) -> np.ndarray:
         chunks = self.P * self.pieces  # P slices, or 2P zigzag chunks
-        c = max(1, -(-n // chunks))  # chunk length: n padded up to whole chunks
+        c = -(-max(1, n) // chunks)  # chunk length: n padded up to whole chunks
+        c = -(-c // ROWS) * ROWS  # ... of whole multiples of ROWS
         if self.layout == "contiguous":
             return np.arange(chunks * c)  # (Np,)
         order = [i for d in range(self.P) for i in (d, 2 * self.P - 1 - d)]

@@ -4,6 +4,7 @@ libraries' own functions. The shipped profiles themselves run in ``tox -e framew
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 import textwrap
@@ -259,6 +260,53 @@ def test_unavailable_library_is_skipped_by_name_under_all(tmp_path, monkeypatch)
         unregister_backend("ghost")
 
 
+@pytest.mark.clause("13.12")
+def test_missing_hardware_is_skipped_with_what_the_probe_measured(tmp_path, monkeypatch):
+    (tmp_path / "gpu_lib.py").write_text(
+        "def attention(q, k, v):\n    return q\n\n"
+        "def probe():\n    return 'measured here: RuntimeError: no GPU'\n"
+    )
+    (tmp_path / "gpu.toml").write_text(
+        'name = "gpu"\ntarget = "gpu_lib:attention"\nneeds = ["cuda"]\nprobe = "gpu_lib:probe"\n'
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(profiles, "HERE", tmp_path)
+    try:
+        loaded, unavailable = profiles.load_profiles(["all"])
+        assert loaded == [] and [p.name for p in unavailable] == ["gpu"]
+        reason = profiles.skip_reason(unavailable[0])
+        assert reason == "profile gpu: needs cuda: measured here: RuntimeError: no GPU"
+        with pytest.raises(profiles.ProfileError, match="cannot run here: needs cuda"):
+            profiles.load_profiles(["gpu"])
+    finally:
+        unregister_backend("gpu")
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ('needs = ["tpu"]\nprobe = "m:f"\n', "'needs' should be a list of ['cuda']"),
+        ('needs = ["cuda"]\n', "'needs' requires 'probe'"),
+    ],
+)
+def test_needs_is_checked(tmp_path, body, message):
+    path = _write_profile(tmp_path, f'name = "x"\ntarget = "m:f"\n{body}')
+    with pytest.raises(profiles.ProfileError, match=re.escape(message)):
+        profiles.read_profile(path)
+
+
+def test_context_parallel_says_what_pytorch_raised_without_cuda():
+    """The torch.context_parallel profile's probe, run: on a CPU, PyTorch's sharded SDPA
+    has no strategy for the CPU kernel (torch 2.13.0); with CUDA it runs."""
+    torch = pytest.importorskip("torch")
+    why = profiles.read_profile("torch.context_parallel").unavailable()
+    if torch.cuda.is_available():
+        assert why is None
+    else:
+        assert why.startswith("needs cuda: measured here (torch ")
+        assert "does not have a sharding strategy registered" in why, why
+
+
 # --- Shipped profiles --------------------------------------------------------------------------
 
 
@@ -271,7 +319,7 @@ def test_shipped_profile_is_well_formed(name):
     for pattern, reason in profile.known_failures.items():
         assert name in pattern, f"{pattern}: a known failure names its backend"
         assert "§" in reason, f"{pattern}: the reason names the clause: {reason}"
-    if not profile.missing():
+    if not profile.unavailable():
         backend = profile.resolve()
         assert backend.name == name and set(backend.dtypes) == set(profile.dtypes)
 

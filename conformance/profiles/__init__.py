@@ -17,6 +17,8 @@ conversion itself is ``conformance/native.py``; a profile only says what to conv
     layout = "BHTD"                          # or BTHD
     requires = ["torch"]                     # distributions; missing -> skipped by name
     jit = false                              # JAX: compile with jax.jit, options static
+    needs = []                               # hardware: ["cuda"]; skipped by name without
+    probe = ""                               # "module:function": None, or why not (measured)
     capabilities = ["unbatched", "gqa", "dropout", "grad", "grad_mask"]
     dtypes = ["float64", "float32", "float16", "bfloat16"]
 
@@ -75,8 +77,12 @@ KEYS = {
     "fixed",
     "known_failures",
     "jit",
+    "needs",
+    "probe",
 }
 MASK_KEYS = {"bool", "bool_true", "float"}
+#: What a profile's ``needs`` may name: hardware a function requires beyond its libraries.
+HARDWARE = {"cuda"}
 
 
 class ProfileError(LookupError):
@@ -104,10 +110,25 @@ class Profile:
     call: OptionMap = field(default_factory=OptionMap)
     known_failures: dict[str, str] = field(default_factory=dict)
     jit: bool = False
+    needs: tuple[str, ...] = ()
+    probe: str = ""
 
     def missing(self) -> list[str]:
         """The distributions in ``requires`` that are not installed here."""
         return [p for p in self.requires if importlib.util.find_spec(_module_of(p)) is None]
+
+    def unavailable(self) -> str | None:
+        """Why the function cannot run here (a distribution missing, or the hardware that
+        ``needs`` names, as the ``probe`` measured it), or None."""
+        missing = self.missing()
+        if missing:
+            return f"{', '.join(missing)} not installed here (pip install {' '.join(missing)})"
+        if not self.probe:
+            return None
+        from conformance.impl import _import_target
+
+        why = _import_target(self.probe)()
+        return None if why is None else f"needs {', '.join(self.needs)}: {why}"
 
     def resolve(self) -> Backend:
         """The backend, not yet registered (``impl.resolve_impl`` with this profile).
@@ -125,6 +146,9 @@ class Profile:
                 f"installed here (pip install {' '.join(missing)}); profiles whose libraries "
                 f"are installed: {installed_profiles()}"
             )
+        why = self.unavailable()
+        if why:
+            raise ProfileError(f"profile {self.name!r} ({self.path}) cannot run here: {why}")
         try:
             return resolve_impl(
                 self.target,
@@ -208,6 +232,17 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
         )
     except ValueError as err:
         raise ProfileError(f"{where}: {err}") from err
+    needs = data.get("needs", [])
+    if not isinstance(needs, list) or not all(n in HARDWARE for n in needs):
+        raise ProfileError(
+            f"{where}: 'needs' should be a list of {sorted(HARDWARE)}, got {needs!r}"
+        )
+    probe = data.get("probe", "")
+    if needs and (not isinstance(probe, str) or ":" not in probe):
+        raise ProfileError(
+            f"{where}: 'needs' requires 'probe', the 'module:function' that says whether the "
+            f"function runs here (None) or what it raised"
+        )
     known = data.get("known_failures", {})
     for pattern, reason in known.items():
         if not isinstance(reason, str) or not reason.strip():
@@ -225,6 +260,8 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
         call=call,
         known_failures=dict(known),
         jit=bool(data.get("jit", False)),
+        needs=tuple(needs),
+        probe=probe,
     )
 
 
@@ -245,7 +282,7 @@ def load_profiles(names: Iterable[str]) -> tuple[list[Profile], list[Profile]]:
         every = value == "all"
         for name in shipped_profiles() if every else [value]:
             profile = read_profile(name)
-            if every and profile.missing():
+            if every and profile.unavailable():
                 register_backend(profile.name, lambda p=profile: MissingLibrary(p), replace=True)
                 unavailable.append(profile)
                 continue
@@ -255,7 +292,8 @@ def load_profiles(names: Iterable[str]) -> tuple[list[Profile], list[Profile]]:
 
 
 class MissingLibrary(Backend):
-    """A shipped profile whose library is not installed: its tests are skipped by name."""
+    """A shipped profile that cannot run here (its library is not installed, or the
+    hardware it needs is missing): its tests are skipped by name, with the reason."""
 
     def __init__(self, profile: Profile) -> None:
         self.name = profile.name
@@ -266,10 +304,7 @@ class MissingLibrary(Backend):
 
 
 def skip_reason(profile: Profile) -> str:
-    return (
-        f"profile {profile.name}: {', '.join(profile.missing())} not installed here "
-        f"(pip install {' '.join(profile.missing())})"
-    )
+    return f"profile {profile.name}: {profile.unavailable()}"
 
 
 def _pattern(text: str) -> re.Pattern:

@@ -83,8 +83,9 @@ def matrix(data: dict) -> dict:
     functions, elsewhere = {}, {}
     for name in shipped_profiles():
         profile = read_profile(name)
-        if profile.needs and profile.unavailable():
-            elsewhere[name] = profile.unavailable()  # hardware this machine lacks
+        why = profile.unavailable() if profile.needs else None
+        if why:
+            elsewhere[name] = why  # hardware this machine lacks
             continue
         library = profile.requires[0] if profile.requires else profile.framework
         version = data["versions"].get(library)

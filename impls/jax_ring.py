@@ -248,7 +248,6 @@ def _ring_forward(q, k, v, tpos, spos, mask, opts, *, P, pieces, softcap_on):
     G = H // K
     Tc, Sc = Tl // pieces, Sl // pieces  # rows and keys per piece (zigzag: two pieces)
     work = _working_dtype(q.dtype)
-    me = lax.axis_index(AXIS)
     scale, softcap = opts["scale"].astype(work), opts["softcap"].astype(work)
 
     # 2. Scale, folded into the queries. Query head h = κ·G + g shares key/value head κ,
@@ -256,11 +255,13 @@ def _ring_forward(q, k, v, tpos, spos, mask, opts, *, P, pieces, softcap_on):
     qs = _pieces(q.astype(work) * scale, K, pieces)  # (pieces, B, K, G·Tc, D)
     tps = tpos.reshape(pieces, Tc)  # (pieces, Tc)
 
-    def update(carry, qa, tp, kb, vb, sp, mb):
-        m, l, acc = carry  # (B, K, G·Tc), (B, K, G·Tc), (B, K, G·Tc, E)
+    def update(state, a, b, src, kb, vb, sp, mb):
+        """Query piece a's running (m, l, acc) after key piece b of device src's slice."""
+        (ms, ls, accs), travelling = state  # (pieces, B, K, G·Tc), ..., (pieces, B, K, G·Tc, E)
+        m, l, acc, qa = ms[a], ls[a], accs[a], qs[a]  # this piece's, and its queries
         # A key no query of this block may see must have no effect whatever it holds
         # (0 · NaN is NaN): its key and value rows are replaced by 0, by selection.
-        allowed, used, mb = _visible(tp, sp, mb, opts, K, G)
+        allowed, used, mb = _visible(tps[a], sp, mb, opts, K, G)
         kb = jnp.where(used[..., None], kb.astype(work), 0.0)  # (B, K, Sc, D)
         vb = jnp.where(used[..., None], vb.astype(work), 0.0)  # (B, K, Sc, E)
 
@@ -294,41 +295,18 @@ def _ring_forward(q, k, v, tpos, spos, mask, opts, *, P, pieces, softcap_on):
         pv = jnp.einsum(
             "bkrs,bkse->bkre", p, vb, precision=lax.Precision.HIGHEST
         )  # (B, K, G·Tc, E)
-        return m_new, l, alpha[..., None] * acc + pv
-
-    def step(i, carry, kv):
-        """Merge the key/value slice this device holds at ring step i into every piece."""
-        src = (me - i) % P  # whose key/value slice this device holds now
-
-        def piece_pair(c, carry):
-            # Query piece a against key piece b: one loop body, so that XLA compiles the
-            # block update once, not once per pair (zigzag has four).
-            a, b = c // pieces, c % pieces
-            kb, vb, sp = (_key_piece(x, b, Sc) for x in kv)
-            mb = _mask_block(mask, a, b, src, Tc, Sc, Sl)  # (B|1, H|1, Tc|1, Sc|1)
-            # Skip a block no query of this piece may see (above the causal diagonal,
-            # outside the window, or all padding): this is the causal saving, and the
-            # source of the contiguous layout's imbalance.
-            visible = jnp.any(_allowed_keys(tps[a], sp, opts))
-            mine = tuple(x[a] for x in carry)  # this piece's (m, l, acc)
-            mine = lax.cond(visible, update, _skip, mine, qs[a], tps[a], kb, vb, sp, mb)
-            return tuple(lax.dynamic_update_index_in_dim(x, y, a, 0) for x, y in zip(carry, mine))
-
-        return lax.fori_loop(0, pieces * pieces, piece_pair, carry)
+        new = (m_new, l, alpha[..., None] * acc + pv)
+        stay = tuple(lax.dynamic_update_index_in_dim(x, y, a, 0) for x, y in zip(state[0], new))
+        return stay, travelling
 
     # One (m, l, acc) per query piece, stacked on a leading axis; they differ from device
-    # to device ("varying" over the ring axis).
-    carry = _varying(
+    # to device ("varying" over the ring axis). Nothing travels with the key/value slices.
+    stay = _varying(
         jnp.full((pieces, B, K, G * Tc), -jnp.inf, dtype=work),  # m: running row max
         jnp.zeros((pieces, B, K, G * Tc), dtype=work),  # l: running row sum
         jnp.zeros((pieces, B, K, G * Tc, E), dtype=work),  # acc: unnormalised output
     )
-    # Steps 0 .. P-2 compute and pass the slice on; the last step only computes, so each
-    # slice makes P - 1 hops.
-    carry, kv = lax.fori_loop(
-        0, P - 1, lambda i, s: (step(i, s[0], s[1]), _pass_on(s[1], P)), (carry, (k, v, spos))
-    )
-    m, l, acc = step(P - 1, carry, kv)
+    (m, l, acc), _ = _walk(update, stay, (), (k, v, spos), mask, tps, opts, P=P, pieces=pieces)
 
     # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
     some = l > 0
@@ -357,7 +335,6 @@ def _ring_backward(q, k, v, tpos, spos, mask, opts, d_out, *, P, pieces, softcap
     G = H // K
     Tc, Sc = Tl // pieces, Sl // pieces
     work = _working_dtype(q.dtype)
-    me = lax.axis_index(AXIS)
     scale, softcap = opts["scale"].astype(work), opts["softcap"].astype(work)
     d_out = d_out.astype(work)  # (B, H, Tl, E)
 
@@ -370,8 +347,9 @@ def _ring_backward(q, k, v, tpos, spos, mask, opts, d_out, *, P, pieces, softcap
     lses = _pieces(lse[..., None], K, pieces)[..., 0]  # (pieces, B, K, G·Tc)
     tps = tpos.reshape(pieces, Tc)  # (pieces, Tc)
 
-    def block(grads, a, b, src, kb, vb, sp, mb):
-        dq, dk, dv, dm = grads
+    def block(state, a, b, src, kb, vb, sp, mb):
+        """The gradients after query piece a against key piece b of device src's slice."""
+        (dq, dm), (dk, dv) = state
         allowed, used, mbg = _visible(tps[a], sp, mb, opts, K, G)
         kb = jnp.where(used[..., None], kb.astype(work), 0.0)  # (B, K, Sc, D)
         vb = jnp.where(used[..., None], vb.astype(work), 0.0)  # (B, K, Sc, E)
@@ -406,39 +384,17 @@ def _ring_backward(q, k, v, tpos, spos, mask, opts, d_out, *, P, pieces, softcap
         # The slots replaced by 0 get nothing back.
         dk = _add_key_piece(dk, jnp.where(used[..., None], dk_b, 0.0), b, Sc)
         dv = _add_key_piece(dv, jnp.where(used[..., None], dv_b, 0.0), b, Sc)
-        return dq, dk, dv, dm
+        return (dq, dm), (dk, dv)
 
-    def step(i, grads, kv):
-        src = (me - i) % P  # whose key/value slice this device holds now
-
-        def piece_pair(c, grads):
-            a, b = c // pieces, c % pieces
-            kb, vb, sp = (_key_piece(x, b, Sc) for x in kv)
-            mb = _mask_block(mask, a, b, src, Tc, Sc, Sl)
-            visible = jnp.any(_allowed_keys(tps[a], sp, opts))
-            return lax.cond(visible, block, _skip, grads, a, b, src, kb, vb, sp, mb)
-
-        return lax.fori_loop(0, pieces * pieces, piece_pair, grads)
-
-    grads = _varying(
+    # dq and dmask stay on this device; dk and dv travel with the key/value slice.
+    stay = _varying(
         jnp.zeros((pieces, B, K, G * Tc, D), dtype=work),  # dq, by query piece
-        jnp.zeros(k.shape, dtype=work),  # dk, travels with its slice
-        jnp.zeros(v.shape, dtype=work),  # dv, travels with its slice
         jnp.zeros(mask.shape, dtype=work) if float_mask else None,  # dmask, mask-shaped
     )
-
-    def step_and_pass(i, state):
-        (dq, dk, dv, dm), kv = state
-        dq, dk, dv, dm = step(i, (dq, dk, dv, dm), kv)
-        # The slice and its gradients so far go on to device i + 1.
-        k, v, spos, dk, dv = _pass_on((*kv, dk, dv), P)
-        return (dq, dk, dv, dm), (k, v, spos)
-
-    grads, kv = lax.fori_loop(0, P - 1, step_and_pass, (grads, (k, v, spos)))
-    dq, dk, dv, dm = step(P - 1, grads, kv)
-    if P > 1:
-        # One more hop: the gradients of the slice held now belong to the next device.
-        dk, dv = _pass_on((dk, dv), P)
+    travelling = _varying(jnp.zeros(k.shape, dtype=work), jnp.zeros(v.shape, dtype=work))
+    (dq, dm), (dk, dv) = _walk(
+        block, stay, travelling, (k, v, spos), mask, tps, opts, P=P, pieces=pieces
+    )
     dq = _unpieces(dq * scale, H)  # (B, H, Tl, D)
     out = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
     if float_mask:
@@ -446,6 +402,54 @@ def _ring_backward(q, k, v, tpos, spos, mask, opts, d_out, *, P, pieces, softcap
             dm = lax.psum(dm, AXIS)  # a mask without a T axis: every device's rows add up
         out += (dm.astype(mask.dtype),)
     return out
+
+
+def _walk(block, stay, travelling, kv, mask, tps, opts, *, P: int, pieces: int):
+    """The ring itself, the same for the forward and the backward.
+
+    At each of the P steps, for every (query piece a, key piece b) that some query of
+    piece a may see, ``state = block(state, a, b, src, kb, vb, sp, mb)``, state being
+    (stay, travelling); then the key/value slice kv = (k, v, spos) moves on to the next
+    device, and ``travelling`` (the backward's dk and dv) with it. After the last step
+    ``travelling`` makes one hop more, home to the device whose slice it belongs to.
+    Returns (stay, travelling).
+    """
+    me = lax.axis_index(AXIS)
+    Tc, Sl = tps.shape[1], kv[0].shape[2]
+    Sc = Sl // pieces
+
+    def step(i, state, kv):
+        src = (me - i) % P  # whose key/value slice this device holds now
+
+        def piece_pair(c, state):
+            # Query piece a against key piece b: one loop body, so that XLA compiles the
+            # block once, not once per pair (zigzag has four).
+            a, b = c // pieces, c % pieces
+            kb, vb, sp = (_key_piece(x, b, Sc) for x in kv)
+            mb = _mask_block(mask, a, b, src, Tc, Sc, Sl)  # (B|1, H|1, Tc|1, Sc|1)
+            # Skip a block no query of this piece may see (above the causal diagonal,
+            # outside the window, or all padding): this is the causal saving, and the
+            # source of the contiguous layout's imbalance.
+            visible = jnp.any(_allowed_keys(tps[a], sp, opts))
+            return lax.cond(visible, block, _skip, state, a, b, src, kb, vb, sp, mb)
+
+        return lax.fori_loop(0, pieces * pieces, piece_pair, state)
+
+    def step_and_pass(i, loop):
+        state, kv = loop
+        stay, travelling = step(i, state, kv)
+        # Pass the slice on, with its positions and what travels with it: device i sends
+        # to i + 1.
+        moved = _pass_on((*kv, *travelling), P)
+        return (stay, moved[3:]), moved[:3]
+
+    # Steps 0 .. P-2 compute and pass the slice on; the last step only computes, so each
+    # slice makes P - 1 hops.
+    state, kv = lax.fori_loop(0, P - 1, step_and_pass, ((stay, travelling), kv))
+    stay, travelling = step(P - 1, state, kv)
+    if travelling and P > 1:
+        travelling = _pass_on(travelling, P)  # one more hop: home
+    return stay, travelling
 
 
 def _working_dtype(dtype):

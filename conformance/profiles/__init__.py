@@ -123,6 +123,10 @@ class Profile:
         missing = self.missing()
         if missing:
             return f"{', '.join(missing)} not installed here (pip install {' '.join(missing)})"
+        return self._hardware_missing()
+
+    def _hardware_missing(self) -> str | None:
+        """What the ``probe`` measured, when the hardware ``needs`` names is missing."""
         if not self.probe:
             return None
         from conformance.impl import _import_target
@@ -146,7 +150,7 @@ class Profile:
                 f"installed here (pip install {' '.join(missing)}); profiles whose libraries "
                 f"are installed: {installed_profiles()}"
             )
-        why = self.unavailable()
+        why = self._hardware_missing()
         if why:
             raise ProfileError(f"profile {self.name!r} ({self.path}) cannot run here: {why}")
         try:

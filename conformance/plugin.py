@@ -344,9 +344,11 @@ def _repro_dir(config: pytest.Config) -> Path:
     return config.conformance_repro_dir
 
 
-@pytest.hookimpl(hookwrapper=True, trylast=True)
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    """A failing test gets a section that replays its last calls to ``attention``."""
+    """A failing test gets a section that replays its last calls to ``attention``. The
+    outermost wrapper, so it sees the report after a known failure became an xfail: an
+    expected failure writes no replay."""
     outcome = yield
     rep = outcome.get_result()
     calls = getattr(item, "backend_calls", None)

@@ -215,6 +215,8 @@ def test_kit_fails_a_broken_function_on_the_right_clause(installed, tmp_path):
         "no:cacheprovider",
         "-p",
         "clause_log",
+        "--repro-dir",
+        str(tmp_path / "repro"),
         env={"CLAUSE_LOG": str(log)},
     )
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-2000:]

@@ -135,7 +135,16 @@ def test_known_failures_are_strict_and_stale_ids_warn(tmp_path):
         "test_bad_input[my_attention.attention-q-rank-2]  # claimed, but it passes\n"
         "test_no_such_test[x]  # stale\n"
     )
-    run = _pytest(*EXAMPLE, "-k", "bad_input", "--known-failures", str(known), "-rfxX")
+    run = _pytest(
+        *EXAMPLE,
+        "-k",
+        "bad_input",
+        "--known-failures",
+        str(known),
+        "-rfxX",
+        "--repro-dir",
+        str(tmp_path),
+    )
     out = run.stdout + run.stderr
     assert run.returncode == 1, out[-3000:]
     # The listed failure is an expected failure, with its reason ...
@@ -151,7 +160,9 @@ def test_known_failures_are_strict_and_stale_ids_warn(tmp_path):
 def test_a_bare_test_name_covers_every_parametrization(tmp_path):
     known = tmp_path / "known.txt"
     known.write_text("test_bad_input  # all of them, for the test\n")
-    run = _pytest(*EXAMPLE, "-k", "bad_input", "--known-failures", str(known))
+    run = _pytest(
+        *EXAMPLE, "-k", "bad_input", "--known-failures", str(known), "--repro-dir", str(tmp_path)
+    )
     # The two real failures are expected; every passing parametrization is an XPASS(strict).
     assert run.returncode == 1 and "2 xfailed" in run.stdout
     assert "[XPASS(strict)] known failure: all of them, for the test" in run.stdout

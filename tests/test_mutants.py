@@ -34,20 +34,23 @@ class _Failures:
             self.failed.append((item.nodeid, clauses))
 
 
-def _run_suite(registry, name, cls):
+def _run_suite(registry, name, cls, repro):
+    """The suite on one backend; a failure's replay goes to ``repro`` (a test's tmp_path),
+    not to a fresh directory in the system's temp dir."""
     registry.register(name, cls)
     failures = _Failures()
     code = pytest.main(
-        [str(SUITE), "--backend", name, "-q", "--tb=no", "-p", "no:cacheprovider"],
+        [str(SUITE), "--backend", name, "-q", "--tb=no", "-p", "no:cacheprovider"]
+        + ["--repro-dir", str(repro)],
         plugins=[failures],
     )
     return int(code), failures.failed
 
 
-def test_control_passes(registry):
+def test_control_passes(registry, tmp_path):
     """The unbroken steps pass the suite, so a mutant's failure is its bug's doing."""
     assert {"grad", "grad_mask", "grad_softcap"} <= Control.capabilities
-    code, failed = _run_suite(registry, Control.name, Control)
+    code, failed = _run_suite(registry, Control.name, Control, tmp_path)
     assert code == 0 and not failed, failed
 
 
@@ -57,9 +60,9 @@ def _params():
 
 
 @pytest.mark.parametrize("name", list(_params()))
-def test_mutant_is_killed(registry, name):
+def test_mutant_is_killed(registry, name, tmp_path):
     cls, clauses, node_part = MUTANTS[name]
-    code, failed = _run_suite(registry, name, cls)
+    code, failed = _run_suite(registry, name, cls, tmp_path)
     assert code == 1, f"{name} survived the suite (exit code {code})"
     hits = [node for node, marks in failed if marks & clauses and node_part in node]
     assert hits, (

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -78,9 +79,18 @@ def _blocks(P: int, T: int, layout: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
-    parser.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4, 8])
+    # The results name the command that made them, arguments included.
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", default=[4096, 16384], help="T = S values"
+    )
+    parser.add_argument(
+        "--shards", type=int, nargs="+", default=[1, 2, 4, 8], help="device counts P"
+    )
     parser.add_argument(
         "--run", action="store_true", help="also time one call (not a speed result)"
     )

@@ -26,8 +26,13 @@ One rule for numbers (``scale``, ``softcap``, ``dropout_p``, the window's sides;
   elements: each raises ``TypeError``;
 - a number outside the option's range raises ``ValueError``: ``scale`` and ``softcap``
   must be finite and > 0 (so -0.0, inf and NaN are refused; 1e300 and 5e-324 are
-  accepted), ``dropout_p`` must lie in [0, 1) (-0.0 is 0), a window side must be an
-  integer >= 0.
+  accepted as a scale), ``dropout_p`` must lie in [0, 1) (-0.0 is 0), a window side must
+  be an integer >= 0;
+- ``softcap`` must also be at least the smallest normal number of the working precision
+  (float64 for float64 inputs, float32 for the others): a subnormal softcap may be
+  flushed to zero (XLA on a CPU flushes float32 subnormals), and a score of 0 divided by
+  it is then 0 / 0 = NaN. (A tiny ``scale`` flushed to zero is harmless: every score
+  becomes 0.)
 
 ``is_causal`` is a Python or NumPy bool (or a 0-d bool array); ``causal_alignment`` one of
 ``ALIGNMENTS``. An option the impl does not implement is refused with
@@ -119,7 +124,7 @@ def check(
             f"causal_alignment should be one of {ALIGNMENTS}, got {causal_alignment!r}"
         )
     window = _check_window(window)
-    softcap = None if softcap is None else _positive("softcap", softcap)
+    softcap = None if softcap is None else _softcap(softcap, _dtype_name(q))
     dropout_p = _probability("dropout_p", dropout_p)
     scale = 1.0 / math.sqrt(D) if scale is None else _positive("scale", scale)
     if random is not None:
@@ -284,6 +289,23 @@ def _positive(name: str, value: Any) -> float:
     x = _number(name, value, "a positive finite float or None")
     if not (math.isfinite(x) and x > 0):
         raise ValueError(f"{name} should be a positive finite float, got {value!r}")
+    return x
+
+
+# The smallest normal number of each working precision (float16 and bfloat16 inputs are
+# computed in float32).
+_SMALLEST_NORMAL = {"float64": 2.0**-1022, "float32": 2.0**-126}
+
+
+def _softcap(value: Any, dtype: str) -> float:
+    x = _positive("softcap", value)
+    work = "float64" if dtype == "float64" else "float32"
+    if x < _SMALLEST_NORMAL[work]:
+        raise ValueError(
+            f"softcap should be at least {_SMALLEST_NORMAL[work]!r}, the smallest normal "
+            f"{work} ({dtype} inputs are computed in {work}; a subnormal softcap may be "
+            f"flushed to 0, and 0 / 0 is NaN), got {value!r}"
+        )
     return x
 
 

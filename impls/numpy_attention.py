@@ -148,7 +148,9 @@ def attention(
 
     # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
     if call.softcap is not None:
-        scores = call.softcap * np.tanh(scores / call.softcap)  # (B, H, T, S)
+        # A score far above the softcap overflows to ±inf here, whose tanh is exactly ±1.
+        with np.errstate(over="ignore"):
+            scores = call.softcap * np.tanh(scores / call.softcap)  # (B, H, T, S)
 
     # 4. Mask: a float mask is added, then every key a query may not see gets -inf.
     if mask is not None and not call.mask_is_bool:

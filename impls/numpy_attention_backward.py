@@ -132,7 +132,9 @@ def attention_backward(
     raw = np.einsum("bhtd,bhsd->bhts", q, k) * work(call.scale)  # (B, H, T, S)
     scores = raw  # (B, H, T, S)
     if call.softcap is not None:
-        scores = call.softcap * np.tanh(raw / call.softcap)  # (B, H, T, S)
+        # A score far above the softcap overflows to ±inf here, whose tanh is exactly ±1.
+        with np.errstate(over="ignore"):
+            scores = call.softcap * np.tanh(raw / call.softcap)  # (B, H, T, S)
     if mask is not None and not call.mask_is_bool:
         scores = scores + mask.astype(work)  # (B, H, T, S)
     scores = np.where(allowed, scores, -np.inf)  # (B, H, T, S)
@@ -164,7 +166,8 @@ def attention_backward(
 
     # 3'. Softcap: d/dR of c·tanh(R/c) is 1 − tanh²(R/c), which fades where the cap bites.
     if call.softcap is not None:
-        d_scores = d_scores * (1.0 - np.tanh(raw / call.softcap) ** 2)  # (B, H, T, S)
+        with np.errstate(over="ignore"):
+            d_scores = d_scores * (1.0 - np.tanh(raw / call.softcap) ** 2)  # (B, H, T, S)
 
     # 2'. Scale: R = scale · q·k, so the scale multiplies the gradient on the way back.
     d_scores = d_scores * work(call.scale)  # (B, H, T, S)

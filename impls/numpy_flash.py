@@ -281,7 +281,9 @@ class _KeyTiles:
 
         # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
         if self.softcap is not None:
-            np.tanh(x / self.softcap, out=x)  # (B·K, G·Tb, Sb)
+            # A score far above the softcap overflows to ±inf here, whose tanh is exactly ±1.
+            with np.errstate(over="ignore"):
+                np.tanh(x / self.softcap, out=x)  # (B·K, G·Tb, Sb)
             x *= self.work(self.softcap)  # (B·K, G·Tb, Sb)
 
         # 4. Mask: a float mask is added; a bool mask, the causal triangle and the

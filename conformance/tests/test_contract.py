@@ -67,7 +67,26 @@ NUMBERS = [
     ),
     _case("softcap-int", OUT, {"softcap": 2}, requires=("softcap",), normal={"softcap": 2.0}),
     _case("softcap-huge", OUT, {"softcap": 1e300}, requires=("softcap",)),
-    _case("softcap-tiny", OUT, {"softcap": 5e-324}, requires=("softcap",)),
+    _case("softcap-smallest-normal", OUT, {"softcap": 2.0**-1022}, requires=("softcap",)),
+    _case("softcap-subnormal", ValueError, {"softcap": 5e-324}, requires=("softcap",)),
+    _case(
+        "softcap-subnormal-float32",
+        ValueError,
+        {"softcap": 1e-40},
+        inputs=lambda q, k, v: (x.astype(np.float32) for x in (q, k, v)),
+        requires=("softcap",),
+    ),
+    _case(
+        "softcap-smallest-normal-float32",
+        OUT,
+        {"softcap": 2.0**-126},
+        # q = 0: every score is 0, and 0 / softcap is where a flushed softcap gives NaN.
+        inputs=lambda q, k, v: (
+            np.zeros_like(x, dtype=np.float32) if x is q else x.astype(np.float32)
+            for x in (q, k, v)
+        ),
+        requires=("softcap",),
+    ),
     _case("softcap-bool", TypeError, {"softcap": True}, requires=("softcap",)),
     _case("softcap-np-bool", TypeError, {"softcap": np.bool_(True)}, requires=("softcap",)),
     _case("softcap-string", TypeError, {"softcap": "2"}, requires=("softcap",)),
@@ -230,7 +249,7 @@ def test_odd_values_get_one_answer(backend_pair, expected, options, inputs, requ
         if "mask" in plain:
             plain["mask"] = np.asarray(plain["mask"])
         q64, k64, v64 = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
-        tol = 2 * random_tolerance(q64, k64, v64, "float64", **plain)
+        tol = 2 * random_tolerance(q64, k64, v64, np.asarray(q).dtype.name, **plain)
         assert_within(out_a, out_b, tol, f"{a.name} vs {b.name} with {options!r}")
 
 

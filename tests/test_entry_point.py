@@ -15,6 +15,18 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.clause("10.1")
+def test_readme_example_lists_what_available_backends_returns():
+    """The README's "Using it from code" shows the real lists (with every extra installed,
+    as in the project env)."""
+    text = (ROOT / "README.md").read_text()
+    for call, listed in (
+        ("available_backends()", available_backends()),
+        ("available_backends(sharded=False)", available_backends(sharded=False)),
+    ):
+        line = text.split(f"\n{call}", 1)[1].split("\n# ", 1)[1].split("\n", 1)[0]
+        assert line == repr(listed), (call, line)
+
+
 def test_available_backends_lists_the_builtins():
     assert set(available_backends()) >= {
         "numpy",

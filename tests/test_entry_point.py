@@ -27,6 +27,7 @@ def test_readme_example_lists_what_available_backends_returns():
         assert line == repr(listed), (call, line)
 
 
+@pytest.mark.clause("10.1")
 def test_available_backends_lists_the_builtins():
     assert set(available_backends()) >= {
         "numpy",

@@ -154,6 +154,10 @@ def test_known_failures_are_strict_and_stale_ids_warn(tmp_path):
     # ... the unlisted failure still fails, and the stale id is reported.
     assert "FAILED" in out and "uint8-mask" in out
     assert "StaleKnownFailure" in out and "test_no_such_test[x]" in out
+    # A failure gets a replay; an expected one does not.
+    saved = {path.name for path in tmp_path.glob("*.npz")}
+    assert "test_bad_input_my_attention.attention-uint8-mask_.npz" in saved, saved
+    assert not [name for name in saved if "integer-mask" in name], saved
 
 
 @pytest.mark.clause("13.4")

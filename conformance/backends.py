@@ -25,6 +25,7 @@ import numpy as np
 #: are reported as skipped with the capability's name (SPEC §10.3).
 CAPABILITIES = {
     "unbatched": "accepts unbatched (H, T, D) inputs (SPEC §2.2)",
+    "value_dim": "a value head dim E that differs from the query/key head dim D (SPEC §2.1)",
     "causal_bottom_right": "causal_alignment='bottom_right' (SPEC §3.5)",
     "window": "sliding-window attention (SPEC §3.6)",
     "softcap": "score softcapping (SPEC §4.2)",

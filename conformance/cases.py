@@ -10,9 +10,11 @@ from functools import cache, cached_property
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from conformance import fixtures as fixtures_package
 from conformance.backends import numpy_dtype
+from conformance.requirements import requires, uses_dtype
 from conformance.tolerance import finite_error
 
 FIXTURES = Path(fixtures_package.__file__).resolve().parent
@@ -55,11 +57,7 @@ class Case:
 
     @property
     def requires(self) -> list[str]:
-        needs = list(self.meta.get("requires", []))
-        shape = self.meta["shape"]
-        if "K" in shape and shape["K"] != shape["H"] and "gqa" not in needs:
-            needs.append("gqa")
-        return needs
+        return case_requires(self.meta)
 
     @property
     def expected(self) -> np.ndarray:
@@ -171,6 +169,27 @@ class Case:
             f"    case = load_case({self.id!r})\n"
             f"    backend.{call}"
         )
+
+
+def case_requires(entry: dict) -> list[str]:
+    """The capabilities a fixture case uses: those its manifest entry lists, and those its
+    shape implies (K < H: "gqa", E ≠ D: "value_dim", unbatched inputs: "unbatched")."""
+    needs = list(entry.get("requires", []))
+    shape = entry["shape"]
+    implied = {
+        "gqa": "K" in shape and shape["K"] != shape["H"],
+        "value_dim": "E" in shape and shape["E"] != shape["D"],
+        "unbatched": bool(entry.get("unbatched")),
+    }
+    return needs + [cap for cap, used in implied.items() if used and cap not in needs]
+
+
+def case_marks(entry: dict, *clauses: str) -> list:
+    """A fixture case's marks as a test parameter: its clause (and ``clauses``), the
+    capabilities it uses and its dtype, so the harness skips it where they are undeclared."""
+    marks = [pytest.mark.clause(entry["clause"], *clauses), uses_dtype(entry["dtype"])]
+    needs = case_requires(entry)
+    return marks + [requires(*needs)] if needs else marks
 
 
 def _load(entry: dict, root: Path) -> Case:

@@ -1,25 +1,27 @@
 """Other libraries' own attention functions against the whole spec: every shipped profile
-(``conformance/profiles``) run through the suite, the README's table made from that run,
-and the profiles' known failures measured by it.
+(``conformance/profiles``) run through the suite, the README's lists and table made from
+that run, and the profiles' known failures measured by it.
 
     python -m conformance frameworks                          # run, report, print the table
-    python -m conformance frameworks --readme README.md       # and rewrite the README's table
+    python -m conformance frameworks --readme README.md       # and rewrite the README's part
     python -m conformance frameworks --check README.md        # fail if the README's is not this
     python -m conformance frameworks --update-profiles        # re-measure the known failures
 
 The run is ``python -m conformance report --impl-profile all -m "not pairwise"``: the
 report (``--out``) holds every test, the clause × function matrix, the versions and the
-agreement tables. The table has a row per SPEC clause where some function departs from the
-spec, and a cell per function: ✅ every test of the clause passes, ❌ how many fail and how
-(words, never an error size, so a cell means the same on any machine with the same
-versions), — the function does not declare what the clause needs. ``--readme`` replaces only
-the text between ``START`` and ``END``; ``--check`` compares the marks (✅ ❌ —) only.
+agreement tables. First comes, per function, the list of its departures: each distinct
+behaviour its failing tests show (``conformance/behaviours.py``), with the clauses and the
+number of tests. Then the table, a row per SPEC clause where some function departs from
+the spec and a cell per function: ✅ every test of the clause passes, ❌ how many fail and
+which of the function's departures they show (by number), — the function does not declare
+what the clause needs. Behaviours hold no error size, so the README means the same on any
+machine with the same versions. ``--readme`` replaces only the text between ``START`` and
+``END``; ``--check`` compares the behaviours and the marks (✅ ❌ —).
 
 ``--update-profiles`` runs with ``--ignore-known-failures`` and rewrites each profile's
-``[known_failures]`` from what failed: a test function whose every run fails gets one
-``name[profile-*]`` entry, the others one entry per test, each with the clause and the
-test's message.
-"""
+``[known_failures]`` from what failed, each test's reason its behaviour: a test function
+whose every run fails with one behaviour gets one ``name[profile-*]`` entry, the others
+one entry per test."""
 
 from __future__ import annotations
 
@@ -30,36 +32,13 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from conformance.behaviours import as_text
+from conformance.clauses import clause_key, clause_titles
+from conformance.report_markdown import departure_line
+
 START = "<!-- frameworks-table:start -->"
 END = "<!-- frameworks-table:end -->"
 PASS, FAIL, NONE = "✅", "❌", "—"
-
-#: A failure message, in words: the first pattern that matches names it.
-KINDS = [
-    (r"DID NOT RAISE", "accepts it (no error)"),
-    (r"raised (\w+), expected", r"raises \1"),
-    (r"Regex pattern did not match", "error message without the argument"),
-    (r"Timeout", "hangs"),
-    (r"Hypothesis found", "fails on drawn problems"),
-    # An exception from the library itself (the test's own verdicts are AssertionError).
-    (r"^(?:[\w.]+\.)?((?!AssertionError|Failed)[A-Z]\w*):", r"raises \1"),
-    (r"NaN disappeared|becomes a number", "a NaN becomes a number"),
-    (r"exactly 0|should be 0|must be 0", "not zero where nothing is attended"),
-    (r"non-finite|NaN|nan", "NaN or inf where the spec has a number"),
-    (r"not bit-for-bit identical", "changes bits it must not"),
-    (r"dtype \S+, expected", "returns another dtype"),
-    (r"shape \S+, expected", "returns another shape"),
-    (r"max abs error|tolerance|within|oracle", "outside the tolerance"),
-]
-
-
-def describe(message: str) -> str:
-    """A failure message as a few words (see ``KINDS``); no numbers, so it is stable."""
-    for pattern, words in KINDS:
-        found = re.search(pattern, message)
-        if found:
-            return found.expand(words)
-    return "fails"
 
 
 def run(out: Path, workers: str, remeasure: bool, extra: list[str]) -> tuple[int, dict]:
@@ -76,9 +55,12 @@ def run(out: Path, workers: str, remeasure: bool, extra: list[str]) -> tuple[int
 
 def matrix(data: dict) -> dict:
     """{"functions": {name: heading}, "clauses": {clause: {name: (mark, words)}},
-    "elsewhere": {name: why}}: a profile that needs hardware this machine lacks is no
-    column (it would be all skips), but a line saying why it did not run."""
+    "departures": {name: [entry]}, "elsewhere": {name: why}}: a profile that needs hardware
+    this machine lacks is no column (it would be all skips), but a line saying why it did
+    not run. A cell's words are the numbers of the function's departures (its list in
+    "departures", ``report_outcomes.departures``) that the clause's failures show."""
     from conformance.profiles import read_profile, shipped_profiles
+    from conformance.report_outcomes import departures
 
     functions, elsewhere = {}, {}
     for name in shipped_profiles():
@@ -90,38 +72,54 @@ def matrix(data: dict) -> dict:
         library = profile.requires[0] if profile.requires else profile.framework
         version = data["versions"].get(library)
         functions[name] = f"`{name}` ({library} {version})" if version else f"`{name}`"
+    found = departures([r for r in data["tests"] if r["backend"] in functions])
     tests: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for row in data["tests"]:
         if row["backend"] in functions and row["clause"]:
             tests[row["clause"]][row["backend"]].append(row)
     clauses = {}
     for clause, by_function in tests.items():
-        clauses[clause] = {name: _cell(by_function.get(name, [])) for name in functions}
-    return {"functions": functions, "clauses": clauses, "elsewhere": elsewhere}
+        clauses[clause] = {
+            name: _cell(by_function.get(name, []), found.get(name, [])) for name in functions
+        }
+    return {
+        "functions": functions,
+        "clauses": clauses,
+        "departures": {name: found.get(name, []) for name in functions},
+        "elsewhere": elsewhere,
+    }
 
 
-def _cell(rows: list[dict]) -> tuple[str, str]:
+def _cell(rows: list[dict], listed: list[dict]) -> tuple[str, str]:
     ran = [r for r in rows if r["outcome"] != "skipped"]
     if not ran:
         return NONE, "not declared" if rows else "not run"
     bad = [r for r in ran if r["outcome"] in ("failed", "xfailed")]
     if not bad:
         return PASS, ""
-    kinds = Counter(describe(r["message"] or r["reason"]) for r in bad)
-    # The two commonest kinds; ties in name order, so that test order cannot reorder them.
-    common = sorted(kinds.items(), key=lambda item: (-item[1], item[0]))[:2]
-    words = "; ".join(kind for kind, _ in common)
-    return FAIL, f"{len(bad)}/{len(ran)}: {words}"
+    numbers = {e["behaviour"]: i for i, e in enumerate(listed, start=1)}
+    seen = Counter(numbers.get(r.get("behaviour") or r["reason"], 0) for r in bad)
+    refs = ", ".join(f"#{n}" for n in sorted(seen) if n)
+    return FAIL, f"{len(bad)}/{len(ran)}" + (f" ({refs})" if refs else "")
 
 
 def table(found: dict) -> str:
-    """The Markdown table: a row per clause where some function departs from the spec."""
-    from conformance.report_markdown import clause_titles
-    from conformance.report_outcomes import clause_key
-
+    """Each function's departures, numbered, then the Markdown table: a row per clause
+    where some function departs from the spec, its cells naming the departures by number."""
     titles = clause_titles()
     names = list(found["functions"])
-    lines = [
+    lines = []
+    for name in names:
+        entries = found.get("departures", {}).get(name, [])
+        lines.append(
+            f"{found['functions'][name]}: "
+            + (f"{len(entries)} departures" if entries else "conforms")
+        )
+        lines.append("")
+        lines += [f"{i}. {departure_line(e)}" for i, e in enumerate(entries, start=1)]
+        if entries:
+            lines.append("")
+    lines += [
         "| clause | " + " | ".join(found["functions"][n] for n in names) + " |",
         "|---|" + "---|" * len(names),
     ]
@@ -149,16 +147,34 @@ def table(found: dict) -> str:
 
 
 def block(found: dict) -> str:
-    """What goes between the README's markers: the table and the command that made it."""
+    """What goes between the README's markers: the lists, the table and the command."""
     return (
         f"{START}\n"
         f"{table(found)}\n"
-        "Measured on the versions in the header (CPU) by `python -m conformance frameworks "
+        "Measured on the versions in the headings (CPU) by `python -m conformance frameworks "
         "--readme README.md`, which runs the whole spec on each shipped profile "
-        "(`--impl-profile all`) and writes this table; its report has every test, message "
+        "(`--impl-profile all`) and writes these lists and this table; each line is one "
+        "behaviour, with the clauses it breaks and the tests that show it, and each ❌ cell "
+        "names the behaviours its failures show. The run's report has every test, message "
         "and replay.\n"
         f"{END}"
     )
+
+
+def departure_lines(text: str) -> set[tuple[str, str]]:
+    """The (function, behaviour) pairs the lists in ``text`` give, for ``--check``."""
+    if START in text:
+        text = text.split(START, 1)[1].split(END, 1)[0]
+    found, function = set(), None
+    for line in text.splitlines():
+        heading = re.match(r"^`([^`]+)`.*: (\d+ departures|conforms)$", line)
+        if heading:
+            function = heading.group(1)
+            continue
+        item = re.match(r"^\d+\. (.*): §", line)
+        if item and function:
+            found.add((function, item.group(1)))
+    return found
 
 
 def marks(text: str) -> dict[tuple[str, str], str]:
@@ -204,10 +220,9 @@ def rewrite_readme(path: Path, found: dict) -> bool:
 
 
 def known_failures(data: dict, profile: str) -> dict[str, str]:
-    """What failed on ``profile`` in a run without known failures, as profile entries."""
-    from conformance.report_markdown import clause_titles
-
-    titles = clause_titles()
+    """What failed on ``profile`` in a run without known failures, as profile entries:
+    {test id: the behaviour it shows}. A test function whose every run fails with one
+    behaviour is one ``name[profile-*]`` entry."""
     runs: dict[str, list[dict]] = defaultdict(list)
     for row in data["tests"]:
         if row["backend"] == profile and row["outcome"] != "skipped":
@@ -218,20 +233,28 @@ def known_failures(data: dict, profile: str) -> dict[str, str]:
         bad = [r for r in rows if r["outcome"] == "failed"]
         if not bad:
             continue
-        if len(bad) == len(rows) > 1:
-            first = bad[0]
-            entries[f"{function}[{profile}-*]"] = (
-                _reason(first, titles) + f" (and {len(bad) - 1} more like it)"
-            )
+        said = {_reason(r) for r in bad}
+        if len(bad) == len(rows) > 1 and len(said) == 1:
+            entries[f"{function}[{profile}-*]"] = said.pop()
             continue
         for row in bad:
-            entries[row["name"]] = _reason(row, titles)
+            entries[row["name"]] = _reason(row)
     return entries
 
 
-def _reason(row: dict, titles: dict[str, str]) -> str:
-    message = " ".join((row["message"] or row["reason"]).split())[:240]
-    return f"SPEC §{row['clause']} {titles.get(row['clause'], '')}: {message}"
+def _reason(row: dict) -> str:
+    return as_text(row.get("behaviour") or row["reason"] or row["message"])
+
+
+def stale_reasons(data: dict) -> list[str]:
+    """Known failures that still fail, but with another behaviour than the one listed."""
+    stale = []
+    for row in data["tests"]:
+        if row["outcome"] == "xfailed" and row.get("behaviour"):
+            listed = row["reason"].removeprefix("known failure: ")
+            if row["behaviour"] not in listed.split("; "):
+                stale.append(f"{row['test']}: listed {listed!r}, shows {row['behaviour']!r}")
+    return stale
 
 
 def write_known_failures(path: Path, entries: dict[str, str]) -> None:
@@ -280,16 +303,36 @@ def main(argv: list[str]) -> int:
         changed = rewrite_readme(args.readme, found)
         print(f"{'rewrote' if changed else 'unchanged:'} the table in {args.readme}")
     if args.check:
-        committed = marks(args.check.read_text(encoding="utf-8"))
-        fresh = marks(block(found))
-        differ = {k: (committed.get(k), fresh.get(k)) for k in committed.keys() | fresh.keys()}
-        differ = {k: v for k, v in differ.items() if v[0] != v[1]}
-        if differ:
-            print(
-                f"{args.check}: the table is not what this run measured ((clause, function): "
-                f"(committed, measured)): {differ}; rerun python -m conformance frameworks "
-                f"--readme {args.check}",
-                file=sys.stderr,
-            )
-            return code or 1
+        return check(args.check, found, data) or code
     return code
+
+
+def check(path: Path, found: dict, data: dict) -> int:
+    """1, with what differs, when ``path``'s lists and table are not what this run measured
+    (the behaviours, and the marks ✅ ❌ —), or a known failure now shows another behaviour
+    than its listed reason; else 0."""
+    text = path.read_text(encoding="utf-8")
+    problems = []
+    committed, fresh = marks(text), marks(block(found))
+    differ = {k: (committed.get(k), fresh.get(k)) for k in committed.keys() | fresh.keys()}
+    differ = {k: v for k, v in differ.items() if v[0] != v[1]}
+    if differ:
+        problems.append(f"marks ((clause, function): (committed, measured)): {differ}")
+    listed, measured = departure_lines(text), departure_lines(block(found))
+    if listed != measured:
+        problems.append(
+            f"behaviours listed but not measured: {sorted(listed - measured)}; measured but "
+            f"not listed: {sorted(measured - listed)}"
+        )
+    stale = stale_reasons(data)
+    if stale:
+        problems.append(
+            f"known failures whose behaviour changed (rerun --update-profiles): {stale[:10]}"
+        )
+    for problem in problems:
+        print(
+            f"{path}: not what this run measured: {problem}; rerun python -m conformance "
+            f"frameworks --readme {path}",
+            file=sys.stderr,
+        )
+    return 1 if problems else 0

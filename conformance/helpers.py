@@ -1,21 +1,14 @@
-"""What the conformance tests share: capability checks, random inputs, tolerances."""
+"""What the conformance tests share: random inputs, tolerances, the oracle kept for the run.
+
+What a test needs (capabilities, dtypes) is declared with ``conformance.requirements``.
+"""
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
-from conformance.backends import Backend, numpy_dtype
+from conformance.backends import numpy_dtype
 from conformance.tolerance import tolerance
-
-
-def require(backend: Backend, *capabilities: str, dtype: str | None = None) -> None:
-    """Skip, naming the missing capability or dtype, when the backend does not declare it."""
-    for cap in capabilities:
-        if cap not in backend.capabilities:
-            pytest.skip(f"{backend.name} lacks capability {cap!r}")
-    if dtype is not None and dtype not in backend.dtypes:
-        pytest.skip(f"{backend.name} lacks dtype {dtype!r}")
 
 
 def random_qkv(

@@ -33,6 +33,7 @@ examples): ``--hypothesis-profile deep``.
 
 from __future__ import annotations
 
+import json
 import re
 import tempfile
 import warnings
@@ -40,13 +41,14 @@ from pathlib import Path
 
 import pytest
 
-from conformance import impl, known_failures, replay
+from conformance import behaviours, impl, known_failures, replay
 from conformance.backends import (
     BackendUnavailable,
     available_backends,
     load_backend,
     registered_backends,
 )
+from conformance.clauses import clause_titles
 
 
 def _register_hypothesis_profiles() -> None:
@@ -150,6 +152,60 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    """Keep the rootdir where it would be without this plugin's options.
+
+    pytest picks its rootdir (and its ini file) before it loads this plugin, so the value
+    of ``--impl-profile PATH`` (or ``--known-failures``, ``--repro-dir``), written with a
+    space, is taken for a test path then, and the rootdir moves to that file's folder.
+    Now that the options are known, the choice is made again without their values: the
+    rootdir is set back where ``--impl-profile=PATH`` would have left it. Had the stray
+    path also chosen another ini file, that cannot be undone here, and the run stops
+    saying so.
+    """
+    settled = _setup_without_option_values(early_config)
+    if settled is None:
+        return
+    rootpath, inipath = settled
+    if inipath != early_config.inipath:
+        raise pytest.UsageError(
+            f"pytest read its configuration from {early_config.inipath} because an option's "
+            f"value was taken for a test path; write the plugin's options with '=' "
+            f"(--impl-profile=PATH, --known-failures=FILE, --repro-dir=DIR)"
+        )
+    if rootpath != early_config.rootpath:
+        namespace = early_config.known_args_namespace
+        if namespace.confcutdir == str(early_config.rootpath):
+            namespace.confcutdir = str(rootpath)
+        early_config._rootpath = rootpath
+        early_config._parser.extra_info["rootdir"] = str(rootpath)
+
+
+def _setup_without_option_values(config: pytest.Config):
+    """(rootpath, inipath) as pytest determines them from the positional arguments now
+    that this plugin's options have taken their values; None where pytest's internals
+    (``_pytest.config.findpaths.determine_setup``) are not as expected."""
+    import inspect
+
+    try:
+        from _pytest.config.findpaths import determine_setup
+
+        namespace = config.known_args_namespace
+        given = {
+            "inifile": namespace.inifilename,
+            "override_ini": namespace.override_ini,
+            "args": namespace.file_or_dir,
+            "rootdir_cmd_arg": namespace.rootdir or None,
+            "invocation_dir": config.invocation_params.dir,
+        }
+        accepted = inspect.signature(determine_setup).parameters
+        found = determine_setup(**{k: v for k, v in given.items() if k in accepted})
+        return found[0], found[1]
+    except Exception:  # a pytest whose internals differ: keep its own choice
+        return None
+
+
 def selected_backends(config: pytest.Config) -> list[str]:
     names: list[str] = []
     for value in config.getoption("--backend"):
@@ -220,6 +276,16 @@ def pytest_configure(config: pytest.Config) -> None:
     """
     config.addinivalue_line("markers", "clause(number): the SPEC.md clause a test checks")
     config.addinivalue_line("markers", "pairwise: compares every pair of selected backends")
+    config.addinivalue_line(
+        "markers", "requires(*capabilities): what the test's calls use (skipped where undeclared)"
+    )
+    config.addinivalue_line("markers", "dtypes(*names): the dtypes of a parameter set's arrays")
+    config.addinivalue_line(
+        "markers", "refusal: the test passes what a backend may not declare, to see it refused"
+    )
+    config.addinivalue_line(
+        "markers", "refuses(capability): runs where the backend does not declare it (SPEC §8.5)"
+    )
     config.conformance_backends = []
     config.conformance_known_failures = {}
     if not conformance_requested(config):
@@ -346,22 +412,32 @@ def _repro_dir(config: pytest.Config) -> Path:
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    """A failing test gets a section that replays its last calls to ``attention``. The
-    outermost wrapper, so it sees the report after a known failure became an xfail: an
-    expected failure writes no replay."""
+    """A failing test (a known failure too) gets its behaviour, the one sentence that says
+    what the function did (``conformance.behaviours``), and, unless it was expected, a
+    section that replays its last calls. The outermost wrapper, so it sees the report after
+    a known failure became an xfail: an expected failure writes no replay."""
     outcome = yield
     rep = outcome.get_result()
-    calls = getattr(item, "backend_calls", None)
-    if rep.when != "call" or not rep.failed or not calls:
+    if rep.when != "call" or not (rep.failed or hasattr(rep, "wasxfail")):
+        return
+    calls = replay.logged_calls(item)
+    marker = item.get_closest_marker("clause")
+    clause = marker.args[0] if marker else None
+    err = call.excinfo.value if call.excinfo is not None else None
+    found = behaviours.behaviour(err, calls, clause, clause_titles().get(clause or "", ""))
+    rep.user_properties.append((behaviours.PROPERTY, found))
+    rep.user_properties.append((behaviours.FEATURES, json.dumps(behaviours.call_features(calls))))
+    if not rep.failed or not calls:
         return
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", item.name)[:150]
     path = _repro_dir(item.config) / f"{name}.npz"
     try:
-        lines = replay.save_calls(path, sorted(calls, key=lambda c: c[0]))
+        lines = replay.save_calls(path, calls)
     except Exception as err:  # the test's own failure matters more than the replay
         text = f"could not save the inputs for a replay: {err!r}"
     else:
         text = replay.replay_snippet(path, lines)
     rep.user_properties.append(("reproduce", text))
     if hasattr(rep.longrepr, "addsection"):
+        rep.longrepr.addsection("behaviour", found)
         rep.longrepr.addsection("reproduce", text)

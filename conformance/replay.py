@@ -21,9 +21,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+import pytest
 
 from conformance import impl
 from conformance.backends import Backend, load_backend, numpy_dtype
+from conformance.behaviours import mark_raised
+from conformance.requirements import SuiteError, undeclared
 
 #: The backend methods a replay covers: everything that computes.
 RECORDED = ("attention", "attention_vjp", "multi_head_attention", "gpt_block", "module_param_grads")
@@ -34,13 +37,16 @@ _CLOCK = itertools.count()
 class RecordingBackend:
     """A backend that remembers its last calls, to replay a failure.
 
-    Everything else is the wrapped backend's own: attributes and other methods pass
-    straight through.
+    With ``guard`` (the conformance run's default), a call using anything the backend does
+    not declare (``conformance.requirements.undeclared``) raises ``SuiteError`` and never
+    reaches the backend. Everything else is the wrapped backend's own: attributes and
+    other methods pass straight through.
     """
 
-    def __init__(self, backend: Backend, log: collections.deque) -> None:
+    def __init__(self, backend: Backend, log: collections.deque, *, guard: bool = False) -> None:
         self._backend = backend
         self._log = log
+        self._guard = guard
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._backend, name)
@@ -48,9 +54,21 @@ class RecordingBackend:
             return attr
 
         def recorded(*args, **kwargs):
+            if self._guard:
+                found = undeclared(self._backend, name, args, kwargs)
+                if found:
+                    raise SuiteError(
+                        f"suite error: the test would call {self._backend.name}.{name} with "
+                        f"{'; '.join(found)}, which {self._backend.name} does not declare. "
+                        "This is a bug in the conformance suite, not in the backend."
+                    )
             # Copies: a test may change its arrays after the call.
             self._log.append((next(_CLOCK), self._backend, name, _copy(args), _copy(kwargs)))
-            return attr(*args, **kwargs)
+            try:
+                return attr(*args, **kwargs)
+            except Exception as err:
+                mark_raised(err, self._backend.name, name)
+                raise
 
         return recorded
 
@@ -70,6 +88,21 @@ def _copy(value: Any) -> Any:
 
 def new_call_log(size: int = 2) -> collections.deque:
     return collections.deque(maxlen=size)
+
+
+_CALLS = pytest.StashKey[collections.deque]()
+
+
+def call_log(item: pytest.Item) -> collections.deque:
+    """The log of ``item``'s last calls (kept in the item's stash), made on first use."""
+    if _CALLS not in item.stash:
+        item.stash[_CALLS] = new_call_log()
+    return item.stash[_CALLS]
+
+
+def logged_calls(item: pytest.Item) -> list[tuple]:
+    """The calls ``item`` logged, oldest first (none if it made none)."""
+    return sorted(item.stash.get(_CALLS, ()), key=lambda c: c[0])
 
 
 def _number(x: Any) -> Any:

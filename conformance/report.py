@@ -46,6 +46,7 @@ from conformance.report_collect import OUTCOMES, run_tests, xdist_installed
 from conformance.report_markdown import render_markdown
 from conformance.report_outcomes import (
     clause_table,
+    departures,
     grouped_known_failures,
     grouped_skips,
     verdicts,
@@ -201,6 +202,7 @@ def main(argv: list[str]) -> int:
         "exit_code": code,
         "summary": {o: sum(r["outcome"] == o for r in rows) for o in OUTCOMES},
         "verdicts": verdicts(rows, declared),
+        "departures": departures(rows),
         "clauses": clause_table(rows),
         "skips": grouped_skips(rows, declared),
         "known_failures": grouped_known_failures(rows),

@@ -12,10 +12,12 @@ plain data on the report, so they survive xdist's trip from worker to controller
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
 
+from conformance import behaviours
 from conformance.measure import published
 
 HERE = Path(__file__).resolve().parent
@@ -65,6 +67,7 @@ class Collector:
             if report.when != "call":
                 message = f"error in {report.when}: {message}"
             reason = " ".join(message.strip().splitlines()[:2])[:300]
+        properties = dict(report.user_properties)
         self.rows.append(
             {
                 "test": report.nodeid,
@@ -73,7 +76,9 @@ class Collector:
                 "outcome": result,
                 "reason": reason,
                 "message": message,
-                "reproduce": dict(report.user_properties).get("reproduce", ""),
+                "behaviour": properties.get(behaviours.PROPERTY, ""),
+                "call": json.loads(properties.get(behaviours.FEATURES, "[]")),
+                "reproduce": properties.get("reproduce", ""),
             }
         )
 

@@ -7,26 +7,11 @@ outputs and the gradients, the pairwise tests, and the pictures.
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
+from conformance.clauses import clause_key, clause_titles
 from conformance.report_agreement import names_in
 from conformance.report_collect import OUTCOMES
-from conformance.report_outcomes import clause_key
 
-HERE = Path(__file__).resolve().parent
 MAX_FAILURES_SHOWN = 40
-
-
-def clause_titles() -> dict[str, str]:
-    titles = {}
-    for line in (HERE / "SPEC.md").read_text().splitlines():
-        m = re.match(r"^\*\*(\d+\.\d+)\s+(.*?)\.?\*\*", line) or re.match(
-            r"^#+\s+(\d+\.\d+)\s+(.*)", line
-        )
-        if m:
-            titles[m.group(1)] = m.group(2)
-    return titles
 
 
 def _sections(clauses: list[str]) -> str:
@@ -49,6 +34,7 @@ def render_markdown(data: dict) -> str:
         + (", and the inputs of failing calls in `repro/`." if summary["failed"] else "."),
         "",
         *render_verdicts(data.get("verdicts", {})),
+        *render_departures(data.get("departures", {})),
         *render_clauses(data),
         *render_known_failures_and_skips(data),
         *render_failures(data["tests"]),
@@ -117,6 +103,51 @@ def render_verdicts(verdicts: dict[str, dict]) -> list[str]:
     return lines
 
 
+def departure_line(entry: dict) -> str:
+    """One behaviour: what the function does, where in the spec, how many tests."""
+    n = entry["tests"]
+    counts = f"{n} test{'s' * (n != 1)}"
+    if entry["known"]:
+        counts += ", all known failures" if entry["known"] == n else f", {entry['known']} known"
+    common = f"; {entry['common']}" if entry.get("common") else ""
+    return f"{entry['behaviour']}: {_sections(entry['clauses'])} ({counts}{common})"
+
+
+def render_departures(by_backend: dict[str, list[dict]]) -> list[str]:
+    """Per backend, its distinct departures from the spec, the commonest first, each with
+    one test that shows it and, where one was saved, its replay."""
+    if not by_backend:
+        return []
+    lines = [
+        "## What each backend does differently from the spec",
+        "",
+        "Every failing test (known failures included), grouped by the behaviour it shows: "
+        "what the function does, the clauses it breaks, how many tests it touches, and one "
+        "test to rerun. The clause table below counts the same tests per clause.",
+        "",
+    ]
+    for backend, entries in by_backend.items():
+        lines += [f"**{backend}**", ""]
+        for i, entry in enumerate(entries, start=1):
+            lines.append(f"{i}. {departure_line(entry)}; e.g. `{entry['example']}`")
+        lines.append("")
+        replays = [e for e in entries if e["reproduce"]]
+        if replays:
+            lines += ["<details><summary>replays</summary>", ""]
+            for i, entry in enumerate(entries, start=1):
+                if entry["reproduce"]:
+                    lines += [
+                        f"{i}. `{entry['example']}`",
+                        "",
+                        "```",
+                        entry["reproduce"],
+                        "```",
+                        "",
+                    ]
+            lines += ["</details>", ""]
+    return lines
+
+
 def render_clauses(data: dict) -> list[str]:
     titles = clause_titles()
     lines = [
@@ -168,10 +199,9 @@ def render_known_failures_and_skips(data: dict) -> list[str]:
         for g in skips:
             who = g["backend"] or "the run"
             pairwise = f", {g['pairwise']} of them pairwise" if g["pairwise"] else ""
-            lines.append(
-                f"- {who} lacks {g['missing']}: {g['tests']} test{'s' * (g['tests'] != 1)} "
-                f"skipped{pairwise} ({_sections(g['clauses'])})"
-            )
+            n = f"{g['tests']} test{'s' * (g['tests'] != 1)} skipped{pairwise}"
+            why = f"{who} lacks {g['missing']}" if g["missing"] else g["reason"].rstrip(".")
+            lines.append(f"- {why}: {n} ({_sections(g['clauses'])})")
         lines.append("")
     return lines
 

@@ -12,6 +12,8 @@ import re
 from collections import defaultdict
 
 from conformance.backends import CAPABILITIES, DTYPES
+from conformance.behaviours import describe_common
+from conformance.clauses import clause_key
 from conformance.report_collect import OUTCOMES
 
 _LACKS = re.compile(r"^(?P<who>.+?) lacks (?P<kind>capability|dtype) '(?P<what>[^']+)'")
@@ -35,13 +37,6 @@ def clause_table(rows: list[dict]) -> dict[str, dict[str, dict]]:
         for column in columns(row["backend"]):
             table[column][row["clause"]][row["outcome"]] += 1
     return {b: dict(c) for b, c in table.items()}
-
-
-def clause_key(clause: str | None) -> tuple:
-    """Sort key for "12.10" after "12.9"; no clause last."""
-    if clause is None:
-        return (999,)
-    return tuple(int(x) for x in clause.split("."))
 
 
 def _clauses(rows: list[dict]) -> list[str]:
@@ -88,7 +83,8 @@ def verdicts(rows: list[dict], declared: dict[str, dict]) -> dict[str, dict]:
 
 def grouped_skips(rows: list[dict], declared: dict[str, dict]) -> list[dict]:
     """The skipped tests, one entry per backend and missing capability (or dtype, or other
-    reason): {"backend", "missing", "tests", "pairwise", "clauses"}.
+    reason): {"backend", "missing", "reason", "tests", "pairwise", "clauses"}; "missing"
+    ("capability window", "dtype float16") is None for a skip of another reason.
 
     A pairwise test skipped because "a or b lacks capability 'c'" counts for whichever of
     a and b does not declare c.
@@ -112,11 +108,18 @@ def grouped_skips(rows: list[dict], declared: dict[str, dict]) -> list[dict]:
         elif reason.startswith("got empty parameter set"):
             owners, missing = [None], "a second backend (pairwise tests need two)"
         else:
-            missing = reason
+            missing = None
         for owner in owners:
             group = groups.setdefault(
-                (owner, missing),
-                {"backend": owner, "missing": missing, "tests": 0, "pairwise": 0, "clauses": set()},
+                (owner, missing or reason),
+                {
+                    "backend": owner,
+                    "missing": missing,
+                    "reason": reason,
+                    "tests": 0,
+                    "pairwise": 0,
+                    "clauses": set(),
+                },
             )
             group["tests"] += 1
             group["pairwise"] += bool(backend and "~" in backend)
@@ -127,7 +130,7 @@ def grouped_skips(rows: list[dict], declared: dict[str, dict]) -> list[dict]:
         groups.values(),
         key=lambda g: (
             order.index(g["backend"]) if g["backend"] in order else len(order),
-            g["missing"],
+            g["missing"] or g["reason"],
         ),
     )
     for group in result:
@@ -152,3 +155,38 @@ def grouped_known_failures(rows: list[dict]) -> list[dict]:
     for group in groups.values():
         group["clauses"] = sorted(group["clauses"], key=clause_key)
     return list(groups.values())
+
+
+def departures(rows: list[dict]) -> dict[str, list[dict]]:
+    """What each backend does differently from the spec, one entry per distinct behaviour:
+    {backend: [{"behaviour", "clauses", "tests", "known", "example", "reproduce",
+    "common"}]}, the behaviour touching most tests first.
+
+    Failed tests and known failures both count ("known": how many of them were listed as
+    known failures). "example" is one test that shows the behaviour, "reproduce" its
+    replay where one was saved, and "common" what every call of the behaviour had in
+    common (its dtype, say), in words. A pairwise test counts under its pair, "a~b".
+    """
+    groups: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        if row["outcome"] in ("failed", "xfailed") and row["backend"]:
+            text = row.get("behaviour") or row["reason"] or row["message"]
+            groups[row["backend"]][text].append(row)
+    result: dict[str, list[dict]] = {}
+    for backend, by_behaviour in groups.items():
+        entries = []
+        for text, members in by_behaviour.items():
+            members = sorted(members, key=lambda r: r["test"])
+            entries.append(
+                {
+                    "behaviour": text,
+                    "clauses": _clauses(members),
+                    "tests": len(members),
+                    "known": sum(r["outcome"] == "xfailed" for r in members),
+                    "example": members[0]["test"],
+                    "reproduce": next((r["reproduce"] for r in members if r["reproduce"]), ""),
+                    "common": describe_common([r.get("call", []) for r in members]),
+                }
+            )
+        result[backend] = sorted(entries, key=lambda e: (-e["tests"], e["behaviour"]))
+    return result

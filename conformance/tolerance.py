@@ -10,6 +10,8 @@ FlashAttention's tests use. The floor covers what the naive run can get right by
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
 #: The factor on the naive run's error (SPEC §7.1's k; not the shape letter K).
@@ -20,6 +22,37 @@ FACTOR = 2.0
 #: ulp) is left, allowed twice.
 FLOOR = {"float64": 8.0, "float32": 8.0, "float16": 2.0, "bfloat16": 2.0}
 EPS = {"float64": 2.0**-52, "float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
+
+
+@dataclass
+class Seen:
+    """What a failed comparison saw, for ``conformance.behaviours`` to name the cause."""
+
+    error: float = 0.0
+    tolerance: float = 0.0
+    scale: float = 1.0
+    #: NaN in the result where the expected value is a number.
+    nan_where_number: bool = False
+    #: A number in the result where the expected value is NaN.
+    number_where_nan: bool = False
+    #: Every wrong entry lies in a row the expected result has all 0 (a row with no key).
+    only_empty_rows: bool = False
+    #: Some of those rows: (index of the row, the values it holds), a few at most.
+    empty_rows: list = field(default_factory=list)
+
+
+class Departure(AssertionError):
+    """A test's finding: the function does something other than what the spec says.
+
+    ``behaviour`` is the test's sentence for it (None: the clause names it); ``seen`` what
+    a comparison measured, when the finding comes from one. The message (``str``) has the
+    details: errors, where, the case.
+    """
+
+    def __init__(self, message: str, behaviour: str | None = None, seen: Seen | None = None):
+        super().__init__(message)
+        self.behaviour = behaviour
+        self.seen = seen
 
 
 def tolerance(dtype: str, naive_error: float, expected: np.ndarray) -> float:
@@ -90,23 +123,60 @@ def describe_error(actual: np.ndarray, expected: np.ndarray) -> str:
     )
 
 
-def assert_within(actual, expected, tol: float, context: str) -> None:
+def _seen(actual: np.ndarray, expected: np.ndarray, tol: float) -> Seen:
+    """What is wrong between ``actual`` and ``expected`` (same shape), for naming a cause."""
+    bad = nonfinite_mismatch(actual, expected)
+    both = np.isfinite(actual) & np.isfinite(expected)
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(np.where(both, actual - expected, 0.0))
+    bad |= diff > tol
+    seen = Seen(
+        error=float(diff.max(initial=0.0)),
+        tolerance=float(tol),
+        scale=max(1.0, float(np.max(np.abs(np.where(both, expected, 0.0)), initial=0.0))),
+        nan_where_number=bool((np.isnan(actual) & ~np.isnan(expected)).any()),
+        number_where_nan=bool((~np.isnan(actual) & np.isnan(expected)).any()),
+    )
+    if actual.ndim >= 1 and actual.size:
+        empty = (expected == 0).all(axis=-1)  # rows with no key to attend
+        wrong_rows = bad.any(axis=-1)
+        if wrong_rows.any() and not (wrong_rows & ~empty).any():
+            seen.only_empty_rows = True
+            seen.empty_rows = [
+                (tuple(int(i) for i in index), actual[tuple(index)])
+                for index in np.argwhere(wrong_rows)[:4]
+            ]
+    return seen
+
+
+def assert_within(
+    actual, expected, tol: float, context: str, *, behaviour: str | None = None
+) -> None:
     """Assert max |actual - expected| <= tol, with diagnostics and the case in the message.
 
     Non-finite entries must match exactly (SPEC §7.4): NaN where the expected value is NaN,
-    the same infinity where it is infinite, and a finite number everywhere else.
+    the same infinity where it is infinite, and a finite number everywhere else. A failure
+    is a ``Departure`` carrying ``behaviour`` (the test's words for what it checks) and
+    what the comparison saw.
     """
     actual = np.asarray(actual, dtype=np.float64)
     expected = np.asarray(expected, dtype=np.float64)
-    ok = actual.shape == expected.shape and not nonfinite_mismatch(actual, expected).any()
+    if actual.shape != expected.shape:
+        raise Departure(
+            f"{context}\n  {describe_error(actual, expected)}",
+            "returns an output of the wrong shape",
+        )
+    ok = not nonfinite_mismatch(actual, expected).any()
     if ok:
         both = np.isfinite(actual) & np.isfinite(expected)
         with np.errstate(invalid="ignore"):
             diff = np.abs(np.where(both, actual - expected, 0.0))
         ok = bool(diff.max(initial=0.0) <= tol)
     if not ok:
-        raise AssertionError(
-            f"{context}\n  {describe_error(actual, expected)}; tolerance {tol:.3e}"
+        raise Departure(
+            f"{context}\n  {describe_error(actual, expected)}; tolerance {tol:.3e}",
+            behaviour,
+            _seen(actual, expected, tol),
         )
 
 
@@ -130,8 +200,9 @@ def finite_error(naive, expected) -> float:
     return float(np.max(diff, initial=0.0))
 
 
-def assert_identical(actual, expected, context: str) -> None:
-    """Assert bit-for-bit equality (NaN equal to NaN), with diagnostics."""
+def assert_identical(actual, expected, context: str, *, behaviour: str | None = None) -> None:
+    """Assert bit-for-bit equality (NaN equal to NaN), with diagnostics; a failure is a
+    ``Departure`` carrying ``behaviour``."""
     actual, expected = np.asarray(actual), np.asarray(expected)
     same = actual.shape == expected.shape and actual.dtype == expected.dtype
     if same:
@@ -139,6 +210,41 @@ def assert_identical(actual, expected, context: str) -> None:
         b = expected.view(np.uint8) if expected.dtype.itemsize else expected
         same = np.array_equal(a, b)
     if not same:
-        raise AssertionError(
-            f"{context}: not bit-for-bit identical\n  {describe_error(actual, expected)}"
+        raise Departure(
+            f"{context}: not bit-for-bit identical\n  {describe_error(actual, expected)}",
+            behaviour,
         )
+
+
+def expect(ok: bool, behaviour: str, message: str) -> None:
+    """Fail with a ``Departure`` (``behaviour``, details in ``message``) unless ``ok``."""
+    if not ok:
+        raise Departure(message, behaviour)
+
+
+def assert_rows_zero(out, rows, context: str, v=None) -> None:
+    """Assert that the rows ``rows`` (a bool array over out's leading axes) of ``out`` are
+    exactly 0 in every channel: the queries that have no key to attend (SPEC §4.3). With
+    ``v`` (B, K, S, E), a failure says when those rows hold the mean of V instead."""
+    out = np.asarray(out, dtype=np.float64)
+    rows = np.broadcast_to(np.asarray(rows, dtype=bool), out.shape[:-1])
+    got = out[rows]  # (n, E)
+    if (got == 0).all():
+        return
+    where = np.argwhere(rows)[np.flatnonzero((got != 0).any(axis=-1))[:2]].tolist()
+    message = f"{context}: rows {where} have no key to attend and must be exactly 0, got {got[(got != 0).any(axis=-1)][:2]}"
+    if np.isnan(got).any():
+        raise Departure(message, "a query with no key to attend returns NaN, not 0")
+    if v is not None and _holds_mean_of_v(out, rows, np.asarray(v, dtype=np.float64)):
+        raise Departure(message, "a query with no key to attend returns the mean of V, not 0")
+    raise Departure(message, "a query with no key to attend returns a row that is not 0")
+
+
+def _holds_mean_of_v(out: np.ndarray, rows: np.ndarray, v: np.ndarray) -> bool:
+    """Whether every row in ``rows`` of ``out`` (B, H, T, E) is the mean of its value rows."""
+    if out.ndim != 4 or v.ndim != 4 or v.shape[2] == 0 or out.shape[1] % v.shape[1]:
+        return False
+    G = out.shape[1] // v.shape[1]
+    mean = np.repeat(v.mean(axis=2), G, axis=1)[:, :, None, :]  # (B, H, 1, E)
+    mean = np.broadcast_to(mean, out.shape)
+    return bool(np.allclose(out[rows], mean[rows], rtol=1e-2, atol=1e-2))

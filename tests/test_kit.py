@@ -61,7 +61,8 @@ def test_example_without_known_failures_fails_with_diagnostics():
     try:
         assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
         assert "test_bad_input[my_attention.attention-integer-mask]" in run.stdout
-        assert "DID NOT RAISE" in run.stdout
+        assert "accepted an int64 mask; SPEC §8.1 wants TypeError" in run.stdout
+        assert "behaviour" in run.stdout and "accepts an int64 mask (no error)" in run.stdout
         assert "reproduce" in run.stdout and "load_call(" in run.stdout
     finally:
         for path in (ROOT / "repro-unused-by-default").glob("*.npz"):
@@ -394,3 +395,40 @@ def test_property_tests_run_deep_on_request():
     )
     assert run.returncode == 0, run.stdout[-3000:]
     assert "max_examples=500" in run.stdout and "2 passed" in run.stdout
+
+
+@pytest.mark.clause("13.10")
+def test_a_profile_path_does_not_move_the_rootdir(tmp_path):
+    """``--impl-profile PATH`` and ``--impl-profile=PATH`` print the same test ids: the
+    value written after a space is not taken for a test path that moves the rootdir."""
+    profile_dir, user_dir = tmp_path / "profiles" / "deep", tmp_path / "user"
+    profile_dir.mkdir(parents=True)
+    user_dir.mkdir()
+    text = (ROOT / "conformance" / "profiles" / "torch.sdpa.toml").read_text()
+    text = text.replace('name = "torch.sdpa"', 'name = "mine"').split("\n[known_failures]")[0]
+    (profile_dir / "mine.toml").write_text(text)
+    path = str(profile_dir / "mine.toml")
+    ids = []
+    for form in (["--impl-profile", path], [f"--impl-profile={path}"]):
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "--pyargs",
+                "conformance",
+                *form,
+                "-p",
+                "no:cacheprovider",
+            ]
+            + ["-k", "test_worked_example", "-rA", "-q"],
+            cwd=user_dir,
+            capture_output=True,
+            text=True,
+        )
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        ids.append(
+            sorted(line.split()[1] for line in run.stdout.splitlines() if line.startswith("PASSED"))
+        )
+    assert ids[0] == ids[1] and len(ids[0]) == 2, ids
+    assert not any(i.startswith("..") for i in ids[0]), ids

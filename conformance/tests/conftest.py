@@ -2,7 +2,9 @@
 
 The options and the loading of backends are the plugin's (``conformance/plugin.py``);
 this file only exists where the conformance tests are collected, so nothing here reaches
-another project's test run.
+another project's test run. What a test needs is declared beside it
+(``conformance/requirements.py``); here the harness turns each need a backend does not
+declare into a skip that names it, before the test runs.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import pytest
 
 from conformance import backends, replay
 from conformance.plugin import conformance_backend
+from conformance.requirements import common_dtype, declared_refusal, item_needs, lacking
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -22,6 +25,32 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize(
             "backend_pair", pairs, ids=[f"{a}~{b}" for a, b in pairs], indirect=True
         )
+
+
+def _backend_names(item: pytest.Item) -> list[str]:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    pair, single = params.get("backend_pair"), params.get("backend")
+    return list(pair) if isinstance(pair, tuple) else [single] if single else []
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip, by name, every test whose declared needs a backend of it does not declare."""
+    for item in items:
+        names = _backend_names(item)
+        if not names:
+            continue
+        try:
+            caps, dtypes = item_needs(item)
+        except ValueError as err:
+            raise pytest.UsageError(f"{item.nodeid}: {err}") from err
+        loaded = [conformance_backend(name) for name in names]
+        why = next((w for b in loaded if (w := lacking(b, caps, dtypes))), None)
+        why = why or next((w for b in loaded if (w := declared_refusal(b, item))), None)
+        if why is None and "dtype" in getattr(item, "fixturenames", ()):
+            if common_dtype(loaded) is None:
+                why = f"{' and '.join(names)} declare no dtype in common"
+        if why:
+            item.add_marker(pytest.mark.skip(reason=why))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -36,16 +65,27 @@ def _release_after_each_module():
 
 @pytest.fixture
 def backend(request: pytest.FixtureRequest):
-    return replay.RecordingBackend(conformance_backend(request.param), _call_log(request.node))
+    return _recording(request, conformance_backend(request.param))
 
 
 @pytest.fixture
 def backend_pair(request: pytest.FixtureRequest):
-    log = _call_log(request.node)
-    return tuple(replay.RecordingBackend(conformance_backend(n), log) for n in request.param)
+    return tuple(_recording(request, conformance_backend(n)) for n in request.param)
 
 
-def _call_log(item: pytest.Item):
-    if not hasattr(item, "backend_calls"):
-        item.backend_calls = replay.new_call_log()
-    return item.backend_calls
+@pytest.fixture
+def dtype(request: pytest.FixtureRequest) -> str:
+    """For a test without a dtype parameter: the most precise dtype its backends declare."""
+    names = _backend_names(request.node)
+    return common_dtype(conformance_backend(n) for n in names) or "float64"
+
+
+def _recording(request: pytest.FixtureRequest, backend) -> replay.RecordingBackend:
+    """The backend as the test sees it: its calls are logged for a replay, and a call with
+    anything the backend does not declare is stopped as the suite's error (unless the test
+    is marked ``refusal``: it checks that such a call is refused)."""
+    return replay.RecordingBackend(
+        backend,
+        replay.call_log(request.node),
+        guard=all(request.node.get_closest_marker(n) is None for n in ("refusal", "refuses")),
+    )

@@ -16,22 +16,28 @@ import pytest
 
 from conformance.backends import numpy_dtype
 from conformance.fixtures.oracle import naive_same_precision
-from conformance.helpers import random_qkv, random_tolerance, require
-from conformance.tolerance import assert_within
+from conformance.helpers import random_qkv, random_tolerance
+from conformance.requirements import refuses, requires, uses_dtype, value_dims
+from conformance.tolerance import Departure, assert_within, expect
 
-B, H, T, S, D, E = 2, 4, 5, 6, 3, 2
+B, H, T, S, D = 2, 4, 5, 6, 3
 OUT = "output"
 
 
-def _qkv():
-    return random_qkv(40, B=B, H=H, T=T, S=S, D=D, E=E)
+def _qkv(backends, dtype: str):
+    D_, E = value_dims(backends, D, 2)
+    return random_qkv(40, B=B, H=H, T=T, S=S, D=D_, E=E, dtype=dtype)
 
 
-def _case(name, expected, options=None, inputs=None, requires=(), normal=None):
+def _case(name, expected, options=None, inputs=None, needs=(), normal=None, dtypes=()):
     """A battery case: the options (or a function of q, k, v giving new q, k, v), the
-    spec's answer, the capabilities it needs, and the options in their normal form for
-    the tolerance's naive run (default: the options themselves)."""
-    return pytest.param(expected, options or {}, inputs, requires, normal, id=name)
+    spec's answer, the capabilities and dtypes it needs beyond the test's own, and the
+    options in their normal form for the tolerance's naive run (default: the options
+    themselves)."""
+    marks = [requires(*needs)] if needs else []
+    if dtypes:
+        marks.append(uses_dtype(*dtypes))
+    return pytest.param(name, expected, options or {}, inputs, normal, id=name, marks=marks)
 
 
 # --- Numbers (§8.4): Python and NumPy scalars alike, 0-d arrays, bool is not a number -------
@@ -56,26 +62,27 @@ NUMBERS = [
         "softcap-np-float32",
         OUT,
         {"softcap": np.float32(2.0)},
-        requires=("softcap",),
+        needs=("softcap",),
         normal={"softcap": 2.0},
     ),
     _case(
         "softcap-0d-array",
         OUT,
         {"softcap": np.array(2.0)},
-        requires=("softcap",),
+        needs=("softcap",),
         normal={"softcap": 2.0},
     ),
-    _case("softcap-int", OUT, {"softcap": 2}, requires=("softcap",), normal={"softcap": 2.0}),
-    _case("softcap-huge", OUT, {"softcap": 1e300}, requires=("softcap",)),
-    _case("softcap-smallest-normal", OUT, {"softcap": 2.0**-1022}, requires=("softcap",)),
-    _case("softcap-subnormal", ValueError, {"softcap": 5e-324}, requires=("softcap",)),
+    _case("softcap-int", OUT, {"softcap": 2}, needs=("softcap",), normal={"softcap": 2.0}),
+    _case("softcap-huge", OUT, {"softcap": 1e300}, needs=("softcap",)),
+    _case("softcap-smallest-normal", OUT, {"softcap": 2.0**-1022}, needs=("softcap",)),
+    _case("softcap-subnormal", ValueError, {"softcap": 5e-324}, needs=("softcap",)),
     _case(
         "softcap-subnormal-float32",
         ValueError,
         {"softcap": 1e-40},
         inputs=lambda q, k, v: (x.astype(np.float32) for x in (q, k, v)),
-        requires=("softcap",),
+        needs=("softcap",),
+        dtypes=("float32",),
     ),
     _case(
         "softcap-smallest-normal-float32",
@@ -86,24 +93,25 @@ NUMBERS = [
             np.zeros_like(x, dtype=np.float32) if x is q else x.astype(np.float32)
             for x in (q, k, v)
         ),
-        requires=("softcap",),
+        needs=("softcap",),
+        dtypes=("float32",),
     ),
-    _case("softcap-bool", TypeError, {"softcap": True}, requires=("softcap",)),
-    _case("softcap-np-bool", TypeError, {"softcap": np.bool_(True)}, requires=("softcap",)),
-    _case("softcap-string", TypeError, {"softcap": "2"}, requires=("softcap",)),
-    _case("softcap-minus-zero", ValueError, {"softcap": -0.0}, requires=("softcap",)),
-    _case("softcap-inf", ValueError, {"softcap": math.inf}, requires=("softcap",)),
-    _case("dropout-bool", TypeError, {"dropout_p": True, "seed": 0}, requires=("dropout",)),
-    _case("dropout-string", TypeError, {"dropout_p": "0.1", "seed": 0}, requires=("dropout",)),
-    _case("dropout-none", TypeError, {"dropout_p": None, "seed": 0}, requires=("dropout",)),
+    _case("softcap-bool", TypeError, {"softcap": True}, needs=("softcap",)),
+    _case("softcap-np-bool", TypeError, {"softcap": np.bool_(True)}, needs=("softcap",)),
+    _case("softcap-string", TypeError, {"softcap": "2"}, needs=("softcap",)),
+    _case("softcap-minus-zero", ValueError, {"softcap": -0.0}, needs=("softcap",)),
+    _case("softcap-inf", ValueError, {"softcap": math.inf}, needs=("softcap",)),
+    _case("dropout-bool", TypeError, {"dropout_p": True, "seed": 0}, needs=("dropout",)),
+    _case("dropout-string", TypeError, {"dropout_p": "0.1", "seed": 0}, needs=("dropout",)),
+    _case("dropout-none", TypeError, {"dropout_p": None, "seed": 0}, needs=("dropout",)),
     _case(
         "dropout-np-one",
         ValueError,
         {"dropout_p": np.float32(1.0), "seed": 0},
-        requires=("dropout",),
+        needs=("dropout",),
     ),
-    _case("dropout-nan", ValueError, {"dropout_p": math.nan, "seed": 0}, requires=("dropout",)),
-    _case("dropout-negative", ValueError, {"dropout_p": -0.5, "seed": 0}, requires=("dropout",)),
+    _case("dropout-nan", ValueError, {"dropout_p": math.nan, "seed": 0}, needs=("dropout",)),
+    _case("dropout-negative", ValueError, {"dropout_p": -0.5, "seed": 0}, needs=("dropout",)),
     _case("is-causal-np-bool", OUT, {"is_causal": np.bool_(True)}, normal={"is_causal": True}),
     _case("is-causal-0d-array", OUT, {"is_causal": np.array(True)}, normal={"is_causal": True}),
     _case("is-causal-int", TypeError, {"is_causal": 1}),
@@ -114,35 +122,35 @@ NUMBERS = [
         "window-np-ints",
         OUT,
         {"window": (np.int64(2), None)},
-        requires=("window",),
+        needs=("window",),
         normal={"window": (2, None)},
     ),
-    _case("window-list", OUT, {"window": [2, 1]}, requires=("window",), normal={"window": (2, 1)}),
+    _case("window-list", OUT, {"window": [2, 1]}, needs=("window",), normal={"window": (2, 1)}),
     _case(
         "window-0d-array",
         OUT,
         {"window": (np.array(2), 0)},
-        requires=("window",),
+        needs=("window",),
         normal={"window": (2, 0)},
     ),
-    _case("window-float-side", TypeError, {"window": (2.0, 1)}, requires=("window",)),
-    _case("window-bool-side", TypeError, {"window": (True, 1)}, requires=("window",)),
-    _case("window-string-side", TypeError, {"window": ("2", 1)}, requires=("window",)),
-    _case("window-negative", ValueError, {"window": (-1, 0)}, requires=("window",)),
-    _case("window-int", ValueError, {"window": 3}, requires=("window",)),
-    _case("window-triple", ValueError, {"window": (1, 2, 3)}, requires=("window",)),
+    _case("window-float-side", TypeError, {"window": (2.0, 1)}, needs=("window",)),
+    _case("window-bool-side", TypeError, {"window": (True, 1)}, needs=("window",)),
+    _case("window-string-side", TypeError, {"window": ("2", 1)}, needs=("window",)),
+    _case("window-negative", ValueError, {"window": (-1, 0)}, needs=("window",)),
+    _case("window-int", ValueError, {"window": 3}, needs=("window",)),
+    _case("window-triple", ValueError, {"window": (1, 2, 3)}, needs=("window",)),
     _case(
         "alignment-np-str",
         OUT,
         {"is_causal": True, "causal_alignment": np.str_("bottom_right")},
-        requires=("causal_bottom_right",),
+        needs=("causal_bottom_right",),
         normal={"is_causal": True, "causal_alignment": "bottom_right"},
     ),
     _case(
         "alignment-upper-case",
         ValueError,
         {"is_causal": True, "causal_alignment": "BOTTOM_RIGHT"},
-        requires=("causal_bottom_right",),
+        needs=("causal_bottom_right",),
     ),
 ]
 
@@ -158,7 +166,12 @@ def _mask(shape, dtype):
 
 
 MASK_DTYPES = [
-    _case(f"mask-{dtype}", OUT, {"mask": _mask((T, S), dtype)})
+    _case(
+        f"mask-{dtype}",
+        OUT,
+        {"mask": _mask((T, S), dtype)},
+        dtypes=() if dtype == "bool" else (dtype,),
+    )
     for dtype in ("bool", "float16", "float32", "float64", "bfloat16")
 ] + [
     _case(f"mask-{dtype}", TypeError, {"mask": _mask((T, S), dtype)})
@@ -179,7 +192,7 @@ MASK_SHAPES = [
     _case("mask-S", OUT, {"mask": _mask((S,), "bool")}),
     _case("mask-T1", OUT, {"mask": _mask((T, 1), "bool")}),
     _case("mask-HTS", OUT, {"mask": _mask((H, T, S), "bool")}),
-    _case("mask-B1TS", OUT, {"mask": _mask((B, 1, T, S), "float32")}),
+    _case("mask-B1TS", OUT, {"mask": _mask((B, 1, T, S), "float32")}, dtypes=("float32",)),
     _case("mask-1H1S", OUT, {"mask": _mask((1, H, 1, S), "bool")}),
     _case("mask-list", OUT, {"mask": _mask((T, S), "bool").tolist()}),
     _case("mask-rank-5", ValueError, {"mask": _mask((1, B, H, T, S), "bool")}),
@@ -229,21 +242,21 @@ def _outcome(backend, q, k, v, options):
 @pytest.mark.clause("8.4")
 @pytest.mark.pairwise
 @pytest.mark.parametrize(
-    "expected, options, inputs, requires, normal", NUMBERS + MASK_DTYPES + MASK_SHAPES + INPUTS
+    "name, expected, options, inputs, normal", NUMBERS + MASK_DTYPES + MASK_SHAPES + INPUTS
 )
-def test_odd_values_get_one_answer(backend_pair, expected, options, inputs, requires, normal):
+def test_odd_values_get_one_answer(backend_pair, name, expected, options, inputs, normal, dtype):
     """Both backends give the spec's answer: the same exception type, or outputs that agree."""
     a, b = backend_pair
-    require(a, *requires)
-    require(b, *requires)
-    q, k, v = _qkv()
+    q, k, v = _qkv(backend_pair, dtype)
     if inputs is not None:
         q, k, v = inputs(q, k, v)
     want = expected if expected == OUT else expected.__name__
     (got_a, out_a), (got_b, out_b) = (_outcome(x, q, k, v, dict(options)) for x in (a, b))
-    assert (got_a, got_b) == (want, want), (
+    expect(
+        (got_a, got_b) == (want, want),
+        f"answers the odd value {name} otherwise than the spec's {want}",
         f"options {options!r}: the spec's answer is {want}; {a.name} gave {got_a}, "
-        f"{b.name} gave {got_b}"
+        f"{b.name} gave {got_b}",
     )
     if want == OUT:
         plain = {n: o for n, o in {**options, **(normal or {})}.items() if n != "seed"}
@@ -254,9 +267,21 @@ def test_odd_values_get_one_answer(backend_pair, expected, options, inputs, requ
         # Each within the tolerance of the float64 naive run, so that two backends that
         # agree on a wrong answer (NaN where both read a flushed softcap) still fail.
         ref = naive_same_precision(q64, k64, v64, np.float64, **plain)
-        for name, out in ((a.name, out_a), (b.name, out_b)):
-            assert_within(out, ref, tol, f"{name} with {options!r}")
-        assert_within(out_a, out_b, 2 * tol, f"{a.name} vs {b.name} with {options!r}")
+        for who, out in ((a.name, out_a), (b.name, out_b)):
+            assert_within(
+                out,
+                ref,
+                tol,
+                f"{who} with {options!r}",
+                behaviour=f"gets the odd value {name} wrong",
+            )
+        assert_within(
+            out_a,
+            out_b,
+            2 * tol,
+            f"{a.name} vs {b.name} with {options!r}",
+            behaviour="two backends disagree on the same random inputs",
+        )
 
 
 # --- Options a backend does not declare (§8.5) ---------------------------------------------
@@ -270,31 +295,51 @@ UNDECLARED = {
 
 
 @pytest.mark.clause("8.5")
-@pytest.mark.parametrize("capability", list(UNDECLARED))
-def test_undeclared_option_is_refused(backend, capability):
+@pytest.mark.parametrize(
+    "capability", [pytest.param(cap, marks=refuses(cap)) for cap in UNDECLARED]
+)
+def test_undeclared_option_is_refused(backend, capability, dtype):
     """An option whose capability the backend lacks raises NotImplementedError naming it."""
-    if capability in backend.capabilities:
-        pytest.skip(f"{backend.name} declares {capability!r}: nothing to refuse")
     options = UNDECLARED[capability]
     option = next(name for name in options if name not in ("is_causal", "seed"))
-    with pytest.raises(NotImplementedError) as info:
-        backend.attention(*_qkv(), **options)
-    assert option in str(info.value), (
-        f"{backend.name}: the refusal should name {option!r}: {info.value}"
+    try:
+        backend.attention(*_qkv(backend, dtype), **options)
+    except NotImplementedError as err:
+        expect(
+            option in str(err),
+            f"refuses {option} without naming it",
+            f"{backend.name}: the refusal should name {option!r}: {err}",
+        )
+        return
+    raise Departure(
+        f"{backend.name}: accepted {options!r} without declaring {capability!r}",
+        f"accepts {option} though it does not declare {capability!r}",
     )
 
 
 @pytest.mark.clause("8.5")
-def test_undeclared_backward_is_refused(backend):
+@pytest.mark.refusal
+def test_undeclared_backward_is_refused(backend, dtype):
     """A backend without the 'grad' capability refuses attention_vjp with
     NotImplementedError; one without 'grad_softcap' refuses softcap in it."""
-    q, k, v = _qkv()
-    d_out = np.ones((B, H, T, E))
+    q, k, v = _qkv(backend, dtype)
+    d_out = np.ones((B, H, T, v.shape[-1]), dtype=q.dtype)
     if "grad" not in backend.capabilities:
-        with pytest.raises(NotImplementedError):
-            backend.attention_vjp(q, k, v, d_out)
+        _expect_refusal(backend, "attention_vjp", "'grad'", q, k, v, d_out)
     elif "softcap" in backend.capabilities and "grad_softcap" not in backend.capabilities:
-        with pytest.raises(NotImplementedError, match="softcap"):
-            backend.attention_vjp(q, k, v, d_out, softcap=2.0)
+        _expect_refusal(
+            backend, "softcap in attention_vjp", "'grad_softcap'", q, k, v, d_out, softcap=2.0
+        )
     else:
-        pytest.skip(f"{backend.name} declares every gradient option it has")
+        pytest.skip(f"{backend.name} declares every gradient option it has: nothing to refuse")
+
+
+def _expect_refusal(backend, what: str, capability: str, *args, **options) -> None:
+    try:
+        backend.attention_vjp(*args, **options)
+    except NotImplementedError:
+        return
+    raise Departure(
+        f"{backend.name}: {what} ran without declaring {capability}",
+        f"accepts {what} though it does not declare {capability}",
+    )

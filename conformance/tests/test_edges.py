@@ -17,8 +17,9 @@ import pytest
 
 from conformance.backends import numpy_dtype
 from conformance.fixtures.oracle import allowed_keys
-from conformance.helpers import as64, oracle_attention, random_qkv, random_tolerance, require
-from conformance.tolerance import assert_identical, assert_within
+from conformance.helpers import as64, oracle_attention, random_qkv, random_tolerance
+from conformance.requirements import requires, value_dims
+from conformance.tolerance import assert_identical, assert_rows_zero, assert_within, expect
 
 DTYPES = ["float64", "float32", "float16", "bfloat16"]
 dtypes = pytest.mark.parametrize("dtype", DTYPES)
@@ -109,55 +110,74 @@ def _empty_options(how: str, T: int, S: int, dtype: str) -> dict:
 def test_empty_sequences(backend, how, T, S, dtype):
     """T = 0 gives an empty (B, H, 0, E) output; S = 0 leaves every query without a key,
     so every output entry is exactly 0 (§4.3), whatever q holds."""
-    require(backend, dtype=dtype)
-    q, k, v = random_qkv(70, B=2, H=2, T=T, S=S, D=4, E=3, dtype=dtype)
+    D, E = value_dims(backend, 4, 3)
+    q, k, v = random_qkv(70, B=2, H=2, T=T, S=S, D=D, E=E, dtype=dtype)
     q[..., :1, :] = np.nan  # a row with no key returns 0 even from a NaN query
     out = backend.attention(q, k, v, **_empty_options(how, T, S, dtype))
-    assert out.shape == (2, 2, T, 3) and out.dtype == q.dtype, (
+    expect(
+        out.shape == (2, 2, T, E) and out.dtype == q.dtype,
+        "returns the wrong shape or dtype for an empty sequence",
         f"{backend.name}: T={T}, S={S} ({how}) gave {out.dtype} {out.shape}, "
-        f"expected {q.dtype} (2, 2, {T}, 3)"
+        f"expected {q.dtype} (2, 2, {T}, {E})",
     )
-    nonzero = as64(out) != 0
-    if nonzero.any():
-        pytest.fail(
-            f"{backend.name}: S=0 ({how}): every row has no key and must be exactly 0, got "
-            f"{as64(out)[nonzero][:4]} at {np.argwhere(nonzero)[:2].tolist()}"
-        )
+    assert_rows_zero(out, True, f"{backend.name}: T={T}, S={S} ({how})")
 
 
 @pytest.mark.clause("2.5")
-def test_empty_sequences_unbatched(backend):
-    require(backend, "unbatched")
-    q, k, v = random_qkv(71, B=1, H=2, T=4, S=0, D=3, E=2)
+@requires("unbatched")
+def test_empty_sequences_unbatched(backend, dtype):
+    """Unbatched, S = 0 gives (H, T, E) of zeros and T = S = 0 an empty (H, 0, E)."""
+    D, E = value_dims(backend, 3, 2)
+    q, k, v = random_qkv(71, B=1, H=2, T=4, S=0, D=D, E=E, dtype=dtype)
     out = backend.attention(q[0], k[0], v[0], is_causal=True)
-    assert out.shape == (2, 4, 2) and (out == 0).all(), f"{backend.name}: {out!r}"
+    expect(
+        out.shape == (2, 4, E),
+        "returns the wrong shape for an empty sequence",
+        f"{backend.name}: unbatched S=0 gave {out.shape}",
+    )
+    assert_rows_zero(out, True, f"{backend.name}: unbatched S=0")
     out = backend.attention(q[0, :, :0], k[0, :, :0], v[0, :, :0])
-    assert out.shape == (2, 0, 2), f"{backend.name}: T=0, S=0 unbatched gave {out.shape}"
+    expect(
+        out.shape == (2, 0, E),
+        "returns the wrong shape for an empty sequence",
+        f"{backend.name}: T=0, S=0 unbatched gave {out.shape}",
+    )
 
 
 @pytest.mark.clause("12.12")
-@pytest.mark.parametrize("how", EMPTY)
+@pytest.mark.parametrize(
+    "how", [pytest.param(h, marks=requires("grad_mask")) if h == "float-mask" else h for h in EMPTY]
+)
 @pytest.mark.parametrize("T,S", [(0, 6), (5, 0), (0, 0)], ids=["T0", "S0", "T0-S0"])
 @dtypes
+@requires("grad")
 def test_empty_sequence_gradients(backend, how, T, S, dtype):
     """With nothing to attend or nobody attending, every gradient is exactly 0, shaped and
     typed like its input (dmask like the mask)."""
-    require(backend, "grad", dtype=dtype)
-    if how == "float-mask":
-        require(backend, "grad_mask")
-    q, k, v = random_qkv(72, B=2, H=2, T=T, S=S, D=4, E=3, dtype=dtype)
+    D, E = value_dims(backend, 4, 3)
+    q, k, v = random_qkv(72, B=2, H=2, T=T, S=S, D=D, E=E, dtype=dtype)
     options = _empty_options(how, T, S, dtype)
-    d_out = np.ones((2, 2, T, 3), dtype=q.dtype)
+    d_out = np.ones((2, 2, T, E), dtype=q.dtype)
     grads = dict(zip(GRADS, backend.attention_vjp(q, k, v, d_out, **options)))
     likes = {"dq": q, "dk": k, "dv": v, "dmask": options.get("mask")}
     want = ["dq", "dk", "dv"] + (["dmask"] if how == "float-mask" else [])
-    assert list(grads) == want, f"{backend.name}: got gradients {list(grads)}, expected {want}"
+    expect(
+        list(grads) == want,
+        "returns another set of gradients than the spec (dmask for a float mask)",
+        f"{backend.name}: got gradients {list(grads)}, expected {want}",
+    )
     for name, g in grads.items():
         like = likes[name]
-        assert g.shape == like.shape and g.dtype == like.dtype, (
-            f"{backend.name}: {name} is {g.dtype} {g.shape}, expected {like.dtype} {like.shape}"
+        expect(
+            g.shape == like.shape and g.dtype == like.dtype,
+            "returns gradients of the wrong shape or dtype for an empty sequence",
+            f"{backend.name}: {name} is {g.dtype} {g.shape}, expected {like.dtype} {like.shape}",
         )
-        assert (as64(g) == 0).all(), f"{backend.name}: {name} should be exactly 0 (T={T}, S={S})"
+        expect(
+            (as64(g) == 0).all(),
+            "a gradient with nothing attended (T = 0 or S = 0) is not exactly 0",
+            f"{backend.name}: {name} should be exactly 0 (T={T}, S={S})",
+        )
 
 
 # --- §4.7 and §12.12: slots no query attends are inert ------------------------------------
@@ -173,12 +193,16 @@ INERT = {
 }
 
 
-def _inert_problem(how: str, dtype: str, seed: int = 80):
+INERT_PARAMS = [pytest.param(how, marks=requires(*needs)) for how, (needs, _) in INERT.items()]
+
+
+def _inert_problem(backend, how: str, dtype: str, seed: int = 80):
     """Inputs, options and the (B, K, S) unused slots for one way of leaving slots unused."""
     B, H, K, T, S = 2, 4, 4, 5, 9
     if how == "gqa-group":
         K = 2
-    q, k, v = random_qkv(seed, B=B, H=H, K=K, T=T, S=S, D=4, E=3, dtype=dtype)
+    D, E = value_dims(backend, 4, 3)
+    q, k, v = random_qkv(seed, B=B, H=H, K=K, T=T, S=S, D=D, E=E, dtype=dtype)
     rng = np.random.default_rng(seed + 1)
     options: dict = {}
     if how == "padding":
@@ -217,15 +241,18 @@ def _with_garbage(k, v, unused, garbage: str, dtype: str):
 
 @pytest.mark.clause("4.7")
 @pytest.mark.parametrize("garbage", ["nan", "inf", "max", "mixed"])
-@pytest.mark.parametrize("how", list(INERT))
+@pytest.mark.parametrize("how", INERT_PARAMS)
 @dtypes
 def test_unused_slots_hold_anything(backend, how, garbage, dtype):
     """An unused slot may hold NaN, ±inf or the largest finite number: the output is bit for
     bit what it is with ordinary numbers there."""
-    require(backend, *INERT[how][0], dtype=dtype)
-    q, k, v, options, unused = _inert_problem(how, dtype)
+    q, k, v, options, unused = _inert_problem(backend, how, dtype)
     clean = backend.attention(q, k, v, **options)
-    assert np.isfinite(as64(clean)).all(), f"{backend.name}: non-finite output on clean inputs"
+    expect(
+        np.isfinite(as64(clean)).all(),
+        "returns a non-finite output on ordinary inputs",
+        f"{backend.name}: non-finite output on clean inputs",
+    )
     k2, v2 = _with_garbage(k, v, unused, garbage, dtype)
     dirty = backend.attention(q, k2, v2, **options)
     assert_identical(
@@ -233,18 +260,18 @@ def test_unused_slots_hold_anything(backend, how, garbage, dtype):
         clean,
         f"{backend.name}: {INERT[how][1]}, unused slots holding {garbage} ({dtype}), "
         f"against the same call with ordinary numbers there",
+        behaviour="garbage (NaN, ±inf, the largest number) in key slots no query attends reaches the output",
     )
 
 
 @pytest.mark.clause("4.7")
-@pytest.mark.parametrize("how", list(INERT))
+@pytest.mark.parametrize("how", INERT_PARAMS)
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_unused_slots_are_deleted_keys(backend, how, dtype):
     """The output with garbage in the unused slots equals, within the tolerance, the output
     for each batch element and key/value head with those keys removed (the causal band or
     window then given as the equivalent bool mask, since removing keys moves the diagonal)."""
-    require(backend, *INERT[how][0], dtype=dtype)
-    q, k, v, options, unused = _inert_problem(how, dtype)
+    q, k, v, options, unused = _inert_problem(backend, how, dtype)
     k2, v2 = _with_garbage(k, v, unused, "mixed", dtype)
     out = as64(backend.attention(q, k2, v2, **options))
     attended = _attended(q, k, options.get("mask"), options)
@@ -268,39 +295,63 @@ def test_unused_slots_are_deleted_keys(backend, how, dtype):
                 tol,
                 f"{backend.name}: {INERT[how][1]} ({dtype}), batch {b}, key/value head "
                 f"{kv}: against the same call with keys {np.flatnonzero(unused[b, kv])} removed",
+                behaviour="key slots no query attends do not act as deleted keys",
             )
 
 
 @pytest.mark.clause("12.12")
 @pytest.mark.parametrize("garbage", ["nan", "inf", "max", "mixed"])
-@pytest.mark.parametrize("how", list(INERT))
+@pytest.mark.parametrize(
+    "how",
+    [
+        pytest.param(how, marks=requires(*needs, *(["grad_mask"] if how == "float-column" else [])))
+        for how, (needs, _) in INERT.items()
+    ],
+)
 @dtypes
+@requires("grad")
 def test_unused_slot_gradients(backend, how, garbage, dtype):
     """Garbage in unused slots changes no gradient bit; the slots' own dk and dv are exactly
     0, and so is dmask wherever the float mask is -inf."""
-    require(backend, "grad", *INERT[how][0], dtype=dtype)
-    q, k, v, options, unused = _inert_problem(how, dtype, seed=81)
+    q, k, v, options, unused = _inert_problem(backend, how, dtype, seed=81)
     float_mask = "mask" in options and options["mask"].dtype != np.bool_
-    if float_mask:
-        require(backend, "grad_mask")
     d_out = np.random.default_rng(82).standard_normal((*q.shape[:-1], v.shape[-1]))
     d_out = d_out.astype(q.dtype)
     clean = dict(zip(GRADS, backend.attention_vjp(q, k, v, d_out, **options)))
     for name, g in clean.items():
-        assert np.isfinite(as64(g)).all(), f"{backend.name}: non-finite {name} on clean inputs"
+        expect(
+            np.isfinite(as64(g)).all(),
+            "returns a non-finite gradient on ordinary inputs",
+            f"{backend.name}: non-finite {name} on clean inputs",
+        )
     k2, v2 = _with_garbage(k, v, unused, garbage, dtype)
     dirty = dict(zip(GRADS, backend.attention_vjp(q, k2, v2, d_out, **options)))
     context = f"{backend.name}: {INERT[how][1]}, unused slots holding {garbage} ({dtype})"
-    assert list(dirty) == list(clean), f"{context}: gradients {list(dirty)} vs {list(clean)}"
+    expect(
+        list(dirty) == list(clean),
+        "returns another set of gradients when unused slots hold garbage",
+        f"{context}: gradients {list(dirty)} vs {list(clean)}",
+    )
     for name in clean:
-        assert_identical(dirty[name], clean[name], f"{context}: {name}")
+        assert_identical(
+            dirty[name],
+            clean[name],
+            f"{context}: {name}",
+            behaviour="garbage in key slots no query attends reaches the gradients",
+        )
     for name in ("dk", "dv"):
         at_slots = as64(dirty[name])[unused]
-        assert (at_slots == 0).all(), f"{context}: {name} of unused slots should be exactly 0"
+        expect(
+            (at_slots == 0).all(),
+            "a key slot no query attends gets a gradient that is not 0",
+            f"{context}: {name} of unused slots should be exactly 0",
+        )
     if float_mask:
         blocked = np.broadcast_to(as64(options["mask"]) == -np.inf, dirty["dmask"].shape)
-        assert (as64(dirty["dmask"])[blocked] == 0).all(), (
-            f"{context}: dmask should be exactly 0 on -inf entries"
+        expect(
+            (as64(dirty["dmask"])[blocked] == 0).all(),
+            "dmask is not 0 where the float mask is -inf",
+            f"{context}: dmask should be exactly 0 on -inf entries",
         )
 
 
@@ -317,16 +368,18 @@ SHARED = {
 @pytest.mark.clause("4.8")
 @pytest.mark.parametrize("garbage", ["nan", "inf", "max"])
 @pytest.mark.parametrize("slot", ["k", "v"])
-@pytest.mark.parametrize("how", list(SHARED))
+@pytest.mark.parametrize(
+    "how", [pytest.param(how, marks=requires(*needs)) for how, (needs, _) in SHARED.items()]
+)
 @dtypes
 def test_keys_some_rows_attend(backend, how, slot, garbage, dtype):
     """Key 3 is attended by some rows of its head and blocked for others. With a non-finite
     (or the largest finite) value in its k or v row, every output entry of a row that blocks
     it is either bit for bit what it is with ordinary numbers there, or NaN: never another
     finite number, never an infinity."""
-    require(backend, *SHARED[how][0], dtype=dtype)
     B, H, T, S = 2, 2, 6, 7
-    q, k, v = random_qkv(90, B=B, H=H, T=T, S=S, D=4, E=3, dtype=dtype)
+    D, E = value_dims(backend, 4, 3)
+    q, k, v = random_qkv(90, B=B, H=H, T=T, S=S, D=D, E=E, dtype=dtype)
     options: dict = {}
     if how == "causal":
         options["is_causal"] = True
@@ -348,16 +401,21 @@ def test_keys_some_rows_attend(backend, how, slot, garbage, dtype):
     dirty = as64(backend.attention(q, dirty_inputs["k"], dirty_inputs["v"], **options))
     rows_dirty, rows_clean = dirty[1, 0][blocking], clean[1, 0][blocking]
     same = (rows_dirty == rows_clean) | np.isnan(rows_dirty)
-    assert same.all(), (
+    expect(
+        same.all(),
+        "a non-finite key or value reaches a row that blocks it as a number other than NaN",
         f"{backend.name}: {slot}[1, 0, 3] holding {garbage} ({dtype}, {SHARED[how][1]}); "
         f"rows {np.flatnonzero(blocking).tolist()} block key 3, so each entry must be "
         f"unchanged or NaN; got {rows_dirty[~same][:4]} where the clean run has "
-        f"{rows_clean[~same][:4]}"
+        f"{rows_clean[~same][:4]}",
     )
     others = np.ones((B, H), dtype=bool)
     others[1, 0] = False
     assert_identical(
-        dirty[others], clean[others], f"{backend.name}: the heads that do not read the key"
+        dirty[others],
+        clean[others],
+        f"{backend.name}: the heads that do not read the key",
+        behaviour="a non-finite key or value changes heads that do not read it",
     )
 
 
@@ -375,7 +433,10 @@ STRUCTURES = {
 
 @pytest.mark.clause("4.9")
 @pytest.mark.parametrize("at", NAN_AT)
-@pytest.mark.parametrize("structure", list(STRUCTURES))
+@pytest.mark.parametrize(
+    "structure",
+    [pytest.param(name, marks=requires(*needs)) for name, (needs, _) in STRUCTURES.items()],
+)
 @dtypes
 def test_nan_propagates(backend, structure, at, dtype):
     """A NaN reaches exactly the outputs that read it (SPEC §4.9, the oracle's rows), and
@@ -383,8 +444,7 @@ def test_nan_propagates(backend, structure, at, dtype):
     attends makes row t NaN; NaN in v[s, e] makes channel e NaN in the rows attending s.
     Other batch elements and heads are finite and equal to the NaN-free run; rows of the
     same head that block the key follow §4.8."""
-    needs, opts = STRUCTURES[structure]
-    require(backend, *needs, dtype=dtype)
+    opts = STRUCTURES[structure][1]
     B, H, K, T, S = 2, 4, 4, 6, 6
     if structure == "gqa-causal":
         K = 2
@@ -422,11 +482,17 @@ def test_nan_propagates(backend, structure, at, dtype):
     )
     context = f"{backend.name}: NaN in {at} ({structure}, {dtype})"
     must_nan = np.isnan(expected)
-    assert must_nan.any(), f"{context}: the oracle reads no NaN: a broken test"
+    expect(
+        must_nan.any(),
+        "the suite's NaN test reads no NaN (a bug in the suite)",
+        f"{context}: the oracle reads no NaN: a broken test",
+    )
     lost = must_nan & ~np.isnan(out)
-    assert not lost.any(), (
+    expect(
+        not lost.any(),
+        "a NaN in the inputs becomes a number in the output",
         f"{context}: NaN disappeared at {np.argwhere(lost)[:3].tolist()} (got "
-        f"{out[lost][:3]}): the oracle's output is NaN there"
+        f"{out[lost][:3]}): the oracle's output is NaN there",
     )
     tol = 2 * random_tolerance(q, k, v, dtype, mask=mask, **rest)
     assert_within(
@@ -434,6 +500,7 @@ def test_nan_propagates(backend, structure, at, dtype):
         clean[~reading],
         tol,
         f"{context}: batch elements and heads that do not read the NaN, against the NaN-free run",
+        behaviour="a NaN in the inputs changes batch elements or heads that do not read it",
     )
     # In the heads that read it: a row the NaN reaches is NaN exactly where the oracle says
     # (checked above) and the NaN-free run's elsewhere, e.g. the other channels of a NaN in
@@ -444,9 +511,11 @@ def test_nan_propagates(backend, structure, at, dtype):
     finite = ~np.isnan(want)
     close = np.abs(np.where(finite, inside - inside_clean, 0.0)) <= tol
     ok = close | (np.isnan(inside) & ~reached & (at != "q"))
-    assert ok[finite].all(), (
+    expect(
+        ok[finite].all(),
+        "a NaN in the inputs changes entries it does not reach",
         f"{context}: entries the NaN does not reach changed: got "
-        f"{inside[finite & ~ok][:4]}, NaN-free run {inside_clean[finite & ~ok][:4]}"
+        f"{inside[finite & ~ok][:4]}, NaN-free run {inside_clean[finite & ~ok][:4]}",
     )
 
 
@@ -460,9 +529,9 @@ def test_float_mask_nan_and_inf(backend, causal, dtype):
     """NaN or +inf in a float mask, at a key the row may attend, makes that row NaN in every
     channel (IEEE arithmetic, no exception); other rows are untouched. At a key causality
     blocks, the same entries change no output bit."""
-    require(backend, dtype=dtype)
     B, H, T, S = 2, 2, 6, 6
-    q, k, v = random_qkv(110, B=B, H=H, T=T, S=S, D=4, E=3, dtype=dtype)
+    D, E = value_dims(backend, 4, 3)
+    q, k, v = random_qkv(110, B=B, H=H, T=T, S=S, D=D, E=E, dtype=dtype)
     base = np.random.default_rng(111).standard_normal((T, S))
     base[2, 4] = -np.inf
     base = base.astype(q.dtype)
@@ -478,17 +547,26 @@ def test_float_mask_nan_and_inf(backend, causal, dtype):
     context = (
         f"{backend.name}: NaN/+inf in a float mask ({'causal' if causal else 'plain'}, {dtype})"
     )
-    assert np.isnan(out[:, :, nan_rows]).all(), (
+    expect(
+        np.isnan(out[:, :, nan_rows]).all(),
+        "NaN or +inf in a float mask does not make its row NaN",
         f"{context}: rows {nan_rows} must be NaN in every channel, got "
-        f"{out[:, :, nan_rows][~np.isnan(out[:, :, nan_rows])][:4]}"
+        f"{out[:, :, nan_rows][~np.isnan(out[:, :, nan_rows])][:4]}",
     )
     others = [t for t in range(T) if t not in nan_rows]
     if causal:
         assert_identical(
-            out[:, :, others], clean[:, :, others], f"{context}: rows the entries do not reach"
+            out[:, :, others],
+            clean[:, :, others],
+            f"{context}: rows the entries do not reach",
+            behaviour="NaN or +inf in a float mask changes rows it does not reach",
         )
     else:
         tol = 2 * random_tolerance(q, k, v, dtype, mask=base)
         assert_within(
-            out[:, :, others], clean[:, :, others], tol, f"{context}: rows the entries do not reach"
+            out[:, :, others],
+            clean[:, :, others],
+            tol,
+            f"{context}: rows the entries do not reach",
+            behaviour="NaN or +inf in a float mask changes rows it does not reach",
         )

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from conformance.backends import numpy_dtype
-from conformance.cases import case_entries, load_case
-from conformance.helpers import SIZES, as64, random_qkv, require
+from conformance.cases import case_entries, case_marks, load_case
+from conformance.helpers import SIZES, as64, random_qkv
 from conformance.measure import publish
-from conformance.tolerance import assert_identical, assert_within, tolerance
+from conformance.requirements import SuiteError, requires, uses_dtype, value_dims
+from conformance.tolerance import Departure, assert_identical, assert_within, expect, tolerance
 
 GRADS = ("dq", "dk", "dv", "dmask")
 DTYPES = ["float64", "float32"]
@@ -49,7 +50,7 @@ def _grad_tolerances(q, k, v, d_out, dtype: str, **options) -> dict[str, float]:
 
 def _grad_case_params():
     return [
-        pytest.param(e["id"], marks=pytest.mark.clause(e["clause"], "12.9"), id=e["id"])
+        pytest.param(e["id"], marks=case_marks(e, "12.9"), id=e["id"])
         for e in case_entries(("attention_grad",))
     ]
 
@@ -58,20 +59,23 @@ def _grad_case_params():
 def test_gradient_fixture(backend, case_id, request):
     """dq, dk, dv (and dmask) match the 50-digit oracle within the gradient tolerance."""
     case = load_case(case_id)
-    require(backend, *case.requires, dtype=case.dtype)
     q, k, v = case.inputs()
     mask = case.mask()
     grads = backend.attention_vjp(q, k, v, case.d_out(), mask=mask, **case.options())
     expected = case.expected_grads
     context = f"{backend.name} on gradient fixture {case.id} {case.meta['shape']} {case.options()}"
-    assert len(grads) == len(expected), (
-        f"{context}: got {len(grads)} gradients, expected {len(expected)} ({', '.join(expected)})"
+    expect(
+        len(grads) == len(expected),
+        "returns another set of gradients than the spec (dmask for a float mask)",
+        f"{context}: got {len(grads)} gradients, expected {len(expected)} ({', '.join(expected)})",
     )
     likes = {"dq": q, "dk": k, "dv": v, "dmask": mask}
     for name, got in zip(GRADS, grads):
         like = likes[name]
-        assert got.shape == like.shape and got.dtype == like.dtype, (
-            f"{context}: {name} is {got.dtype} {got.shape}, expected {like.dtype} {like.shape}"
+        expect(
+            got.shape == like.shape and got.dtype == like.dtype,
+            "returns gradients of the wrong shape or dtype",
+            f"{context}: {name} is {got.dtype} {got.shape}, expected {like.dtype} {like.shape}",
         )
         tol = tolerance(case.dtype, case.grad_naive_error(name), expected[name])
         publish(
@@ -90,22 +94,48 @@ def test_gradient_fixture(backend, case_id, request):
 
 
 @pytest.mark.clause("12.1")
-def test_d_out_of_the_wrong_shape_is_refused(backend):
+@requires("grad")
+def test_d_out_of_the_wrong_shape_is_refused(backend, dtype):
     """d_out must be shaped like the output; anything else is a ValueError naming d_out."""
-    require(backend, "grad")
-    q, k, v = random_qkv(40, T=5, S=6, D=4, E=3)
-    wrong = np.zeros((2, 3, 5, 4))
-    with pytest.raises(ValueError, match="d_out"):
+    D, E = value_dims(backend, 4, 3)
+    q, k, v = random_qkv(40, T=5, S=6, D=D, E=E, dtype=dtype)
+    wrong = np.zeros((2, 3, 5, E + 1), dtype=q.dtype)
+    try:
         backend.attention_vjp(q, k, v, wrong)
+    except ValueError as err:
+        expect(
+            "d_out" in str(err),
+            "refuses a d_out of the wrong shape without naming d_out",
+            f"{backend.name}: the error should name d_out: {err}",
+        )
+        return
+    except SuiteError:
+        raise
+    except Exception as err:
+        raise Departure(
+            f"{backend.name}: raised {type(err).__name__} for a d_out of the wrong shape: {err}",
+            f"raises {type(err).__name__}, not ValueError, for a d_out of the wrong shape",
+        ) from err
+    raise Departure(
+        f"{backend.name}: accepted a d_out of the wrong shape", "accepts a d_out of the wrong shape"
+    )
 
 
 @pytest.mark.clause("12.4")
-@pytest.mark.parametrize("how", ["bool-mask", "float-mask", "bottom-right-T>S", "window"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "bool-mask",
+        pytest.param("float-mask", marks=requires("grad_mask")),
+        pytest.param("bottom-right-T>S", marks=requires("causal_bottom_right")),
+        pytest.param("window", marks=requires("window")),
+    ],
+)
 @dtypes
+@requires("grad")
 def test_fully_masked_rows_have_zero_gradients(backend, how, dtype):
     """A query with no key to attend has dq exactly 0, every gradient is finite, and its
     upstream gradient reaches nothing: changing it changes no gradient bit."""
-    require(backend, "grad", dtype=dtype)
     T, S = 7, 5
     q, k, v = random_qkv(41, T=T, S=S, dtype=dtype)
     options: dict = {}
@@ -116,30 +146,35 @@ def test_fully_masked_rows_have_zero_gradients(backend, how, dtype):
         blocked[[0, 3]] = True
         options["mask"] = mask
     elif how == "float-mask":
-        require(backend, "grad_mask")
         mask = np.random.default_rng(42).standard_normal((T, S)).astype(q.dtype)
         mask[[1, 6]] = -np.inf
         blocked[[1, 6]] = True
         options["mask"] = mask
     elif how == "bottom-right-T>S":
-        require(backend, "causal_bottom_right")
         options.update(is_causal=True, causal_alignment="bottom_right")
         blocked[: T - S] = True
     else:
-        require(backend, "window")
         options["window"] = (0, 0)
         blocked[S:] = True
     d_out = _d_out(43, q, v)
     grads = _vjp(backend, q, k, v, d_out, **options)
     for name, g in grads.items():
-        assert np.isfinite(as64(g)).all(), f"{backend.name}: non-finite {name} ({how})"
-    assert (as64(grads["dq"])[..., blocked, :] == 0).all(), (
+        expect(
+            np.isfinite(as64(g)).all(),
+            "a query with no key to attend gets non-finite gradients",
+            f"{backend.name}: non-finite {name} ({how})",
+        )
+    expect(
+        (as64(grads["dq"])[..., blocked, :] == 0).all(),
+        "a query with no key to attend gets a dq that is not 0",
         f"{backend.name}: dq of fully masked rows {np.flatnonzero(blocked).tolist()} "
-        f"should be exactly 0 ({how})"
+        f"should be exactly 0 ({how})",
     )
     if "dmask" in grads:
-        assert (as64(grads["dmask"])[blocked] == 0).all(), (
-            f"{backend.name}: dmask of fully masked rows should be exactly 0 ({how})"
+        expect(
+            (as64(grads["dmask"])[blocked] == 0).all(),
+            "dmask of a query with no key to attend is not 0",
+            f"{backend.name}: dmask of fully masked rows should be exactly 0 ({how})",
         )
     d_out2 = d_out.copy()
     d_out2[..., blocked, :] = np.asarray(1e3, dtype=q.dtype)
@@ -149,16 +184,17 @@ def test_fully_masked_rows_have_zero_gradients(backend, how, dtype):
             again[name],
             grads[name],
             f"{backend.name}: {name} after changing d_out on fully masked rows ({how})",
+            behaviour="the upstream gradient of a query with no key to attend reaches the gradients",
         )
 
 
 @pytest.mark.clause("12.5")
 @sizes
 @dtypes
+@requires("grad")
 def test_no_gradient_from_the_future(backend, size, dtype):
     """Causal (top-left): for a loss on outputs <= i only, keys and values after i get a
     gradient of exactly 0, and so do the queries after i."""
-    require(backend, "grad", dtype=dtype)
     T, S = size["T"], size["S"]
     q, k, v = random_qkv(44, T=T, S=S, dtype=dtype)
     d_out = _d_out(45, q, v)
@@ -168,22 +204,22 @@ def test_no_gradient_from_the_future(backend, size, dtype):
         grads = _vjp(backend, q, k, v, d_i, is_causal=True)
         for name, g in (("dk", grads["dk"]), ("dv", grads["dv"]), ("dq", grads["dq"])):
             later = as64(g)[..., i + 1 :, :]
-            assert (later == 0).all(), (
+            expect(
+                (later == 0).all(),
+                "under a causal mask, gradient flows from later outputs to earlier positions",
                 f"{backend.name}: {name} after position {i} is {np.abs(later).max():.3e}, "
-                f"not 0, for a loss on outputs <= {i} (T={T}, S={S}, {dtype})"
+                f"not 0, for a loss on outputs <= {i} (T={T}, S={S}, {dtype})",
             )
 
 
 @pytest.mark.clause("12.6")
 @sizes
 @dtypes
-@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+@pytest.mark.parametrize("mask_kind", ["bool", pytest.param("float", marks=requires("grad_mask"))])
+@requires("grad")
 def test_blocked_key_gets_no_gradient(backend, size, dtype, mask_kind):
     """A key blocked for every query gets dk = dv = 0 exactly (and dmask = 0 on it), and
     the other gradients equal those of the same call with the key deleted."""
-    require(backend, "grad", dtype=dtype)
-    if mask_kind == "float":
-        require(backend, "grad_mask")
     T, S = size["T"], size["S"]
     q, k, v = random_qkv(46, T=T, S=S, dtype=dtype)
     d_out = _d_out(47, q, v)
@@ -195,12 +231,16 @@ def test_blocked_key_gets_no_gradient(backend, size, dtype, mask_kind):
             mask = np.where(np.broadcast_to(keep, (T, S)), 0.0, -np.inf).astype(q.dtype)
         masked = _vjp(backend, q, k, v, d_out, mask=mask)
         for name in ("dk", "dv"):
-            assert (as64(masked[name])[..., j, :] == 0).all(), (
-                f"{backend.name}: {name} of key {j}, blocked ({mask_kind} mask), should be 0"
+            expect(
+                (as64(masked[name])[..., j, :] == 0).all(),
+                "a key blocked for every query gets a gradient that is not 0",
+                f"{backend.name}: {name} of key {j}, blocked ({mask_kind} mask), should be 0",
             )
         if "dmask" in masked:
-            assert (as64(masked["dmask"])[:, j] == 0).all(), (
-                f"{backend.name}: dmask on blocked key {j} should be 0"
+            expect(
+                (as64(masked["dmask"])[:, j] == 0).all(),
+                "dmask on a key blocked for every query is not 0",
+                f"{backend.name}: dmask on blocked key {j} should be 0",
             )
         kk, vv = k[..., keep, :], v[..., keep, :]
         deleted = _vjp(backend, q, kk, vv, d_out)
@@ -215,22 +255,25 @@ def test_blocked_key_gets_no_gradient(backend, size, dtype, mask_kind):
                 deleted[name],
                 2 * tols[name],
                 f"{backend.name}: {name} with key {j} masked ({mask_kind}) vs deleted",
+                behaviour="the gradients with a masked key differ from those with the key deleted",
             )
 
 
 @pytest.mark.clause("12.6")
 @dtypes
+@requires("grad", "window")
 def test_keys_outside_every_window_get_no_gradient(backend, dtype):
     """Keys no query's window reaches (window (1, 1) on T = 4, S = 9: keys 5-8) get
     dk = dv = 0 exactly."""
-    require(backend, "grad", "window", dtype=dtype)
     q, k, v = random_qkv(48, T=4, S=9, dtype=dtype)
     grads = _vjp(backend, q, k, v, _d_out(49, q, v), window=(1, 1))
     for name in ("dk", "dv"):
         unreached = as64(grads[name])[..., 5:, :]
-        assert (unreached == 0).all(), (
+        expect(
+            (unreached == 0).all(),
+            "a key outside every window gets a gradient that is not 0",
             f"{backend.name}: {name} of keys outside every window is "
-            f"{np.abs(unreached).max():.3e}, not 0"
+            f"{np.abs(unreached).max():.3e}, not 0",
         )
 
 
@@ -247,14 +290,15 @@ SUM_SETUPS = {
 
 @pytest.mark.clause("12.7")
 @dtypes
-@pytest.mark.parametrize("setup", list(SUM_SETUPS))
+@pytest.mark.parametrize(
+    "setup", [pytest.param(name, marks=requires(*needs)) for name, (_, needs) in SUM_SETUPS.items()]
+)
+@requires("grad")
 def test_gradient_sums(backend, dtype, setup):
     """Each weight row sums to 1, so Σ_s dV[s] = Σ dO[t] over the queries (of the whole
     query group, with GQA) that attend some key; and the output ignores a shift of every
     key, so Σ_s dK[s] = 0."""
-    options, needs = SUM_SETUPS[setup]
-    require(backend, "grad", *needs, dtype=dtype)
-    options = dict(options)
+    options = dict(SUM_SETUPS[setup][0])
     T, S = (9, 6) if setup.endswith("T>S") else (7, 9)
     q, k, v = random_qkv(50, H=4, K=options.pop("K", None), T=T, S=S, dtype=dtype)
     B, H, K = q.shape[0], q.shape[1], k.shape[1]
@@ -276,12 +320,14 @@ def test_gradient_sums(backend, dtype, setup):
         want,
         S * tols["dv"],
         f"{backend.name}: Σ_s dV[s] vs Σ_t dO[t] over attending queries ({setup}, {dtype})",
+        behaviour="Σ dV over the keys is not Σ dO over the attending queries",
     )
     assert_within(
         as64(grads["dk"]).sum(axis=2),
         np.zeros_like(want[..., :1].repeat(k.shape[-1], axis=-1)),
         S * tols["dk"],
         f"{backend.name}: Σ_s dK[s] should be 0 ({setup}, {dtype})",
+        behaviour="Σ dK over the keys is not 0",
     )
 
 
@@ -317,23 +363,28 @@ def _module_reference(case, d_out):
 
 
 @pytest.mark.clause("12.8")
-@pytest.mark.parametrize("case_id", MODULE_CASES)
+@pytest.mark.parametrize(
+    "case_id", [pytest.param(c, marks=uses_dtype(c.rsplit("-", 1)[1])) for c in MODULE_CASES]
+)
+@requires("module", "module_grad")
 def test_module_parameter_gradients(backend, case_id):
     """Every parameter's gradient (and the input's) of the multi-head layer and the GPT
     block, from the shared weights, matches the textbook backward within SPEC §12.9."""
-    require(backend, "module", "module_grad")
     case = load_case(case_id)
-    require(backend, dtype=case.dtype)
     x = case.arrays["x"]
     d_out = np.random.default_rng(53).standard_normal(x.shape).astype(case.dtype)
     grads = _module_grads(backend, case, d_out)
     ref, tols = _module_reference(case, d_out)
-    assert set(grads) == set(ref), (
-        f"{backend.name} {case.id}: gradients for {sorted(grads)}, expected {sorted(ref)}"
+    expect(
+        set(grads) == set(ref),
+        "returns gradients for other parameters than the module's",
+        f"{backend.name} {case.id}: gradients for {sorted(grads)}, expected {sorted(ref)}",
     )
     for name, want in ref.items():
-        assert grads[name].dtype == numpy_dtype(case.dtype), (
-            f"{backend.name} {case.id}: {name} gradient is {grads[name].dtype}, expected {case.dtype}"
+        expect(
+            grads[name].dtype == numpy_dtype(case.dtype),
+            "returns a parameter gradient in another dtype than the parameters",
+            f"{backend.name} {case.id}: {name} gradient is {grads[name].dtype}, expected {case.dtype}",
         )
         assert_within(
             grads[name], want, tols[name], f"{backend.name} {case.id}: gradient of {name}"
@@ -356,16 +407,17 @@ PAIR_SETUPS = {
 @pytest.mark.clause("12.10")
 @pytest.mark.pairwise
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("setup", list(PAIR_SETUPS))
+@pytest.mark.parametrize(
+    "setup",
+    [pytest.param(name, marks=requires(*needs)) for name, (_, needs) in PAIR_SETUPS.items()],
+)
+@requires("grad")
 def test_backends_agree_on_gradients(backend_pair, dtype, setup, request):
     """Every pair of backends gives gradients within twice SPEC §12.9's tolerance."""
     a, b = backend_pair
-    options, needs = PAIR_SETUPS[setup]
-    missing = [c for c in ("grad", *needs) if c not in a.capabilities or c not in b.capabilities]
-    if missing:
-        pytest.skip(f"{a.name} or {b.name} lacks capability {missing[0]!r}")
-    options = dict(options)
-    q, k, v = random_qkv(54, H=4, K=options.pop("K", None), T=7, S=13, D=6, E=5, dtype=dtype)
+    options = dict(PAIR_SETUPS[setup][0])
+    D, E = value_dims(backend_pair, 6, 5)
+    q, k, v = random_qkv(54, H=4, K=options.pop("K", None), T=7, S=13, D=D, E=E, dtype=dtype)
     rng = np.random.default_rng(55)
     if options.get("mask") == "bool":
         options["mask"] = rng.random((2, 1, 7, 13)) < 0.7
@@ -393,18 +445,23 @@ def test_backends_agree_on_gradients(backend_pair, dtype, setup, request):
             grads_b[name],
             2 * tols[name],
             f"{a.name} vs {b.name}: {name} ({setup}, {dtype})",
+            behaviour="two backends' gradients disagree on the same random inputs",
         )
 
 
 @pytest.mark.clause("12.10")
 @pytest.mark.pairwise
-@pytest.mark.parametrize("case_id", ["mha-causal-float64", "gpt-block-float32"])
+@pytest.mark.parametrize(
+    "case_id",
+    [
+        pytest.param(c, marks=uses_dtype(c.rsplit("-", 1)[1]))
+        for c in ("mha-causal-float64", "gpt-block-float32")
+    ],
+)
+@requires("module", "module_grad")
 def test_backends_agree_on_module_gradients(backend_pair, case_id, request):
     """Every pair of backends gives the same parameter gradients within twice SPEC §12.9."""
     a, b = backend_pair
-    for backend in (a, b):
-        if not {"module", "module_grad"} <= backend.capabilities:
-            pytest.skip(f"{backend.name} lacks capability 'module_grad'")
     case = load_case(case_id)
     d_out = np.random.default_rng(57).standard_normal(case.arrays["x"].shape).astype(case.dtype)
     grads_a = _module_grads(a, case, d_out)
@@ -422,5 +479,9 @@ def test_backends_agree_on_module_gradients(backend_pair, case_id, request):
             quantity=name,
         )
         assert_within(
-            grads_a[name], grads_b[name], 2 * tol, f"{a.name} vs {b.name}: {case.id} {name}"
+            grads_a[name],
+            grads_b[name],
+            2 * tol,
+            f"{a.name} vs {b.name}: {case.id} {name}",
+            behaviour="two backends' parameter gradients disagree",
         )

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from conformance.backends import numpy_dtype
-from conformance.helpers import SIZES, as64, random_qkv, random_tolerance, require
-from conformance.tolerance import assert_identical, assert_within
+from conformance.helpers import SIZES, as64, random_qkv, random_tolerance
+from conformance.requirements import requires, value_dims
+from conformance.tolerance import assert_identical, assert_rows_zero, assert_within, expect
 
 DTYPES = ["float64", "float32"]
 sizes = pytest.mark.parametrize("size", list(SIZES.values()), ids=list(SIZES))
@@ -23,27 +24,39 @@ dtypes = pytest.mark.parametrize("dtype", DTYPES)
 @sizes
 @pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
 def test_shapes_and_dtypes(backend, size, dtype):
-    """out is (B, H, T, E) in q's dtype, also with E != D and T != S."""
-    require(backend, dtype=dtype)
-    q, k, v = random_qkv(1, **size, D=5, E=3, dtype=dtype)
+    """out is (B, H, T, E) in q's dtype, also with T != S (and E != D where declared)."""
+    D, E = value_dims(backend, 5, 3)
+    q, k, v = random_qkv(1, **size, D=D, E=E, dtype=dtype)
     out = backend.attention(q, k, v)
-    assert out.shape == (2, 3, size["T"], 3), (
-        f"{backend.name}: shape {out.shape}, expected (B, H, T, E) = (2, 3, {size['T']}, 3)"
+    expect(
+        out.shape == (2, 3, size["T"], E),
+        "returns an output of the wrong shape",
+        f"{backend.name}: shape {out.shape}, expected (B, H, T, E) = (2, 3, {size['T']}, {E})",
     )
-    assert out.dtype == numpy_dtype(dtype), f"{backend.name}: dtype {out.dtype}, expected {dtype}"
+    expect(
+        out.dtype == numpy_dtype(dtype),
+        "returns an output in another dtype than its inputs",
+        f"{backend.name}: dtype {out.dtype}, expected {dtype}",
+    )
 
 
 @pytest.mark.clause("2.2", "6.1")
-def test_unbatched_shape(backend):
+@requires("unbatched")
+def test_unbatched_shape(backend, dtype):
     """(H, T, D) inputs give (H, T, E), equal to the batched call on one batch."""
-    require(backend, "unbatched")
-    q, k, v = random_qkv(2, B=1, T=7, S=13, D=5, E=3)
+    D, E = value_dims(backend, 5, 3)
+    q, k, v = random_qkv(2, B=1, T=7, S=13, D=D, E=E, dtype=dtype)
     out = backend.attention(q[0], k[0], v[0], is_causal=True)
-    assert out.shape == (3, 7, 3), (
-        f"{backend.name}: unbatched shape {out.shape}, expected (H, T, E) = (3, 7, 3)"
+    expect(
+        out.shape == (3, 7, E),
+        "returns the wrong shape for unbatched inputs",
+        f"{backend.name}: unbatched shape {out.shape}, expected (H, T, E) = (3, 7, {E})",
     )
     assert_identical(
-        out, backend.attention(q, k, v, is_causal=True)[0], f"{backend.name}: unbatched vs batched"
+        out,
+        backend.attention(q, k, v, is_causal=True)[0],
+        f"{backend.name}: unbatched vs batched",
+        behaviour="unbatched inputs give another result than the same call with a batch of one",
     )
 
 
@@ -53,20 +66,31 @@ def test_unbatched_shape(backend):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_weight_rows_sum_to_one(backend, size, dtype, causal):
     """With V = identity (E = S) the output is the weight matrix: rows >= 0 summing to 1,
-    and exactly 0 on keys a causal mask blocks."""
+    and exactly 0 on keys a causal mask blocks. (Where E ≠ D is not declared, D = S too.)"""
     T, S = size["T"], size["S"]
-    q, k, _ = random_qkv(3, T=T, S=S, dtype=dtype)
+    D, _ = value_dims(backend, 5, S, keep="E")
+    q, k, _ = random_qkv(3, T=T, S=S, D=D, dtype=dtype)
     v = np.broadcast_to(np.eye(S, dtype=numpy_dtype(dtype)), (2, 3, S, S)).copy()
     w = as64(backend.attention(q, k, v, is_causal=causal))
     tol = random_tolerance(q, k, v, dtype, is_causal=causal)
-    assert (w >= 0).all(), f"{backend.name}: negative weight {w.min()}"
+    expect(
+        (w >= 0).all(),
+        "gives a key a negative attention weight",
+        f"{backend.name}: negative weight {w.min()}",
+    )
     assert_within(
-        w.sum(-1), np.ones(w.shape[:-1]), S * tol, f"{backend.name}: weight rows should sum to 1"
+        w.sum(-1),
+        np.ones(w.shape[:-1]),
+        S * tol,
+        f"{backend.name}: weight rows should sum to 1",
+        behaviour="attention weights do not sum to 1",
     )
     if causal:
         future = np.triu(np.ones((T, S), dtype=bool), k=1)
-        assert (w[..., future] == 0).all(), (
-            f"{backend.name}: weight on a future key: {np.abs(w[..., future]).max()}"
+        expect(
+            (w[..., future] == 0).all(),
+            "puts weight on a key that a causal mask blocks",
+            f"{backend.name}: weight on a future key: {np.abs(w[..., future]).max()}",
         )
 
 
@@ -88,6 +112,7 @@ def test_no_future_leakage(backend, size, dtype):
             out[..., : i + 1, :],
             base[..., : i + 1, :],
             f"{backend.name}: outputs <= {i} after changing keys > {i}",
+            behaviour="under a causal mask, changing later keys and values changes earlier outputs",
         )
 
 
@@ -109,7 +134,11 @@ def test_masked_key_equals_deleted_key(backend, size, dtype, mask_kind):
         deleted = backend.attention(q, k[..., keep, :], v[..., keep, :])
         tol = 2 * random_tolerance(q, k[..., keep, :], v[..., keep, :], dtype)
         assert_within(
-            masked, deleted, tol, f"{backend.name}: key {j} masked ({mask_kind}) vs deleted"
+            masked,
+            deleted,
+            tol,
+            f"{backend.name}: key {j} masked ({mask_kind}) vs deleted",
+            behaviour="a masked key does not act as a deleted one",
         )
 
 
@@ -124,11 +153,21 @@ def test_permutation(backend, size, dtype):
     tol = 2 * random_tolerance(q, k, v, dtype)
     perm_s = np.random.default_rng(0).permutation(S)
     out = backend.attention(q, k[..., perm_s, :], v[..., perm_s, :])
-    assert_within(out, base, tol, f"{backend.name}: keys/values permuted by {perm_s.tolist()}")
+    assert_within(
+        out,
+        base,
+        tol,
+        f"{backend.name}: keys/values permuted by {perm_s.tolist()}",
+        behaviour="permuting the keys and values changes the output",
+    )
     perm_t = np.random.default_rng(1).permutation(T)
     out = backend.attention(q[..., perm_t, :], k, v)
     assert_within(
-        out, base[..., perm_t, :], tol, f"{backend.name}: queries permuted by {perm_t.tolist()}"
+        out,
+        base[..., perm_t, :],
+        tol,
+        f"{backend.name}: queries permuted by {perm_t.tolist()}",
+        behaviour="permuting the queries does not permute the output",
     )
 
 
@@ -149,8 +188,10 @@ def test_convex_hull(backend, size, dtype, causal):
         lo, hi = seen.min(axis=-2), seen.max(axis=-2)
         row = out[..., t, :]
         worst = max(float((lo - row).max()), float((row - hi).max()))
-        assert worst <= tol, (
-            f"{backend.name}: output row {t} leaves the values' hull by {worst:.3e} (tolerance {tol:.3e})"
+        expect(
+            worst <= tol,
+            "an output leaves the range of the value rows it averages",
+            f"{backend.name}: output row {t} leaves the values' hull by {worst:.3e} (tolerance {tol:.3e})",
         )
 
 
@@ -176,11 +217,17 @@ def test_key_shift_invariance(backend, size, dtype, shift):
     base = backend.attention(q, k, v)
     out = backend.attention(q, k2, v)
     tol = random_tolerance(q, k, v, dtype) + random_tolerance(q, k2, v, dtype)
-    assert np.isfinite(as64(out)).all(), (
-        f"{backend.name}: non-finite output after shifting keys by {shift}"
+    expect(
+        np.isfinite(as64(out)).all(),
+        "a large shift common to every key gives a non-finite output",
+        f"{backend.name}: non-finite output after shifting keys by {shift}",
     )
     assert_within(
-        out, base, tol, f"{backend.name}: keys shifted by a common vector of size {shift}"
+        out,
+        base,
+        tol,
+        f"{backend.name}: keys shifted by a common vector of size {shift}",
+        behaviour="a shift common to every key changes the output",
     )
 
 
@@ -198,7 +245,11 @@ def test_scale_homogeneity(backend, size, dtype, c):
     b = backend.attention(q, k, v, scale=c * s)
     tol = random_tolerance(cq, k, v, dtype, scale=s) + random_tolerance(q, k, v, dtype, scale=c * s)
     assert_within(
-        a, b, tol, f"{backend.name}: attention({c}·q, scale={s}) vs attention(q, scale={c * s})"
+        a,
+        b,
+        tol,
+        f"{backend.name}: attention({c}·q, scale={s}) vs attention(q, scale={c * s})",
+        behaviour="scaling q is not the same as scaling the scale",
     )
 
 
@@ -224,6 +275,7 @@ def test_batch_and_head_independence(backend, size, dtype):
             full[b, h],
             tol,
             f"{backend.name}: batch {b} head {h} alone vs in the full call",
+            behaviour="a batch element or head computed alone differs from its slice of the whole call",
         )
     q2 = q.copy()
     q2[1:] = q2[1:] * np.asarray(-3, dtype=q.dtype)
@@ -234,6 +286,7 @@ def test_batch_and_head_independence(backend, size, dtype):
         full[0, 0],
         tol,
         f"{backend.name}: batch 0 head 0 after changing the other batches and heads",
+        behaviour="changing one batch element or head changes another",
     )
 
 
@@ -249,11 +302,20 @@ def test_determinism(backend, dtype):
             backend.attention(q, k, v, mask=mask, is_causal=True),
             first,
             f"{backend.name}: repeated call",
+            behaviour="the same call, repeated, gives different bits",
         )
 
 
 @pytest.mark.clause("4.3")
-@pytest.mark.parametrize("how", ["bool-mask", "float-mask", "bottom-right-T>S", "window"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "bool-mask",
+        "float-mask",
+        pytest.param("bottom-right-T>S", marks=requires("causal_bottom_right")),
+        pytest.param("window", marks=requires("window")),
+    ],
+)
 @dtypes
 def test_fully_masked_rows_are_zero(backend, how, dtype):
     """A query with no key left to attend returns exactly 0 (not NaN, not the mean of V)."""
@@ -272,19 +334,21 @@ def test_fully_masked_rows_are_zero(backend, how, dtype):
         blocked[[1, 6]] = True
         options["mask"] = mask
     elif how == "bottom-right-T>S":
-        require(backend, "causal_bottom_right")
         options.update(is_causal=True, causal_alignment="bottom_right")
         blocked[: T - S] = True
     else:
-        require(backend, "window")
         # Window (0, 0) around a diagonal that has left the keys for the last T - S rows.
         options["window"] = (0, 0)
         blocked[S:] = True
     out = backend.attention(q, k, v, **options)
-    assert np.isfinite(as64(out)).all(), f"{backend.name}: non-finite output ({how})"
-    assert (as64(out)[..., blocked, :] == 0).all(), (
-        f"{backend.name}: fully masked rows {np.flatnonzero(blocked).tolist()} should be exactly 0 ({how})"
+    assert_rows_zero(out, blocked, f"{backend.name} ({how})", v=v)
+    expect(
+        np.isfinite(as64(out)).all(),
+        "returns a non-finite output for queries that have keys to attend",
+        f"{backend.name}: non-finite output ({how})",
     )
-    assert (np.abs(as64(out)[..., ~blocked, :]).sum(-1) > 0).all(), (
-        f"{backend.name}: a row with keys to attend came out 0 ({how})"
+    expect(
+        (np.abs(as64(out)[..., ~blocked, :]).sum(-1) > 0).all(),
+        "returns 0 for a query that has keys to attend",
+        f"{backend.name}: a row with keys to attend came out 0 ({how})",
     )

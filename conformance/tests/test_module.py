@@ -5,15 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance.cases import case_entries, load_case
-from conformance.helpers import require
+from conformance.cases import case_entries, case_marks, load_case
 from conformance.measure import publish
-from conformance.tolerance import assert_identical, assert_within, tolerance
+from conformance.requirements import requires, uses_dtype
+from conformance.tolerance import assert_identical, assert_within, expect, tolerance
+
+pytestmark = requires("module")
 
 
 def _module_params():
     return [
-        pytest.param(e["id"], marks=pytest.mark.clause(e["clause"]), id=e["id"])
+        pytest.param(e["id"], marks=case_marks(e), id=e["id"])
         for e in case_entries(("mha", "gpt_block"))
     ]
 
@@ -30,9 +32,7 @@ def _run(backend, case, x, **kwargs):
 @pytest.mark.parametrize("case_id", _module_params())
 def test_module_fixture(backend, case_id, request):
     """The layer's output from the shared weights matches the oracle within SPEC §7."""
-    require(backend, "module")
     case = load_case(case_id)
-    require(backend, dtype=case.dtype)
     x = case.arrays["x"].astype(case.dtype)
     out = _run(backend, case, x)
     tol = tolerance(case.dtype, case.naive_error, case.expected)
@@ -45,7 +45,11 @@ def test_module_fixture(backend, case_id, request):
         expected=case.expected,
         tolerance=tol,
     )
-    assert out.dtype == x.dtype, f"{backend.name}: dtype {out.dtype}, expected {x.dtype}"
+    expect(
+        out.dtype == x.dtype,
+        "the module returns an output in another dtype than its input",
+        f"{backend.name}: dtype {out.dtype}, expected {x.dtype}",
+    )
     assert_within(
         out, case.expected, tol, f"{backend.name} on module fixture {case.id} {case.meta['shape']}"
     )
@@ -53,11 +57,14 @@ def test_module_fixture(backend, case_id, request):
 
 @pytest.mark.clause("9.3")
 @pytest.mark.parametrize(
-    "case_id", ["mha-causal-float64", "gpt-block-float64", "gpt-block-float32"]
+    "case_id",
+    [
+        pytest.param(c, marks=uses_dtype(c.rsplit("-", 1)[1]))
+        for c in ("mha-causal-float64", "gpt-block-float64", "gpt-block-float32")
+    ],
 )
 def test_causal_module_ignores_the_future(backend, case_id):
     """With causal attention, output position i does not change when inputs after i do."""
-    require(backend, "module")
     case = load_case(case_id)
     x = case.arrays["x"].astype(case.dtype)
     base = _run(backend, case, x)
@@ -72,13 +79,14 @@ def test_causal_module_ignores_the_future(backend, case_id):
             out[:, : i + 1],
             base[:, : i + 1],
             f"{backend.name} {case.id}: outputs <= {i} after changing inputs > {i}",
+            behaviour="a causal module's output depends on later inputs",
         )
 
 
 @pytest.mark.clause("9.1")
+@uses_dtype("float64")
 def test_module_float_mask_matches_is_causal(backend):
     """The seeds' additive causal mask (0 allowed, -inf blocked) equals is_causal=True."""
-    require(backend, "module")
     case = load_case("mha-causal-float64")
     x = case.arrays["x"]
     T = x.shape[1]
@@ -88,5 +96,9 @@ def test_module_float_mask_matches_is_causal(backend):
     )
     tol = 2 * tolerance("float64", case.naive_error, case.expected)
     assert_within(
-        with_mask, case.expected, tol, f"{backend.name}: module with the seeds' float causal mask"
+        with_mask,
+        case.expected,
+        tol,
+        f"{backend.name}: module with the seeds' float causal mask",
+        behaviour="the module's additive causal mask (0 and -inf) differs from is_causal",
     )

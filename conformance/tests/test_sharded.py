@@ -15,10 +15,13 @@ import numpy as np
 import pytest
 
 from conformance.backends import load_backend
-from conformance.helpers import as64, random_qkv, random_tolerance, require
+from conformance.helpers import as64, random_qkv, random_tolerance
 from conformance.measure import publish
 from conformance.report_agreement import VS_ONE_SHARD
+from conformance.requirements import requires, uses_dtype, value_dims
 from conformance.tolerance import assert_identical, assert_within, tolerance
+
+pytestmark = requires("sharded")
 
 SHARDS = [1, 2, 3, 4]
 #: §14.2's difference from P = 1 is measured up to 8 devices (the host devices JAX gets).
@@ -37,9 +40,14 @@ VARIANTS = {
 }
 
 
+def _shape(backend, **changes) -> dict:
+    """SHAPE with ``changes``, and E = D where the backend does not declare "value_dim"."""
+    shape = {**SHAPE, **changes}
+    shape["D"], shape["E"] = value_dims(backend, shape["D"], shape["E"])
+    return shape
+
+
 def _sharded(backend, P: int, layout: str = "contiguous"):
-    # The shapes here have K < H: grouped-query attention across devices is the point.
-    require(backend, "sharded", "gqa")
     at = load_backend(backend.name, shards=P, layout=layout)
     assert (at.shards, at.layout) == (P, layout), (
         f"load_backend({backend.name!r}, shards={P}, layout={layout!r}) reports "
@@ -76,19 +84,19 @@ def _check_grads(grads, ref, tols, context: str) -> None:
 
 @pytest.mark.clause("14.1")
 def test_unknown_layout_raises(backend):
-    require(backend, "sharded")
     with pytest.raises(ValueError, match="layout"):
         load_backend(backend.name, shards=2, layout="striped-nonsense")
 
 
 @pytest.mark.clause("14.1")
 @pytest.mark.parametrize("layout", LAYOUTS)
+@requires(*VARIANTS["all"][0])
+@uses_dtype("float64")
 def test_eight_shards(backend, layout):
     """P = 8, every declared variant at once, forward and (with "grad") backward."""
     at = _sharded(backend, 8, layout)
-    needs, options = VARIANTS["all"]
-    require(backend, *needs)
-    q, k, v = random_qkv(80, **{**SHAPE, "H": 8, "K": 2, "T": 13, "S": 11})
+    options = VARIANTS["all"][1]
+    q, k, v = random_qkv(80, **_shape(backend, H=8, K=2, T=13, S=11))
     mask = np.random.default_rng(81).random((1, 1, 13, 11)) > 0.2  # (1, 1, T, S)
     out = at.attention(q, k, v, mask=mask, **options)
     ref = naive(q, k, v, mask=mask, **options)
@@ -108,19 +116,21 @@ def naive(q, k, v, **options):
 
 
 @pytest.mark.clause("14.2")
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize(
+    "variant",
+    [pytest.param(name, marks=requires("gqa", *needs)) for name, (needs, _) in VARIANTS.items()],
+)
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("P", ALL_SHARDS, ids=[f"P{P}" for P in ALL_SHARDS])
 def test_shard_count_invariance(backend, P, dtype, variant, request):
     """Within §7's tolerance of the oracle at every P (so of P = 1), and deterministic. The
     difference from P = 1 is published for the report."""
-    needs, options = VARIANTS[variant]
-    require(backend, *needs, dtype=dtype)
+    options = VARIANTS[variant][1]
     at = _sharded(backend, P)
     one = _sharded(backend, 1)
     # H = 12 splits over P = 1-4 and 6; for 5, 7 and 8 the heads grow to a multiple of P,
     # so that a head-sharding backend takes every P too.
-    q, k, v = random_qkv(140, **{**SHAPE, "H": math.lcm(SHAPE["H"], P)}, dtype=dtype)
+    q, k, v = random_qkv(140, **_shape(backend, H=math.lcm(SHAPE["H"], P)), dtype=dtype)
     ref = naive(q, k, v, **options)
     tol = random_tolerance(q, k, v, dtype, **options)
     out = at.attention(q, k, v, **options)
@@ -139,10 +149,12 @@ def test_shard_count_invariance(backend, P, dtype, variant, request):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("T,S", [(1, 1), (3, 2), (9, 3), (5, 17)], ids=lambda x: str(x))
 @pytest.mark.parametrize("P", [2, 3, 4], ids=lambda P: f"P{P}")
+@requires("gqa")
+@uses_dtype("float64")
 def test_lengths_not_multiples(backend, P, T, S, layout):
     """T, S not multiples of P, S < P, T < P, T != S: padding is never attended."""
     at = _sharded(backend, P, layout)
-    q, k, v = random_qkv(143, **{**SHAPE, "T": T, "S": S})
+    q, k, v = random_qkv(143, **_shape(backend, T=T, S=S))
     # Keys far from the origin: a padded (zero) key or value attended would show.
     v = v + 5.0
     for options in ({}, {"is_causal": True, "causal_alignment": "bottom_right"}):
@@ -158,11 +170,13 @@ def test_lengths_not_multiples(backend, P, T, S, layout):
 @pytest.mark.clause("14.4")
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("P", [2, 3, 4], ids=lambda P: f"P{P}")
+@requires("gqa")
+@uses_dtype("float64")
 def test_keys_elsewhere_and_nowhere(backend, P, layout):
     """Row 0 attends only the last keys (another device's); row 1 attends none."""
     at = _sharded(backend, P, layout)
     T = S = 24  # whole slices and zigzag chunks for P = 2, 3, 4
-    q, k, v = random_qkv(144, **{**SHAPE, "T": T, "S": S})
+    q, k, v = random_qkv(144, **_shape(backend, T=T, S=S))
     mask = np.ones((T, S), dtype=bool)  # (T, S)
     mask[0] = False
     # Query 0 sits on device 0 in both layouts; keys S/P and S/P + 1 never do (contiguous:
@@ -197,12 +211,13 @@ def test_keys_elsewhere_and_nowhere(backend, P, layout):
 @pytest.mark.clause("14.5")
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("P", [2, 3, 4], ids=lambda P: f"P{P}")
+@requires("gqa")
+@uses_dtype("float32")
 def test_large_logits_across_shards(backend, P, layout):
     """Scores ≈ 1e4 in float32: each row's max on the last device, its mass on the others."""
-    require(backend, dtype="float32")
     at = _sharded(backend, P, layout)
     T = S = 24
-    q, k, v = random_qkv(146, **{**SHAPE, "T": T, "S": S}, dtype="float32")
+    q, k, v = random_qkv(146, **_shape(backend, T=T, S=S), dtype="float32")
     rng = np.random.default_rng(147)
     q = np.zeros_like(q)
     q[..., 0] = 100.0  # score = 100 · k[..., 0] / √D
@@ -221,12 +236,13 @@ def test_large_logits_across_shards(backend, P, layout):
 @pytest.mark.clause("14.6")
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("P", [2, 3, 4], ids=lambda P: f"P{P}")
+@requires("grad", "gqa")
+@uses_dtype("float64")
 def test_backward_uses_each_block(backend, P, is_causal):
     """Every device's keys and values distinct: a stale block cannot pass."""
-    require(backend, "grad")
     at = _sharded(backend, P)
     T = S = 24
-    q, k, v = random_qkv(148, **{**SHAPE, "T": T, "S": S})
+    q, k, v = random_qkv(148, **_shape(backend, T=T, S=S))
     offset = (np.arange(S) // (S // P))[None, None, :, None]  # (1, 1, S, 1): the slice index
     k = k + 0.5 * offset
     v = v + 2.0 * offset
@@ -240,10 +256,12 @@ def test_backward_uses_each_block(backend, P, is_causal):
 @pytest.mark.clause("14.7")
 @pytest.mark.parametrize("variant", ["plain", "causal"])
 @pytest.mark.parametrize("P", [2, 3, 4], ids=lambda P: f"P{P}")
+@requires("gqa")
+@uses_dtype("float64")
 def test_zigzag_equals_contiguous(backend, P, variant):
-    needs, options = VARIANTS[variant]
-    require(backend, *needs)
-    q, k, v = random_qkv(150, **SHAPE)
+    """The zigzag layout gives the contiguous layout's output within twice §7's tolerance."""
+    options = VARIANTS[variant][1]
+    q, k, v = random_qkv(150, **_shape(backend))
     contiguous = _sharded(backend, P, "contiguous").attention(q, k, v, **options)
     zigzag = _sharded(backend, P, "zigzag").attention(q, k, v, **options)
     tol = random_tolerance(q, k, v, "float64", **options)
@@ -257,9 +275,10 @@ def test_zigzag_equals_contiguous(backend, P, variant):
 
 @pytest.mark.clause("14.8")
 @pytest.mark.parametrize("H,K,P", [(3, 3, 2), (4, 2, 3), (6, 3, 2), (4, 4, 8)])
+@requires("sharded_heads")
+@uses_dtype("float64")
 def test_heads_that_do_not_split(backend, H, K, P):
     """A head-sharding backend refuses head counts P does not split, naming H, K and P."""
-    require(backend, "sharded_heads")
     at = load_backend(backend.name, shards=P)
     q, k, v = random_qkv(151, B=2, H=H, K=K, T=5, S=6)
     with pytest.raises(ValueError) as err:
@@ -272,9 +291,10 @@ def test_heads_that_do_not_split(backend, H, K, P):
 
 @pytest.mark.clause("14.8")
 @pytest.mark.parametrize("K", [1, 2, 4, 8])
+@requires("sharded_heads", "gqa")
+@uses_dtype("float64")
 def test_heads_batch_and_few_kv_heads(backend, K):
     """B = 3 distinct batch elements, H = 8 on P = 4 devices, K from 1 (< P) to 8."""
-    require(backend, "sharded_heads", "gqa")
     at = load_backend(backend.name, shards=4)
     q, k, v = random_qkv(152, B=3, H=8, K=K, T=7, S=13)
     mask = np.random.default_rng(153).random((3, 1, 7, 13)) > 0.3  # (B, 1, T, S)

@@ -54,8 +54,9 @@ def mark_raised(err: BaseException, backend: str, method: str) -> None:
 def _first_line(message: str) -> str:
     line = next((part for part in message.strip().splitlines() if part.strip()), "")
     line = re.sub(r"0x[0-9a-fA-F]+", "0x…", line)
+    line = re.sub(r"\bnp\.\w+\(([^()]*)\)", r"\1", line)  # np.float64(0.5) reads as 0.5
     line = re.sub(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?(?![\w.])", "N", line)
-    return line if len(line) <= 160 else line[:157] + "…"
+    return line if len(line) <= 120 else line[:119].rstrip() + "…"
 
 
 def raised(err: BaseException) -> str:
@@ -108,11 +109,11 @@ def _precision(seen: Seen, calls) -> str | None:
 
 def of_seen(seen: Seen, calls) -> str | None:
     """The cross-cutting cause a comparison shows, if any."""
-    if seen.only_empty_rows:
+    if seen.empty_rows_wrong:
         if calls and calls[-1][2] == "attention_vjp":
-            what = "NaN" if seen.nan_where_number else "not 0"
+            what = "NaN" if seen.nan_in_empty_rows else "not 0"
             return f"a gradient that nothing attended must make exactly 0 is {what}"
-        if seen.nan_where_number:
+        if seen.nan_in_empty_rows:
             return "a query with no key to attend returns NaN, not 0"
         if _mean_of_v(seen.empty_rows, calls):
             return "a query with no key to attend returns the mean of V, not 0"
@@ -150,6 +151,28 @@ def _innermost(err: BaseException) -> BaseException:
     while getattr(err, "exceptions", None):
         err = err.exceptions[0]
     return err
+
+
+#: Behaviours of one family, listed on one line with their details: refusals of bad input
+#: (SPEC §8.1) are one finding each, but a reader wants them side by side.
+FAMILIES = (
+    (re.compile(r"^accepts (?P<what>.+) \(no error\)$"), "accepts, with no error,"),
+    (
+        re.compile(r"^raises (?P<got>\w+), not (?P<want>\w+), for (?P<what>.+)$"),
+        "raises {got}, not {want}, for",
+    ),
+)
+
+
+def family(text: str) -> tuple[str, str]:
+    """(the line a behaviour is listed under, its detail): "accepts scale = 0 (no error)"
+    is listed as "accepts, with no error," with the detail "scale = 0"; a behaviour of no
+    family is its own line, with no detail."""
+    for pattern, line in FAMILIES:
+        found = pattern.match(text)
+        if found:
+            return line.format(**found.groupdict()), found["what"]
+    return text, ""
 
 
 def call_features(calls: list) -> list[str]:

@@ -97,7 +97,7 @@ def _cell(rows: list[dict], listed: list[dict]) -> tuple[str, str]:
     bad = [r for r in ran if r["outcome"] in ("failed", "xfailed")]
     if not bad:
         return PASS, ""
-    numbers = {e["behaviour"]: i for i, e in enumerate(listed, start=1)}
+    numbers = {text: i for i, e in enumerate(listed, start=1) for text in e["covers"]}
     seen = Counter(numbers.get(r.get("behaviour") or r["reason"], 0) for r in bad)
     refs = ", ".join(f"#{n}" for n in sorted(seen) if n)
     return FAIL, f"{len(bad)}/{len(ran)}" + (f" ({refs})" if refs else "")

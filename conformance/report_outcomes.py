@@ -12,7 +12,7 @@ import re
 from collections import defaultdict
 
 from conformance.backends import CAPABILITIES, DTYPES
-from conformance.behaviours import describe_common
+from conformance.behaviours import describe_common, family
 from conformance.clauses import clause_key
 from conformance.report_collect import OUTCOMES
 
@@ -159,27 +159,32 @@ def grouped_known_failures(rows: list[dict]) -> list[dict]:
 
 def departures(rows: list[dict]) -> dict[str, list[dict]]:
     """What each backend does differently from the spec, one entry per distinct behaviour:
-    {backend: [{"behaviour", "clauses", "tests", "known", "example", "reproduce",
-    "common"}]}, the behaviour touching most tests first.
+    {backend: [{"behaviour", "covers", "clauses", "tests", "known", "example",
+    "reproduce", "common"}]}, the behaviour touching most tests first.
 
     Failed tests and known failures both count ("known": how many of them were listed as
-    known failures). "example" is one test that shows the behaviour, "reproduce" its
-    replay where one was saved, and "common" what every call of the behaviour had in
+    known failures). Behaviours of one family (``behaviours.FAMILIES``: inputs accepted
+    that the spec refuses, say) share one entry whose text lists their details; "covers"
+    holds the behaviours an entry stands for. "example" is one test that shows it,
+    "reproduce" its replay where one was saved, and "common" what every call of it had in
     common (its dtype, say), in words. A pairwise test counts under its pair, "a~b".
     """
     groups: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for row in rows:
         if row["outcome"] in ("failed", "xfailed") and row["backend"]:
             text = row.get("behaviour") or row["reason"] or row["message"]
-            groups[row["backend"]][text].append(row)
+            groups[row["backend"]][family(text)[0]].append({**row, "behaviour": text})
     result: dict[str, list[dict]] = {}
-    for backend, by_behaviour in groups.items():
+    for backend, by_line in groups.items():
         entries = []
-        for text, members in by_behaviour.items():
+        for line, members in by_line.items():
             members = sorted(members, key=lambda r: r["test"])
+            covers = sorted({r["behaviour"] for r in members})
+            details = sorted({family(text)[1] for text in covers} - {""})
             entries.append(
                 {
-                    "behaviour": text,
+                    "behaviour": f"{line} {'; '.join(details)}" if details else line,
+                    "covers": covers,
                     "clauses": _clauses(members),
                     "tests": len(members),
                     "known": sum(r["outcome"] == "xfailed" for r in members),

@@ -35,8 +35,10 @@ class Seen:
     nan_where_number: bool = False
     #: A number in the result where the expected value is NaN.
     number_where_nan: bool = False
-    #: Every wrong entry lies in a row the expected result has all 0 (a row with no key).
-    only_empty_rows: bool = False
+    #: Some wrong entry lies in a row the expected result has all 0 (a row with no key).
+    empty_rows_wrong: bool = False
+    #: Whether one of those rows holds NaN.
+    nan_in_empty_rows: bool = False
     #: Some of those rows: (index of the row, the values it holds), a few at most.
     empty_rows: list = field(default_factory=list)
 
@@ -115,7 +117,8 @@ def describe_error(actual: np.ndarray, expected: np.ndarray) -> str:
         diff = np.abs(np.where(both, actual - expected, 0.0))
     where = np.unravel_index(int(np.argmax(diff)), diff.shape) if diff.size else ()
     where = tuple(int(i) for i in where)
-    rel = diff / np.maximum(np.abs(np.where(both, expected, 1.0)), np.finfo(np.float64).tiny)
+    with np.errstate(over="ignore"):  # an error beside an expected 0 is infinitely relative
+        rel = diff / np.maximum(np.abs(np.where(both, expected, 1.0)), np.finfo(np.float64).tiny)
     got, want = (f"{float(x[where]):.17g}" if diff.size else "none" for x in (actual, expected))
     return (
         f"max abs error {diff.max(initial=0.0):.3e} at index {where} "
@@ -139,12 +142,13 @@ def _seen(actual: np.ndarray, expected: np.ndarray, tol: float) -> Seen:
     )
     if actual.ndim >= 1 and actual.size:
         empty = (expected == 0).all(axis=-1)  # rows with no key to attend
-        wrong_rows = bad.any(axis=-1)
-        if wrong_rows.any() and not (wrong_rows & ~empty).any():
-            seen.only_empty_rows = True
+        wrong_empty = bad.any(axis=-1) & empty
+        if wrong_empty.any():
+            seen.empty_rows_wrong = True
+            seen.nan_in_empty_rows = bool(np.isnan(actual[wrong_empty]).any())
             seen.empty_rows = [
                 (tuple(int(i) for i in index), actual[tuple(index)])
-                for index in np.argwhere(wrong_rows)[:4]
+                for index in np.argwhere(wrong_empty)[:4]
             ]
     return seen
 

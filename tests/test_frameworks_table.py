@@ -59,7 +59,8 @@ def test_cells_say_passes_fails_or_not_declared():
     }
     table = frameworks.table(found)
     assert "| §4.3 " in table and "❌ 1/2 (#1)" in table
-    assert f"1. {ACCEPTS}: §4.3 (1 test, all known failures; every call: float64)" in table
+    line = "1. accepts, with no error, an int64 mask: §4.3 (1 test, all known failures; every call: float64)"
+    assert line in table
     conforming = next(line for line in table.splitlines() if line.startswith("No function"))
     assert "| §2.5 " not in table and "§2.5" in conforming  # passed by all: listed
     for name, why in found["elsewhere"].items():
@@ -75,13 +76,41 @@ def test_departures_are_numbered_by_how_many_tests_show_them():
     for order in (rows, rows[::-1]):
         found = frameworks.matrix(_data(order))
         listed = [e["behaviour"] for e in found["departures"]["torch.sdpa"]]
-        assert listed == [PRECISION, ACCEPTS]
+        assert listed == [PRECISION, "accepts, with no error, an int64 mask"]
         assert found["clauses"]["4.3"]["torch.sdpa"] == (frameworks.FAIL, "2/2 (#1, #2)")
         assert found["clauses"]["6.5"]["torch.sdpa"] == (frameworks.FAIL, "1/1 (#1)")
     assert frameworks.departure_lines(frameworks.block(found)) == {
         ("torch.sdpa", PRECISION),
-        ("torch.sdpa", ACCEPTS),
+        ("torch.sdpa", "accepts, with no error, an int64 mask"),
     }
+
+
+def test_refusals_of_one_kind_share_a_line():
+    rows = [
+        _row("torch.sdpa", "test_a[torch.sdpa-1]", "8.1", "failed", ACCEPTS),
+        _row("torch.sdpa", "test_a[torch.sdpa-2]", "8.1", "failed", "accepts scale = 0 (no error)"),
+        _row(
+            "torch.sdpa",
+            "test_a[torch.sdpa-3]",
+            "8.1",
+            "failed",
+            "raises Fail, not ValueError, for a q of rank 2",
+        ),
+        _row(
+            "torch.sdpa",
+            "test_a[torch.sdpa-4]",
+            "8.1",
+            "failed",
+            "raises Fail, not ValueError, for a q of rank 5",
+        ),
+    ]
+    found = frameworks.matrix(_data(rows))
+    listed = [(e["behaviour"], e["tests"]) for e in found["departures"]["torch.sdpa"]]
+    assert listed == [
+        ("accepts, with no error, an int64 mask; scale = 0", 2),
+        ("raises Fail, not ValueError, for a q of rank 2; a q of rank 5", 2),
+    ]
+    assert found["clauses"]["8.1"]["torch.sdpa"] == (frameworks.FAIL, "4/4 (#1, #2)")
 
 
 def test_marks_read_back_and_the_readme_rewrites_only_the_table(tmp_path):

@@ -11,7 +11,6 @@ from conformance.fixtures.oracle import naive_same_precision
 from conformance.measure import publish
 from conformance.tolerance import assert_within, expect, finite_error, tolerance
 
-
 #: What a fixture's failure says, for the clauses whose fixtures test one thing; the others
 #: are named by their clause (and by the causes every comparison looks for first).
 FIXTURE_BEHAVIOURS = {

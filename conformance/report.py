@@ -2,7 +2,7 @@
 
     python -m conformance report --backend all --out report/
     python -m conformance report --impl examples.my_attention:attention \
-        --impl-capabilities causal_bottom_right,window,gqa --out report-mine/
+        --impl-capabilities value_dim,causal_bottom_right,window,gqa --out report-mine/
 
 Into ``--out`` go ``report.md`` (read this), ``report.json`` (the same, for programs),
 ``junit.xml`` (for CI), PNG pictures, and ``repro/`` (the inputs of failing calls). The

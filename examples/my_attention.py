@@ -3,13 +3,13 @@
 Run the whole conformance suite on it, from the repository root:
 
     pytest conformance --impl examples.my_attention:attention \\
-        --impl-capabilities causal_bottom_right,window,gqa \\
+        --impl-capabilities value_dim,causal_bottom_right,window,gqa \\
         --known-failures examples/known_failures.txt
 
 and write a report (Markdown, JSON, JUnit XML and pictures in report-mine/):
 
     python -m conformance report --impl examples.my_attention:attention \\
-        --impl-capabilities causal_bottom_right,window,gqa \\
+        --impl-capabilities value_dim,causal_bottom_right,window,gqa \\
         --known-failures examples/known_failures.txt --out report-mine
 
 ``--impl`` names a function taking and returning NumPy arrays with the spec's signature

@@ -18,7 +18,7 @@ EXAMPLE = [
     "--impl",
     "examples.my_attention:attention",
     "--impl-capabilities",
-    "causal_bottom_right,window,gqa",
+    "value_dim,causal_bottom_right,window,gqa",
 ]
 
 

@@ -196,7 +196,8 @@ def call_features(calls: list) -> list[str]:
             found.append("unbatched")
     mask = kwargs.get("mask")
     if isinstance(mask, np.ndarray):
-        found.append("bool mask" if mask.dtype == np.bool_ else "float mask")
+        kind = {"b": "bool", "f": "float", "V": "float"}.get(mask.dtype.kind, mask.dtype.name)
+        found.append(f"{kind} mask")  # ml_dtypes' bfloat16 is of kind "V"
     for name, value in kwargs.items():
         if name in ("mask", "scale", "seed"):
             continue

@@ -318,7 +318,11 @@ def test_shipped_profile_is_well_formed(name):
     assert profile.description
     for pattern, reason in profile.known_failures.items():
         assert name in pattern, f"{pattern}: a known failure names its backend"
-        assert "§" in reason, f"{pattern}: the reason names the clause: {reason}"
+        # A reason is a behaviour (SPEC §13.15): one line, no error size, no pytest dump.
+        assert reason == " ".join(reason.split()), f"{pattern}: one line: {reason!r}"
+        assert not re.search(r"\d\.\d+e[-+]\d+|max abs error|^assert |\+  where ", reason), (
+            f"{pattern}: the reason is a behaviour, not a measurement or a dump: {reason}"
+        )
     if not profile.unavailable():
         backend = profile.resolve()
         assert backend.name == name and set(backend.dtypes) == set(profile.dtypes)

@@ -178,6 +178,18 @@ def test_report_on_a_users_function_says_what_is_wrong(tmp_path):
     assert not verdict["conforms"] and verdict["failed_clauses"] == ["8.1"]
     md = (tmp_path / "report.md").read_text()
     assert "| my_attention.attention | ❌ **fails §8.1** (2 tests) |" in md
+    # The departures come first: one line for both refusals, with its clause and a test.
+    departures = md.index("## What each backend does differently from the spec")
+    assert departures < md.index("## Clauses per backend")
+    assert (
+        "1. accepts, with no error, a uint8 mask; an int64 mask: §8.1 (2 tests; every call: "
+        "float64); e.g. `conformance/tests/test_errors.py::test_bad_input["
+        "my_attention.attention-integer-mask]`" in md
+    )
+    assert data["departures"]["my_attention.attention"][0]["covers"] == [
+        "accepts a uint8 mask (no error)",
+        "accepts an int64 mask (no error)",
+    ]
     assert "## What failed, and how to reproduce it" in md
     assert "test_bad_input[my_attention.attention-integer-mask]" in md
     assert "mask=int64[5, 6]" in md and "load_call(" in md

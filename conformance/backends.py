@@ -410,7 +410,7 @@ class JaxRingBackend(JaxBackend):
         "sharded",
     }
     default_shards: int | None = None
-    conformance_options = MappingProxyType({"shards": 4, "layout": "contiguous"})
+    conformance_options = MappingProxyType({"shards": 4, "layout": "zigzag"})
 
     def __init__(self, *, shards: int | None = None, layout: str = "zigzag") -> None:
         super().__init__()

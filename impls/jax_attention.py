@@ -216,15 +216,7 @@ def _attend(
     # the branch not taken gets a zero cotangent, so jax.grad through such a row is 0.
     row_max = scores.max(axis=-1, keepdims=True, initial=-jnp.inf)  # (B, H, T, 1)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
-    shifted = scores - row_max  # (B, H, T, S)
-    # XLA fuses step 2's multiply into that subtraction as a fused multiply-add, which
-    # skips the product's rounding, while the maximum was taken of rounded products: past
-    # scores of ~1e18 the two differ by more than exp() can take. Shifting once more by the
-    # maximum of the very differences exp() receives makes the largest exactly 0 (without
-    # such fusion that second shift is 0 and changes nothing).
-    shift = shifted.max(axis=-1, keepdims=True, initial=-jnp.inf)  # (B, H, T, 1)
-    shifted = shifted - jnp.where(jnp.isfinite(shift), shift, 0.0)  # (B, H, T, S)
-    p = jnp.exp(shifted)  # (B, H, T, S)
+    p = jnp.exp(scores - row_max)  # (B, H, T, S)
     row_sum = p.sum(axis=-1, keepdims=True)  # (B, H, T, 1)
     weights = p / jnp.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
 

@@ -5,10 +5,10 @@ NumPy, its own framework and this module; what it accepts is this module's busin
 that the impls cannot drift apart on it (copies of these checks do: one refuses
 ``softcap=np.float32(2.0)`` that another accepts). The math itself, masks and grouping
 included, stays in each impl. This module is plain Python on shapes, dtype names and
-option values, and imports no framework:
-an impl hands it its arrays (anything with ``.shape`` and ``.dtype``: NumPy, JAX, torch)
-and gets back the sizes and the options in one normal form, or an error that names the
-argument, the expected shape in letters and numbers, and what was given (SPEC §8).
+option values, and imports no framework: an impl hands it its arrays (anything with
+``.shape`` and ``.dtype``: NumPy, JAX, torch) and gets back the sizes and the options in
+one normal form, or an error that names the argument, the expected shape in letters and
+numbers, and what was given (SPEC §8).
 
 Shape legend (heads-first):
 

@@ -42,8 +42,9 @@ draw): masks, both causal alignments, windows, softcap, GQA, unbatched inputs, f
 float32, float16 and bfloat16 (computed in float32, each gradient rounded once). Also
 here: the parameter gradients of the multi-head layer and the pre-LN GPT block.
 
-The forward functions come from ``numpy_attention.py``, the page this one differentiates;
-the inputs are checked by the same input contract (``contract.py``).
+Imports: the standard library, NumPy, ``contract.py`` (the input contract all impls share,
+step 0) and ``numpy_attention.py``, the page this one differentiates (its forward
+functions and ``_allowed``).
 """
 
 from __future__ import annotations

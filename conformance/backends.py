@@ -582,7 +582,7 @@ class TorchNaiveBackend(_TorchBackend):
     def _attention(self, q, k, v, *, seed=None, **options):
         if seed is not None:
             options["generator"] = self.torch.Generator().manual_seed(seed)
-        return self.impl.scaled_dot_product_attention(q, k, v, **options)
+        return self.impl.attention(q, k, v, **options)
 
 
 class TorchModuleBackend(_TorchBackend):

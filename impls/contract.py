@@ -1,12 +1,14 @@
 """The input contract every attention impl checks as its step 0, in one place.
 
-Each impl file is a standalone teaching page for the *math*; what it accepts is this
-module's business, so that the seven impls cannot drift apart on it (their copies of these
-checks did: ``softcap=np.float32(2.0)`` was refused by one file and accepted by another).
-It is plain Python on shapes, dtype names and option values, and imports no framework:
-an impl hands it its arrays (anything with ``.shape`` and ``.dtype``: NumPy, JAX, torch)
-and gets back the sizes and the options in one normal form, or an error that names the
-argument, the expected shape in letters and numbers, and what was given (SPEC §8).
+Each impl file is a teaching page for the *math*, and imports only the standard library,
+NumPy, its own framework and this module; what it accepts is this module's business, so
+that the impls cannot drift apart on it (copies of these checks do: one refuses
+``softcap=np.float32(2.0)`` that another accepts). The math itself, masks and grouping
+included, stays in each impl. This module is plain Python on shapes, dtype names and
+option values, and imports no framework: an impl hands it its arrays (anything with
+``.shape`` and ``.dtype``: NumPy, JAX, torch) and gets back the sizes and the options in
+one normal form, or an error that names the argument, the expected shape in letters and
+numbers, and what was given (SPEC §8).
 
 Shape legend (heads-first):
 

@@ -11,41 +11,28 @@ Step by step, for one query row t:
     w[s]      = exp(score[s] - max) / Σ exp(score - max)
     out[t, e] = Σ_s w[s] · v[s, e]
 
-Why 1/√D: if the entries of q and k have unit variance, q·k sums D such products and has
-variance D; dividing by √D keeps the scores near unit variance whatever the head size, so
-the softmax neither saturates (one-hot weights, vanishing gradients) nor flattens.
-
-Shape legend (heads-first, as in PyTorch):
+Shape legend (heads-first, as in PyTorch; ``jax.nn`` writes N for H and H for D, E):
 
     B batch            H query heads      K key/value heads (H % K == 0)
     G = H // K         T query length     S key/value length
     D q/k head dim     E v head dim       C model width (module only)
 
     q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
-    mask: bool (True = may attend) or floating (added to the scores),
-          broadcastable to (B, H, T, S)
-
-Unbatched inputs q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
-
-``jax.nn.dot_product_attention`` uses other letters and a sequence-first layout:
-
-    here           B    H    K    T    S    D    E
-    jax.nn         B    N    K    T    S    H    H
+    mask: bool (True = may attend) or floating (added to the scores), broadcastable to
+    (B, H, T, S). Unbatched q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, softcapping, grouped-query and multi-query attention (K < H), dropout on the
-weights (with an explicit ``jax.random`` key), float64, float32, float16 and
-bfloat16 (``jnp.bfloat16``). A query row with no key left to attend returns exactly 0.
-Float16 and bfloat16 inputs are computed in float32 and the result rounded once.
-Float64 needs ``jax.config.update("jax_enable_x64", True)`` set by the caller; this
-module never changes it. Inputs are checked in Python by the one input contract all impls
-share (``contract.py``); steps 1-7 run under ``jax.jit``
-with the options as static arguments, and are differentiable with ``jax.grad`` (a fully
-masked row has gradient 0, not NaN).
+windows, softcapping, grouped-query and multi-query attention (K < H), dropout (with an
+explicit ``jax.random`` key), float64 (after ``jax.config.update("jax_enable_x64", True)``
+by the caller), float32, float16 and bfloat16, ``jax.grad``. A query row with no key left
+to attend returns exactly 0, and its gradient is 0, not NaN.
 
-Also here: a KV cache for step-by-step decoding, and the multi-head layer and pre-LN GPT
-block as functions of a parameter dict laid out like the PyTorch module's ``state_dict``
-(``Linear`` weight (out, in), bias (out)).
+Imports: the standard library, JAX and ``contract.py``, the input contract all impls
+share (step 0, checked in Python); the math, ``_allowed`` included, is this file's own.
+Steps 1-7 run under ``jax.jit`` in ``_attend``, with the options as static arguments. Also
+here: a KV cache, the multi-head layer and pre-LN GPT block as functions of a
+PyTorch-style ``state_dict``, and their gradients by ``jax.vjp``. Why each step is
+written as it is: the Notes at the end of this file.
 """
 
 from __future__ import annotations
@@ -95,8 +82,8 @@ def attention(
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
     """
-    # 0. Validate: the input contract every impl shares (contract.py) checks shapes,
-    # dtypes and options, and names the argument, the expected shape and what was given.
+    # 0. Validate with the input contract all impls share (contract.py): an error names the
+    # argument, the expected shape and what was given.
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     mask = None if mask is None else jnp.asarray(mask)
     call = contract.check(
@@ -150,44 +137,23 @@ def _attend(
     softcap: float | None,
     dropout_p: float,
 ) -> jax.Array:
-    """Steps 1-7 on checked, batched inputs; compiled once per shape, dtype and options.
-
-    A bool and a float mask differ in dtype, which ``jax.jit`` traces separately, so the
-    mask branch below is an ordinary Python ``if``. The scale is a traced value, not a
-    static one: a new scale reuses the compiled program.
-    """
+    """Steps 1-7 on checked, batched inputs; compiled once per shape, dtype and options."""
     B, H, T, D = q.shape
     _, K, S, _ = k.shape
     G = H // K
 
-    # Low precision inputs are computed in float32: exp() of a float16 score overflows
-    # past 11.09, and summing many weights in float16 loses the small ones.
+    # Float16 and bfloat16 are computed in float32 and rounded once (see Notes).
     out_dtype = q.dtype
     work = jnp.float64 if out_dtype == jnp.float64 else jnp.float32
     q, k, v = q.astype(work), k.astype(work), v.astype(work)
 
-    # Grouped-query attention (K < H): each key/value head serves G = H // K consecutive
-    # query heads, so query head h uses key/value head h // G (PyTorch's repeat_interleave,
-    # not tiling). Repeating every key/value head G times turns it into plain multi-head
-    # attention; with K = H (G = 1) nothing changes.
+    # Grouped-query attention: query head h uses key/value head h // G (see Notes).
     k = jnp.repeat(k, G, axis=1)  # (B, H, S, D)
     v = jnp.repeat(v, G, axis=1)  # (B, H, S, E)
 
-    # Which keys each query may see: a bool mask, the causal triangle and the window
-    # decide it, and a float mask blocks where it is -inf. Blocked scores are replaced in
-    # step 4, not only pushed down by adding -inf, since NaN + -inf is NaN.
-    allowed = jnp.ones((1, 1, T, S), dtype=bool)  # (1, 1, T, S)
-    if mask is not None and mask.dtype == jnp.bool_:
-        allowed = allowed & mask  # (B|1, H|1, T, S)
-    elif mask is not None:
-        allowed = allowed & (mask != -jnp.inf)  # (B|1, H|1, T, S)
-    if is_causal or window is not None:
-        allowed = allowed & _band(T, S, is_causal, causal_alignment, window)
-
-    # A key that no query of its head may see (padding, a KV-cache slot not yet written)
-    # must have no effect, whatever it holds: a weight of 0 does not cancel it, because
-    # 0 · NaN and 0 · inf are NaN. Its key and value rows are replaced by 0 before they
-    # are used, by selection, so that their gradients are exactly 0 as well.
+    # Which keys each query may see; a key/value slot that no query sees is replaced by 0,
+    # so that whatever it holds has no effect (see Notes: blocked keys).
+    allowed = _allowed(mask, T, S, is_causal, causal_alignment, window)  # (B|1, H|1, T, S)
     used = allowed.any(axis=2)[..., None]  # (B|1, H|1, S, 1)
     k = jnp.where(used, k, 0.0)  # (B, H, S, D)
     v = jnp.where(used, v, 0.0)  # (B, H, S, E)
@@ -207,24 +173,11 @@ def _attend(
         scores = scores + mask.astype(work)  # (B, H, T, S)
     scores = jnp.where(allowed, scores, -jnp.inf)  # (B, H, T, S)
 
-    # 5. Softmax over the keys. Subtracting the row maximum keeps exp() <= 1, so large
-    # scores cannot overflow. A row with every key blocked has max -inf; it is given
-    # weights of exactly 0 (as PyTorch SDPA and FlashAttention do) instead of
-    # the NaN that exp(-inf - -inf) would give. With S = 0 every row is such a row: the
-    # maximum starts from -inf, since an empty axis has no maximum of its own.
-    # Both guards are jnp.where on the value that would be bad (the "double where"):
-    # the branch not taken gets a zero cotangent, so jax.grad through such a row is 0.
+    # 5. Softmax over the keys, less the row maximum so that exp() <= 1. A row with no key
+    # left has maximum -inf and gets weights of exactly 0 (see Notes: empty rows).
     row_max = scores.max(axis=-1, keepdims=True, initial=-jnp.inf)  # (B, H, T, 1)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
-    shifted = scores - row_max  # (B, H, T, S)
-    # XLA fuses step 2's multiply into that subtraction as a fused multiply-add, which
-    # skips the product's rounding, while the maximum was taken of rounded products: past
-    # scores of ~1e18 the two differ by more than exp() can take. Shifting once more by the
-    # maximum of the very differences exp() receives makes the largest exactly 0 (without
-    # such fusion that second shift is 0 and changes nothing).
-    shift = shifted.max(axis=-1, keepdims=True, initial=-jnp.inf)  # (B, H, T, 1)
-    shifted = shifted - jnp.where(jnp.isfinite(shift), shift, 0.0)  # (B, H, T, S)
-    p = jnp.exp(shifted)  # (B, H, T, S)
+    p = jnp.exp(scores - row_max)  # (B, H, T, S)
     row_sum = p.sum(axis=-1, keepdims=True)  # (B, H, T, 1)
     weights = p / jnp.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
 
@@ -240,30 +193,34 @@ def _attend(
     return out
 
 
-def _band(
+def _allowed(
+    mask: jax.Array | None,
     T: int,
     S: int,
     is_causal: bool,
     causal_alignment: str,
     window: tuple[int | None, int | None] | None,
 ) -> jax.Array:
-    """Which keys each query may see under causality and the window: (1, 1, T, S) bool."""
+    """Which keys each query may see, (B|1, H|1, T, S) bool: those that a bool mask, the
+    causal triangle and the window allow and a float mask does not set to -inf."""
     # Query t's diagonal is key t (top-left) or key t + S - T (bottom-right, so that the
     # last query lines up with the last key).
     offset = 0 if causal_alignment == "top_left" else S - T
     t = jnp.arange(T)[:, None]  # (T, 1)
     s = jnp.arange(S)[None, :]  # (1, S)
     distance = s - (t + offset)  # (T, S)
-    allowed = jnp.ones((T, S), dtype=bool)  # (T, S)
+    allowed = jnp.ones((1, 1, T, S), dtype=bool)  # (1, 1, T, S)
     if is_causal:
-        allowed &= distance <= 0
-    if window is not None:
-        left, right = window
-        if left is not None:
-            allowed &= distance >= -left
-        if right is not None:
-            allowed &= distance <= right
-    return allowed[None, None]  # (1, 1, T, S)
+        allowed = allowed & (distance <= 0)  # (1, 1, T, S)
+    if window is not None and window[0] is not None:
+        allowed = allowed & (distance >= -window[0])  # (1, 1, T, S)
+    if window is not None and window[1] is not None:
+        allowed = allowed & (distance <= window[1])  # (1, 1, T, S)
+    if mask is not None and mask.dtype == jnp.bool_:
+        allowed = allowed & mask  # (B|1, H|1, T, S)
+    elif mask is not None:
+        allowed = allowed & (mask != -jnp.inf)  # (B|1, H|1, T, S)
+    return allowed
 
 
 class KVCache:
@@ -515,3 +472,38 @@ def _is_key(key: object) -> bool:
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         return key.ndim == 0
     return key.dtype == jnp.uint32 and key.shape == (2,)
+
+
+# --- Notes -----------------------------------------------------------------------------------
+#
+# Why 1/√D (step 2). If the entries of q and k have unit variance, q·k sums D such products
+# and has variance D; dividing by √D keeps the scores near unit variance whatever the head
+# size, so the softmax neither saturates (one-hot weights, vanishing gradients) nor flattens.
+#
+# Working precision. Float16 and bfloat16 inputs are computed in float32 and the result is
+# rounded once: exp() of a float16 score overflows past 11.09, and summing many weights in
+# float16 loses the small ones.
+#
+# Grouped-query attention (K < H). Each key/value head serves G = H // K consecutive query
+# heads, so query head h uses key/value head h // G (PyTorch's repeat_interleave, not
+# tiling). Repeating every key/value head G times turns it into plain multi-head attention;
+# with K = H (G = 1) nothing changes.
+#
+# Blocked keys. Blocked scores are replaced by -inf in step 4, not only pushed down by
+# adding -inf, since NaN + -inf is NaN. A key that no query of its head may see (padding, a
+# KV-cache slot not yet written) must have no effect, whatever it holds: a weight of 0 does
+# not cancel it, because 0 · NaN and 0 · inf are NaN. Its key and value rows are replaced by
+# 0 before they are used, by selection, so that their gradients are exactly 0 as well.
+#
+# Empty rows (step 5). A row with every key blocked has max -inf; it is given weights of
+# exactly 0 (as PyTorch SDPA and FlashAttention do) instead of the NaN that exp(-inf - -inf)
+# would give. With S = 0 every row is such a row: the maximum starts from -inf, since an
+# empty axis has no maximum of its own.
+#
+# Gradients through empty rows (step 5). Both guards of step 5 are jnp.where on the value
+# that would be bad (the "double where"): the branch not taken gets a zero cotangent, so
+# jax.grad through a row with no key is 0, not NaN.
+#
+# Jit. A bool and a float mask differ in dtype, which jax.jit traces separately, so the
+# mask branches are ordinary Python ifs. The scale is a traced value, not a static one: a
+# new scale reuses the compiled program.

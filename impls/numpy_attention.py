@@ -11,10 +11,6 @@ Step by step, for one query row t:
     w[s]      = exp(score[s] - max) / Σ exp(score - max)
     out[t, e] = Σ_s w[s] · v[s, e]
 
-Why 1/√D: if the entries of q and k have unit variance, q·k sums D such products and has
-variance D; dividing by √D keeps the scores near unit variance whatever the head size, so
-the softmax neither saturates (one-hot weights, vanishing gradients) nor flattens.
-
 Shape legend (heads-first, as in PyTorch):
 
     B batch            H query heads      K key/value heads (H % K == 0)
@@ -22,22 +18,19 @@ Shape legend (heads-first, as in PyTorch):
     D q/k head dim     E v head dim       C model width (module only)
 
     q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
-    mask: bool (True = may attend) or floating (added to the scores),
-          broadcastable to (B, H, T, S)
-
-Unbatched inputs q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
+    mask: bool (True = may attend) or floating (added to the scores), broadcastable to
+    (B, H, T, S). Unbatched q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, softcapping, grouped-query and multi-query attention (K < H), dropout on the
-weights (with an explicit ``numpy.random.Generator``), float64, float32, float16 and
-bfloat16 (``ml_dtypes``). A query row with no key left to attend returns exactly 0.
-Float16 and bfloat16 inputs are computed in float32 and the result rounded once.
+windows, softcapping, grouped-query and multi-query attention (K < H), dropout (with an
+explicit ``numpy.random.Generator``), float64, float32, float16 and bfloat16
+(``ml_dtypes``). A query row with no key left to attend returns exactly 0.
 
-Also here: a KV cache for step-by-step decoding, and the multi-head layer and pre-LN GPT
-block as functions of a parameter dict laid out like the PyTorch module's ``state_dict``
-(``Linear`` weight (out, in), bias (out)). The backward pass, written by hand as a
-derivation, is its own page: ``numpy_attention_backward.py``. What the inputs may be is
-checked by the one input contract all impls share, ``contract.py`` (step 0).
+Imports: the standard library, NumPy and ``contract.py``, the input contract all impls
+share (step 0); the math, ``_band`` included, is this file's own. Also here: a KV cache,
+and the multi-head layer and pre-LN GPT block as functions of a PyTorch-style
+``state_dict``. The backward pass is its own page, ``numpy_attention_backward.py``. Why
+each step is written as it is: the Notes at the end of this file.
 """
 
 from __future__ import annotations
@@ -85,8 +78,8 @@ def attention(
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
     """
-    # 0. Validate: the input contract every impl shares (contract.py) checks shapes,
-    # dtypes and options, and names the argument, the expected shape and what was given.
+    # 0. Validate with the input contract all impls share (contract.py): an error names the
+    # argument, the expected shape and what was given.
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     mask = None if mask is None else np.asarray(mask)
     call = contract.check(
@@ -108,34 +101,18 @@ def attention(
     if mask is not None:
         mask = mask.reshape(call.mask_shape)  # (B|1, H|1, T|1, S|1)
 
-    # Low precision inputs are computed in float32: exp() of a float16 score overflows
-    # past 11.09, and summing many weights in float16 loses the small ones.
+    # Float16 and bfloat16 are computed in float32 and rounded once (see Notes).
     out_dtype = q.dtype
     work = np.float64 if out_dtype == np.float64 else np.float32
     q, k, v = q.astype(work), k.astype(work), v.astype(work)
 
-    # Grouped-query attention (K < H): each key/value head serves G = H // K consecutive
-    # query heads, so query head h uses key/value head h // G (PyTorch's repeat_interleave,
-    # not tiling). Repeating every key/value head G times turns it into plain multi-head
-    # attention; with K = H (G = 1) nothing changes.
+    # Grouped-query attention: query head h uses key/value head h // G (see Notes).
     k = np.repeat(k, G, axis=1)  # (B, H, S, D)
     v = np.repeat(v, G, axis=1)  # (B, H, S, E)
 
-    # Which keys each query may see: a bool mask, the causal triangle and the window
-    # decide it, and a float mask blocks where it is -inf. Blocked scores are replaced in
-    # step 4, not only pushed down by adding -inf, since NaN + -inf is NaN.
-    allowed = np.ones((1, 1, T, S), dtype=bool)  # (1, 1, T, S)
-    if mask is not None and call.mask_is_bool:
-        allowed = allowed & mask  # (B|1, H|1, T, S)
-    elif mask is not None:
-        allowed = allowed & (mask != -np.inf)  # (B|1, H|1, T, S)
-    if call.is_causal or call.window is not None:
-        allowed = allowed & _band(T, S, call.is_causal, call.causal_alignment, call.window)
-
-    # A key that no query of its head may see (padding, a KV-cache slot not yet written)
-    # must have no effect, whatever it holds: a weight of 0 does not cancel it, because
-    # 0 · NaN and 0 · inf are NaN. Its key and value rows are replaced by 0 before they
-    # are used, by selection, so that their gradients are exactly 0 as well.
+    # Which keys each query may see; a key/value slot that no query sees is replaced by 0,
+    # so that whatever it holds has no effect (see Notes: blocked keys).
+    allowed = _allowed(mask, call)  # (B|1, H|1, T, S)
     used = allowed.any(axis=2)[..., None]  # (B|1, H|1, S, 1)
     k = np.where(used, k, 0.0)  # (B, H, S, D)
     v = np.where(used, v, 0.0)  # (B, H, S, E)
@@ -157,16 +134,16 @@ def attention(
         scores = scores + mask.astype(work)  # (B, H, T, S)
     scores = np.where(allowed, scores, -np.inf)  # (B, H, T, S)
 
-    # 5. Softmax over the keys. Subtracting the row maximum keeps exp() <= 1, so large
-    # scores cannot overflow. A row with every key blocked has max -inf; it is given
-    # weights of exactly 0 (as PyTorch SDPA and FlashAttention do) instead of
-    # the NaN that exp(-inf - -inf) would give. With S = 0 every row is such a row: the
-    # maximum starts from -inf, since an empty axis has no maximum of its own.
+    # 5. Softmax over the keys, less the row maximum so that exp() <= 1. A row with no key
+    # left has maximum -inf and gets weights of exactly 0 (see Notes: empty rows).
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)  # (B, H, T, 1)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
     p = np.exp(scores - row_max)  # (B, H, T, S)
     row_sum = p.sum(axis=-1, keepdims=True)  # (B, H, T, 1)
-    weights = p / np.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
+    # A row that reads +inf or NaN becomes NaN here (inf / inf), as SPEC §3.8 and §4.9
+    # define: the answer, not an error, so NumPy is not to warn about it.
+    with np.errstate(invalid="ignore"):
+        weights = p / np.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
 
     # 6. Dropout: zero each weight with probability dropout_p and rescale the survivors
     # by 1 / (1 - dropout_p), so the expected output is unchanged.
@@ -180,30 +157,28 @@ def attention(
     return out[0] if call.unbatched else out
 
 
-def _band(
-    T: int,
-    S: int,
-    is_causal: bool,
-    causal_alignment: str,
-    window: tuple[int | None, int | None] | None,
-) -> np.ndarray:
-    """Which keys each query may see under causality and the window: (1, 1, T, S) bool."""
+def _allowed(mask: np.ndarray | None, call: contract.Checked) -> np.ndarray:
+    """Which keys each query may see, (B|1, H|1, T, S) bool: those that a bool mask, the
+    causal triangle and the window allow and a float mask does not set to -inf."""
+    T, S, window = call.T, call.S, call.window
     # Query t's diagonal is key t (top-left) or key t + S - T (bottom-right, so that the
     # last query lines up with the last key).
-    offset = 0 if causal_alignment == "top_left" else S - T
+    offset = 0 if call.causal_alignment == "top_left" else S - T
     t = np.arange(T)[:, None]  # (T, 1)
     s = np.arange(S)[None, :]  # (1, S)
     distance = s - (t + offset)  # (T, S)
-    allowed = np.ones((T, S), dtype=bool)  # (T, S)
-    if is_causal:
-        allowed &= distance <= 0
-    if window is not None:
-        left, right = window
-        if left is not None:
-            allowed &= distance >= -left
-        if right is not None:
-            allowed &= distance <= right
-    return allowed[None, None]  # (1, 1, T, S)
+    allowed = np.ones((1, 1, T, S), dtype=bool)  # (1, 1, T, S)
+    if call.is_causal:
+        allowed = allowed & (distance <= 0)  # (1, 1, T, S)
+    if window is not None and window[0] is not None:
+        allowed = allowed & (distance >= -window[0])  # (1, 1, T, S)
+    if window is not None and window[1] is not None:
+        allowed = allowed & (distance <= window[1])  # (1, 1, T, S)
+    if mask is not None and call.mask_is_bool:
+        allowed = allowed & mask  # (B|1, H|1, T, S)
+    elif mask is not None:
+        allowed = allowed & (mask != -np.inf)  # (B|1, H|1, T, S)
+    return allowed
 
 
 class KVCache:
@@ -321,3 +296,35 @@ def gpt_block(params: dict[str, np.ndarray], x: np.ndarray, *, n_heads: int) -> 
     h = layer_norm(x, params["norm2.weight"], params["norm2.bias"])  # (B, T, C)
     h = gelu(linear(h, params["mlp.0.weight"], params["mlp.0.bias"]))  # (B, T, F)
     return x + linear(h, params["mlp.2.weight"], params["mlp.2.bias"])  # (B, T, C)
+
+
+# --- Notes -----------------------------------------------------------------------------------
+#
+# Why 1/√D (step 2). If the entries of q and k have unit variance, q·k sums D such products
+# and has variance D; dividing by √D keeps the scores near unit variance whatever the head
+# size, so the softmax neither saturates (one-hot weights, vanishing gradients) nor flattens.
+#
+# Working precision. Float16 and bfloat16 inputs are computed in float32 and the result is
+# rounded once: exp() of a float16 score overflows past 11.09, and summing many weights in
+# float16 loses the small ones.
+#
+# Grouped-query attention (K < H). Each key/value head serves G = H // K consecutive query
+# heads, so query head h uses key/value head h // G (PyTorch's repeat_interleave, not
+# tiling). Repeating every key/value head G times turns it into plain multi-head attention;
+# with K = H (G = 1) nothing changes.
+#
+# Blocked keys. Blocked scores are replaced by -inf in step 4, not only pushed down by
+# adding -inf, since NaN + -inf is NaN. A key that no query of its head may see (padding, a
+# KV-cache slot not yet written) must have no effect, whatever it holds: a weight of 0 does
+# not cancel it, because 0 · NaN and 0 · inf are NaN. Its key and value rows are replaced by
+# 0 before they are used, by selection, so that their gradients are exactly 0 as well.
+#
+# Empty rows (step 5). A row with every key blocked has max -inf; it is given weights of
+# exactly 0 (as PyTorch SDPA and FlashAttention do) instead of the NaN that exp(-inf - -inf)
+# would give. With S = 0 every row is such a row: the maximum starts from -inf, since an
+# empty axis has no maximum of its own.
+#
+# NumPy's warnings (step 5). A row that reads +inf (a +inf float mask entry, a score that
+# overflowed) or NaN has a row sum of inf or NaN, and its weights come out NaN: the answer
+# SPEC §3.8 and §4.9 define for it. np.errstate silences NumPy's "invalid value" warning for
+# that one division, and only there; every other step stays loud.

@@ -42,8 +42,9 @@ draw): masks, both causal alignments, windows, softcap, GQA, unbatched inputs, f
 float32, float16 and bfloat16 (computed in float32, each gradient rounded once). Also
 here: the parameter gradients of the multi-head layer and the pre-LN GPT block.
 
-The forward functions come from ``numpy_attention.py``, the page this one differentiates;
-the inputs are checked by the same input contract (``contract.py``).
+Imports: the standard library, NumPy, ``contract.py`` (the input contract all impls share,
+step 0) and ``numpy_attention.py``, the page this one differentiates (its forward
+functions and ``_allowed``).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def attention_backward(
         unsupported={"dropout_p": "the backward pass would need the forward's random draw"},
         d_out=d_out,
     )
-    B, K, G, T, S, D, E = call.B, call.K, call.G, call.T, call.S, call.D, call.E
+    B, K, G, S, D, E = call.B, call.K, call.G, call.S, call.D, call.E
     if call.unbatched:
         q, k, v, d_out = q[None], k[None], v[None], d_out[None]  # batched, B = 1
     given_mask = mask
@@ -114,36 +115,9 @@ def attention_backward(
     k = np.repeat(k, G, axis=1)  # (B, H, S, D)
     v = np.repeat(v, G, axis=1)  # (B, H, S, E)
 
-    # Forward steps 1-5 and 7 again, keeping the raw scores R, the weights P and the
-    # output O; first, as there, which keys each query may see, and the key and value
-    # rows that no query of their head may see replaced by 0 (whatever they hold).
-    allowed = np.ones((1, 1, T, S), dtype=bool)  # (1, 1, T, S)
-    if mask is not None and call.mask_is_bool:
-        allowed = allowed & mask  # (B|1, H|1, T, S)
-    elif mask is not None:
-        allowed = allowed & (mask != -np.inf)  # (B|1, H|1, T, S)
-    if call.is_causal or call.window is not None:
-        allowed = allowed & forward._band(
-            T, S, call.is_causal, call.causal_alignment, call.window
-        )  # (1, 1, T, S)
-    used = allowed.any(axis=2)[..., None]  # (B|1, H|1, S, 1)
-    k = np.where(used, k, 0.0)  # (B, H, S, D)
-    v = np.where(used, v, 0.0)  # (B, H, S, E)
-    raw = np.einsum("bhtd,bhsd->bhts", q, k) * work(call.scale)  # (B, H, T, S)
-    scores = raw  # (B, H, T, S)
-    if call.softcap is not None:
-        # A score far above the softcap overflows to ±inf here, whose tanh is exactly ±1.
-        with np.errstate(over="ignore"):
-            scores = call.softcap * np.tanh(raw / call.softcap)  # (B, H, T, S)
-    if mask is not None and not call.mask_is_bool:
-        scores = scores + mask.astype(work)  # (B, H, T, S)
-    scores = np.where(allowed, scores, -np.inf)  # (B, H, T, S)
-    row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)  # (B, H, T, 1)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
-    p = np.exp(scores - row_max)  # (B, H, T, S)
-    row_sum = p.sum(axis=-1, keepdims=True)  # (B, H, T, 1)
-    weights = p / np.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
-    out = np.einsum("bhts,bhse->bhte", weights, v)  # (B, H, T, E)
+    # Forward steps 1-5 and 7 again, keeping the raw scores R, the weights P and the output
+    # O, with the key and value rows that no query of their head sees replaced by 0.
+    k, v, used, raw, weights, out = _forward(q, k, v, mask, call, work)
 
     # 7'. Weighted sum, out = P·V. Each value row s was used by every query t with weight
     # P[t, s], so dV = Pᵀ·dO ...
@@ -191,6 +165,41 @@ def attention_backward(
     if call.unbatched:
         grads = [g[0] for g in grads]
     return (*grads, d_mask) if d_mask is not None else tuple(grads)
+
+
+def _forward(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    mask: np.ndarray | None,
+    call: contract.Checked,
+    work: type,
+) -> tuple[np.ndarray, ...]:
+    """``numpy_attention.attention``'s steps 1-5 and 7 on batched, repeated inputs in the
+    working precision, keeping what the backward pass reads: k and v with their unused
+    rows zeroed, which slots are used, the raw scores R, the weights P and the output O."""
+    allowed = forward._allowed(mask, call)  # (B|1, H|1, T, S)
+    used = allowed.any(axis=2)[..., None]  # (B|1, H|1, S, 1)
+    k = np.where(used, k, 0.0)  # (B, H, S, D)
+    v = np.where(used, v, 0.0)  # (B, H, S, E)
+    raw = np.einsum("bhtd,bhsd->bhts", q, k) * work(call.scale)  # (B, H, T, S)
+    scores = raw  # (B, H, T, S)
+    if call.softcap is not None:
+        # A score far above the softcap overflows to ±inf here, whose tanh is exactly ±1.
+        with np.errstate(over="ignore"):
+            scores = call.softcap * np.tanh(raw / call.softcap)  # (B, H, T, S)
+    if mask is not None and not call.mask_is_bool:
+        scores = scores + mask.astype(work)  # (B, H, T, S)
+    scores = np.where(allowed, scores, -np.inf)  # (B, H, T, S)
+    row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)  # (B, H, T, 1)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
+    p = np.exp(scores - row_max)  # (B, H, T, S)
+    row_sum = p.sum(axis=-1, keepdims=True)  # (B, H, T, 1)
+    # A row that reads +inf or NaN becomes NaN here (inf / inf), as in the forward.
+    with np.errstate(invalid="ignore"):
+        weights = p / np.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
+    out = np.einsum("bhts,bhse->bhte", weights, v)  # (B, H, T, E)
+    return k, v, used, raw, weights, out
 
 
 def _sum_to(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

@@ -11,10 +11,6 @@ Step by step, for one query row t:
     w[s]      = exp(score[s] - max) / Σ exp(score - max)
     out[t, e] = Σ_s w[s] · v[s, e]
 
-Why 1/√D: if the entries of q and k have unit variance, q·k sums D such products and has
-variance D; dividing by √D keeps the scores near unit variance whatever the head size, so
-the softmax neither saturates (one-hot weights, vanishing gradients) nor flattens.
-
 Shape legend (heads-first, as in PyTorch; PyTorch's own docs call T "L" and E "Ev"):
 
     B batch            H query heads      K key/value heads (H % K == 0)
@@ -23,30 +19,23 @@ Shape legend (heads-first, as in PyTorch; PyTorch's own docs call T "L" and E "E
     F MLP hidden width (block only)
 
     q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
-    mask: bool (True = may attend) or floating (added to the scores),
-          broadcastable to (B, H, T, S)
-
-Unbatched inputs q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
+    mask: bool (True = may attend) or floating (added to the scores), broadcastable to
+    (B, H, T, S). Unbatched q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, softcapping, grouped-query and multi-query attention (K < H), dropout on the
-weights (through a callable such as ``nn.Dropout``, so that ``module.eval()`` turns it
-off), float64, float32, float16 and bfloat16, autograd. A query row with no key left to
-attend returns exactly 0, and its gradients are 0, not NaN. Float16 and bfloat16 inputs
-are computed in float32 and the result rounded once.
+windows, softcapping, grouped-query and multi-query attention (K < H), dropout (through a
+callable such as ``nn.Dropout``, so that ``module.eval()`` turns it off), float64,
+float32, float16 and bfloat16, autograd. A query row with no key left to attend returns
+exactly 0, and its gradients are 0, not NaN.
 
-The dropout callable receives the (B, H, T, S) weights in the compute dtype. An
-``nn.Dropout`` in training mode runs ``at::dropout``, the very call SDPA's math backend
-makes, so after ``torch.manual_seed(s)`` it drops the same positions as
-``F.scaled_dot_product_attention(..., dropout_p=p)`` with the same seed.
-
-The modules are the seed tutorial's: ``MultiHeadAttention`` (one fused ``qkv`` Linear,
-``out_proj``, ``dropout``) and the pre-LN ``SelfAttentionBlock``. Their ``state_dict``
-names are the parameter names of the NumPy reference's ``multi_head_attention`` and
-``gpt_block``. They come first; their attention core, ``attention``, follows them. This
-file carries that core itself rather than importing ``torch_naive``'s, because every impl
-file stands alone and the suite then checks two independent copies of the steps (its
-dropout is also a module, ``nn.Dropout``, that ``module.eval()`` switches off).
+The modules are the seed tutorial's ``MultiHeadAttention`` (one fused ``qkv`` Linear,
+``out_proj``, ``dropout``) and pre-LN ``SelfAttentionBlock``; their ``state_dict`` names
+are the parameter names of the NumPy reference's ``multi_head_attention`` and
+``gpt_block``. Their core, ``attention``, comes first. Imports: the standard library,
+PyTorch and ``contract.py``, the input contract all impls share (step 0); the math,
+``_allowed`` included, is this file's own, not ``torch_naive``'s, so that the suite checks
+two independent copies of the steps. Why each step is written as it is: the Notes at the
+end of this file.
 """
 
 from __future__ import annotations
@@ -58,6 +47,148 @@ import torch
 from torch import nn
 
 from . import contract
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    dropout: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention: the core of ``MultiHeadAttention``.
+
+    Args:
+      q: queries, (B, H, T, D) or unbatched (H, T, D).
+      k: keys, (B, K, S, D) or (K, S, D); K must divide H.
+      v: values, (B, K, S, E) or (K, S, E).
+      mask: bool (True = may attend) or floating (added to the scores, -inf blocks),
+        broadcastable to (B, H, T, S).
+      is_causal: query t attends only keys s on or before its diagonal.
+      scale: multiplies q·k; defaults to 1/√D.
+      causal_alignment: where the diagonal sits when T != S. "top_left": s <= t.
+        "bottom_right": s <= t + S - T (the last query sees the last key, as in a KV cache).
+        Also places the window's diagonal.
+      window: (left, right): query t attends keys in [t' - left, t' + right] where t' is
+        its aligned diagonal; None on a side is unbounded.
+      softcap: scores become softcap · tanh(scores / softcap) before masking.
+      dropout: applied to the (B, H, T, S) weights, e.g. ``nn.Dropout(p)``: zeroes each
+        weight with probability p in training mode, does nothing in eval mode.
+
+    Returns:
+      out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
+    """
+    # 0. Validate with the input contract all impls share (contract.py): an error names the
+    # argument, the expected shape and what was given.
+    q, k, v = torch.as_tensor(q), torch.as_tensor(k), torch.as_tensor(v)
+    mask = None if mask is None else torch.as_tensor(mask)
+    ok = dropout is None or callable(dropout)
+    call = contract.check(
+        q,
+        k,
+        v,
+        mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+        # nn.Dropout accepts p = 1 (every weight dropped); the contract, like SDPA's
+        # rescale by 1 / (1 - p), needs p < 1.
+        dropout_p=getattr(dropout, "p", 0.0),
+        random=("dropout", dropout, ok, "a callable such as nn.Dropout, or None"),
+    )
+    S, G = call.S, call.G
+    if call.unbatched:
+        q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
+    if mask is not None:
+        mask = mask.reshape(call.mask_shape)  # (B|1, H|1, T|1, S|1)
+
+    # Float16 and bfloat16 are computed in float32 and rounded once (see Notes).
+    out_dtype = q.dtype
+    work = torch.float64 if out_dtype == torch.float64 else torch.float32
+    q, k, v = q.to(work), k.to(work), v.to(work)
+
+    # Grouped-query attention: query head h uses key/value head h // G (see Notes).
+    k = k.repeat_interleave(G, dim=1)  # (B, H, S, D)
+    v = v.repeat_interleave(G, dim=1)  # (B, H, S, E)
+
+    # Which keys each query may see; a key/value slot that no query sees is replaced by 0,
+    # so that whatever it holds has no effect (see Notes: blocked keys).
+    allowed = _allowed(mask, call, q.device)  # (B|1, H|1, T, S)
+    used = allowed.any(dim=2)[..., None]  # (B|1, H|1, S, 1)
+    k = torch.where(used, k, 0.0)  # (B, H, S, D)
+    v = torch.where(used, v, 0.0)  # (B, H, S, E)
+
+    # 1. Scores: every query against every key of its head.
+    scores = torch.einsum("bhtd,bhsd->bhts", q, k)  # (B, H, T, S)
+
+    # 2. Scale, so that the scores' spread does not grow with the head size D.
+    scores = scores * call.scale  # (B, H, T, S)
+
+    # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
+    if call.softcap is not None:
+        scores = call.softcap * torch.tanh(scores / call.softcap)  # (B, H, T, S)
+
+    # 4. Mask: a float mask is added, then every key a query may not see gets -inf.
+    if mask is not None and not call.mask_is_bool:
+        scores = scores + mask.to(work)  # (B, H, T, S)
+    scores = torch.where(allowed, scores, -math.inf)  # (B, H, T, S)
+
+    # 5. Softmax over the keys, less the row maximum so that exp() <= 1. A row with no key
+    # left has maximum -inf and gets weights of exactly 0 (see Notes: empty rows).
+    row_max = (
+        scores.amax(dim=-1, keepdim=True)
+        if S
+        else scores.new_full((*scores.shape[:-1], 1), -math.inf)
+    )  # (B, H, T, 1)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
+    p = torch.exp(scores - row_max)  # (B, H, T, S)
+    row_sum = p.sum(dim=-1, keepdim=True)  # (B, H, T, 1)
+    weights = p / torch.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
+
+    # 6. Dropout: zero each weight with probability dropout_p and rescale the survivors
+    # by 1 / (1 - dropout_p), so the expected output is unchanged.
+    if dropout is not None:
+        # An nn.Dropout draws its mask as SDPA's math backend does (see Notes: dropout).
+        weights = dropout(weights)  # (B, H, T, S)
+
+    # 7. Weighted sum of the values.
+    out = torch.einsum("bhts,bhse->bhte", weights, v)  # (B, H, T, E)
+    out = out.to(out_dtype)  # (B, H, T, E)
+    return out[0] if call.unbatched else out
+
+
+def _allowed(
+    mask: torch.Tensor | None, call: contract.Checked, device: torch.device
+) -> torch.Tensor:
+    """Which keys each query may see, (B|1, H|1, T, S) bool: those that a bool mask, the
+    causal triangle and the window allow and a float mask does not set to -inf."""
+    T, S, window = call.T, call.S, call.window
+    # Query t's diagonal is key t (top-left) or key t + S - T (bottom-right, so that the
+    # last query lines up with the last key).
+    offset = 0 if call.causal_alignment == "top_left" else S - T
+    t = torch.arange(T, device=device)[:, None]  # (T, 1)
+    s = torch.arange(S, device=device)[None, :]  # (1, S)
+    distance = s - (t + offset)  # (T, S)
+    allowed = torch.ones((1, 1, T, S), dtype=torch.bool, device=device)  # (1, 1, T, S)
+    if call.is_causal:
+        allowed = allowed & (distance <= 0)  # (1, 1, T, S)
+    if window is not None and window[0] is not None:
+        allowed = allowed & (distance >= -window[0])  # (1, 1, T, S)
+    if window is not None and window[1] is not None:
+        allowed = allowed & (distance <= window[1])  # (1, 1, T, S)
+    if mask is not None and call.mask_is_bool:
+        allowed = allowed & mask  # (B|1, H|1, T, S)
+    elif mask is not None:
+        allowed = allowed & (mask != -math.inf)  # (B|1, H|1, T, S)
+    return allowed
 
 
 class MultiHeadAttention(nn.Module):
@@ -139,170 +270,36 @@ class SelfAttentionBlock(nn.Module):
         return x + self.mlp(self.norm2(x))  # (B, T, C)
 
 
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: torch.Tensor | None = None,
-    is_causal: bool = False,
-    scale: float | None = None,
-    causal_alignment: str = "top_left",
-    window: tuple[int | None, int | None] | None = None,
-    softcap: float | None = None,
-    dropout: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Scaled dot-product attention: the core of ``MultiHeadAttention``.
-
-    Args:
-      q: queries, (B, H, T, D) or unbatched (H, T, D).
-      k: keys, (B, K, S, D) or (K, S, D); K must divide H.
-      v: values, (B, K, S, E) or (K, S, E).
-      mask: bool (True = may attend) or floating (added to the scores, -inf blocks),
-        broadcastable to (B, H, T, S).
-      is_causal: query t attends only keys s on or before its diagonal.
-      scale: multiplies q·k; defaults to 1/√D.
-      causal_alignment: where the diagonal sits when T != S. "top_left": s <= t.
-        "bottom_right": s <= t + S - T (the last query sees the last key, as in a KV cache).
-        Also places the window's diagonal.
-      window: (left, right): query t attends keys in [t' - left, t' + right] where t' is
-        its aligned diagonal; None on a side is unbounded.
-      softcap: scores become softcap · tanh(scores / softcap) before masking.
-      dropout: applied to the (B, H, T, S) weights, e.g. ``nn.Dropout(p)``: zeroes each
-        weight with probability p in training mode, does nothing in eval mode.
-
-    Returns:
-      out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
-    """
-    # 0. Validate: the input contract every impl shares (contract.py) checks shapes,
-    # dtypes and options, and names the argument, the expected shape and what was given.
-    q, k, v = torch.as_tensor(q), torch.as_tensor(k), torch.as_tensor(v)
-    mask = None if mask is None else torch.as_tensor(mask)
-    call = contract.check(
-        q,
-        k,
-        v,
-        mask=mask,
-        is_causal=is_causal,
-        scale=scale,
-        causal_alignment=causal_alignment,
-        window=window,
-        softcap=softcap,
-        # nn.Dropout accepts p = 1 (every weight dropped); the contract, like SDPA's
-        # rescale by 1 / (1 - p), needs p < 1.
-        dropout_p=getattr(dropout, "p", 0.0),
-        random=(
-            "dropout",
-            dropout,
-            dropout is None or callable(dropout),
-            "a callable such as nn.Dropout, or None",
-        ),
-    )
-    T, S, G = call.T, call.S, call.G
-    if call.unbatched:
-        q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
-    if mask is not None:
-        mask = mask.reshape(call.mask_shape)  # (B|1, H|1, T|1, S|1)
-
-    # Low precision inputs are computed in float32: exp() of a float16 score overflows
-    # past 11.09, and summing many weights in float16 loses the small ones.
-    out_dtype = q.dtype
-    work = torch.float64 if out_dtype == torch.float64 else torch.float32
-    q, k, v = q.to(work), k.to(work), v.to(work)
-
-    # Grouped-query attention (K < H): each key/value head serves G = H // K consecutive
-    # query heads, so query head h uses key/value head h // G (PyTorch's repeat_interleave,
-    # not tiling). Repeating every key/value head G times turns it into plain multi-head
-    # attention; with K = H (G = 1) nothing changes.
-    k = k.repeat_interleave(G, dim=1)  # (B, H, S, D)
-    v = v.repeat_interleave(G, dim=1)  # (B, H, S, E)
-
-    # Which keys each query may see: a bool mask, the causal triangle and the window
-    # decide it, and a float mask blocks where it is -inf. Blocked scores are replaced in
-    # step 4, not only pushed down by adding -inf, since NaN + -inf is NaN.
-    allowed = q.new_ones((1, 1, T, S), dtype=torch.bool)  # (1, 1, T, S)
-    if mask is not None and call.mask_is_bool:
-        allowed = allowed & mask  # (B|1, H|1, T, S)
-    elif mask is not None:
-        allowed = allowed & (mask != -math.inf)  # (B|1, H|1, T, S)
-    if call.is_causal or call.window is not None:
-        allowed = allowed & _band(
-            T, S, call.is_causal, call.causal_alignment, call.window, q.device
-        )  # (B|1, H|1, T, S)
-
-    # A key that no query of its head may see (padding, a KV-cache slot not yet written)
-    # must have no effect, whatever it holds: a weight of 0 does not cancel it, because
-    # 0 · NaN and 0 · inf are NaN. Its key and value rows are replaced by 0 before they
-    # are used, by selection, so that their gradients are exactly 0 as well.
-    used = allowed.any(dim=2)[..., None]  # (B|1, H|1, S, 1)
-    k = torch.where(used, k, 0.0)  # (B, H, S, D)
-    v = torch.where(used, v, 0.0)  # (B, H, S, E)
-
-    # 1. Scores: every query against every key of its head.
-    scores = torch.einsum("bhtd,bhsd->bhts", q, k)  # (B, H, T, S)
-
-    # 2. Scale, so that the scores' spread does not grow with the head size D.
-    scores = scores * call.scale  # (B, H, T, S)
-
-    # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
-    if call.softcap is not None:
-        scores = call.softcap * torch.tanh(scores / call.softcap)  # (B, H, T, S)
-
-    # 4. Mask: a float mask is added, then every key a query may not see gets -inf.
-    if mask is not None and not call.mask_is_bool:
-        scores = scores + mask.to(work)  # (B, H, T, S)
-    scores = torch.where(allowed, scores, -math.inf)  # (B, H, T, S)
-
-    # 5. Softmax over the keys. Subtracting the row maximum keeps exp() <= 1, so large
-    # scores cannot overflow. A row with every key blocked has max -inf; it is given
-    # weights of exactly 0 (as PyTorch SDPA and FlashAttention do) instead of
-    # the NaN that exp(-inf - -inf) would give. With S = 0 every row is such a row: the
-    # maximum starts from -inf, since an empty axis has no maximum of its own.
-    row_max = (
-        scores.amax(dim=-1, keepdim=True)
-        if S
-        else scores.new_full((*scores.shape[:-1], 1), -math.inf)
-    )  # (B, H, T, 1)
-    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
-    p = torch.exp(scores - row_max)  # (B, H, T, S)
-    row_sum = p.sum(dim=-1, keepdim=True)  # (B, H, T, 1)
-    weights = p / torch.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
-
-    # 6. Dropout: zero each weight with probability dropout_p and rescale the survivors
-    # by 1 / (1 - dropout_p), so the expected output is unchanged.
-    if dropout is not None:
-        # The callable sees the (B, H, T, S) weights, the shape SDPA's math backend hands
-        # to at::dropout, so an nn.Dropout draws its mask in the same order.
-        weights = dropout(weights)  # (B, H, T, S)
-
-    # 7. Weighted sum of the values.
-    out = torch.einsum("bhts,bhse->bhte", weights, v)  # (B, H, T, E)
-    out = out.to(out_dtype)  # (B, H, T, E)
-    return out[0] if call.unbatched else out
-
-
-def _band(
-    T: int,
-    S: int,
-    is_causal: bool,
-    causal_alignment: str,
-    window: tuple[int | None, int | None] | None,
-    device: torch.device,
-) -> torch.Tensor:
-    """Which keys each query may see under causality and the window: (1, 1, T, S) bool."""
-    # Query t's diagonal is key t (top-left) or key t + S - T (bottom-right, so that the
-    # last query lines up with the last key).
-    offset = 0 if causal_alignment == "top_left" else S - T
-    t = torch.arange(T, device=device)[:, None]  # (T, 1)
-    s = torch.arange(S, device=device)[None, :]  # (1, S)
-    distance = s - (t + offset)  # (T, S)
-    allowed = torch.ones((T, S), dtype=torch.bool, device=device)  # (T, S)
-    if is_causal:
-        allowed &= distance <= 0
-    if window is not None:
-        left, right = window
-        if left is not None:
-            allowed &= distance >= -left
-        if right is not None:
-            allowed &= distance <= right
-    return allowed[None, None]  # (1, 1, T, S)
+# --- Notes -----------------------------------------------------------------------------------
+#
+# Why 1/√D (step 2). If the entries of q and k have unit variance, q·k sums D such products
+# and has variance D; dividing by √D keeps the scores near unit variance whatever the head
+# size, so the softmax neither saturates (one-hot weights, vanishing gradients) nor flattens.
+#
+# Working precision. Float16 and bfloat16 inputs are computed in float32 and the result is
+# rounded once: exp() of a float16 score overflows past 11.09, and summing many weights in
+# float16 loses the small ones.
+#
+# Grouped-query attention (K < H). Each key/value head serves G = H // K consecutive query
+# heads, so query head h uses key/value head h // G (PyTorch's repeat_interleave, not
+# tiling). Repeating every key/value head G times turns it into plain multi-head attention;
+# with K = H (G = 1) nothing changes.
+#
+# Blocked keys. Blocked scores are replaced by -inf in step 4, not only pushed down by
+# adding -inf, since NaN + -inf is NaN. A key that no query of its head may see (padding, a
+# KV-cache slot not yet written) must have no effect, whatever it holds: a weight of 0 does
+# not cancel it, because 0 · NaN and 0 · inf are NaN. Its key and value rows are replaced by
+# 0 before they are used, by selection, so that their gradients are exactly 0 as well.
+#
+# Empty rows (step 5). A row with every key blocked has max -inf; it is given weights of
+# exactly 0 (as PyTorch SDPA and FlashAttention do) instead of the NaN that exp(-inf - -inf)
+# would give. With S = 0 every row is such a row: the maximum starts from -inf, since an
+# empty axis has no maximum of its own.
+#
+# An empty key axis (step 5). torch's amax refuses an axis of length 0, so with S = 0 the
+# row maximum is made -inf explicitly, as NumPy's max(initial=-inf) makes it.
+#
+# Dropout (step 6). The dropout callable receives the (B, H, T, S) weights in the compute
+# dtype, the tensor SDPA's math backend hands to at::dropout. An nn.Dropout in training
+# mode runs at::dropout itself, so after torch.manual_seed(s) it drops the same positions
+# as F.scaled_dot_product_attention(..., dropout_p=p) with the same seed.

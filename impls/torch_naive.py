@@ -11,10 +11,6 @@ Step by step, for one query row t:
     w[s]      = exp(score[s] - max) / Σ exp(score - max)
     out[t, e] = Σ_s w[s] · v[s, e]
 
-Why 1/√D: if the entries of q and k have unit variance, q·k sums D such products and has
-variance D; dividing by √D keeps the scores near unit variance whatever the head size, so
-the softmax neither saturates (one-hot weights, vanishing gradients) nor flattens.
-
 Shape legend (heads-first, as in PyTorch; PyTorch's own docs call T "L" and E "Ev"):
 
     B batch            H query heads      K key/value heads (H % K == 0)
@@ -22,25 +18,21 @@ Shape legend (heads-first, as in PyTorch; PyTorch's own docs call T "L" and E "E
     D q/k head dim     E v head dim       C model width (module only)
 
     q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
-    mask: bool (True = may attend) or floating (added to the scores),
-          broadcastable to (B, H, T, S)
-
-Unbatched inputs q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
+    mask: bool (True = may attend) or floating (added to the scores), broadcastable to
+    (B, H, T, S). Unbatched q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, softcapping, grouped-query and multi-query attention (K < H), dropout on the
-weights (with an optional ``torch.Generator``), float64, float32, float16 and bfloat16,
-autograd. A query row with no key left to attend returns exactly 0, and its gradients are
-0, not NaN. Float16 and bfloat16 inputs are computed in float32 and the result rounded once.
+windows, softcapping, grouped-query and multi-query attention (K < H), dropout (drawn as
+SDPA draws it, from an optional ``torch.Generator``), float64, float32, float16 and
+bfloat16, autograd. A query row with no key left to attend returns exactly 0, and its
+gradients are 0, not NaN.
 
-Dropout draws its keep mask exactly as ``F.scaled_dot_product_attention``'s math backend
-does on the CPU (``at::dropout``: ``bernoulli_(1 - p)`` on a (B, H, T, S) tensor in the
-compute dtype, divided by 1 - p, then multiplied in), so after ``torch.manual_seed(s)``
-the same positions are dropped as in SDPA called with the same seed.
-
-This is the seed tutorial's ``scaled_dot_product_attention(Q, K, V, mask)`` grown to the
-full contract; with ``return_weights=True`` it returns ``(out, weights)`` like the seed.
-Also here: a KV cache for step-by-step decoding.
+This is the seed tutorials' ``scaled_dot_product_attention(Q, K, V, mask)`` grown to the
+full contract: with ``return_weights=True`` it returns ``(out, weights)`` like the first
+seed, and the seeds' name is kept as an alias of ``attention``. Imports: the standard
+library, PyTorch and ``contract.py``, the input contract all impls share (step 0); the
+math, ``_allowed`` included, is this file's own. Also here: a KV cache. Why each step is
+written as it is: the Notes at the end of this file.
 """
 
 from __future__ import annotations
@@ -52,7 +44,7 @@ import torch
 from . import contract
 
 
-def scaled_dot_product_attention(
+def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -93,10 +85,11 @@ def scaled_dot_product_attention(
       weights (only with return_weights): (B, H, T, S), or (H, T, S); the weights that
         multiplied v (after dropout, as SDPA's math backend returns them); same dtype as q.
     """
-    # 0. Validate: the input contract every impl shares (contract.py) checks shapes,
-    # dtypes and options, and names the argument, the expected shape and what was given.
+    # 0. Validate with the input contract all impls share (contract.py): an error names the
+    # argument, the expected shape and what was given.
     q, k, v = torch.as_tensor(q), torch.as_tensor(k), torch.as_tensor(v)
     mask = None if mask is None else torch.as_tensor(mask)
+    ok = generator is None or isinstance(generator, torch.Generator)
     call = contract.check(
         q,
         k,
@@ -108,12 +101,7 @@ def scaled_dot_product_attention(
         window=window,
         softcap=softcap,
         dropout_p=dropout_p,
-        random=(
-            "generator",
-            generator,
-            generator is None or isinstance(generator, torch.Generator),
-            "a torch.Generator or None",
-        ),
+        random=("generator", generator, ok, "a torch.Generator or None"),
     )
     B, H, T, S, G = call.B, call.H, call.T, call.S, call.G
     if call.unbatched:
@@ -121,36 +109,18 @@ def scaled_dot_product_attention(
     if mask is not None:
         mask = mask.reshape(call.mask_shape)  # (B|1, H|1, T|1, S|1)
 
-    # Low precision inputs are computed in float32: exp() of a float16 score overflows
-    # past 11.09, and summing many weights in float16 loses the small ones.
+    # Float16 and bfloat16 are computed in float32 and rounded once (see Notes).
     out_dtype = q.dtype
     work = torch.float64 if out_dtype == torch.float64 else torch.float32
     q, k, v = q.to(work), k.to(work), v.to(work)
 
-    # Grouped-query attention (K < H): each key/value head serves G = H // K consecutive
-    # query heads, so query head h uses key/value head h // G (PyTorch's repeat_interleave,
-    # not tiling). Repeating every key/value head G times turns it into plain multi-head
-    # attention; with K = H (G = 1) nothing changes.
+    # Grouped-query attention: query head h uses key/value head h // G (see Notes).
     k = k.repeat_interleave(G, dim=1)  # (B, H, S, D)
     v = v.repeat_interleave(G, dim=1)  # (B, H, S, E)
 
-    # Which keys each query may see: a bool mask, the causal triangle and the window
-    # decide it, and a float mask blocks where it is -inf. Blocked scores are replaced in
-    # step 4, not only pushed down by adding -inf, since NaN + -inf is NaN.
-    allowed = q.new_ones((1, 1, T, S), dtype=torch.bool)  # (1, 1, T, S)
-    if mask is not None and call.mask_is_bool:
-        allowed = allowed & mask  # (B|1, H|1, T, S)
-    elif mask is not None:
-        allowed = allowed & (mask != -math.inf)  # (B|1, H|1, T, S)
-    if call.is_causal or call.window is not None:
-        allowed = allowed & _band(
-            T, S, call.is_causal, call.causal_alignment, call.window, q.device
-        )  # (B|1, H|1, T, S)
-
-    # A key that no query of its head may see (padding, a KV-cache slot not yet written)
-    # must have no effect, whatever it holds: a weight of 0 does not cancel it, because
-    # 0 · NaN and 0 · inf are NaN. Its key and value rows are replaced by 0 before they
-    # are used, by selection, so that their gradients are exactly 0 as well.
+    # Which keys each query may see; a key/value slot that no query sees is replaced by 0,
+    # so that whatever it holds has no effect (see Notes: blocked keys).
+    allowed = _allowed(mask, call, q.device)  # (B|1, H|1, T, S)
     used = allowed.any(dim=2)[..., None]  # (B|1, H|1, S, 1)
     k = torch.where(used, k, 0.0)  # (B, H, S, D)
     v = torch.where(used, v, 0.0)  # (B, H, S, E)
@@ -170,11 +140,8 @@ def scaled_dot_product_attention(
         scores = scores + mask.to(work)  # (B, H, T, S)
     scores = torch.where(allowed, scores, -math.inf)  # (B, H, T, S)
 
-    # 5. Softmax over the keys. Subtracting the row maximum keeps exp() <= 1, so large
-    # scores cannot overflow. A row with every key blocked has max -inf; it is given
-    # weights of exactly 0 (as PyTorch SDPA and FlashAttention do) instead of
-    # the NaN that exp(-inf - -inf) would give. With S = 0 every row is such a row: the
-    # maximum starts from -inf, since an empty axis has no maximum of its own.
+    # 5. Softmax over the keys, less the row maximum so that exp() <= 1. A row with no key
+    # left has maximum -inf and gets weights of exactly 0 (see Notes: empty rows).
     row_max = (
         scores.amax(dim=-1, keepdim=True)
         if S
@@ -188,9 +155,7 @@ def scaled_dot_product_attention(
     # 6. Dropout: zero each weight with probability dropout_p and rescale the survivors
     # by 1 / (1 - dropout_p), so the expected output is unchanged.
     if call.dropout_p > 0:
-        # Drawn and applied exactly as at::dropout inside SDPA's math backend: one
-        # bernoulli_ over (B, H, T, S) in the compute dtype, divided by 1 - p before it
-        # multiplies the weights (the order matters to the last bit).
+        # Drawn and applied as SDPA's math backend does, bit for bit (see Notes: dropout).
         keep = torch.empty((B, H, T, S), dtype=work, device=q.device)  # (B, H, T, S)
         keep = keep.bernoulli_(1.0 - call.dropout_p, generator=generator)  # (B, H, T, S)
         keep = keep.div_(1.0 - call.dropout_p)  # (B, H, T, S)
@@ -205,31 +170,36 @@ def scaled_dot_product_attention(
     return (out[0], weights[0]) if call.unbatched else (out, weights)
 
 
-def _band(
-    T: int,
-    S: int,
-    is_causal: bool,
-    causal_alignment: str,
-    window: tuple[int | None, int | None] | None,
-    device: torch.device,
+#: The seeds' name: both seed tutorials define ``scaled_dot_product_attention(Q, K, V,
+#: mask)``, so a reader coming from them finds it here. The same function as ``attention``
+#: (its options keyword-only, its mask True = may attend, or added to the scores).
+scaled_dot_product_attention = attention
+
+
+def _allowed(
+    mask: torch.Tensor | None, call: contract.Checked, device: torch.device
 ) -> torch.Tensor:
-    """Which keys each query may see under causality and the window: (1, 1, T, S) bool."""
+    """Which keys each query may see, (B|1, H|1, T, S) bool: those that a bool mask, the
+    causal triangle and the window allow and a float mask does not set to -inf."""
+    T, S, window = call.T, call.S, call.window
     # Query t's diagonal is key t (top-left) or key t + S - T (bottom-right, so that the
     # last query lines up with the last key).
-    offset = 0 if causal_alignment == "top_left" else S - T
+    offset = 0 if call.causal_alignment == "top_left" else S - T
     t = torch.arange(T, device=device)[:, None]  # (T, 1)
     s = torch.arange(S, device=device)[None, :]  # (1, S)
     distance = s - (t + offset)  # (T, S)
-    allowed = torch.ones((T, S), dtype=torch.bool, device=device)  # (T, S)
-    if is_causal:
-        allowed &= distance <= 0
-    if window is not None:
-        left, right = window
-        if left is not None:
-            allowed &= distance >= -left
-        if right is not None:
-            allowed &= distance <= right
-    return allowed[None, None]  # (1, 1, T, S)
+    allowed = torch.ones((1, 1, T, S), dtype=torch.bool, device=device)  # (1, 1, T, S)
+    if call.is_causal:
+        allowed = allowed & (distance <= 0)  # (1, 1, T, S)
+    if window is not None and window[0] is not None:
+        allowed = allowed & (distance >= -window[0])  # (1, 1, T, S)
+    if window is not None and window[1] is not None:
+        allowed = allowed & (distance <= window[1])  # (1, 1, T, S)
+    if mask is not None and call.mask_is_bool:
+        allowed = allowed & mask  # (B|1, H|1, T, S)
+    elif mask is not None:
+        allowed = allowed & (mask != -math.inf)  # (B|1, H|1, T, S)
+    return allowed
 
 
 class KVCache:
@@ -255,7 +225,7 @@ class KVCache:
         else:
             self.k = torch.cat([self.k, k], dim=-2)  # (B, K, S, D)
             self.v = torch.cat([self.v, v], dim=-2)  # (B, K, S, E)
-        return scaled_dot_product_attention(
+        return attention(
             q,
             self.k,
             self.v,
@@ -263,3 +233,39 @@ class KVCache:
             causal_alignment="bottom_right",
             **options,
         )  # (B, H, T, E)
+
+
+# --- Notes -----------------------------------------------------------------------------------
+#
+# Why 1/√D (step 2). If the entries of q and k have unit variance, q·k sums D such products
+# and has variance D; dividing by √D keeps the scores near unit variance whatever the head
+# size, so the softmax neither saturates (one-hot weights, vanishing gradients) nor flattens.
+#
+# Working precision. Float16 and bfloat16 inputs are computed in float32 and the result is
+# rounded once: exp() of a float16 score overflows past 11.09, and summing many weights in
+# float16 loses the small ones.
+#
+# Grouped-query attention (K < H). Each key/value head serves G = H // K consecutive query
+# heads, so query head h uses key/value head h // G (PyTorch's repeat_interleave, not
+# tiling). Repeating every key/value head G times turns it into plain multi-head attention;
+# with K = H (G = 1) nothing changes.
+#
+# Blocked keys. Blocked scores are replaced by -inf in step 4, not only pushed down by
+# adding -inf, since NaN + -inf is NaN. A key that no query of its head may see (padding, a
+# KV-cache slot not yet written) must have no effect, whatever it holds: a weight of 0 does
+# not cancel it, because 0 · NaN and 0 · inf are NaN. Its key and value rows are replaced by
+# 0 before they are used, by selection, so that their gradients are exactly 0 as well.
+#
+# Empty rows (step 5). A row with every key blocked has max -inf; it is given weights of
+# exactly 0 (as PyTorch SDPA and FlashAttention do) instead of the NaN that exp(-inf - -inf)
+# would give. With S = 0 every row is such a row: the maximum starts from -inf, since an
+# empty axis has no maximum of its own.
+#
+# An empty key axis (step 5). torch's amax refuses an axis of length 0, so with S = 0 the
+# row maximum is made -inf explicitly, as NumPy's max(initial=-inf) makes it.
+#
+# Dropout (step 6). The keep mask is drawn and applied exactly as at::dropout inside
+# F.scaled_dot_product_attention's math backend on the CPU: one bernoulli_(1 - p) over a
+# (B, H, T, S) tensor in the compute dtype, divided by 1 - p before it multiplies the
+# weights (the order matters to the last bit). So after torch.manual_seed(s), with the
+# global generator, the same positions are dropped as in SDPA called with the same seed.

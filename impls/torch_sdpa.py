@@ -11,10 +11,6 @@ Step by step, for one query row t:
     w[s]      = exp(score[s] - max) / Σ exp(score - max)
     out[t, e] = Σ_s w[s] · v[s, e]
 
-Why 1/√D: if the entries of q and k have unit variance, q·k sums D such products and has
-variance D; dividing by √D keeps the scores near unit variance whatever the head size, so
-the softmax neither saturates (one-hot weights, vanishing gradients) nor flattens.
-
 Shape legend (heads-first, as in PyTorch; PyTorch's own docs call T "L" and E "Ev"):
 
     B batch            H query heads      K key/value heads (H % K == 0)
@@ -22,73 +18,19 @@ Shape legend (heads-first, as in PyTorch; PyTorch's own docs call T "L" and E "E
     D q/k head dim     E v head dim       C model width (module only)
 
     q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
-    mask: bool (True = may attend) or floating (added to the scores),
-          broadcastable to (B, H, T, S)
-
-Unbatched inputs q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
+    mask: bool (True = may attend) or floating (added to the scores), broadcastable to
+    (B, H, T, S). Unbatched q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
 windows, softcapping (through ``flex_attention``, forward only on the CPU), grouped-query
 and multi-query attention (K < H), dropout on the weights (seeded by ``torch.manual_seed``),
-float64, float32, float16 and bfloat16. A query row with no key left to attend returns
-exactly 0.
+float64, float32, float16 and bfloat16, autograd (SDPA's own backward). A query row with
+no key left to attend returns exactly 0.
 
-What this adapter hands to SDPA, and what it builds itself:
-
-    our option                      SDPA (torch 2.13)
-    ------------------------------  ------------------------------------------------------
-    scale                           scale=, passed through (default 1/√D, as SDPA's)
-    mask, bool                      attn_mask=, bool (True = may attend), as given
-    mask, float                     attn_mask=, float, cast to the compute dtype (float32
-                                    for float16/bfloat16 q, which SDPA accepts), so it is
-                                    added at the precision the reference adds it
-    is_causal, top_left, no mask    is_causal=True
-      and no window
-    is_causal otherwise             built here: SDPA's is_causal is top-left only, and its
-      (bottom_right with T != S,    math backend refuses is_causal with an attn_mask
-      with a mask or a window)      ("Explicit attn_mask should not be set when
-                                    is_causal=True"), while its CPU flash backend accepts
-                                    the pair and ANDs them: the outcome would depend on the
-                                    backend chosen. The band is ANDed into a bool mask, or
-                                    written as -inf into a float mask.
-    window                          built here the same way; SDPA has no window
-    K < H (GQA, MQA)                enable_gqa=True (repeat_interleave semantics)
-    dropout_p                       dropout_p=, passed through; the keep mask comes from
-                                    PyTorch's global generator (``torch.manual_seed``)
-    softcap                         SDPA has none: the call goes to
-                                    ``torch.nn.attention.flex_attention`` in eager mode,
-                                    with a score_mod that softcaps, adds the float mask
-                                    and blocks with -inf (scale, GQA passed through).
-                                    Eager flex runs on the CPU but has no backward there
-                                    and no dropout: softcap with inputs that need
-                                    gradients, or with dropout_p > 0, raises
-                                    NotImplementedError.
-    unbatched (H, T, D)             a batch axis of 1 added here, removed after
-
-SDPA's behaviour on the CPU, observed with torch 2.13.0 (and relied on here):
-
-- A row whose keys are all blocked gives exactly 0, with a bool mask and with a float
-  mask whose row is all -inf, in every dtype, on both the math and the CPU flash backend,
-  and its gradients are 0, not NaN (the math backend uses ``_safe_softmax``). So the
-  adapter needs no fix-up for empty rows; eager flex_attention also uses
-  ``_safe_softmax`` and gives 0.
-- float16 and bfloat16: the math backend (taken with dropout, GQA or E != D) computes in
-  float32 and rounds once; the CPU flash backend (taken otherwise) accumulates in float32
-  but is not bit-identical to a single rounding (about 1 ulp of float16/bfloat16 apart).
-  Eager flex_attention scores in float32 but rounds the weights to q's dtype before
-  multiplying v.
-- is_causal=True with T != S is aligned top-left (s <= t): with T > S nothing is empty,
-  and bottom-right alignment is not available.
-- Dropout (math backend only: the CPU flash backend takes none) draws
-  ``bernoulli_(1 - p)`` over the (B, H, T, S) weights in the compute dtype and multiplies
-  by the mask divided by 1 - p (``at::dropout``), so ``torch_naive`` with the global
-  generator, and ``torch_module`` with an ``nn.Dropout``, drop the same positions after
-  the same ``torch.manual_seed``.
-
-Gradients come from SDPA's own backward through autograd, including the gradient of a
-float ``attn_mask`` (0 on -inf entries, and 0 for fully masked rows, not NaN). Softcap
-has none on the CPU: flex_attention raises NotImplementedError for inputs that require
-grad, so the conformance backend does not declare ``grad_softcap``.
+Imports: the standard library, PyTorch and ``contract.py``, the input contract all impls
+share (step 0); the band of causality and the window, ``_band``, is this file's own. What
+this adapter hands to SDPA and what it builds itself, and SDPA's behaviour on the CPU that
+it relies on: the Notes at the end of this file.
 """
 
 from __future__ import annotations
@@ -139,8 +81,8 @@ def attention(
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
     """
-    # 0. Validate: the input contract every impl shares (contract.py) checks shapes,
-    # dtypes and options, and names the argument, the expected shape and what was given.
+    # 0. Validate with the input contract all impls share (contract.py): an error names the
+    # argument, the expected shape and what was given.
     q, k, v = torch.as_tensor(q), torch.as_tensor(k), torch.as_tensor(v)
     mask = None if mask is None else torch.as_tensor(mask)
     call = contract.check(
@@ -222,18 +164,9 @@ def attention(
     }
     out = F.scaled_dot_product_attention(q, k, v, **sdpa)  # (B, H, T, E)
 
-    # SDPA's CPU flash kernel returns 0 for a row whose every score is NaN (a NaN query,
-    # or a row whose keys all hold a NaN), as if the row had no key: measured with torch
-    # 2.13 (the torch.sdpa profile fails test_nan_propagates). A NaN must never become a
-    # number (§4.9), so when q, k or the mask hold one, the rows that came back all 0 are
-    # computed again on SDPA's math backend, which propagates it; without a NaN this
-    # costs one pass over q and k.
-    if _has_nan(q, k, attn_mask):
-        zero_rows = (out == 0).all(dim=-1, keepdim=True)  # (B, H, T, 1)
-        if bool(zero_rows.any()):
-            with sdpa_kernel(SDPBackend.MATH):
-                again = F.scaled_dot_product_attention(q, k, v, **sdpa)  # (B, H, T, E)
-            out = torch.where(zero_rows, again, out)  # (B, H, T, E)
+    # SDPA's CPU flash kernel returns 0 for a row whose every score is NaN; a NaN must
+    # never become a number (§4.9), so such rows are computed again on the math backend.
+    out = _nan_rows_again(out, q, k, v, sdpa)  # (B, H, T, E)
     return out[0] if call.unbatched else out
 
 
@@ -266,6 +199,27 @@ def _seen(
     groups = visible.reshape(b, kv, h // kv, T, S)  # (B|1, K|1, G|1, T, S)
     used = groups.any(dim=3).any(dim=2)[..., None]  # (B|1, K|1, S, 1)
     return used, visible.any(dim=-1, keepdim=True)  # (B|1, H|1, T, 1)
+
+
+def _nan_rows_again(
+    out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa: dict
+) -> torch.Tensor:
+    """``out`` with its all-0 rows computed again on SDPA's math backend, when q, k or the
+    mask hold a NaN: (B, H, T, E).
+
+    SDPA's CPU flash kernel returns 0 for a row whose every score is NaN (a NaN query, or
+    a row whose keys all hold a NaN), as if the row had no key: measured with torch 2.13
+    (the torch.sdpa profile fails test_nan_propagates). The math backend propagates the
+    NaN. Without a NaN this costs one pass over q and k.
+    """
+    if not _has_nan(q, k, sdpa["attn_mask"]):
+        return out
+    zero_rows = (out == 0).all(dim=-1, keepdim=True)  # (B, H, T, 1)
+    if not bool(zero_rows.any()):
+        return out
+    with sdpa_kernel(SDPBackend.MATH):
+        again = F.scaled_dot_product_attention(q, k, v, **sdpa)  # (B, H, T, E)
+    return torch.where(zero_rows, again, out)  # (B, H, T, E)
 
 
 def _has_nan(*tensors: torch.Tensor | None) -> bool:
@@ -360,3 +314,68 @@ def _band(
         if right is not None:
             allowed &= distance <= right
     return allowed[None, None]  # (1, 1, T, S)
+
+
+# --- Notes -----------------------------------------------------------------------------------
+#
+# Why 1/√D (step 2, inside SDPA). If the entries of q and k have unit variance, q·k sums D
+# such products and has variance D; dividing by √D keeps the scores near unit variance
+# whatever the head size, so the softmax neither saturates (one-hot weights, vanishing
+# gradients) nor flattens.
+#
+# What this adapter hands to SDPA, and what it builds itself:
+#
+#     our option                      SDPA (torch 2.13)
+#     ------------------------------  ------------------------------------------------------
+#     scale                           scale=, passed through (default 1/√D, as SDPA's)
+#     mask, bool                      attn_mask=, bool (True = may attend), as given
+#     mask, float                     attn_mask=, float, cast to the compute dtype (float32
+#                                     for float16/bfloat16 q, which SDPA accepts), so it is
+#                                     added at the precision the reference adds it
+#     is_causal, top_left, no mask    is_causal=True
+#       and no window
+#     is_causal otherwise             built here: SDPA's is_causal is top-left only, and its
+#       (bottom_right with T != S,    math backend refuses is_causal with an attn_mask
+#       with a mask or a window)      ("Explicit attn_mask should not be set when
+#                                     is_causal=True"), while its CPU flash backend accepts
+#                                     the pair and ANDs them: the outcome would depend on the
+#                                     backend chosen. The band is ANDed into a bool mask, or
+#                                     written as -inf into a float mask.
+#     window                          built here the same way; SDPA has no window
+#     K < H (GQA, MQA)                enable_gqa=True (repeat_interleave semantics)
+#     dropout_p                       dropout_p=, passed through; the keep mask comes from
+#                                     PyTorch's global generator (``torch.manual_seed``)
+#     softcap                         SDPA has none: the call goes to
+#                                     ``torch.nn.attention.flex_attention`` in eager mode,
+#                                     with a score_mod that softcaps, adds the float mask
+#                                     and blocks with -inf (scale, GQA passed through).
+#                                     Eager flex runs on the CPU but has no backward there
+#                                     and no dropout: softcap with inputs that need
+#                                     gradients, or with dropout_p > 0, raises
+#                                     NotImplementedError.
+#     unbatched (H, T, D)             a batch axis of 1 added here, removed after
+#
+# SDPA's behaviour on the CPU, observed with torch 2.13.0 (and relied on here):
+#
+# - A row whose keys are all blocked gives exactly 0, with a bool mask and with a float
+#   mask whose row is all -inf, in every dtype, on both the math and the CPU flash backend,
+#   and its gradients are 0, not NaN (the math backend uses ``_safe_softmax``). So the
+#   adapter needs no fix-up for empty rows; eager flex_attention also uses
+#   ``_safe_softmax`` and gives 0.
+# - float16 and bfloat16: the math backend (taken with dropout, GQA or E != D) computes in
+#   float32 and rounds once; the CPU flash backend (taken otherwise) accumulates in float32
+#   but is not bit-identical to a single rounding (about 1 ulp of float16/bfloat16 apart).
+#   Eager flex_attention scores in float32 but rounds the weights to q's dtype before
+#   multiplying v.
+# - is_causal=True with T != S is aligned top-left (s <= t): with T > S nothing is empty,
+#   and bottom-right alignment is not available.
+# - Dropout (math backend only: the CPU flash backend takes none) draws
+#   ``bernoulli_(1 - p)`` over the (B, H, T, S) weights in the compute dtype and multiplies
+#   by the mask divided by 1 - p (``at::dropout``), so ``torch_naive`` with the global
+#   generator, and ``torch_module`` with an ``nn.Dropout``, drop the same positions after
+#   the same ``torch.manual_seed``.
+#
+# Gradients come from SDPA's own backward through autograd, including the gradient of a
+# float ``attn_mask`` (0 on -inf entries, and 0 for fully masked rows, not NaN). Softcap
+# has none on the CPU: flex_attention raises NotImplementedError for inputs that require
+# grad, so the conformance backend does not declare ``grad_softcap``.

@@ -75,7 +75,7 @@ def test_torch_dropout_reproduces_sdpa(dtype):
     torch.manual_seed(7)
     sdpa_w = torch_sdpa.attention(q, k, eye, dropout_p=p)
     torch.manual_seed(7)
-    naive_w = torch_naive.scaled_dot_product_attention(q, k, eye, dropout_p=p)
+    naive_w = torch_naive.attention(q, k, eye, dropout_p=p)
     torch.manual_seed(7)
     module_w = torch_module.attention(q, k, eye, dropout=torch.nn.Dropout(p).train())
     assert torch.equal(sdpa_w == 0, naive_w == 0) and torch.equal(sdpa_w == 0, module_w == 0)

@@ -311,9 +311,12 @@ class _Blockwise:
         # seed that comes with it has no random source to go to.
         return self.impl.attention(q, k, v, **self.options, **options)
 
-    # No backward pass and no module layers here: the parent backend's methods would
-    # silently run the reference impl in their place.
-    _attention_vjp = Backend._attention_vjp
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        # The impl's own blockwise backward, on the same tiles as the forward.
+        return self.impl.attention_vjp(q, k, v, d_out, **self.options, **options)
+
+    # No module layers here: the parent backend's methods would silently run the
+    # reference impl in their place.
     module_param_grads = Backend.module_param_grads
     multi_head_attention = Backend.multi_head_attention
     gpt_block = Backend.gpt_block
@@ -324,7 +327,9 @@ class NumpyFlashBackend(_Blockwise, NumpyBackend):
 
     name = "numpy-flash"
     impl_module = "conformance.impls.numpy_flash"
-    capabilities = ALL_CAPABILITIES - {"dropout", "module"}
+    capabilities = (ALL_CAPABILITIES - {"dropout", "module"}) | (
+        GRAD_CAPABILITIES - {"module_grad"}
+    )
 
 
 class JaxBackend(Backend):
@@ -387,7 +392,9 @@ class JaxFlashBackend(_Blockwise, JaxBackend):
 
     name = "jax-flash"
     impl_module = "conformance.impls.jax_flash"
-    capabilities = ALL_CAPABILITIES - {"dropout", "module"}
+    capabilities = (ALL_CAPABILITIES - {"dropout", "module"}) | (
+        GRAD_CAPABILITIES - {"module_grad"}
+    )
 
 
 class JaxRingBackend(JaxBackend):

@@ -59,7 +59,10 @@ blocks gives each row's log-sum-exp lse = m + log l and its output O, hence
 weights as P = exp(Z − lse), forms dZ = P ⊙ (dO·Vᵀ − Δ), adds dZ·K to the block's dQ,
 and adds dZᵀ·Q and Pᵀ·dO to dK and dV of the key block, in place. No (T, S) array, no
 ``jax.vjp`` through the loops (which would store every tile's weights), and the same
-block skipping as the forward.
+block skipping as the forward. ``jax_ring``'s backward runs the same tile algorithm, but
+keeps its own body: impls stand alone (only contract.py is shared), and the ring's
+positions and options are traced values travelling with its slices, where this file's
+band is static and skips blocks by loop bounds.
 
 Memory. No input is copied whole (except to pad T or S up to a block multiple): tiles
 are sliced from the inputs and cast to the working precision tile by tile, and each

@@ -126,8 +126,10 @@ def make_vjp_call(
     name: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, options: dict
 ) -> Call:
     """A zero-argument call of ``name``'s backward pass, forward and backward together:
-    ``load_backend(name).attention_vjp(q, k, v, d_out, is_causal=...)``, NumPy in and out
-    (the gradients are NumPy arrays when it returns, so nothing is left running).
+    ``load_backend(name).prepare_vjp(q, k, v, d_out, is_causal=...)``, which converts the
+    inputs once, outside the timing (as ``prepare`` does for the forward: a framework's
+    copy of the inputs is not the backward's memory), and returns once every gradient
+    exists.
 
     Raises ValueError for an anchor or a backend that does not declare "grad".
     """
@@ -140,7 +142,7 @@ def make_vjp_call(
     if own:
         backend = conformance.load_backend(name, **own)
     d_out = np.random.default_rng(1).standard_normal(q.shape, dtype=np.float32)
-    return lambda: backend.attention_vjp(q, k, v, d_out, is_causal=causal)
+    return backend.prepare_vjp(q, k, v, d_out, is_causal=causal)
 
 
 def backward_reason(name: str) -> str | None:

@@ -4,8 +4,8 @@
 
 prints one JSON object. The call is ``conformance.load_backend(name).prepare(q, k, v, ...)``
 for a backend, or the framework's own function for an anchor (``bench.backends``); with
-``--backward``, ``load_backend(name).attention_vjp(q, k, v, d_out, ...)``: forward and
-backward, NumPy in and out. A process per backend keeps the frameworks' thread pools apart:
+``--backward``, ``load_backend(name).prepare_vjp(q, k, v, d_out, ...)``: forward and
+backward, the inputs converted once outside the timing. A process per backend keeps the frameworks' thread pools apart:
 a PyTorch, XLA or OpenBLAS pool that is still spinning after its own call slows whatever
 runs next on the same two cores. Timing: a warm-up call (compilation, for JAX), then the
 median of ``--repeats`` calls (fewer, at least one, once the timed calls have taken

@@ -194,6 +194,22 @@ class Backend:
     def _attention_vjp(self, q, k, v, d_out, **options):
         raise NotImplementedError(f"{self.name} does not declare the 'grad' capability")
 
+    def prepare_vjp(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, d_out: np.ndarray, **options: Any
+    ) -> Callable[[], Any]:
+        """``prepare`` for the backward pass: q, k, v and d_out converted once; the call
+        runs ``attention_vjp`` (forward and backward) and returns once every gradient
+        exists, in the backend's framework."""
+        q, k, v, d_out = (self.from_numpy(x) for x in (q, k, v, d_out))
+
+        def call() -> Any:
+            grads = self._attention_vjp(q, k, v, d_out, **options)
+            return [
+                g if not hasattr(g, "block_until_ready") else g.block_until_ready() for g in grads
+            ]
+
+        return call
+
     def module_param_grads(
         self,
         kind: str,

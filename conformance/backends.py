@@ -199,7 +199,7 @@ class Backend:
     ) -> Callable[[], Any]:
         """``prepare`` for the backward pass: q, k, v and d_out converted once; the call
         runs ``attention_vjp`` (forward and backward) and returns once every gradient
-        exists, in the backend's framework."""
+        exists, in the backend's framework. ``options`` go to the implementation as given."""
         q, k, v, d_out = (self.from_numpy(x) for x in (q, k, v, d_out))
 
         def call() -> Any:

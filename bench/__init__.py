@@ -22,10 +22,17 @@ What it measures, for T = S, B·H heads of size D, float32, causal and not:
   as a ratio of throughputs to ``torch-sdpa`` at the same size in the same run (> 1:
   faster than torch-sdpa). The sizes are run in order, all backends at one size before
   the next, so that comparisons at one size are measured close together in time.
+* the backward pass (``--passes backward`` or ``both``): ``attention_vjp``, forward and
+  backward together, of the backends that declare "grad", through
+  ``load_backend(name).prepare_vjp(q, k, v, d_out, ...)`` (inputs converted once, outside
+  the timing); its rows carry ``pass = "backward"``, its ratios are to torch-sdpa's
+  backward, and it gets plots of its own (``*_backward.png``). Anchors time the forward
+  only.
 * nominal GFLOP/s: 4·B·H·D per (query, key) pair that the mask lets through, i.e.
   4·B·H·T·S·D without a mask and 4·B·H·D·T(T+1)/2 under a causal mask (T = S). The causal
   count is the work a kernel that skips masked blocks must do, so a causal run at the same
-  GFLOP/s takes about half the time.
+  GFLOP/s takes about half the time. Forward + backward counts 3.5 times that, as
+  FlashAttention's benchmark does (the backward 2.5 forwards: five products to two).
 * peak memory: in the same worker process, after the timed calls, the worker resets the
   kernel's high-water mark of its resident memory (``/proc/self/clear_refs``, value 5)
   and makes the measured call. ``peak`` is VmHWM during that call minus VmRSS just before
@@ -45,5 +52,6 @@ exceeds ``--max-call-seconds``, is skipped at that size with the reason. A backe
 module is missing is reported as not installed.
 
 Outputs in ``--out`` (default bench/results): results.csv, results.json, results.md, and
-time_vs_T.png, memory_vs_T.png (log-log, one line per backend).
+time_vs_T.png, memory_vs_T.png (log-log, one line per backend), and with backward rows
+time_vs_T_backward.png, memory_vs_T_backward.png.
 """

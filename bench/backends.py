@@ -122,9 +122,46 @@ def make_call(
     return backend.prepare(q, k, v, is_causal=causal)
 
 
-def memory_estimate(name: str, B: int, H: int, T: int, S: int, D: int) -> int:
-    """Bytes beyond the inputs: the T × S temporaries plus the output."""
-    return B * H * T * S * BYTES_PER_SCORE.get(name, 0) + B * H * T * D * 4
+def make_vjp_call(
+    name: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, options: dict
+) -> Call:
+    """A zero-argument call of ``name``'s backward pass, forward and backward together:
+    ``load_backend(name).prepare_vjp(q, k, v, d_out, is_causal=...)``, which converts the
+    inputs once, outside the timing (as ``prepare`` does for the forward: a framework's
+    copy of the inputs is not the backward's memory), and returns once every gradient
+    exists.
+
+    Raises ValueError for an anchor or a backend that does not declare "grad".
+    """
+    if name in ANCHORS:
+        raise ValueError(f"{name} is an anchor: anchors time the forward pass only")
+    backend = conformance.load_backend(name)
+    if "grad" not in backend.capabilities:
+        raise ValueError(f"{name} does not declare 'grad': it has no backward pass")
+    own = {key: val for key, val in options.items() if key in backend.conformance_options}
+    if own:
+        backend = conformance.load_backend(name, **own)
+    d_out = np.random.default_rng(1).standard_normal(q.shape, dtype=np.float32)
+    return backend.prepare_vjp(q, k, v, d_out, is_causal=causal)
+
+
+def backward_reason(name: str) -> str | None:
+    """Why ``name`` has no backward row (None if it has one), without loading it."""
+    if name in ANCHORS:
+        return "anchors time the forward pass only"
+    factory = conformance.backends.REGISTRY.factories().get(name)
+    if "grad" not in getattr(factory, "capabilities", ()):
+        return "does not declare 'grad' (no backward pass)"
+    return None
+
+
+def memory_estimate(
+    name: str, B: int, H: int, T: int, S: int, D: int, backward: bool = False
+) -> int:
+    """Bytes beyond the inputs: the T × S temporaries plus the output (the backward's
+    naive runs hold about twice the forward's T × S arrays)."""
+    per_score = BYTES_PER_SCORE.get(name, 0) * (2 if backward else 1)
+    return B * H * T * S * per_score + B * H * T * D * 4 * (3 if backward else 1)
 
 
 def inputs(B: int, H: int, T: int, D: int, seed: int = 0) -> tuple[np.ndarray, ...]:
@@ -133,7 +170,10 @@ def inputs(B: int, H: int, T: int, D: int, seed: int = 0) -> tuple[np.ndarray, .
     return tuple(rng.standard_normal((B, H, T, D), dtype=np.float32) for _ in range(3))
 
 
-def flops(B: int, H: int, T: int, D: int, causal: bool) -> float:
-    """Nominal FLOPs: 4·B·H·D per (query, key) pair the mask lets through (T = S)."""
+def flops(B: int, H: int, T: int, D: int, causal: bool, backward: bool = False) -> float:
+    """Nominal FLOPs: 4·B·H·D per (query, key) pair the mask lets through (T = S); with
+    ``backward``, forward and backward together, counted as FlashAttention's benchmark
+    counts them: the backward 2.5 times the forward (its five products against the
+    forward's two), 3.5 times the forward in all."""
     pairs = T * (T + 1) / 2 if causal else T * T
-    return 4.0 * B * H * D * pairs
+    return 4.0 * B * H * D * pairs * (3.5 if backward else 1.0)

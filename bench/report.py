@@ -8,6 +8,7 @@ from pathlib import Path
 
 COLUMNS = [
     "backend",
+    "pass",
     "causal",
     "B",
     "H",
@@ -38,7 +39,7 @@ def _fmt(x, spec: str) -> str:
 def _markdown(rows: list[dict], env: dict) -> str:
     backends = list(dict.fromkeys(r["backend"] for r in rows))
     sizes = sorted({r["T"] for r in rows})
-    cell = {(r["backend"], r["T"], r["causal"]): r for r in rows}
+    cell = {(r["backend"], r["T"], r["causal"], r.get("pass", "forward")): r for r in rows}
     a = env["args"]
     lines = [
         "# Attention benchmark",
@@ -56,8 +57,10 @@ def _markdown(rows: list[dict], env: dict) -> str:
         ),
         "",
         "Nominal FLOPs: 4·B·H·D per (query, key) pair the mask lets through: 4·B·H·T·S·D "
-        "without a mask, 4·B·H·D·T(T+1)/2 causal. Cells: time in ms, GFLOP/s, and the "
-        "throughput ratio to torch-sdpa in the same run (> 1 is faster).",
+        "without a mask, 4·B·H·D·T(T+1)/2 causal; forward + backward (`attention_vjp`) "
+        "3.5 times that, the backward counted as 2.5 forwards, as FlashAttention's "
+        "benchmark counts it. Cells: time in ms, GFLOP/s, and the throughput ratio to "
+        "torch-sdpa in the same run and pass (> 1 is faster).",
         "",
         "Every backend is timed through `conformance.load_backend(name)`, in its default "
         "configuration, via `backend.prepare(q, k, v, is_causal=...)` (inputs converted "
@@ -67,14 +70,21 @@ def _markdown(rows: list[dict], env: dict) -> str:
     notes = {r["backend"]: r.get("note", "") for r in rows}
     lines += [f"- `{b}`: {note}" for b, note in notes.items() if note]
     lines.append("")
-    for causal in sorted({r["causal"] for r in rows}):
-        lines += [f"## {'Causal' if causal else 'Non-causal'}: time", ""]
+    passes = [
+        p for p in ("forward", "backward") if any(r.get("pass", "forward") == p for r in rows)
+    ]
+    for pass_, causal in [(p, c) for p in passes for c in sorted({r["causal"] for r in rows})]:
+        mask = "causal" if causal else "non-causal"
+        title = mask.capitalize() if pass_ == "forward" else f"Forward + backward, {mask}"
+        lines += [f"## {title}: time", ""]
         lines += ["| backend | " + " | ".join(f"T={T}" for T in sizes) + " |"]
         lines += ["|---" * (len(sizes) + 1) + "|"]
         for b in backends:
+            if not any((b, T, causal, pass_) in cell for T in sizes):
+                continue
             cells = []
             for T in sizes:
-                r = cell.get((b, T, causal))
+                r = cell.get((b, T, causal, pass_))
                 if r is None:
                     cells.append("")
                 elif r["status"] != "ok":
@@ -90,7 +100,7 @@ def _markdown(rows: list[dict], env: dict) -> str:
     mem_rows = [r for r in rows if "extra_mib" in r or "memory_error" in r]
     if mem_rows:
         lines += [
-            "## Peak memory of one call, beyond inputs and output (MiB)",
+            "## Peak memory of one call, beyond inputs and outputs (MiB)",
             "",
             "Each in its own process: VmHWM reset after a warm-up call, minus VmRSS before "
             "the call, minus the output's bytes (glibc mmap threshold pinned so freed "
@@ -98,13 +108,14 @@ def _markdown(rows: list[dict], env: dict) -> str:
             "brackets.",
             "",
         ]
-        lines += ["| backend | causal | " + " | ".join(f"T={T}" for T in sizes) + " |"]
-        lines += ["|---" * (len(sizes) + 2) + "|"]
-        for causal in sorted({r["causal"] for r in mem_rows}):
+        lines += ["| backend | pass | causal | " + " | ".join(f"T={T}" for T in sizes) + " |"]
+        lines += ["|---" * (len(sizes) + 3) + "|"]
+        mem_keys = {(r.get("pass", "forward"), r["causal"]) for r in mem_rows}
+        for pass_, causal in sorted(mem_keys, key=lambda x: (x[0] != "forward", x[1])):
             for b in backends:
                 cells = []
                 for T in sizes:
-                    r = cell.get((b, T, causal), {})
+                    r = cell.get((b, T, causal, pass_), {})
                     if "extra_mib" in r:
                         tm = r.get("tracemalloc_extra_mib")
                         cells.append(
@@ -114,18 +125,22 @@ def _markdown(rows: list[dict], env: dict) -> str:
                         cells.append("error")
                     else:
                         cells.append("")
-                lines.append(f"| {b} | {causal} | " + " | ".join(cells) + " |")
+                if any(cells):
+                    lines.append(f"| {b} | {pass_} | {causal} | " + " | ".join(cells) + " |")
         lines.append("")
     skipped = [r for r in rows if r["status"] != "ok"]
     if skipped:
         lines += ["## Skipped", ""]
         seen = set()
         for r in skipped:
-            key = (r["backend"], r["reason"])
+            key = (r["backend"], r.get("pass"), r["reason"])
             if key not in seen:
                 seen.add(key)
-                sizes_b = sorted({x["T"] for x in skipped if (x["backend"], x["reason"]) == key})
-                lines.append(f"- {r['backend']} at T={sizes_b}: {r['reason']}")
+                sizes_b = sorted(
+                    {x["T"] for x in skipped if (x["backend"], x.get("pass"), x["reason"]) == key}
+                )
+                what = " (backward)" if r.get("pass") == "backward" else ""
+                lines.append(f"- {r['backend']}{what} at T={sizes_b}: {r['reason']}")
         lines.append("")
     errors = [r for r in rows if "memory_error" in r]
     for r in errors:
@@ -134,6 +149,18 @@ def _markdown(rows: list[dict], env: dict) -> str:
 
 
 def _plots(rows: list[dict], out: Path) -> None:
+    """time_vs_T.png and memory_vs_T.png for the forward; with backward rows, the same
+    two plots of ``attention_vjp`` (forward + backward) as *_backward.png."""
+    for pass_, suffix, what in (
+        ("forward", "", ""),
+        ("backward", "_backward", "forward + backward, "),
+    ):
+        selected = [r for r in rows if r.get("pass", "forward") == pass_]
+        if selected:
+            _pass_plots(selected, out, suffix, what)
+
+
+def _pass_plots(rows: list[dict], out: Path, suffix: str, what: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,14 +178,14 @@ def _plots(rows: list[dict], out: Path) -> None:
             )
             if pts:
                 ax.loglog(*zip(*pts), marker="o", label=b, base=2)
-        ax.set_title(f"{'causal' if causal else 'non-causal'}, float32")
+        ax.set_title(f"{what}{'causal' if causal else 'non-causal'}, float32")
         ax.set_xlabel("T = S")
         ax.set_ylabel("median time per call (ms)")
         ax.grid(True, which="both", alpha=0.3)
         if ax.get_lines():
             ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "time_vs_T.png", dpi=120)
+    fig.savefig(out / f"time_vs_T{suffix}.png", dpi=120)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6.5, 5))
@@ -170,14 +197,14 @@ def _plots(rows: list[dict], out: Path) -> None:
         )
         if pts:
             ax.loglog(*zip(*pts), marker="o", label=b, base=2)
-    ax.set_title("peak memory beyond inputs and output, non-causal")
+    ax.set_title(f"{what}peak memory beyond inputs and outputs, non-causal")
     ax.set_xlabel("T = S")
     ax.set_ylabel("MiB")
     ax.grid(True, which="both", alpha=0.3)
     if ax.get_lines():
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "memory_vs_T.png", dpi=120)
+    fig.savefig(out / f"memory_vs_T{suffix}.png", dpi=120)
     plt.close(fig)
 
 

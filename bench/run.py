@@ -51,6 +51,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--causal", choices=("both", "yes", "no"), default="both", help="which masks to run"
     )
     p.add_argument(
+        "--passes",
+        choices=("forward", "backward", "both"),
+        default="forward",
+        help="what to time: attention (forward), attention_vjp (forward + backward, for "
+        "the backends that declare 'grad'), or both",
+    )
+    p.add_argument(
         "--memory",
         choices=("noncausal", "all", "off"),
         default="noncausal",
@@ -120,12 +127,15 @@ def _environment(args: argparse.Namespace) -> dict:
     return env
 
 
-def _worker(name: str, args: argparse.Namespace, T: int, causal: bool, memory: bool) -> dict:
-    """Run bench.worker for one backend, size and mask in a fresh process."""
+def _worker(
+    name: str, args: argparse.Namespace, T: int, causal: bool, memory: bool, backward: bool
+) -> dict:
+    """Run bench.worker for one backend, size, mask and pass in a fresh process."""
     cmd = [sys.executable, "-m", "conformance.bench.worker", "--backend", name]
     cmd += ["--B", str(args.B), "--H", str(args.H), "--T", str(T), "--D", str(args.D)]
     cmd += ["--repeats", str(args.repeats), "--budget-s", str(args.budget_s)]
     cmd += ["--causal"] if causal else []
+    cmd += ["--backward"] if backward else []
     cmd += [] if memory else ["--no-memory"]
     for flag, val in (("--block-q", args.block_q), ("--block-k", args.block_k)):
         if val is not None:
@@ -143,9 +153,13 @@ def _write(rows: list[dict], args: argparse.Namespace) -> None:
     then write the tables and plots."""
     from conformance.bench.report import write
 
-    ref = {(r["T"], r["causal"]): r.get("time_ms") for r in rows if r["backend"] == REFERENCE}
+    ref = {
+        (r["pass"], r["T"], r["causal"]): r.get("time_ms")
+        for r in rows
+        if r["backend"] == REFERENCE
+    }
     for r in rows:
-        ref_t = ref.get((r["T"], r["causal"]))
+        ref_t = ref.get((r["pass"], r["T"], r["causal"]))
         r["vs_torch_sdpa"] = ref_t / r["time_ms"] if ref_t and "time_ms" in r else None
     write(rows, _environment(args), args.out)
 
@@ -188,17 +202,22 @@ def main(argv: list[str] | None = None) -> int:
     mem_limit = args.mem_limit_gib * GIB if args.mem_limit_gib else _mem_available() / 2
     B, H, D = args.B, args.H, args.D
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    passes = {"both": ("forward", "backward")}.get(args.passes, (args.passes,))
     names = list(args.backends)
     missing = {n: backends.installed(n) for n in names}
     rows: list[dict] = []
-    last_time: dict[tuple[str, bool], tuple[int, float]] = {}
-    plan = [(T, c, n) for T in sorted(args.sizes) for c in causals for n in names]
+    last_time: dict[tuple[str, bool, str], tuple[int, float]] = {}
+    plan = [
+        (T, c, n, p) for T in sorted(args.sizes) for p in passes for c in causals for n in names
+    ]
     progress = _Progress(len(plan), enabled=not args.no_progress)
-    for T, causal, name in plan:
-        label = f"T={T} {'causal' if causal else 'full'} {name}"
+    for T, causal, name, pass_ in plan:
+        backward = pass_ == "backward"
+        label = f"T={T} {'causal' if causal else 'full'} {name}" + (" backward" if backward else "")
         progress.start(label)
         row = {
             "backend": name,
+            "pass": pass_,
             "note": backends.NOTES.get(name, ""),
             "B": B,
             "H": H,
@@ -206,19 +225,19 @@ def main(argv: list[str] | None = None) -> int:
             "S": T,
             "D": D,
             "causal": causal,
-            "gflop": backends.flops(B, H, T, D, causal) / 1e9,
+            "gflop": backends.flops(B, H, T, D, causal, backward) / 1e9,
             "status": "ok",
             "reason": "",
         }
         rows.append(row)
-        reason = missing[name]
-        est = backends.memory_estimate(name, B, H, T, T, D)
+        reason = missing[name] or (backends.backward_reason(name) if backward else None)
+        est = backends.memory_estimate(name, B, H, T, T, D, backward)
         if reason is None and est > mem_limit:
             reason = (
                 f"estimated {est / GIB:.1f} GiB > limit {mem_limit / GIB:.1f} GiB "
                 f"({backends.BYTES_PER_SCORE.get(name, 0)} B per score x B·H·T·S)"
             )
-        prev = last_time.get((name, causal))
+        prev = last_time.get((name, causal, pass_))
         if reason is None and prev is not None:
             predicted = prev[1] * (T / prev[0]) ** 2
             if predicted > args.max_call_seconds:
@@ -228,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
         if reason is None:
             memory = args.memory == "all" or (args.memory == "noncausal" and not causal)
-            result = _worker(name, args, T, causal, memory)
+            result = _worker(name, args, T, causal, memory, backward)
             if "error" in result:
                 reason = result["error"]
             else:
@@ -236,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["time_ms"] = result["median_s"] * 1e3
                 row["min_ms"] = min(result["times"]) * 1e3
                 row["gflops"] = row["gflop"] / result["median_s"]
-                last_time[(name, causal)] = (T, result["median_s"])
+                last_time[(name, causal, pass_)] = (T, result["median_s"])
         if reason is not None:
             row["status"], row["reason"] = "skipped", reason
         progress.finish(label, row)
@@ -244,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
             _write(rows, args)  # each finished size is on disk, in case the run is cut short
     progress.close()
     _write(rows, args)
-    print(f"wrote {args.out}/results.{{csv,json,md}}, time_vs_T.png, memory_vs_T.png")
+    plots = "time_vs_T.png, memory_vs_T.png" + (
+        ", memory_vs_T_backward.png" if "backward" in passes else ""
+    )
+    print(f"wrote {args.out}/results.{{csv,json,md}}, {plots}")
     print((args.out / "results.md").read_text())
     return 0

@@ -1,9 +1,11 @@
 """One backend at one size, in a process of its own: time it, then measure its peak memory.
 
-    python -m conformance.bench.worker --backend numpy-flash --B 1 --H 8 --T 4096 --D 64 [--causal]
+    python -m conformance.bench.worker --backend numpy-flash --B 1 --H 8 --T 4096 --D 64 [--causal] [--backward]
 
 prints one JSON object. The call is ``conformance.load_backend(name).prepare(q, k, v, ...)``
-for a backend, or the framework's own function for an anchor (``bench.backends``). A process per backend keeps the frameworks' thread pools apart:
+for a backend, or the framework's own function for an anchor (``bench.backends``); with
+``--backward``, ``load_backend(name).prepare_vjp(q, k, v, d_out, ...)``: forward and
+backward, the inputs converted once outside the timing. A process per backend keeps the frameworks' thread pools apart:
 a PyTorch, XLA or OpenBLAS pool that is still spinning after its own call slows whatever
 runs next on the same two cores. Timing: a warm-up call (compilation, for JAX), then the
 median of ``--repeats`` calls (fewer, at least one, once the timed calls have taken
@@ -76,12 +78,15 @@ def run(
     memory: bool,
     options: dict,
     budget_s: float = float("inf"),
+    backward: bool = False,
 ) -> dict:
-    from conformance.bench.backends import inputs, make_call
+    from conformance.bench.backends import inputs, make_call, make_vjp_call
 
     q, k, v = inputs(B, H, T, D)
-    call = make_call(name, q, k, v, causal, options)
-    out_bytes = B * H * T * D * 4
+    make = make_vjp_call if backward else make_call
+    call = make(name, q, k, v, causal, options)
+    # The outputs: out, or the gradients dq, dk, dv (d_out is an input).
+    out_bytes = B * H * T * D * 4 * (3 if backward else 1)
     result: dict = {}
     can_reset = os.path.exists("/proc/self/clear_refs")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -137,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--budget-s", type=float, default=float("inf"))
     p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--backward", action="store_true", help="time attention_vjp instead")
     p.add_argument("--block-q", type=int, help="block_q for the blockwise backends")
     p.add_argument("--block-k", type=int, help="block_k for the blockwise backends")
     a = p.parse_args(argv)
@@ -144,7 +150,17 @@ def main(argv: list[str] | None = None) -> None:
         key: val for key, val in (("block_q", a.block_q), ("block_k", a.block_k)) if val is not None
     }
     result = run(
-        a.backend, a.B, a.H, a.T, a.D, a.causal, a.repeats, not a.no_memory, options, a.budget_s
+        a.backend,
+        a.B,
+        a.H,
+        a.T,
+        a.D,
+        a.causal,
+        a.repeats,
+        not a.no_memory,
+        options,
+        a.budget_s,
+        a.backward,
     )
     print(json.dumps(result))
 

@@ -194,6 +194,22 @@ class Backend:
     def _attention_vjp(self, q, k, v, d_out, **options):
         raise NotImplementedError(f"{self.name} does not declare the 'grad' capability")
 
+    def prepare_vjp(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, d_out: np.ndarray, **options: Any
+    ) -> Callable[[], Any]:
+        """``prepare`` for the backward pass: q, k, v and d_out converted once; the call
+        runs ``attention_vjp`` (forward and backward) and returns once every gradient
+        exists, in the backend's framework. ``options`` go to the implementation as given."""
+        q, k, v, d_out = (self.from_numpy(x) for x in (q, k, v, d_out))
+
+        def call() -> Any:
+            grads = self._attention_vjp(q, k, v, d_out, **options)
+            return [
+                g if not hasattr(g, "block_until_ready") else g.block_until_ready() for g in grads
+            ]
+
+        return call
+
     def module_param_grads(
         self,
         kind: str,
@@ -311,9 +327,12 @@ class _Blockwise:
         # seed that comes with it has no random source to go to.
         return self.impl.attention(q, k, v, **self.options, **options)
 
-    # No backward pass and no module layers here: the parent backend's methods would
-    # silently run the reference impl in their place.
-    _attention_vjp = Backend._attention_vjp
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        # The impl's own blockwise backward, on the same tiles as the forward.
+        return self.impl.attention_vjp(q, k, v, d_out, **self.options, **options)
+
+    # No module layers here: the parent backend's methods would silently run the
+    # reference impl in their place.
     module_param_grads = Backend.module_param_grads
     multi_head_attention = Backend.multi_head_attention
     gpt_block = Backend.gpt_block
@@ -324,7 +343,9 @@ class NumpyFlashBackend(_Blockwise, NumpyBackend):
 
     name = "numpy-flash"
     impl_module = "conformance.impls.numpy_flash"
-    capabilities = ALL_CAPABILITIES - {"dropout", "module"}
+    capabilities = (ALL_CAPABILITIES - {"dropout", "module"}) | (
+        GRAD_CAPABILITIES - {"module_grad"}
+    )
 
 
 class JaxBackend(Backend):
@@ -387,7 +408,9 @@ class JaxFlashBackend(_Blockwise, JaxBackend):
 
     name = "jax-flash"
     impl_module = "conformance.impls.jax_flash"
-    capabilities = ALL_CAPABILITIES - {"dropout", "module"}
+    capabilities = (ALL_CAPABILITIES - {"dropout", "module"}) | (
+        GRAD_CAPABILITIES - {"module_grad"}
+    )
 
 
 class JaxRingBackend(JaxBackend):

@@ -1,6 +1,7 @@
 """``python -m conformance walkthrough --out docs/walkthrough``: the worked example, step by step.
 
-Writes ``walkthrough.md`` and one picture per case: the seed notes' three tokens
+Writes ``walkthrough.md``, ``backward.md`` (the same example through the blockwise
+backward of ``impls/numpy_flash.py``, tile by tile) and one picture per case: the seed notes' three tokens
 (``fixtures/worked_example.json``) taken through the numbered steps of
 ``impls/numpy_attention.py`` — 1 scores, 2 scale, 4 mask, 5 softmax, 7 weighted sum — with
 the numbers each step produces, causal and not. Each step quotes the impl's own lines, and
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from conformance.cases import worked_example
-from conformance.impls import numpy_attention
+from conformance.impls import numpy_attention, numpy_attention_backward, numpy_flash
 
 #: The steps the example shows (3 softcap and 6 dropout are off here), as (number, title).
 STEPS = [
@@ -39,11 +40,13 @@ def _fmt(x: float) -> str:
     return f"{x:.4f}".replace("-", "−") if abs(x) >= 5e-5 else "0.0000"
 
 
-def _table(a: np.ndarray, rows: str, cols: str) -> str:
-    """A markdown table of a 2-D array, rows and columns labelled with their letter."""
-    head = f"| {rows} \\ {cols} | " + " | ".join(str(j) for j in range(a.shape[1])) + " |"
+def _table(a: np.ndarray, rows: str, cols: str, row0: int = 0, col0: int = 0) -> str:
+    """A markdown table of a 2-D array, rows and columns labelled with their letter and
+    numbered from ``row0`` and ``col0`` (a tile's place in the whole)."""
+    labels = " | ".join(str(col0 + j) for j in range(a.shape[1]))
+    head = f"| {rows} \\ {cols} | " + labels + " |"
     rule = "|---" * (a.shape[1] + 1) + "|"
-    body = [f"| {i} | " + " | ".join(_fmt(x) for x in row) + " |" for i, row in enumerate(a)]
+    body = [f"| {row0 + i} | " + " | ".join(_fmt(x) for x in row) + " |" for i, row in enumerate(a)]
     return "\n".join([head, rule, *body])
 
 
@@ -149,6 +152,152 @@ def markdown(pictures: dict[str, str] | None = None) -> str:
     return "\n".join(lines)
 
 
+#: The backward page's upstream gradient dO (T, E), and its tiles (Tb = Sb = 2).
+D_OUT = [[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]
+TILE = 2
+
+
+def _flash_lines(marker: str) -> str:
+    """The lines of ``numpy_flash._backward_block`` under the comment starting ``marker``."""
+    lines = inspect.getsource(numpy_flash._backward_block).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith(marker))
+    block = []
+    for line in lines[start:]:
+        if not line.strip():
+            break
+        block.append(line[8:])
+    return "\n".join(block)
+
+
+def backward_steps(q: np.ndarray, k: np.ndarray, v: np.ndarray, d_out: np.ndarray) -> dict:
+    """The blockwise backward of the causal example, by hand: per row m, l, lse, O, Δ and
+    the naive Σ_s P·dP; per visited tile (t0, s0) its P, dP and dZ; and dq, dk, dv. It
+    refuses to return numbers that differ from ``numpy_flash.attention_vjp`` (same
+    tiles) or from the naive backward."""
+    T, D = q.shape
+    S = k.shape[0]
+    scale = 1 / math.sqrt(D)
+    allowed = np.tril(np.ones((T, S), dtype=bool))  # (T, S)
+    z = np.where(allowed, scale * q @ k.T, -np.inf)  # (T, S)
+    m = z.max(axis=-1)  # (T,)
+    l = np.exp(z - m[:, None]).sum(axis=-1)  # (T,)
+    lse = m + np.log(l)  # (T,)
+    o = np.exp(z - lse[:, None]) @ v  # (T, E)
+    delta = (d_out * o).sum(axis=-1)  # (T,)
+    p_full = np.exp(z - lse[:, None])  # (T, S), only for the naive row sum shown beside Δ
+    naive_row = (p_full * (d_out @ v.T)).sum(axis=-1)  # (T,)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    tiles = {}
+    for t0 in range(0, T, TILE):
+        rows = slice(t0, min(t0 + TILE, T))
+        for s0 in range(0, S, TILE):
+            cols = slice(s0, min(s0 + TILE, S))
+            if not allowed[rows, cols].any():
+                tiles[(t0, s0)] = None  # skipped: no query of the block sees these keys
+                continue
+            p = np.exp(z[rows, cols] - lse[rows, None])  # (Tb, Sb)
+            dp = d_out[rows] @ v[cols].T  # (Tb, Sb)
+            dz = p * (dp - delta[rows, None])  # (Tb, Sb)
+            dv[cols] += p.T @ d_out[rows]
+            dq[rows] += scale * dz @ k[cols]
+            dk[cols] += scale * dz.T @ q[rows]
+            tiles[(t0, s0)] = {"P": p, "dP": dp, "dZ": dz}
+    impl = numpy_flash.attention_vjp(
+        q[None], k[None], v[None], d_out[None], is_causal=True, block_q=TILE, block_k=TILE
+    )
+    naive = numpy_attention_backward.attention_backward(
+        q[None], k[None], v[None], d_out[None], is_causal=True
+    )
+    for name, mine, a, b in zip(("dq", "dk", "dv"), (dq, dk, dv), impl, naive):
+        for other, what in ((a[0], "impls/numpy_flash.py"), (b[0], "the naive backward")):
+            if not np.allclose(mine, other, rtol=0, atol=1e-12):
+                raise AssertionError(f"backward walkthrough {name} differs from {what}")
+    rows = {"m": m, "l": l, "lse": lse, "Δ": delta, "naive": naive_row}
+    return {"rows": rows, "o": o, "tiles": tiles, "dq": dq, "dk": dk, "dv": dv}
+
+
+def backward_markdown() -> str:
+    """The backward page: the worked example, causal, through the blockwise backward."""
+    ex = worked_example()
+    q, k, v = (np.array(ex[n], dtype=np.float64) for n in "qkv")
+    d_out = np.array(D_OUT)
+    n = backward_steps(q, k, v, d_out)
+    T = q.shape[0]
+    per_row = np.stack([n["rows"][c] for c in ("m", "l", "lse", "Δ", "naive")], axis=1)
+    lines = [
+        "# The backward pass, tile by tile: the worked example",
+        "",
+        "<!-- Generated by `python -m conformance walkthrough --out docs/walkthrough` from",
+        "impls/numpy_flash.py; do not edit by hand. -->",
+        "",
+        "The worked example of [the forward walkthrough](walkthrough.md), causal, taken",
+        "through FlashAttention-2's backward as",
+        "[`impls/numpy_flash.py`](../../impls/numpy_flash.py) writes it (`attention_vjp`,",
+        f"whose docstring derives it), with tiles of {TILE} queries by {TILE} keys, for the",
+        "loss L = Σ dO ⊙ out with the upstream gradient",
+        "",
+        _table(d_out, "t", "e") + "\n\ndO (T, E)",
+        "",
+        "No T × S matrix is kept. The forward, query block by query block, leaves one",
+        "number per row, the log-sum-exp lse = m + log l (m the row max, l the row sum",
+        "against it), and the backward's row term Δ = rowsum(dO ⊙ O). The last column is",
+        "what Δ replaces: the softmax's Σ_s P[t, s]·dP[t, s], which needs every key of the",
+        "row at once; since dP[t, s] = dO[t]·v[s], it is dO[t]·Σ_s P[t, s] v[s] = dO[t]·O[t].",
+        "",
+        "| t | m | l | lse | Δ = dO·O | Σ_s P·dP (naive) |",
+        "|---|---|---|---|---|---|",
+        *[f"| {t} | " + " | ".join(_fmt(x) for x in row) + " |" for t, row in enumerate(per_row)],
+        "",
+        "Then each tile on or below the diagonal, in turn. Its weights come back from the",
+        "scores and lse alone, with no max and no sum:",
+        "",
+        "```python",
+        _flash_lines("# 5. The weights"),
+        "```",
+        "",
+        "```python",
+        _flash_lines("# 7'."),
+        "```",
+        "",
+        "```python",
+        _flash_lines("# 5'."),
+        "```",
+        "",
+    ]
+    for (t0, s0), tile in n["tiles"].items():
+        t1, s1 = min(t0 + TILE, T), min(s0 + TILE, T)
+        head = f"## Queries {t0}–{t1 - 1}, keys {s0}–{s1 - 1}"
+        if tile is None:
+            lines += [
+                head,
+                "",
+                "Skipped: every key of the tile lies after every query of "
+                "the block, so the causal mask blocks it whole, in the backward as in the "
+                "forward.",
+                "",
+            ]
+            continue
+        lines += [head, ""]
+        for name in ("P", "dP", "dZ"):
+            lines += [f"{name}:", "", _table(tile[name], "t", "s", t0, s0), ""]
+    lines += [
+        "## The gradients",
+        "",
+        "dq collected Σ over its key tiles, dk and dv Σ over the query blocks (each tile",
+        "adds dZ·K · scale to dq, dZᵀ·Q · scale to dk and Pᵀ·dO to dv). They equal the",
+        "naive backward's, [`impls/numpy_attention_backward.py`](../../impls/numpy_attention_backward.py),",
+        "and the impl's (the generator checks both):",
+        "",
+        _table(n["dq"], "t", "d") + "\n\ndq (T, D)",
+        "",
+        _table(n["dk"], "s", "d") + "\n\ndk (S, D)",
+        "",
+        _table(n["dv"], "s", "e") + "\n\ndv (S, E)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def draw(path: Path, is_causal: bool) -> None:
     """One case's steps as heatmaps: scaled scores, masked scores, weights, output."""
     import matplotlib
@@ -197,5 +346,6 @@ def main(argv: list[str]) -> int:
     for case, is_causal in CASES:
         draw(args.out / pictures[case], is_causal)
     (args.out / "walkthrough.md").write_text(markdown(pictures), encoding="utf-8")
-    print(f"wrote {args.out / 'walkthrough.md'}")
+    (args.out / "backward.md").write_text(backward_markdown(), encoding="utf-8")
+    print(f"wrote {args.out / 'walkthrough.md'} and {args.out / 'backward.md'}")
     return 0

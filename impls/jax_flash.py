@@ -1,9 +1,9 @@
 """Blockwise (FlashAttention-style) attention in JAX, compiled: never a T × S matrix.
 
 The reference (``numpy_attention``) builds every score at once: a (B, H, T, S) array, 16
-GiB in float32 for one 16384-token batch of 16 heads (16 · 16384² · 4 bytes). Yet each output row only needs a weighted
-average of value rows, and an average can be accumulated a block of keys at a time, if the
-softmax can be too. The *online softmax* makes it so.
+GiB in float32 for one 16384-token batch of 16 heads (16 · 16384² · 4 bytes). Yet each
+output row only needs a weighted average of value rows, and an average can be accumulated
+a block of keys at a time, if the softmax can be too. The *online softmax* makes it so.
 
 The online softmax. For one query row with scores x_1 … x_S, the softmax-weighted sum is
 
@@ -52,11 +52,25 @@ inside it (no mask computed), those it cuts on the right (the causal diagonal). 
 user-supplied mask is an input: its tiles are sliced, and a fully blocked tile is still
 computed.)
 
+The backward pass. ``attention_vjp`` is FlashAttention-2's backward, the algorithm
+``numpy_flash.attention_vjp`` derives: for each query block, the forward over its key
+blocks gives each row's log-sum-exp lse = m + log l and its output O, hence
+Δ = rowsum(dO ⊙ O); then a second walk over the same key blocks recomputes each tile's
+weights as P = exp(Z − lse), forms dZ = P ⊙ (dO·Vᵀ − Δ), adds dZ·K to the block's dQ,
+and adds dZᵀ·Q and Pᵀ·dO to dK and dV of the key block, in place. No (T, S) array, no
+``jax.vjp`` through the loops (which would store every tile's weights), and the same
+block skipping as the forward. ``jax_ring``'s backward runs the same tile algorithm, but
+keeps its own body: impls stand alone (only contract.py is shared), and the ring's
+positions and options are traced values travelling with its slices, where this file's
+band is static and skips blocks by loop bounds.
+
 Memory. No input is copied whole (except to pad T or S up to a block multiple): tiles
 are sliced from the inputs and cast to the working precision tile by tile, and each
 finished query block is written in place into the output. Beyond inputs and output the
 loop holds one (B, K, G·Tb, Sb) score tile, its exponentials, and (B, K, G·Tb, E)
-accumulators: with the defaults and B=1, H=8, a few MiB, whatever T and S are.
+accumulators: with the defaults and B=1, H=8, a few MiB, whatever T and S are. The
+backward holds a few tiles more, and dK and dV in the working precision (the outputs
+themselves, for float32 and float64).
 
 Speed, on a CPU. XLA hands the two products of a tile to its matmul library and fuses
 the max, exp and sum passes into a few loops over the tile. Larger tiles amortise the
@@ -93,7 +107,8 @@ memory-efficient impls must avoid (the teaching reference repeats k and v instea
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
 windows, softcapping, grouped-query and multi-query attention (K < H), float64, float32,
-float16 and bfloat16 (computed in float32 and rounded once). A query row with no key left
+float16 and bfloat16 (computed in float32 and rounded once), and the backward pass of all
+of them with a float mask's gradient. A query row with no key left
 to attend returns exactly 0. Float64 needs ``jax.config.update("jax_enable_x64", True)``
 set by the caller; this module never changes it. Not supported: dropout (``dropout_p > 0``
 raises NotImplementedError).
@@ -109,6 +124,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import contract
+
+_HIGHEST = lax.Precision.HIGHEST
 
 
 def attention(
@@ -153,48 +170,68 @@ def attention(
     """
     # 0. Validate: the input contract every impl shares (contract.py) checks shapes,
     # dtypes and options, and names the argument, the expected shape and what was given.
-    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    mask = None if mask is None else jnp.asarray(mask)
-    call = contract.check(
-        q,
-        k,
-        v,
-        mask=mask,
-        is_causal=is_causal,
-        scale=scale,
-        causal_alignment=causal_alignment,
-        window=window,
-        softcap=softcap,
-        dropout_p=dropout_p,
-        unsupported={"dropout_p": "jax-flash is blockwise attention without dropout"},
-        tiles={"block_q": block_q, "block_k": block_k},
-    )
-    if call.unbatched:
-        q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
-    T, S = call.T, call.S
-    if mask is not None:
-        # Keep the mask as small as it was given, (B|1, H|1, T|1, S|1): broadcasting it
-        # to (B, H, T, S) here would build the very T × S array this module avoids.
-        mask = mask.reshape(call.mask_shape)  # (B|1, H|1, T|1, S|1)
-    if T == 0 or S == 0:
+    options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
+    options.update(window=window, softcap=softcap, dropout_p=dropout_p)
+    call, (q, k, v, mask), static = _prepare(q, k, v, mask, options, block_q, block_k)
+    if call.T == 0 or call.S == 0:
         # Nothing to tile: with T = 0 there is no query, and with S = 0 every query has
         # no key, so every output row is exactly 0, whatever q holds.
-        out = jnp.zeros((call.B, call.H, T, call.E), dtype=q.dtype)  # (B, H, T, E)
-        return out[0] if call.unbatched else out
-    out = _flash(
-        q,
-        k,
-        v,
-        mask,
-        scale=call.scale,
-        is_causal=call.is_causal,
-        offset=0 if call.causal_alignment == "top_left" else S - T,
-        window=call.window,
-        softcap=call.softcap,
-        Tb=max(1, min(block_q, T)),
-        Sb=max(1, min(block_k, S)),
-    )  # (B, H, T, E)
+        out = jnp.zeros((call.B, call.H, call.T, call.E), dtype=q.dtype)  # (B, H, T, E)
+    else:
+        out = _flash(q, k, v, mask, **static)  # (B, H, T, E)
     return out[0] if call.unbatched else out
+
+
+def attention_vjp(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    d_out: jax.Array,
+    *,
+    mask: jax.Array | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    block_q: int = 512,
+    block_k: int = 256,
+) -> tuple[jax.Array, ...]:
+    """Gradients of ``attention`` by FlashAttention-2's blockwise backward (module
+    docstring; the derivation is ``numpy_flash.attention_vjp``'s).
+
+    Args:
+      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, block_q,
+        block_k: as for ``attention`` (no dropout: its gradient needs the forward's
+        random draw).
+      d_out: ∂L/∂out, shaped like the output, (B, H, T, E) or (H, T, E), in q's dtype.
+      dropout_p: must be 0.
+
+    Returns:
+      (dq, dk, dv) shaped and typed like q, k, v, for L = Σ d_out · attention(q, k, v,
+      ...); with a floating mask, (dq, dk, dv, dmask), dmask shaped and typed like the
+      mask: ∂L/∂mask, summed over the axes the mask was broadcast along.
+    """
+    # 0. Validate as the forward does, and d_out against the output's shape and dtype.
+    options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
+    options.update(window=window, softcap=softcap, dropout_p=dropout_p)
+    d_out = jnp.asarray(d_out)
+    given = None if mask is None else jnp.shape(mask)  # dmask is shaped like this
+    call, (q, k, v, mask), static = _prepare(q, k, v, mask, options, block_q, block_k, d_out=d_out)
+    float_mask = mask is not None and not call.mask_is_bool
+    if call.T == 0 or call.S == 0:
+        # Nothing attends anything: every gradient is exactly 0.
+        grads = tuple(jnp.zeros_like(x) for x in (q, k, v))
+        if float_mask:
+            grads += (jnp.zeros_like(mask),)  # (B|1, H|1, T|1, S|1)
+    else:
+        d_out = d_out[None] if call.unbatched else d_out  # (B, H, T, E)
+        grads = _flash_vjp(q, k, v, mask, d_out, **static)
+    dq, dk, dv = (g[0] if call.unbatched else g for g in grads[:3])
+    if not float_mask:
+        return dq, dk, dv
+    return dq, dk, dv, grads[3].reshape(given)  # the mask's shape
 
 
 @functools.partial(
@@ -216,46 +253,200 @@ def _flash(
     Sb: int,
 ) -> jax.Array:
     """Steps 1-7 on checked, batched inputs; compiled once per shape, dtype and options."""
+    B, H, T, _ = q.shape
+    E = v.shape[-1]
+    out_dtype = q.dtype
+    tiles = _Tiles(q, k, v, mask, offset, is_causal, window, softcap, Tb, Sb)
+
+    def query_block(i: jax.Array, out: jax.Array) -> jax.Array:
+        # 1. Scores: every query of the block against every key, one key block at a time
+        # (_Tiles.scores). Every tile's product starts from this query tile, so
+        # 2. Scale, so that the scores' spread does not grow with the head size D, is
+        # applied to it once, here: Tb·D multiplies instead of Tb·S.
+        qi = tiles.queries(i, scale)  # (B, K, G·Tb, D)
+        # Steps 3-5 and 7, key block by key block (_Tiles.online_softmax).
+        _, l, acc = tiles.online_softmax(qi, i)
+        # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
+        acc = acc / jnp.where(l > 0, l, 1.0)[..., None]  # (B, K, G·Tb, E)
+        acc = acc.reshape(B, H, Tb, E).astype(out_dtype)  # (B, H, Tb, E)
+        return lax.dynamic_update_slice_in_dim(out, acc, i * Tb, axis=2)  # (B, H, Tp, E)
+
+    out = jnp.zeros((B, H, tiles.Tp, E), dtype=out_dtype)  # (B, H, Tp, E)
+    out = lax.fori_loop(0, tiles.nT, query_block, out)  # (B, H, Tp, E)
+    return out[:, :, :T]  # (B, H, T, E), the padded rows cut off
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "is_causal", "offset", "window", "softcap", "Tb", "Sb"),
+)
+def _flash_vjp(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    d_out: jax.Array,
+    *,
+    scale: float,
+    is_causal: bool,
+    offset: int,
+    window: tuple[int | None, int | None] | None,
+    softcap: float | None,
+    Tb: int,
+    Sb: int,
+) -> tuple[jax.Array, ...]:
+    """The backward on checked, batched inputs: (dq, dk, dv) and, with a float mask,
+    dmask shaped (B|1, H|1, T|1, S|1); compiled once per shape, dtype and options."""
     B, H, T, D = q.shape
     _, K, S, _ = k.shape
     E = v.shape[-1]
-    G = H // K
-    nT, nS = -(-T // Tb), -(-S // Sb)  # blocks of queries and of keys
-    Tp, Sp = nT * Tb, nS * Sb
+    tiles = _Tiles(q, k, v, mask, offset, is_causal, window, softcap, Tb, Sb)
+    work, G = tiles.work, tiles.G
+    float_mask = mask is not None and mask.dtype != jnp.bool_
+    d_out = jnp.pad(d_out, ((0, 0), (0, 0), (0, tiles.Tp - T), (0, 0)))  # (B, H, Tp, E)
 
-    # Low precision inputs are computed in float32: exp() of a float16 score overflows
-    # past 11.09, and summing many weights in float16 loses the small ones.
-    out_dtype = q.dtype
-    work = jnp.float64 if out_dtype == jnp.float64 else jnp.float32
+    def query_block(i: jax.Array, grads: tuple) -> tuple:
+        dq, dk, dv, dm = grads
+        # Forward steps 1-5 and 7 for this block, as in ``attention``: its rows' output
+        # O and log-sum-exp, the one number per row the backward needs. A row with no key
+        # has l = 0: its lse is +inf, so that its weights exp(Z − lse) are all 0.
+        qi = tiles.queries(i, scale)  # (B, K, G·Tb, D)
+        m, l, acc = tiles.online_softmax(qi, i)
+        some = l > 0  # (B, K, G·Tb)
+        o = acc / jnp.where(some, l, 1.0)[..., None]  # (B, K, G·Tb, E)
+        m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # (B, K, G·Tb)
+        lse = jnp.where(some, m_safe + jnp.log(jnp.where(some, l, 1.0)), jnp.inf)
 
-    # Pad T and S to whole blocks (a no-op when they already are). Tiles are sliced from
-    # the inputs as they are, and cast to the working precision tile by tile, so that no
-    # whole copy of an input is made.
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, Tp - T), (0, 0)))  # (B, H, Tp, D)
-    k = jnp.pad(k, ((0, 0), (0, 0), (0, Sp - S), (0, 0)))  # (B, K, Sp, D)
-    v = jnp.pad(v, ((0, 0), (0, 0), (0, Sp - S), (0, 0)))  # (B, K, Sp, E)
-    if mask is not None:
-        # Pad the mask's T and S axes where it has them (not where it broadcasts); padded
-        # keys are blocked below anyway, and padded query rows are dropped.
-        pad_t = Tp - T if mask.shape[2] == T else 0
-        pad_s = Sp - S if mask.shape[3] == S else 0
-        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad_t), (0, pad_s)))
-        # mask: (B|1, H|1, Tp|1, Sp|1)
+        # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O): one dot product per row.
+        do = lax.dynamic_slice_in_dim(d_out, i * Tb, Tb, axis=2).astype(work)
+        do = do.reshape(B, K, G * Tb, E)  # (B, K, G·Tb, E)
+        delta = (do * o).sum(axis=-1)  # (B, K, G·Tb)
 
-    # Which keys query t may see under causality and the window: lo <= s - t' <= hi, where
-    # t' = t + offset is its aligned diagonal (offset = S - T for bottom-right).
-    left, right = window if window is not None else (None, None)
-    lo = -math.inf if left is None else -left
-    hi = math.inf if right is None else right
-    if is_causal:
-        hi = min(hi, 0)
-    banded = is_causal or window is not None
+        # The backward over the block's key blocks; dq gets the scale once, here.
+        dq_i = jnp.zeros((B, K, G * Tb, D), dtype=work)  # (B, K, G·Tb, D)
+        body = functools.partial(_backward_tile, tiles, i, qi, do, lse, delta)
+        dq_i, dk, dv, dm = tiles.walk(i, body, (dq_i, dk, dv, dm))
+        dq_i = (dq_i * scale).reshape(B, H, Tb, D).astype(q.dtype)  # (B, H, Tb, D)
+        dq = lax.dynamic_update_slice_in_dim(dq, dq_i, i * Tb, axis=2)  # (B, H, Tp, D)
+        return dq, dk, dv, dm
 
-    def key_blocks(i: jax.Array) -> tuple[jax.Array, ...]:
+    grads = (
+        jnp.zeros((B, H, tiles.Tp, D), dtype=q.dtype),  # dq: (B, H, Tp, D)
+        jnp.zeros((B, K, tiles.Sp, D), dtype=work),  # dk: (B, K, Sp, D)
+        jnp.zeros((B, K, tiles.Sp, E), dtype=work),  # dv: (B, K, Sp, E)
+        jnp.zeros(tiles.mask.shape, dtype=work) if float_mask else None,  # dmask, padded
+    )
+    dq, dk, dv, dm = lax.fori_loop(0, tiles.nT, query_block, grads)
+    out = (
+        dq[:, :, :T],  # (B, H, T, D)
+        dk[:, :, :S].astype(q.dtype),  # (B, K, S, D)
+        dv[:, :, :S].astype(q.dtype),  # (B, K, S, E)
+    )
+    if float_mask:
+        t = T if mask.shape[2] != 1 else 1
+        s = S if mask.shape[3] != 1 else 1
+        out += (dm[:, :, :t, :s].astype(mask.dtype),)  # (B|1, H|1, T|1, S|1)
+    return out
+
+
+def _backward_tile(tiles, i, qi, do, lse, delta, j, grads, banded_tile):
+    """The backward of query block i against key block j (``attention_vjp``): adds to
+    the block's dq / scale (B, K, G·Tb, D), to dk (B, K, Sp, D), dv (B, K, Sp, E) and,
+    for a float mask, dm (B|1, H|1, Tp|1, Sp|1)."""
+    dq_i, dk, dv, dm = grads
+    # Forward steps 1, 3 and 4 again: the tile's masked scores Z.
+    z, tanh, used = tiles.scores(qi, i, j, banded_tile)  # (B, K, G·Tb, Sb)
+    # 5. The weights, recomputed from the row's log-sum-exp: P = exp(Z − lse).
+    p = jnp.exp(z - lse[..., None])  # (B, K, G·Tb, Sb)
+    kj = tiles.keys(j, used)  # (B, K, Sb, D)
+    vj = tiles.values(j, used)  # (B, K, Sb, E)
+
+    # 7'. Weighted sum, O = P·V: dV = Pᵀ·dO, and dP = dO·Vᵀ.
+    dv_j = jnp.einsum("bkrs,bkre->bkse", p, do, precision=_HIGHEST)  # (B, K, Sb, E)
+    dp = jnp.einsum("bkre,bkse->bkrs", do, vj, precision=_HIGHEST)  # (B, K, G·Tb, Sb)
+
+    # 5'. Softmax: dZ = P ⊙ (dP − Δ).
+    dz = p * (dp - delta[..., None])  # (B, K, G·Tb, Sb)
+
+    # 4'. Mask: a float mask was added to the scores, so its gradient is dZ.
+    if dm is not None:
+        dm = tiles.add_mask_grad(dm, dz, i, j)
+
+    # 3'. Softcap: d/dR of c·tanh(R/c) is 1 − tanh²(R/c), which fades where the cap bites.
+    if tanh is not None:
+        dz = dz * (1.0 - tanh * tanh)  # (B, K, G·Tb, Sb)
+
+    # 2'-1'. Scores, R = scale · q·kᵀ: the scale is in qi (so dk has it already); dq
+    # gets it once, at the end of the query block.
+    dq_i = dq_i + jnp.einsum("bkrs,bksd->bkrd", dz, kj, precision=_HIGHEST)  # (B, K, G·Tb, D)
+    dk_j = jnp.einsum("bkrs,bkrd->bksd", dz, qi, precision=_HIGHEST)  # (B, K, Sb, D)
+
+    # The slots replaced by 0 get nothing back: a selection passes the gradient only to
+    # the branch it took.
+    if used is not None:
+        dk_j = jnp.where(used[..., None], dk_j, 0.0)  # (B, K, Sb, D)
+        dv_j = jnp.where(used[..., None], dv_j, 0.0)  # (B, K, Sb, E)
+    dk = _add_block(dk, dk_j, j * tiles.Sb)  # (B, K, Sp, D)
+    dv = _add_block(dv, dv_j, j * tiles.Sb)  # (B, K, Sp, E)
+    return dq_i, dk, dv, dm
+
+
+class _Tiles:
+    """The padded inputs, the band, and what a tile needs: which key blocks a query
+    block visits (``walk``), steps 1, 3 and 4 on one tile (``scores``), and the online
+    softmax of one query block (``online_softmax``). Built inside the jitted functions:
+    the arrays are traced, the sizes and options static."""
+
+    def __init__(self, q, k, v, mask, offset, is_causal, window, softcap, Tb, Sb) -> None:
+        B, H, T, D = q.shape
+        _, K, S, _ = k.shape
+        self.B, self.K, self.G, self.T, self.S = B, K, H // K, T, S
+        self.Tb, self.Sb, self.offset, self.softcap = Tb, Sb, offset, softcap
+        self.nT, self.nS = -(-T // Tb), -(-S // Sb)  # blocks of queries and of keys
+        self.Tp, self.Sp = self.nT * Tb, self.nS * Sb
+
+        # Low precision inputs are computed in float32: exp() of a float16 score
+        # overflows past 11.09, and summing many weights in float16 loses the small ones.
+        self.work = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+
+        # Pad T and S to whole blocks (a no-op when they already are). Tiles are sliced
+        # from the inputs as they are, and cast to the working precision tile by tile, so
+        # that no whole copy of an input is made.
+        self.q = jnp.pad(q, ((0, 0), (0, 0), (0, self.Tp - T), (0, 0)))  # (B, H, Tp, D)
+        self.k = jnp.pad(k, ((0, 0), (0, 0), (0, self.Sp - S), (0, 0)))  # (B, K, Sp, D)
+        self.v = jnp.pad(v, ((0, 0), (0, 0), (0, self.Sp - S), (0, 0)))  # (B, K, Sp, E)
+        if mask is not None:
+            # Pad the mask's T and S axes where it has them (not where it broadcasts);
+            # padded keys are blocked below anyway, and padded query rows are dropped.
+            pad_t = self.Tp - T if mask.shape[2] == T else 0
+            pad_s = self.Sp - S if mask.shape[3] == S else 0
+            mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad_t), (0, pad_s)))
+            # mask: (B|1, H|1, Tp|1, Sp|1)
+        self.mask = mask
+
+        # Which keys query t may see under causality and the window: lo <= s - t' <= hi,
+        # where t' = t + offset is its aligned diagonal (offset = S - T for bottom-right).
+        left, right = window if window is not None else (None, None)
+        self.lo = -math.inf if left is None else -left
+        self.hi = math.inf if right is None else right
+        if is_causal:
+            self.hi = min(self.hi, 0)
+        self.banded = is_causal or window is not None
+
+    def queries(self, i: jax.Array, scale: float) -> jax.Array:
+        """Query block i of every head, scaled, stacked by key/value head: query head
+        h = k·G + g shares key/value head k, so a kv head's tile serves its G query
+        heads, stacked as G·Tb rows. (B, K, G·Tb, D)."""
+        qi = lax.dynamic_slice_in_dim(self.q, i * self.Tb, self.Tb, axis=2)  # (B, H, Tb, D)
+        qi = qi.astype(self.work) * self.work(scale)  # (B, H, Tb, D)
+        return qi.reshape(self.B, self.K, self.G * self.Tb, -1)  # (B, K, G·Tb, D)
+
+    def key_blocks(self, i: jax.Array) -> tuple[jax.Array, ...]:
         """For query block i: the key blocks [first, last) that can hold a visible key, and
         within them [inner_first, inner_last), the blocks where every query of the block
         sees every key (no masking needed). Traced int32 scalars."""
-        t0 = i * Tb + offset  # diagonal of the block's first query
+        Tb, Sb, nS, lo, hi = self.Tb, self.Sb, self.nS, self.lo, self.hi
+        t0 = i * Tb + self.offset  # diagonal of the block's first query
         first, inner_first, inner_last, last = 0, 0, nS, nS
         if lo != -math.inf:
             first = (t0 + lo) // Sb
@@ -266,7 +457,7 @@ def _flash(
             last = (t0 + Tb - 1 + hi) // Sb + 1
             # Inside up to the last block whose last key is <= hi past the first query's.
             inner_last = (t0 + hi + 1) // Sb
-        if Sp != S:
+        if self.Sp != self.S:
             inner_last = jnp.minimum(inner_last, nS - 1)  # the padded block is masked
         first = jnp.clip(first, 0, nS).astype(jnp.int32)
         last = jnp.clip(last, first, nS).astype(jnp.int32)
@@ -274,12 +465,34 @@ def _flash(
         inner_first = jnp.clip(inner_first, first, inner_last).astype(jnp.int32)
         return first, inner_first, inner_last, last
 
-    def tile(i: jax.Array, j: jax.Array, x: jax.Array, banded_tile: bool) -> jax.Array:
-        """Steps 3-4 on the scores x of tile (i, j): softcap, then mask. The band (and
-        the padding) is masked only on a ``banded_tile``; the others lie inside it."""
+    def walk(self, i: jax.Array, body, carry):
+        """``carry = body(j, carry, banded_tile)`` for the key blocks j query block i can
+        see, in order: those the band cuts on the left (a window), those wholly inside
+        it, and those it cuts on the right (the causal diagonal), so that only the cut
+        ones (``banded_tile``) pay for the masking. The others are skipped."""
+        first, inner_first, inner_last, last = self.key_blocks(i)
+        edge = functools.partial(body, banded_tile=True)
+        inside = functools.partial(body, banded_tile=False)
+        carry = lax.fori_loop(first, inner_first, edge, carry)
+        carry = lax.fori_loop(inner_first, inner_last, inside, carry)
+        return lax.fori_loop(inner_last, last, edge, carry)
+
+    def scores(self, qi: jax.Array, i: jax.Array, j: jax.Array, banded_tile: bool) -> tuple:
+        """Steps 1, 3 and 4 on tile (i, j): the masked scores (B, K, G·Tb, Sb); the
+        softcap's tanh(R/c) (same shape, for its derivative) or None; and which keys of
+        the tile some real query of the block may see, (B, K, Sb), or None when every
+        query sees every key. The band (and the padding) is masked only on a
+        ``banded_tile``; the others lie inside it."""
+        B, K, G, Tb, Sb, work = self.B, self.K, self.G, self.Tb, self.Sb, self.work
+        # 1. Scores: every query of the block against every key of the block.
+        kj = lax.dynamic_slice_in_dim(self.k, j * Sb, Sb, axis=2).astype(work)  # (B, K, Sb, D)
+        x = jnp.einsum("bkrd,bksd->bkrs", qi, kj, precision=_HIGHEST)  # (B, K, G·Tb, Sb)
+
         # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
-        if softcap is not None:
-            x = softcap * jnp.tanh(x / softcap)  # (B, K, G·Tb, Sb)
+        tanh = None
+        if self.softcap is not None:
+            tanh = jnp.tanh(x / self.softcap)  # (B, K, G·Tb, Sb)
+            x = self.softcap * tanh  # (B, K, G·Tb, Sb)
 
         # 4. Mask: a float mask is added; a bool mask, the causal triangle and the window
         # decide which keys each query may see at all, and so does a float mask's -inf:
@@ -287,104 +500,127 @@ def _flash(
         # NaN + -inf is NaN.
         x = x.reshape(B, K, G, Tb, Sb)  # (B, K, G, Tb, Sb)
         allowed = None
-        if mask is not None:
-            m = _mask_tile(mask, i, j, Tb, Sb)  # (B|1, H|1, Tb|1, Sb|1)
-            m = _grouped(m, K, G)  # (B|1, K|1, G|1, Tb|1, Sb|1)
-            if mask.dtype == jnp.bool_:
+        if self.mask is not None:
+            m = _grouped(_mask_tile(self.mask, i, j, Tb, Sb), K, G)  # (B|1, K|1, G|1, Tb|1, Sb|1)
+            if self.mask.dtype == jnp.bool_:
                 allowed = m
             else:
                 x = x + m.astype(work)  # (B, K, G, Tb, Sb)
                 allowed = m != -jnp.inf  # (B|1, K|1, G|1, Tb|1, Sb|1)
         if banded_tile:
             s = j * Sb + jnp.arange(Sb, dtype=jnp.int32)[None, :]  # (1, Sb)
-            if banded:
+            if self.banded:
                 t = i * Tb + jnp.arange(Tb, dtype=jnp.int32)[:, None]  # (Tb, 1)
-                distance = s - (t + offset)  # (Tb, Sb)
+                distance = s - (t + self.offset)  # (Tb, Sb)
                 band = jnp.ones((Tb, Sb), dtype=bool)  # (Tb, Sb)
-                if lo != -math.inf:
-                    band &= distance >= lo
-                if hi != math.inf:
-                    band &= distance <= hi
+                if self.lo != -math.inf:
+                    band &= distance >= self.lo
+                if self.hi != math.inf:
+                    band &= distance <= self.hi
                 allowed = band if allowed is None else allowed & band
-            if Sp != S:
-                allowed = s < S if allowed is None else allowed & (s < S)  # padded keys
-        if allowed is not None:
-            x = jnp.where(allowed, x, -jnp.inf)  # (B, K, G, Tb, Sb)
-        return x.reshape(B, K, G * Tb, Sb)  # (B, K, G·Tb, Sb)
+            if self.Sp != self.S:
+                allowed = s < self.S if allowed is None else allowed & (s < self.S)  # padding
+        if self.Tp != self.T:
+            # The padded query rows see no key: their q is 0, but a key holding NaN would
+            # still make their scores NaN, and the backward sums over the rows.
+            real = (i * Tb + jnp.arange(Tb, dtype=jnp.int32) < self.T)[:, None]  # (Tb, 1)
+            allowed = real if allowed is None else allowed & real
+        if allowed is None:
+            return x.reshape(B, K, G * Tb, Sb), tanh, None
+        x = jnp.where(allowed, x, -jnp.inf)  # (B, K, G, Tb, Sb)
+        # A key that no query of the block may see (padding, a KV-cache slot not yet
+        # written) must have no effect whatever it holds.
+        used = jnp.broadcast_to(allowed, x.shape).any(axis=(2, 3))  # (B, K, Sb)
+        return x.reshape(B, K, G * Tb, Sb), tanh, used
 
-    def query_block(i: jax.Array, out: jax.Array) -> jax.Array:
-        # 1. Scores: every query of the block against every key, one key block at a time
-        # (key_block, below). Every tile's product starts from this query tile, so
-        # 2. Scale, so that the scores' spread does not grow with the head size D, is
-        # applied to it once, here: Tb·D multiplies instead of Tb·S. Query head h = k·G + g
-        # shares key/value head k, so a kv head's tile serves its G query heads, stacked
-        # as G·Tb rows.
-        qi = lax.dynamic_slice_in_dim(q, i * Tb, Tb, axis=2)  # (B, H, Tb, D)
-        qi = qi.astype(work) * work(scale)  # (B, H, Tb, D)
-        qi = qi.reshape(B, K, G * Tb, D)  # (B, K, G·Tb, D)
+    def keys(self, j: jax.Array, used: jax.Array | None) -> jax.Array:
+        """Key block j in the working precision, (B, K, Sb, D); a key no query of the
+        block may see replaced by 0, so that whatever it holds has no effect (0 · NaN
+        and 0 · inf are NaN)."""
+        kj = lax.dynamic_slice_in_dim(self.k, j * self.Sb, self.Sb, axis=2).astype(self.work)
+        return kj if used is None else jnp.where(used[..., None], kj, 0.0)  # (B, K, Sb, D)
+
+    def values(self, j: jax.Array, used: jax.Array | None) -> jax.Array:
+        """Value block j in the working precision, (B, K, Sb, E); unused ones 0."""
+        vj = lax.dynamic_slice_in_dim(self.v, j * self.Sb, self.Sb, axis=2).astype(self.work)
+        return vj if used is None else jnp.where(used[..., None], vj, 0.0)  # (B, K, Sb, E)
+
+    def online_softmax(self, qi: jax.Array, i: jax.Array) -> tuple[jax.Array, ...]:
+        """Steps 3-5 and 7 of query block i over its key blocks: the running max m, the
+        row sums l (B, K, G·Tb) and the unnormalised output acc (B, K, G·Tb, E)."""
 
         def key_block(j: jax.Array, carry: tuple, banded_tile: bool) -> tuple:
             m, l, acc = carry  # (B, K, G·Tb), (B, K, G·Tb), (B, K, G·Tb, E)
-            # 1. Scores: every query of the block against every key of the block.
-            kj = lax.dynamic_slice_in_dim(k, j * Sb, Sb, axis=2).astype(work)
-            # kj: (B, K, Sb, D)
-            x = jnp.einsum(
-                "bkrd,bksd->bkrs", qi, kj, precision=lax.Precision.HIGHEST
-            )  # (B, K, G·Tb, Sb), r = G·Tb rows
-            x = tile(i, j, x, banded_tile)  # (B, K, G·Tb, Sb)
+            x, _, used = self.scores(qi, i, j, banded_tile)  # (B, K, G·Tb, Sb), steps 1, 3, 4
 
             # 5. Softmax over the keys, online: rescale what was accumulated against the
-            # old running max onto the new one (see the module docstring). A row that has
-            # seen only blocked keys keeps max -inf; its exponent is taken against 0, so
-            # its weights are exactly 0 instead of exp(-inf - -inf) = NaN.
+            # old running max onto the new one (see the module docstring). A row that
+            # has seen only blocked keys keeps max -inf; its exponent is taken against 0,
+            # so its weights are exactly 0 instead of exp(-inf - -inf) = NaN.
             m_new = jnp.maximum(m, x.max(axis=-1))  # (B, K, G·Tb)
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # (B, K, G·Tb)
             alpha = jnp.exp(m - m_safe)  # (B, K, G·Tb)
             p = jnp.exp(x - m_safe[..., None])  # (B, K, G·Tb, Sb)
             l = alpha * l + p.sum(axis=-1)  # (B, K, G·Tb)
 
-            # 7. Weighted sum of the values, accumulated unnormalised. A key that no query
-            # of the block may see (padding, a KV-cache slot not yet written) has weight 0,
-            # but 0 · NaN and 0 · inf are NaN: its value row is replaced by 0, so that
-            # whatever it holds has no effect. (Only tiles that mask anything have one.)
-            vj = lax.dynamic_slice_in_dim(v, j * Sb, Sb, axis=2).astype(work)
-            # vj: (B, K, Sb, E)
-            if mask is not None or banded_tile:
-                seen = (x != -jnp.inf).reshape(B, K, G, Tb, Sb)  # (B, K, G, Tb, Sb)
-                if Tp != T:
-                    # The padded query rows see keys too, but are dropped: they use none.
-                    real = i * Tb + jnp.arange(Tb, dtype=jnp.int32) < T  # (Tb,)
-                    seen = seen & real[:, None]  # (B, K, G, Tb, Sb)
-                used = seen.any(axis=(2, 3))  # (B, K, Sb)
-                vj = jnp.where(used[..., None], vj, 0.0)  # (B, K, Sb, E)
+            # 7. Weighted sum of the values, accumulated unnormalised.
             pv = jnp.einsum(
-                "bkrs,bkse->bkre", p, vj, precision=lax.Precision.HIGHEST
+                "bkrs,bkse->bkre", p, self.values(j, used), precision=_HIGHEST
             )  # (B, K, G·Tb, E)
-            acc = alpha[..., None] * acc + pv  # (B, K, G·Tb, E)
-            return m_new, l, acc
+            return m_new, l, alpha[..., None] * acc + pv
 
-        inside = functools.partial(key_block, banded_tile=False)
-        edge = functools.partial(key_block, banded_tile=True)
+        B, K, R, E = self.B, self.K, self.G * self.Tb, self.v.shape[-1]
         carry = (
-            jnp.full((B, K, G * Tb), -jnp.inf, dtype=work),  # m: (B, K, G·Tb)
-            jnp.zeros((B, K, G * Tb), dtype=work),  # l: (B, K, G·Tb)
-            jnp.zeros((B, K, G * Tb, E), dtype=work),  # acc: (B, K, G·Tb, E)
+            jnp.full((B, K, R), -jnp.inf, dtype=self.work),  # m: (B, K, G·Tb)
+            jnp.zeros((B, K, R), dtype=self.work),  # l: (B, K, G·Tb)
+            jnp.zeros((B, K, R, E), dtype=self.work),  # acc: (B, K, G·Tb, E)
         )
-        # The key blocks in order: those the band cuts on the left (a window), those
-        # wholly inside it, and those it cuts on the right (the causal diagonal), so
-        # that only the cut ones pay for the masking.
-        first, inner_first, inner_last, last = key_blocks(i)
-        carry = lax.fori_loop(first, inner_first, edge, carry)
-        carry = lax.fori_loop(inner_first, inner_last, inside, carry)
-        _, l, acc = lax.fori_loop(inner_last, last, edge, carry)
-        # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
-        acc = acc / jnp.where(l > 0, l, 1.0)[..., None]  # (B, K, G·Tb, E)
-        acc = acc.reshape(B, H, Tb, E).astype(out_dtype)  # (B, H, Tb, E)
-        return lax.dynamic_update_slice_in_dim(out, acc, i * Tb, axis=2)  # (B, H, Tp, E)
+        return self.walk(i, key_block, carry)
 
-    out = jnp.zeros((B, H, Tp, E), dtype=out_dtype)  # (B, H, Tp, E)
-    out = lax.fori_loop(0, nT, query_block, out)  # (B, H, Tp, E)
-    return out[:, :, :T]  # (B, H, T, E), the padded rows cut off
+    def add_mask_grad(self, dm: jax.Array, dz: jax.Array, i: jax.Array, j: jax.Array):
+        """4'. dmask += dZ on tile (i, j), summed over the axes along which one mask entry
+        served many scores (broadcasting). dm: (B|1, H|1, Tp|1, Sp|1)."""
+        b, h, tm, sm = dm.shape
+        d = dz.reshape(self.B, self.K * self.G, self.Tb, self.Sb)  # (B, H, Tb, Sb)
+        axes = tuple(a for a, n in enumerate((b, h, tm, sm)) if n == 1)
+        d = d.sum(axis=axes, keepdims=True)  # (B|1, H|1, Tb|1, Sb|1)
+        start = (0, 0, 0 if tm == 1 else i * self.Tb, 0 if sm == 1 else j * self.Sb)
+        start = tuple(jnp.asarray(x, dtype=jnp.int32) for x in start)
+        old = lax.dynamic_slice(dm, start, d.shape)  # (B|1, H|1, Tb|1, Sb|1)
+        return lax.dynamic_update_slice(dm, old + d, start)  # (B|1, H|1, Tp|1, Sp|1)
+
+
+def _prepare(q, k, v, mask, options: dict, block_q: int, block_k: int, d_out=None):
+    """Step 0 and the static options: (the checked call, the batched q, k, v and the
+    mask as (B|1, H|1, T|1, S|1), the keyword arguments of ``_flash``)."""
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    mask = None if mask is None else jnp.asarray(mask)
+    call = contract.check(
+        q,
+        k,
+        v,
+        mask=mask,
+        **options,
+        unsupported={"dropout_p": "jax-flash is blockwise attention without dropout"},
+        tiles={"block_q": block_q, "block_k": block_k},
+        d_out=d_out,
+    )
+    if call.unbatched:
+        q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
+    if mask is not None:
+        # Keep the mask as small as it was given, (B|1, H|1, T|1, S|1): broadcasting it
+        # to (B, H, T, S) here would build the very T × S array this module avoids.
+        mask = mask.reshape(call.mask_shape)  # (B|1, H|1, T|1, S|1)
+    static = dict(
+        scale=call.scale,
+        is_causal=call.is_causal,
+        offset=0 if call.causal_alignment == "top_left" else call.S - call.T,
+        window=call.window,
+        softcap=call.softcap,
+        Tb=max(1, min(block_q, call.T)),
+        Sb=max(1, min(block_k, call.S)),
+    )
+    return call, (q, k, v, mask), static
 
 
 def _mask_tile(mask: jax.Array, i: jax.Array, j: jax.Array, Tb: int, Sb: int):
@@ -394,6 +630,12 @@ def _mask_tile(mask: jax.Array, i: jax.Array, j: jax.Array, Tb: int, Sb: int):
     start = tuple(jnp.asarray(x, dtype=jnp.int32) for x in start)
     size = (b, h, 1 if t == 1 else Tb, 1 if s == 1 else Sb)
     return lax.dynamic_slice(mask, start, size)  # (B|1, H|1, Tb|1, Sb|1)
+
+
+def _add_block(x: jax.Array, update: jax.Array, s0: jax.Array) -> jax.Array:
+    """x[:, :, s0:s0 + Sb] += update, in place: (B, K, Sp, ·)."""
+    old = lax.dynamic_slice_in_dim(x, s0, update.shape[2], axis=2)  # (B, K, Sb, ·)
+    return lax.dynamic_update_slice_in_dim(x, old + update, s0, axis=2)  # (B, K, Sp, ·)
 
 
 def _grouped(x: jax.Array, K: int, G: int) -> jax.Array:

@@ -326,6 +326,11 @@ def _ring_backward(q, k, v, tpos, spos, mask, opts, d_out, *, P, pieces, softcap
     make one hop more, home. dq (B, H, Tl, D) is this device's rows; dk (B, K, Sl, D) and
     dv (B, K, Sl, E) its own slice's, summed over every device's queries; dmask has the
     mask's shape (its T axis sharded with the queries, or summed over the devices).
+
+    The block body is the same algorithm as ``jax_flash``'s backward tile but kept apart:
+    an impl may import only contract.py, and here the options and every token's position
+    are traced values that travel with the slices (one compiled program serves every
+    option and layout), where ``jax_flash`` masks by a static band and skips by loop bounds.
     """
     out, lse = _ring_forward(
         q, k, v, tpos, spos, mask, opts, P=P, pieces=pieces, softcap_on=softcap_on

@@ -1,5 +1,7 @@
 """Blockwise (FlashAttention-style) attention in NumPy: the same answer, never a T × S matrix.
 
+    out = softmax(mask(softcap(scale · q kᵀ))) v
+
 The reference (``numpy_attention``) builds every score at once: a (B, H, T, S) array, 16
 GiB in float32 for one 16384-token batch of 16 heads (16 · 16384² · 4 bytes). Yet each
 output row only needs a weighted average of value rows, and an average can be accumulated
@@ -37,19 +39,6 @@ against m_safe = 0 in that case, which gives exp(-inf) = 0 for the blocked keys 
 for the (empty) history. A row that never sees a key ends with l = 0 and a = 0, and returns
 exactly 0, as the reference does.
 
-Deferring the max. Since any constant m gives the same answer, m = 0 does too, as long as
-nothing leaves the floating-point range: then there is no max to find, nothing to
-subtract and nothing to rescale, only exp(x), and l and a are plain sums. That is the
-common case (scores of a few units), and it saves two of the four passes over every tile
-(below). Whether it held is checked for each row after its last key tile: its sum l
-finite and at least √tiny (about 1e-19 in float32, where tiny is the smallest normal
-number), and its output sums a finite. An overflow shows as inf or NaN in l or a; a weight
-small enough to underflow is below tiny, so with l >= √tiny all such weights together
-weigh less than S · √tiny of the row, far below rounding. A row that fails the check (huge
-or very negative scores, no key at all, a NaN) is taken from a second pass over its
-block with the running max, exactly as above; the choice is made row by row, so a row's
-result never depends on another row's values.
-
 Skipping tiles. Causal and window masks are bands around the diagonal. For a block of
 queries, the keys split into ranges: keys no row of the block may see are skipped, keys
 every row sees need no masking, and only the two diagonal strips between them (each as
@@ -57,23 +46,23 @@ wide as the query block) are masked key by key. That is where fused kernels get 
 causal speed-up. (A user-supplied mask is an input: its tiles are sliced, and a fully
 blocked tile is still computed.)
 
+The backward pass, ``attention_vjp``, is FlashAttention-2's: it keeps no T × S matrix
+either, because the forward's log-sum-exp per row is enough to recompute any tile's
+weights. Its derivation is in its docstring.
+
 Memory. No input is copied whole: tiles are sliced from views of q, k and v (and cast
 to the working precision tile by tile), and each finished query block is written
 straight into the output. Beyond inputs and output, one call holds a (B·K, G·Tb, Sb)
 score tile (reused from tile to tile), a (B·K, G·Tb, E) accumulator and a (B·K, G·Tb, D)
 query tile: with the defaults and B=1, H=8, about 6 MiB in float32, whatever T and S are.
+The backward holds a few such tiles more, and per query block its Tb log-sum-exps.
 
-Speed. The two products per tile are ``np.matmul`` on float32 arrays, which BLAS runs on
-all cores, and so is the row sum, a matrix-vector product with a vector of ones; the
-rest is elementwise passes over the tile, done in place, on one core (NumPy's ufuncs are
-single-threaded). So the passes are what to save: with the max deferred a tile needs one
-(exp) instead of four (max, subtract, exp, sum), and only the diagonal strips a fifth
-(the mask). The block sizes trade Python overhead and BLAS efficiency (larger tiles)
-against cache residency and causal skipping (smaller ones): a query block of Tb rows
-wastes about Tb²/2 masked scores on the diagonal. 256 × 512 was fastest on 2 cores,
-causal and not (T = 4096, float32). (Running query blocks on Python threads would
-parallelise the elementwise passes, but OpenBLAS's own threads then fight them for the
-cores and every matmul stalls.)
+The code reads in two parts. First the algorithm as derived here: ``attention``,
+``attention_vjp``, and the online softmax and the backward on one query block. Then, at
+the end of the file and apart, the tuned path the calls actually run: the same online
+softmax with the max deferred (no max, no rescaling in the common case), which falls
+back to the textbook version row by row; its section says why it is exact and what it
+saves.
 
 Shape legend (heads-first, as in PyTorch):
 
@@ -96,8 +85,9 @@ memory-efficient impls must avoid (the teaching reference repeats k and v instea
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
 windows, softcapping, grouped-query and multi-query attention (K < H), float64, float32,
-float16 and bfloat16 (``ml_dtypes``, computed in float32 and rounded once). A query row with
-no key left to attend returns exactly 0. Not supported: dropout (``dropout_p > 0`` raises
+float16 and bfloat16 (``ml_dtypes``, computed in float32 and rounded once), and the
+backward pass of all of them with a float mask's gradient. A query row with no key left
+to attend returns exactly 0. Not supported: dropout (``dropout_p > 0`` raises
 NotImplementedError).
 """
 
@@ -149,54 +139,13 @@ def attention(
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
     """
-    # 0. Validate: the input contract every impl shares (contract.py) checks shapes,
-    # dtypes and options, and names the argument, the expected shape and what was given.
-    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
-    mask = None if mask is None else np.asarray(mask)
-    call = contract.check(
-        q,
-        k,
-        v,
-        mask=mask,
-        is_causal=is_causal,
-        scale=scale,
-        causal_alignment=causal_alignment,
-        window=window,
-        softcap=softcap,
-        dropout_p=dropout_p,
-        unsupported={"dropout_p": "numpy-flash is blockwise attention without dropout"},
-        tiles={"block_q": block_q, "block_k": block_k},
-    )
-    if call.unbatched:
-        q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
-    B, H, K, G, T, S, D, E = call.B, call.H, call.K, call.G, call.T, call.S, call.D, call.E
-    if mask is not None:
-        b, h = call.mask_shape[:2]
-        mask = np.broadcast_to(mask.reshape(call.mask_shape), (b, h, T, S))  # (B|1, H|1, T, S)
-    # The options in their normal form: a NumPy scalar as a float, a list window a tuple.
-    scale, softcap, is_causal, window = call.scale, call.softcap, call.is_causal, call.window
-    causal_alignment = call.causal_alignment
-
-    # Low precision inputs are computed in float32: exp() of a float16 score overflows
-    # past 11.09, and summing many weights in float16 loses the small ones.
-    out_dtype = q.dtype
-    work = np.float64 if out_dtype == np.float64 else np.float32
-
-    # The grouped layout (module docstring): views, no copy of an input.
-    q = q.reshape(B * K, G, T, D)  # (B·K, G, T, D)
-    offset = 0 if causal_alignment == "top_left" else S - T
-    tiles = _KeyTiles(
-        k.reshape(B * K, S, D),  # (B·K, S, D)
-        v.reshape(B * K, S, E),  # (B·K, S, E)
-        mask,
-        _Band(offset, is_causal, window),
-        softcap,
-        K,
-        G,
-        block_k,
-        work,
-    )
-    out = np.empty((B * K, G, T, E), dtype=out_dtype)  # (B·K, G, T, E)
+    # 0. Validate with the input contract every impl shares (contract.py, called in
+    # _prepare), and lay the inputs out by key/value head, as views.
+    options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
+    options.update(window=window, softcap=softcap, dropout_p=dropout_p)
+    call, q, tiles = _prepare(q, k, v, mask, options, block_q, block_k)
+    B, H, K, G, T, E = call.B, call.H, call.K, call.G, call.T, call.E
+    out = np.empty((B * K, G, T, E), dtype=q.dtype)  # (B·K, G, T, E)
 
     for t0 in range(0, T, block_q):
         t1 = min(t0 + block_q, T)
@@ -205,27 +154,312 @@ def attention(
         # (_KeyTiles.scores). Every tile's product starts from this query tile, so
         # 2. Scale, so that the scores' spread does not grow with the head size D, is
         # applied to it once, here: Tb·D multiplies instead of Tb·S.
-        qs = q[:, :, t0:t1].astype(work) * work(scale)  # (B·K, G, Tb, D), a copy
-        qs = qs.reshape(B * K, G * Tb, D)  # (B·K, G·Tb, D)
+        qs = _query_tile(q, t0, t1, call.scale, tiles.work)  # (B·K, G·Tb, D)
 
-        # Steps 3-5 and 7, key tile by key tile (_accumulate), with the max deferred; the
-        # rows where that left the floating-point range are taken from a second pass with
-        # the running max (module docstring). A row's result depends on its scores only.
-        acc, l = _accumulate(qs, t0, t1, tiles, running_max=False)
-        exact = _in_range(acc, l)  # (B·K, G·Tb, 1)
-        if not exact.all():
-            acc_m, l_m = _accumulate(qs, t0, t1, tiles, running_max=True)
-            acc = np.where(exact, acc, acc_m)  # (B·K, G·Tb, E)
-            l = np.where(exact, l, l_m)  # (B·K, G·Tb, 1)
+        # Steps 3-5 and 7, key tile by key tile: the online softmax (_online_softmax,
+        # below), run through its tuned form (_fast_online_softmax, at the end of the
+        # file), which gives the same rows.
+        acc, l, _ = _fast_online_softmax(qs, t0, t1, tiles)
 
         # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
         # Assigning into out rounds to the output dtype once.
-        acc /= np.where(l > 0, l, 1.0)  # (B·K, G·Tb, E)
+        acc = _normalise(acc, l)  # (B·K, G·Tb, E)
         out[:, :, t0:t1] = acc.reshape(B * K, G, Tb, E)  # (B·K, G, Tb, E)
 
     # The query heads back in order h = k·G + g.
     out = out.reshape(B, H, T, E)  # (B, H, T, E)
     return out[0] if call.unbatched else out
+
+
+def attention_vjp(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    d_out: np.ndarray,
+    *,
+    mask: np.ndarray | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    block_q: int = 256,
+    block_k: int = 512,
+) -> tuple[np.ndarray, ...]:
+    """Gradients of ``attention``, FlashAttention-2's way: tile by tile, no T × S matrix.
+
+    The naive backward (``numpy_attention_backward.py``) keeps the (T, S) weights P of
+    the forward and walks back through them; for one query row t, with O the output, Z
+    the scores entering the softmax and R the scaled raw scores:
+
+        dV   = Pᵀ·dO                          dP = dO·Vᵀ
+        dZ   = P ⊙ (dP − rowsum(dP ⊙ P))     the softmax's Jacobian
+        dR   = dZ ⊙ (1 − tanh²(R/c))          softcap c (dR = dZ without it)
+        dQ   = scale · dR·K                   dK = scale · dRᵀ·Q
+
+    Every line but one is a product of a (T, S) tile with a (T, ·) or (S, ·) block, so
+    it can be summed tile by tile: dV[s] and dK[s] collect Σ_t over the query blocks,
+    dQ[t] collects Σ_s over the key tiles. Two things stand in the way, and both go:
+
+    Why Δ replaces the row sums of dP ⊙ P. The softmax's coupling term
+    Σ_s P[t,s]·dP[t,s] is a sum over every key of the row, which no single tile has.
+    But dP[t,s] = dO[t]·v[s], so
+
+        Σ_s P[t,s] dP[t,s] = dO[t] · Σ_s P[t,s] v[s] = dO[t] · O[t] =: Δ[t]
+
+    one dot product of two E-vectors per row, from the output, before any tile is
+    visited. With Δ, dZ[t,s] = P[t,s] (dP[t,s] − Δ[t]) needs only the tile's own P and
+    dP.
+
+    Why the log-sum-exp is all the forward must keep. The tile's P is needed again,
+    but P[t,s] = exp(Z[t,s] − m[t]) / l[t] for the row's max m and sum l (against m),
+    and the two row constants fold into one:
+
+        P[t,s] = exp(Z[t,s] − lse[t]),        lse[t] = m[t] + log l[t] = log Σ_s exp Z[t,s]
+
+    Z[t,s] itself is q[t]·k[s] again (with softcap and mask), so one number per row,
+    lse, turns any tile's recomputed scores into its exact weights: no max, no sum, no
+    rescaling in the backward. A row with no key has l = 0; its lse is taken as +inf,
+    so its weights are exp(-inf) = 0 and its gradients exactly 0. (A backward kept
+    separate from its forward stores lse, T numbers per head; here each query block's
+    forward runs just before its backward, so lse and Δ live only as long as the
+    block.)
+
+    Order of the loops. FlashAttention-2 on a GPU puts the key blocks outside, so that
+    dK and dV stay in fast memory while dQ is added up in global memory. On a CPU
+    neither is in registers; here the query blocks are outside, as in the forward:
+    for each, the forward over its key tiles gives lse and O (hence Δ), and then the
+    backward over the same key tiles adds to dQ of the block and to dK and dV of each
+    tile. Both walks skip the tiles the band blocks, so a causal backward costs about
+    half.
+
+    Blocked keys and unused slots. A blocked score is -inf, so its weight is exactly 0
+    and dZ = 0 there: nothing reaches its mask entry, key or value. A key or value that
+    no query of the block may see is replaced by 0 before the products (0 · NaN is
+    NaN), and its dK, dV from the block by 0, so that whatever the slot holds, its
+    gradients are 0 and no other gradient changes.
+
+    Args:
+      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, block_q,
+        block_k: as for ``attention`` (no dropout: its gradient needs the forward's
+        random draw).
+      d_out: ∂L/∂out, shaped like the output, (B, H, T, E) or (H, T, E), in q's dtype.
+      dropout_p: must be 0.
+
+    Returns:
+      (dq, dk, dv) shaped and typed like q, k, v, for L = Σ d_out · attention(q, k, v,
+      ...); with a floating mask, (dq, dk, dv, dmask), dmask shaped and typed like the
+      mask: ∂L/∂mask, summed over the axes the mask was broadcast along.
+    """
+    # 0. Validate as the forward does, and d_out against the output's shape and dtype.
+    options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
+    options.update(window=window, softcap=softcap, dropout_p=dropout_p)
+    d_out = np.asarray(d_out)
+    call, q, tiles = _prepare(q, k, v, mask, options, block_q, block_k, d_out=d_out)
+    B, H, K, G, T, S, D, E = call.B, call.H, call.K, call.G, call.T, call.S, call.D, call.E
+    work = tiles.work
+    d_out = d_out.reshape(B * K, G, T, E)  # (B·K, G, T, E), a view
+    dq = np.empty((B * K, G, T, D), dtype=q.dtype)  # (B·K, G, T, D)
+    dk = np.zeros((B * K, S, D), dtype=work)  # (B·K, S, D)
+    dv = np.zeros((B * K, S, E), dtype=work)  # (B·K, S, E)
+    float_mask = mask is not None and not call.mask_is_bool
+    dm = np.zeros(call.mask_shape, dtype=work) if float_mask else None  # (B|1, H|1, T|1, S|1)
+
+    for t0 in range(0, T, block_q):
+        t1 = min(t0 + block_q, T)
+        Tb = t1 - t0
+        # Forward steps 1-5 and 7 for this block, as in ``attention``: its rows' output
+        # O and log-sum-exp, the one number per row the backward needs.
+        qs = _query_tile(q, t0, t1, call.scale, work)  # (B·K, G·Tb, D)
+        acc, l, m = _fast_online_softmax(qs, t0, t1, tiles)
+        o = _normalise(acc, l)  # (B·K, G·Tb, E)
+        some = l > 0  # (B·K, G·Tb, 1)
+        lse = np.where(some, m + np.log(np.where(some, l, 1.0)), np.inf)  # (B·K, G·Tb, 1)
+
+        # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O): one dot product per row.
+        do = d_out[:, :, t0:t1].astype(work).reshape(B * K, G * Tb, E)  # (B·K, G·Tb, E)
+        delta = np.sum(do * o, axis=-1, keepdims=True)  # (B·K, G·Tb, 1)
+
+        # The backward over the block's key tiles; dq gets the scale once, here.
+        dq_b = _backward_block(qs, do, lse, delta, t0, t1, tiles, dk, dv, dm)
+        dq_b *= work(call.scale)  # (B·K, G·Tb, D)
+        dq[:, :, t0:t1] = dq_b.reshape(B * K, G, Tb, D)  # (B·K, G, Tb, D)
+
+    grads = [
+        dq.reshape(B, H, T, D),  # (B, H, T, D)
+        dk.reshape(B, K, S, D).astype(q.dtype, copy=False),  # (B, K, S, D)
+        dv.reshape(B, K, S, E).astype(q.dtype, copy=False),  # (B, K, S, E)
+    ]
+    if call.unbatched:
+        grads = [g[0] for g in grads]
+    if dm is not None:
+        grads.append(dm.reshape(np.shape(mask)).astype(np.asarray(mask).dtype, copy=False))
+    return tuple(grads)
+
+
+def _online_softmax(
+    qs: np.ndarray, t0: int, t1: int, tiles: _KeyTiles
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Steps 3-5 and 7 of one query block over its key tiles, with the running max (the
+    module docstring's derivation): the unnormalised output acc (B·K, G·Tb, E), the row
+    sums l and the constant m they are taken against, (B·K, G·Tb, 1) each."""
+    BK, R, _ = qs.shape  # R = G·Tb rows
+    work = qs.dtype
+    m = np.full((BK, R, 1), -np.inf, dtype=work)  # (B·K, G·Tb, 1)
+    l = np.zeros((BK, R, 1), dtype=work)  # (B·K, G·Tb, 1)
+    acc = np.zeros((BK, R, tiles.v.shape[-1]), dtype=work)  # (B·K, G·Tb, E)
+    for s0, s1, whole in tiles.ranges(t0, t1):
+        x, used = tiles.scores(qs, t0, t1, s0, s1, whole)  # (B·K, G·Tb, Sb), steps 1, 3, 4
+
+        # 5. Softmax over the keys, online: rescale what was accumulated against the
+        # old running max onto the new one (see the module docstring). A row that has
+        # seen only blocked keys keeps max -inf; its exponent is taken against 0, so
+        # its weights are exactly 0 instead of exp(-inf - -inf) = NaN.
+        m_new = np.maximum(m, x.max(axis=-1, keepdims=True))  # (B·K, G·Tb, 1)
+        m_safe = np.where(np.isfinite(m_new), m_new, 0.0)  # (B·K, G·Tb, 1)
+        # A score of +inf (q·k overflowed) makes its row NaN, and so does an inf value
+        # or one whose weighted sum overflows, as the spec defines (§3.8, §4.8, §4.9):
+        # inf − inf and inf · 0 are that NaN, not a fault.
+        with np.errstate(over="ignore", invalid="ignore"):
+            alpha = np.exp(m - m_safe)  # (B·K, G·Tb, 1)
+            p = np.exp(x - m_safe)  # (B·K, G·Tb, Sb)
+            l = alpha * l + p.sum(axis=-1, keepdims=True)  # (B·K, G·Tb, 1)
+
+            # 7. Weighted sum of the values, accumulated unnormalised.
+            acc = alpha * acc + p @ tiles.values(s0, s1, used)  # (B·K, G·Tb, E)
+        m = m_new
+    return acc, l, np.where(np.isfinite(m), m, 0.0)
+
+
+def _backward_block(
+    qs: np.ndarray,
+    do: np.ndarray,
+    lse: np.ndarray,
+    delta: np.ndarray,
+    t0: int,
+    t1: int,
+    tiles: _KeyTiles,
+    dk: np.ndarray,
+    dv: np.ndarray,
+    dm: np.ndarray | None,
+) -> np.ndarray:
+    """The backward of one query block over its key tiles (``attention_vjp``'s
+    derivation): returns its dq / scale (B·K, G·Tb, D), and adds into dk (B·K, S, D),
+    dv (B·K, S, E) and, for a float mask, dm (B|1, H|1, T|1, S|1).
+
+    qs: the scaled queries (B·K, G·Tb, D); do: their rows of dO (B·K, G·Tb, E); lse and
+    delta: their log-sum-exp and Δ, (B·K, G·Tb, 1).
+    """
+    BK, R, D = qs.shape  # R = G·Tb rows
+    dq = np.zeros((BK, R, D), dtype=qs.dtype)  # (B·K, G·Tb, D)
+    for s0, s1, whole in tiles.ranges(t0, t1):
+        # Forward steps 1, 3 and 4 again: the tile's masked scores Z.
+        z, used = tiles.scores(qs, t0, t1, s0, s1, whole, keep_tanh=True)  # (B·K, G·Tb, Sb)
+        # 5. The weights, recomputed from the row's log-sum-exp: P = exp(Z − lse). A row
+        # with no key has lse = +inf and so P = 0; a +inf score (q·k overflowed) makes
+        # its row NaN, as in the forward.
+        with np.errstate(invalid="ignore"):
+            z -= lse  # (B·K, G·Tb, Sb)
+        p = np.exp(z, out=z)  # (B·K, G·Tb, Sb)
+        kb = tiles.keys(s0, s1, used)  # (B·K, Sb, D)
+        vb = tiles.values(s0, s1, used)  # (B·K, Sb, E)
+
+        # 7'. Weighted sum, O = P·V: dV = Pᵀ·dO, and dP = dO·Vᵀ.
+        dv_b = np.matmul(p.transpose(0, 2, 1), do)  # (B·K, Sb, E)
+        dz = np.matmul(do, vb.transpose(0, 2, 1))  # (B·K, G·Tb, Sb), dP for now
+
+        # 5'. Softmax: dZ = P ⊙ (dP − Δ).
+        dz -= delta  # (B·K, G·Tb, Sb)
+        dz *= p  # (B·K, G·Tb, Sb)
+
+        # 4'. Mask: a float mask was added to the scores, so its gradient is dZ.
+        if dm is not None:
+            tiles.add_mask_grad(dm, dz, t0, t1, s0, s1)
+
+        # 3'. Softcap: d/dR of c·tanh(R/c) is 1 − tanh²(R/c), which fades where the cap
+        # bites.
+        if tiles.softcap is not None:
+            dz *= 1.0 - tiles.tanh * tiles.tanh  # (B·K, G·Tb, Sb)
+
+        # 2'-1'. Scores, R = scale · q·kᵀ: the scale is in qs (so dk has it already);
+        # dq gets it once, at the end of the block.
+        dq += np.matmul(dz, kb)  # (B·K, G·Tb, D)
+        dk_b = np.matmul(dz.transpose(0, 2, 1), qs)  # (B·K, Sb, D)
+
+        # The slots replaced by 0 get nothing back: a selection passes the gradient only
+        # to the branch it took.
+        if used is not None:
+            dk_b = np.where(used, dk_b, 0.0)  # (B·K, Sb, D)
+            dv_b = np.where(used, dv_b, 0.0)  # (B·K, Sb, E)
+        dk[:, s0:s1] += dk_b  # (B·K, Sb, D)
+        dv[:, s0:s1] += dv_b  # (B·K, Sb, E)
+    return dq
+
+
+def _prepare(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    mask: np.ndarray | None,
+    options: dict,
+    block_q: int,
+    block_k: int,
+    d_out: np.ndarray | None = None,
+) -> tuple[contract.Checked, np.ndarray, _KeyTiles]:
+    """Step 0 and the layout: the checked call, q as (B·K, G, T, D) and the key tiles."""
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    mask = None if mask is None else np.asarray(mask)
+    call = contract.check(
+        q,
+        k,
+        v,
+        mask=mask,
+        **options,
+        unsupported={"dropout_p": "numpy-flash is blockwise attention without dropout"},
+        tiles={"block_q": block_q, "block_k": block_k},
+        d_out=d_out,
+    )
+    if call.unbatched:
+        q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
+    B, K, G, T, S, D, E = call.B, call.K, call.G, call.T, call.S, call.D, call.E
+    if mask is not None:
+        b, h = call.mask_shape[:2]
+        mask = np.broadcast_to(mask.reshape(call.mask_shape), (b, h, T, S))  # (B|1, H|1, T, S)
+
+    # Low precision inputs are computed in float32: exp() of a float16 score overflows
+    # past 11.09, and summing many weights in float16 loses the small ones.
+    work = np.float64 if q.dtype == np.float64 else np.float32
+    offset = 0 if call.causal_alignment == "top_left" else S - T
+    tiles = _KeyTiles(
+        k.reshape(B * K, S, D),  # (B·K, S, D)
+        v.reshape(B * K, S, E),  # (B·K, S, E)
+        mask,
+        _Band(offset, call.is_causal, call.window),
+        call.softcap,
+        K,
+        G,
+        block_k,
+        work,
+    )
+    # The grouped layout (module docstring): a view, no copy of an input.
+    return call, q.reshape(B * K, G, T, D), tiles  # (B·K, G, T, D)
+
+
+def _query_tile(q: np.ndarray, t0: int, t1: int, scale: float, work: type) -> np.ndarray:
+    """Query rows [t0, t1) of every head, scaled, as G·Tb rows per key/value head."""
+    BK, G, _, D = q.shape
+    qs = q[:, :, t0:t1].astype(work) * work(scale)  # (B·K, G, Tb, D), a copy
+    return qs.reshape(BK, G * (t1 - t0), D)  # (B·K, G·Tb, D)
+
+
+def _normalise(acc: np.ndarray, l: np.ndarray) -> np.ndarray:
+    """out = acc / l, in place; a row that saw no key has l = 0 and acc = 0 and gives 0."""
+    # A row whose sums overflowed (a +inf score) is NaN, as the spec defines (§3.8):
+    # inf / inf is that NaN.
+    with np.errstate(invalid="ignore"):
+        acc /= np.where(l > 0, l, 1.0)  # (B·K, G·Tb, E)
+    return acc
 
 
 class _KeyTiles:
@@ -252,6 +486,7 @@ class _KeyTiles:
         self.K, self.G, self.block_k, self.work = K, G, block_k, work
         self.ones = np.ones(block_k, dtype=work)  # (Sb,): row sums as a matrix-vector product
         self.buffer = np.empty(0, dtype=work)  # the score tile, reused
+        self.tanh = np.empty(0, dtype=work)  # the last tile's tanh(R/c), for the backward
 
     def ranges(self, t0: int, t1: int) -> Iterator[tuple[int, int, bool]]:
         """(s0, s1, whole) for each key tile query rows [t0, t1) visit, in key order.
@@ -264,26 +499,40 @@ class _KeyTiles:
                 yield s0, min(s0 + self.block_k, b), whole
 
     def scores(
-        self, qs: np.ndarray, t0: int, t1: int, s0: int, s1: int, whole: bool
+        self,
+        qs: np.ndarray,
+        t0: int,
+        t1: int,
+        s0: int,
+        s1: int,
+        whole: bool,
+        keep_tanh: bool = False,
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """Steps 1, 3 and 4 on tile (t0:t1, s0:s1): (B·K, G·Tb, Sb), in the reused buffer,
         and which keys of the tile some query of the block may see, (B·K, Sb, 1) bool, or
-        None when every query may see every key."""
+        None when every query may see every key. ``keep_tanh``: keep the softcap's
+        tanh(R/c) in ``self.tanh``, for its derivative."""
         BK, R, _ = qs.shape  # R = G·Tb rows
         Tb, Sb = t1 - t0, s1 - s0
         if self.buffer.size < BK * R * Sb:
             self.buffer = np.empty(BK * R * self.block_k, dtype=self.work)
 
-        # 1. Scores: every query of the block against every key of the tile.
+        # 1. Scores: every query of the block against every key of the tile. A key
+        # holding inf or NaN, or one whose product overflows, gives inf or NaN scores
+        # here: step 4 replaces them where the key is blocked (SPEC §4.7), and where it
+        # is not they make the row NaN (§4.8, §4.9), so the invalid operation is meant.
         kb = self.k[:, s0:s1].astype(self.work, copy=False)  # (B·K, Sb, D)
         x = self.buffer[: BK * R * Sb].reshape(BK, R, Sb)  # (B·K, G·Tb, Sb)
-        np.matmul(qs, kb.transpose(0, 2, 1), out=x)  # (B·K, G·Tb, Sb)
+        with np.errstate(invalid="ignore", over="ignore"):
+            np.matmul(qs, kb.transpose(0, 2, 1), out=x)  # (B·K, G·Tb, Sb)
 
         # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
         if self.softcap is not None:
             # A score far above the softcap overflows to ±inf here, whose tanh is exactly ±1.
             with np.errstate(over="ignore"):
                 np.tanh(x / self.softcap, out=x)  # (B·K, G·Tb, Sb)
+            if keep_tanh:
+                self.tanh = x.copy()  # (B·K, G·Tb, Sb)
             x *= self.work(self.softcap)  # (B·K, G·Tb, Sb)
 
         # 4. Mask: a float mask is added; a bool mask, the causal triangle and the
@@ -294,7 +543,9 @@ class _KeyTiles:
         allowed = True
         if self.float_mask is not None:
             tile = self.float_mask[:, :, t0:t1, s0:s1]  # (B|1, H|1, Tb, Sb)
-            x5 += _grouped(tile, self.K, self.G)  # (B, K, G, Tb, Sb)
+            # +inf + -inf is NaN, which the -inf entry's replacement below undoes.
+            with np.errstate(invalid="ignore"):
+                x5 += _grouped(tile, self.K, self.G)  # (B, K, G, Tb, Sb)
             allowed = _grouped(tile != -np.inf, self.K, self.G)  # (B|1, K|1, G|1, Tb, Sb)
         if self.bool_mask is not None:
             tile = self.bool_mask[:, :, t0:t1, s0:s1]  # (B|1, H|1, Tb, Sb)
@@ -309,59 +560,31 @@ class _KeyTiles:
         used = np.broadcast_to(used, (BK // self.K, self.K, Sb))  # (B, K, Sb)
         return x, used.reshape(BK, Sb, 1)  # (B·K, Sb, 1)
 
+    def keys(self, s0: int, s1: int, used: np.ndarray | None) -> np.ndarray:
+        """Key rows [s0, s1) in the working precision, (B·K, Sb, D); a key that no query
+        of the block may see (padding, a KV-cache slot not yet written) replaced by 0, so
+        that whatever it holds has no effect (0 · NaN and 0 · inf are NaN)."""
+        kb = self.k[:, s0:s1].astype(self.work, copy=False)  # (B·K, Sb, D)
+        return kb if used is None else np.where(used, kb, 0.0)  # (B·K, Sb, D)
 
-def _accumulate(
-    qs: np.ndarray, t0: int, t1: int, tiles: _KeyTiles, running_max: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """Steps 5 and 7 of one query block over its key tiles: the unnormalised output acc
-    (B·K, G·Tb, E) and the row sums l (B·K, G·Tb, 1), both against the running max
-    (``running_max``) or against 0 (the max deferred)."""
-    BK, R, _ = qs.shape  # R = G·Tb rows
-    work = qs.dtype
-    E = tiles.v.shape[-1]
-    m = np.full((BK, R, 1), -np.inf, dtype=work)  # (B·K, G·Tb, 1)
-    l = np.zeros((BK, R, 1), dtype=work)  # (B·K, G·Tb, 1)
-    acc = np.zeros((BK, R, E), dtype=work)  # (B·K, G·Tb, E)
-    pv = np.empty_like(acc)  # (B·K, G·Tb, E)
-    for s0, s1, whole in tiles.ranges(t0, t1):
-        x, used = tiles.scores(qs, t0, t1, s0, s1, whole)  # (B·K, G·Tb, Sb), steps 1, 3, 4
-        Sb = s1 - s0
+    def values(self, s0: int, s1: int, used: np.ndarray | None) -> np.ndarray:
+        """Value rows [s0, s1) in the working precision, (B·K, Sb, E); unused ones 0."""
+        vb = self.v[:, s0:s1].astype(self.work, copy=False)  # (B·K, Sb, E)
+        return vb if used is None else np.where(used, vb, 0.0)  # (B·K, Sb, E)
 
-        # 5. Softmax over the keys, online: rescale what was accumulated against the
-        # old running max onto the new one (see the module docstring). A row that has
-        # seen only blocked keys keeps max -inf; its exponent is taken against 0, so
-        # its weights are exactly 0 instead of exp(-inf - -inf) = NaN. With the max
-        # deferred, the exponent is taken against 0 throughout and nothing is rescaled.
-        if running_max:
-            m_new = np.maximum(m, x.max(axis=-1, keepdims=True))  # (B·K, G·Tb, 1)
-            m_safe = np.where(np.isfinite(m_new), m_new, 0.0)  # (B·K, G·Tb, 1)
-            alpha = np.exp(m - m_safe)  # (B·K, G·Tb, 1)
-            x -= m_safe  # (B·K, G·Tb, Sb)
-            l *= alpha  # (B·K, G·Tb, 1)
-            acc *= alpha  # (B·K, G·Tb, E)
-            m = m_new
-        p = np.exp(x, out=x)  # (B·K, G·Tb, Sb)
-        # The row sums as a matrix-vector product: BLAS runs it on every core.
-        l += np.dot(p.reshape(BK * R, Sb), tiles.ones[:Sb]).reshape(BK, R, 1)
-
-        # 7. Weighted sum of the values, accumulated unnormalised. A key that no query
-        # of the block may see (padding, a KV-cache slot not yet written) has weight 0,
-        # but 0 · NaN and 0 · inf are NaN: its value row is replaced by 0, so that
-        # whatever it holds has no effect.
-        vb = tiles.v[:, s0:s1].astype(work, copy=False)  # (B·K, Sb, E)
-        if used is not None:
-            vb = np.where(used, vb, 0.0)  # (B·K, Sb, E)
-        acc += np.matmul(p, vb, out=pv)  # (B·K, G·Tb, E)
-    return acc, l
-
-
-def _in_range(acc: np.ndarray, l: np.ndarray) -> np.ndarray:
-    """Which rows' sums are exact with the max deferred: (B·K, G·Tb, 1) bool. Not where
-    something overflowed (inf or NaN in l or acc), nor where the row sum is so small that
-    an underflowed weight could matter (module docstring)."""
-    floor = math.sqrt(np.finfo(l.dtype).tiny)
-    finite = np.isfinite(acc).all(axis=-1, keepdims=True)  # (B·K, G·Tb, 1)
-    return (l >= floor) & np.isfinite(l) & finite  # (B·K, G·Tb, 1)
+    def add_mask_grad(
+        self, dm: np.ndarray, dz: np.ndarray, t0: int, t1: int, s0: int, s1: int
+    ) -> None:
+        """4'. dmask += dZ on tile (t0:t1, s0:s1), summed over the axes along which one
+        mask entry served many scores (broadcasting)."""
+        b, h, tm, sm = dm.shape  # (B|1, H|1, T|1, S|1)
+        Tb, Sb = t1 - t0, s1 - s0
+        d = dz.reshape(-1, self.K * self.G, Tb, Sb)  # (B, H, Tb, Sb): h = k·G + g
+        axes = tuple(i for i, n in enumerate((b, h, tm, sm)) if n == 1)
+        d = d.sum(axis=axes, keepdims=True)  # (B|1, H|1, Tb|1, Sb|1)
+        rows = slice(None) if tm == 1 else slice(t0, t1)
+        cols = slice(None) if sm == 1 else slice(s0, s1)
+        dm[:, :, rows, cols] += d  # (B|1, H|1, Tb|1, Sb|1)
 
 
 class _Band:
@@ -418,3 +641,76 @@ def _grouped(x: np.ndarray, K: int, G: int) -> np.ndarray:
     if h == 1:
         return x.reshape(b, 1, 1, t, s)  # (B|1, 1, 1, T, S)
     return x.reshape(b, K, G, t, s)  # (B|1, K, G, T, S)
+
+
+# ----------------------------------------------------------------------------------------
+# The tuned path. Everything above is the algorithm as the module docstring derives it;
+# the calls run the online softmax through the function below instead, which gives the
+# same rows faster. Nothing above depends on it but the two call sites.
+#
+# Deferring the max. Since any constant m gives the same answer, m = 0 does too, as long
+# as nothing leaves the floating-point range: then there is no max to find, nothing to
+# subtract and nothing to rescale, only exp(x), and l and a are plain sums. That is the
+# common case (scores of a few units), and it saves two of the four passes over every
+# tile. Whether it held is checked for each row after its last key tile: its sum l finite
+# and at least √tiny (about 1e-19 in float32, where tiny is the smallest normal number),
+# and its output sums a finite. An overflow shows as inf or NaN in l or a; a weight small
+# enough to underflow is below tiny, so with l >= √tiny all such weights together weigh
+# less than S · √tiny of the row, far below rounding. A row that fails the check (huge or
+# very negative scores, no key at all, a NaN) is taken from ``_online_softmax`` over its
+# block instead; the choice is made row by row, so a row's result never depends on
+# another row's values. The backward's log-sum-exp is then log l (m = 0) or m + log l.
+#
+# Why passes are what to save. The two products per tile are ``np.matmul`` on float32
+# arrays, which BLAS runs on all cores, and so is the row sum, a matrix-vector product
+# with a vector of ones; the rest is elementwise passes over the tile, done in place, on
+# one core (NumPy's ufuncs are single-threaded). With the max deferred a tile needs one
+# pass (exp) instead of four (max, subtract, exp, sum), and only the diagonal strips a
+# fifth (the mask). The block sizes trade Python overhead and BLAS efficiency (larger
+# tiles) against cache residency and causal skipping (smaller ones): a query block of Tb
+# rows wastes about Tb²/2 masked scores on the diagonal. 256 × 512 was fastest on 2
+# cores, causal and not (T = 4096, float32). (Running query blocks on Python threads
+# would parallelise the elementwise passes, but OpenBLAS's own threads then fight them
+# for the cores and every matmul stalls.)
+
+
+def _fast_online_softmax(
+    qs: np.ndarray, t0: int, t1: int, tiles: _KeyTiles
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``_online_softmax``'s (acc, l, m) for one query block, with the max deferred where
+    that is exact, and from ``_online_softmax`` for the other rows."""
+    BK, R, _ = qs.shape  # R = G·Tb rows
+    work = qs.dtype
+    l = np.zeros((BK, R, 1), dtype=work)  # (B·K, G·Tb, 1)
+    acc = np.zeros((BK, R, tiles.v.shape[-1]), dtype=work)  # (B·K, G·Tb, E)
+    pv = np.empty_like(acc)  # (B·K, G·Tb, E)
+    for s0, s1, whole in tiles.ranges(t0, t1):
+        x, used = tiles.scores(qs, t0, t1, s0, s1, whole)  # (B·K, G·Tb, Sb), steps 1, 3, 4
+        Sb = s1 - s0
+        # A score above about 88 (float32) overflows exp() to inf, and an inf weight or
+        # value makes inf or NaN in the sums: the check after the loop catches both and
+        # takes the row from _online_softmax, so these are expected, not faults.
+        with np.errstate(over="ignore", invalid="ignore"):
+            # 5. Softmax over the keys, with the exponent taken against 0.
+            p = np.exp(x, out=x)  # (B·K, G·Tb, Sb)
+            # The row sums as a matrix-vector product: BLAS runs it on every core.
+            l += np.dot(p.reshape(BK * R, Sb), tiles.ones[:Sb]).reshape(BK, R, 1)
+            # 7. Weighted sum of the values, accumulated unnormalised.
+            acc += np.matmul(p, tiles.values(s0, s1, used), out=pv)  # (B·K, G·Tb, E)
+    m = np.zeros_like(l)  # (B·K, G·Tb, 1)
+    exact = _in_range(acc, l)  # (B·K, G·Tb, 1)
+    if not exact.all():
+        acc_m, l_m, m_m = _online_softmax(qs, t0, t1, tiles)
+        acc = np.where(exact, acc, acc_m)  # (B·K, G·Tb, E)
+        l = np.where(exact, l, l_m)  # (B·K, G·Tb, 1)
+        m = np.where(exact, m, m_m)  # (B·K, G·Tb, 1)
+    return acc, l, m
+
+
+def _in_range(acc: np.ndarray, l: np.ndarray) -> np.ndarray:
+    """Which rows' sums are exact with the max deferred: (B·K, G·Tb, 1) bool. Not where
+    something overflowed (inf or NaN in l or acc), nor where the row sum is so small that
+    an underflowed weight could matter."""
+    floor = math.sqrt(np.finfo(l.dtype).tiny)
+    finite = np.isfinite(acc).all(axis=-1, keepdims=True)  # (B·K, G·Tb, 1)
+    return (l >= floor) & np.isfinite(l) & finite  # (B·K, G·Tb, 1)

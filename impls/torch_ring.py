@@ -187,6 +187,11 @@ def ring_attention_backward(q, k, v, tpos, spos, mask, d_out, *, opts: dict, pie
     ∂L/∂out. dq (B, H, Tl, D) is this rank's rows; dk (B, K, Sl, D) and dv (B, K, Sl, E)
     are its own key/value slice's, summed over every rank's queries; dmask (B, H, Tl, Sp)
     with a float mask: its rows, every column in the layout's order.
+
+    Its block body is its own: torch has no single-device blockwise backward in impls/ to
+    share one with (and an impl may import only contract.py), and its blocks are decided
+    by the tokens' travelling positions, not by a static band and block index as in
+    ``numpy_flash`` and ``jax_flash``.
     """
     P, me = dist.get_world_size(), dist.get_rank()
     out, lse = _ring_forward(q, k, v, tpos, spos, mask, opts=opts, pieces=pieces)

@@ -98,3 +98,23 @@ def test_every_name_is_a_backend_or_an_anchor():
     names = bench_backends.names()
     assert set(conformance.registered_backends()) <= set(names)
     assert {"anchor:F.sdpa", "anchor:jax.nn.dpa"} <= set(names)
+
+
+def test_backward_section(tmp_path):
+    """``--passes backward`` times ``attention_vjp`` for the backends that declare "grad",
+    counts forward + backward as 3.5 forwards (FlashAttention's count), skips anchors
+    with the reason, and draws the backward's memory plot."""
+    code = bench_run.main(
+        ["--sizes", "32", "--repeats", "1", "--backends", "numpy-flash", "anchor:F.sdpa"]
+        + ["--causal", "no", "--passes", "backward", "--no-progress", "--out", str(tmp_path)]
+    )
+    assert code == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["backend"], r["pass"], r["status"]) for r in rows] == [
+        ("numpy-flash", "backward", "ok"),
+        ("anchor:F.sdpa", "backward", "skipped"),
+    ]
+    assert rows[0]["gflop"] == pytest.approx(3.5 * bench_backends.flops(1, 8, 32, 64, False) / 1e9)
+    assert "forward pass only" in rows[1]["reason"]
+    assert (tmp_path / "memory_vs_T_backward.png").stat().st_size > 0
+    assert "## Forward + backward, non-causal: time" in (tmp_path / "results.md").read_text()

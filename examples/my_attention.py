@@ -87,7 +87,7 @@ def attention(
         raise ValueError(f"v shape should be (B, K, S, E) = {(B, K, S, E)}, got {v.shape}")
     if mask is not None:
         mask = np.asarray(mask)
-        # KNOWN GAP: the spec rejects integer masks with a TypeError (SPEC §3.3); this
+        # KNOWN GAP: the spec rejects integer masks with a TypeError (SPEC §3.3, §8.1); this
         # function, like much training code, reads them as bool. examples/known_failures.txt
         # lists the two tests this fails, with the reason.
         if mask.dtype.kind in "iu":

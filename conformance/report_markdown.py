@@ -263,19 +263,21 @@ _AGREEMENT_INTRO = {
 }
 
 
-#: Why a dtype's heatmap is one row: no two backends were compared in it.
-_NO_PAIRS = {
-    "outputs": (
-        "No two backends were compared on {dtype} inputs: the pairwise tests (SPEC §7.3) "
-        "draw float64 and float32 ones. The heatmap is one row, each backend against the "
-        "oracle."
-    ),
-    "gradients": (
-        "No two backends' gradients were compared on {dtype} inputs: the pairwise tests "
-        "(SPEC §12.10) draw float64 and float32 ones. The heatmap is one row, each backend "
-        "against the oracle."
-    ),
-}
+#: The dtypes the pairwise tests draw (SPEC §7.3, §12.10).
+PAIRWISE_DTYPES = ("float64", "float32")
+
+
+def no_pairs_line(dtype: str, quantity: str) -> str:
+    """Why a dtype's heatmap is one row: no two backends were compared in it."""
+    what, clause = ("", "§7.3") if quantity == "outputs" else ("' gradients", "§12.10")
+    if dtype in PAIRWISE_DTYPES:
+        why = "no pairwise test ran here (each needs two backends that declare what it uses)"
+    else:
+        why = f"the pairwise tests (SPEC {clause}) draw only float64 and float32 ones"
+    return (
+        f"No two backends{what} were compared on {dtype} inputs: {why}. The heatmap is one "
+        "row, each backend against the oracle."
+    )
 
 
 def render_shard_counts(by_backend: dict[str, dict]) -> list[str]:
@@ -337,7 +339,7 @@ def render_agreement(by_dtype: dict[str, dict], pictures: dict, quantity: str) -
                 )
             lines.append("")
         if block["vs_oracle"] and not block["pairs"]:
-            lines += [f"{_NO_PAIRS[quantity].format(dtype=dtype)}", ""]
+            lines += [no_pairs_line(dtype, quantity), ""]
         picture = pictures.get(f"{prefix}-{dtype}")
         if picture and len(names_in(block)) >= 1:
             lines += [f"![{heading} agreement heatmap]({picture})", ""]

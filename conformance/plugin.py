@@ -165,6 +165,7 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     saying so.
     """
     settled = _setup_without_option_values(early_config)
+    _initial_conftests_of_the_installed_suite(early_config)
     if settled is None:
         return
     rootpath, inipath = settled
@@ -180,6 +181,35 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
             namespace.confcutdir = str(rootpath)
         early_config._rootpath = rootpath
         early_config._parser.extra_info["rootdir"] = str(rootpath)
+
+
+def _initial_conftests_of_the_installed_suite(config: pytest.Config) -> None:
+    """Under ``--pyargs``, read ``conformance`` as the package this plugin came from.
+
+    pytest loads its first conftest files from each argument taken as a path, even under
+    ``--pyargs``; in a checkout with a non-editable install, ``conformance`` is then the
+    checkout's folder, whose ``conformance.tests.conftest`` clashes with the installed one
+    (``ImportPathMismatchError``). The tests collected are the installed package's, so the
+    conftest files read first are its too: only this scan's copy of the arguments changes.
+    """
+    namespace = config.known_args_namespace
+    if not namespace.pyargs:
+        return
+    import importlib.util
+
+    args = []
+    for arg in namespace.file_or_dir:
+        name, sep, rest = str(arg).partition("::")
+        if name.split(".")[0] == __package__:
+            try:
+                spec = importlib.util.find_spec(name)
+            except (ImportError, ValueError):  # pytest's collection reports it
+                spec = None
+            if spec is not None and spec.origin is not None:
+                path = Path(spec.origin)
+                arg = str(path.parent if path.name == "__init__.py" else path) + sep + rest
+        args.append(arg)
+    namespace.file_or_dir = args
 
 
 def _setup_without_option_values(config: pytest.Config):

@@ -45,7 +45,7 @@ def render_markdown(data: dict) -> str:
     lines += render_agreement(agreement.get("outputs", {}), pictures, "outputs")
     lines += render_agreement(agreement.get("gradients", {}), pictures, "gradients")
     lines += render_shard_counts(data.get("shard_counts", {}))
-    lines += render_pairs(data["clauses"])
+    lines += render_pairs(data["clauses"], data["backends"])
     if "masks" in pictures:
         lines += [
             "## Pictures",
@@ -153,9 +153,11 @@ def render_clauses(data: dict) -> list[str]:
     lines = [
         "## Clauses per backend",
         "",
-        "Each cell: passed/run. ✅ all ran and passed, ❌ a failure, ⚠️ known failures "
-        "(from `--known-failures`), ➖ all skipped (the skips are listed below, by the "
-        "capability the backend lacks). A pairwise test counts in both backends' columns.",
+        "Each cell: how many of the tests that ran passed, then how many failed, were known "
+        "to fail or were skipped. ✅ all ran and passed, ❌ a failure, ⚠️ known failures "
+        "(from `--known-failures` or a profile), ➖ all skipped (the skips are listed below, "
+        "by the capability the backend lacks). A pairwise test counts in both backends' "
+        "columns.",
         "",
     ]
     backends = list(data["backends"])
@@ -169,17 +171,26 @@ def render_clauses(data: dict) -> list[str]:
             if cell is None:
                 cells.append("")
                 continue
-            run = cell["passed"] + cell["failed"]
-            mark = "❌" if cell["failed"] else "⚠️" if cell["xfailed"] else "✅" if run else "➖"
-            text = f"{mark} {cell['passed']}/{run}"
-            if cell["skipped"]:
-                text += f" ({cell['skipped']} skipped)"
-            if cell["xfailed"]:
-                text += f" ({cell['xfailed']} known)"
-            cells.append(text)
+            cells.append(clause_cell(cell))
         lines.append(f"| §{clause} {titles.get(clause, '')} | " + " | ".join(cells) + " |")
     lines.append("")
     return lines
+
+
+def clause_cell(cell: dict) -> str:
+    """One clause for one backend: how many of the tests that ran passed, then what failed,
+    was known to fail, or was skipped ("⚠️ 20/22 passed, 2 known failures, 2 skipped")."""
+    run = cell["passed"] + cell["failed"] + cell["xfailed"]
+    mark = "❌" if cell["failed"] else "⚠️" if cell["xfailed"] else "✅" if run else "➖"
+    parts = [f"{cell['passed']}/{run} passed"] if run else []
+    if cell["failed"]:
+        parts.append(f"{cell['failed']} failed")
+    if cell["xfailed"]:
+        n = cell["xfailed"]
+        parts.append(f"{n} known failure{'s' * (n != 1)}")
+    if cell["skipped"]:
+        parts.append(f"{cell['skipped']} skipped")
+    return f"{mark} {', '.join(parts)}"
 
 
 def render_known_failures_and_skips(data: dict) -> list[str]:
@@ -252,6 +263,23 @@ _AGREEMENT_INTRO = {
 }
 
 
+#: The dtypes the pairwise tests draw (SPEC §7.3, §12.10).
+PAIRWISE_DTYPES = ("float64", "float32")
+
+
+def no_pairs_line(dtype: str, quantity: str) -> str:
+    """Why a dtype's heatmap is one row: no two backends were compared in it."""
+    what, clause = ("", "§7.3") if quantity == "outputs" else ("' gradients", "§12.10")
+    if dtype in PAIRWISE_DTYPES:
+        why = "no pairwise test ran here (each needs two backends that declare what it uses)"
+    else:
+        why = f"the pairwise tests (SPEC {clause}) draw only float64 and float32 ones"
+    return (
+        f"No two backends{what} were compared on {dtype} inputs: {why}. The heatmap is one "
+        "row, each backend against the oracle."
+    )
+
+
 def render_shard_counts(by_backend: dict[str, dict]) -> list[str]:
     if not by_backend:
         return []
@@ -310,6 +338,8 @@ def render_agreement(by_dtype: dict[str, dict], pictures: dict, quantity: str) -
                     f"| {pair} | {s['comparisons']} | {_fraction(s)} | {_at(s)} | {s['error']:.3e} |"
                 )
             lines.append("")
+        if block["vs_oracle"] and not block["pairs"]:
+            lines += [no_pairs_line(dtype, quantity), ""]
         picture = pictures.get(f"{prefix}-{dtype}")
         if picture and len(names_in(block)) >= 1:
             lines += [f"![{heading} agreement heatmap]({picture})", ""]
@@ -324,8 +354,15 @@ def _fraction(s: dict) -> str:
     return text
 
 
-def render_pairs(clauses: dict) -> list[str]:
-    pairs = {b: c for b, c in clauses.items() if b and "~" in b}
+def render_pairs(clauses: dict, backends: list[str]) -> list[str]:
+    """The pairwise tests per pair, in the order of the run's backends (first by the pair's
+    first backend, then by its second)."""
+    order = {name: i for i, name in enumerate(backends)}
+
+    def rank(pair: str) -> tuple:
+        return tuple((order.get(name, len(order)), name) for name in pair.split("~"))
+
+    pairs = {b: clauses[b] for b in sorted((b for b in clauses if b and "~" in b), key=rank)}
     if not pairs:
         return []
     lines = [

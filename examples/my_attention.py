@@ -87,7 +87,7 @@ def attention(
         raise ValueError(f"v shape should be (B, K, S, E) = {(B, K, S, E)}, got {v.shape}")
     if mask is not None:
         mask = np.asarray(mask)
-        # KNOWN GAP: the spec rejects integer masks with a TypeError (SPEC §3.3); this
+        # KNOWN GAP: the spec rejects integer masks with a TypeError (SPEC §3.3, §8.1); this
         # function, like much training code, reads them as bool. examples/known_failures.txt
         # lists the two tests this fails, with the reason.
         if mask.dtype.kind in "iu":
@@ -139,7 +139,10 @@ def attention(
     elif mask is not None:
         # Blocking by selection, not by adding -inf: a NaN score plus -inf would be NaN.
         allowed &= mask != -np.inf
-        scores = scores + mask.astype(dtype)
+        # A +inf entry beside a -inf score gives NaN, as IEEE arithmetic and SPEC §3.8
+        # want: that is the answer, not a fault to warn about.
+        with np.errstate(invalid="ignore"):
+            scores = scores + mask.astype(dtype)
     diagonal = np.arange(T)[:, None] + (0 if causal_alignment == "top_left" else S - T)  # (T, 1)
     distance = np.arange(S)[None, :] - diagonal  # (T, S): key minus the query's diagonal
     if is_causal:
@@ -163,7 +166,10 @@ def attention(
     row_max = np.where(np.isfinite(row_max), row_max, 0)  # (B, H, T, 1)
     p = np.exp(scores - row_max)  # (B, H, T, S)
     total = p.sum(axis=-1, keepdims=True)  # (B, H, T, 1)
-    weights = p / np.where(total > 0, total, 1)  # (B, H, T, S)
+    # A NaN or +inf score makes the row's weights NaN (SPEC §3.8, §4.9): inf / inf is
+    # that NaN, on purpose.
+    with np.errstate(invalid="ignore"):
+        weights = p / np.where(total > 0, total, 1)  # (B, H, T, S)
 
     # 4. Weighted sum of the values.
     return np.einsum("bhts,bhse->bhte", weights, v).astype(dtype)  # (B, H, T, E)

@@ -258,3 +258,34 @@ def test_plugin_stays_quiet_in_other_projects(installed, tmp_path):
         installed, "-m", "pytest", "test_other.py", "-q", "-p", "no:cacheprovider", cwd=tmp_path
     )
     assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr
+
+
+def test_kit_runs_from_the_checkouts_root(installed, tmp_path):
+    """The README's steps 1 and 3, where it says to run them: in the repository's root,
+    after a non-editable install, where ``conformance`` is also the checkout's folder."""
+    python, user = installed
+    source = user.parent / "source"
+    kit = (
+        "--pyargs conformance --impl examples.my_attention:attention "
+        "--impl-capabilities value_dim,causal_bottom_right,window,gqa -q"
+    ).split()
+    # The `pytest` script, as the README runs it (`python -m pytest` would put the checkout
+    # on sys.path, ahead of the installed package).
+    pytest_script = python.parent / "pytest"
+    step1 = subprocess.run(
+        [str(pytest_script), *kit, "--repro-dir", str(tmp_path / "repro")],
+        cwd=source,
+        capture_output=True,
+        text=True,
+    )
+    assert step1.returncode == 1, step1.stdout[-3000:] + step1.stderr[-2000:]
+    failed = [line for line in step1.stdout.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 2 and all("test_bad_input" in line for line in failed), failed
+    step3 = subprocess.run(
+        [str(pytest_script), *kit, "--known-failures", "examples/known_failures.txt"],
+        cwd=source,
+        capture_output=True,
+        text=True,
+    )
+    assert step3.returncode == 0, step3.stdout[-3000:] + step3.stderr[-2000:]
+    assert "2 xfailed" in step3.stdout, step3.stdout[-2000:]

@@ -73,7 +73,7 @@ def test_report_on_two_backends(tmp_path):
     lacks = set(data["verdicts"]["numpy-flash"]["lacks_capabilities"])
     assert {"dropout", "module", "module_grad"} <= lacks and "grad" not in lacks
     assert data["clauses"]["numpy"]["11.1"]["passed"] == 2
-    assert "| §11.1 The worked example | ✅ 2/2 | ✅ 2/2 |" in md
+    assert "| §11.1 The worked example | ✅ 2/2 passed | ✅ 2/2 passed |" in md
 
     # Skips: one line per backend and missing capability, pairwise ones included.
     skips = data["skips"]
@@ -116,8 +116,12 @@ def test_report_on_two_backends(tmp_path):
             assert 0 < s["fraction_of_tolerance"] <= 1 and s["failed"] == 0
             assert s["case"].endswith(dtype) or s["case"].startswith(("mha", "gpt"))
             assert f"| `{s['case']}` |" in md  # the table names the worst fixture
-        # The pairwise tests (SPEC §7.3) run float64 and float32 only.
-        assert ("numpy~numpy-flash" in block["pairs"]) == (dtype in ("float64", "float32"))
+        # The pairwise tests (SPEC §7.3) run float64 and float32 only; the other dtypes
+        # say so, rather than draw pairs never compared.
+        compared = dtype in ("float64", "float32")
+        assert ("numpy~numpy-flash" in block["pairs"]) == compared
+        heading = md.split(f"### {dtype}\n")[1].split("###")[0]
+        assert (f"No two backends were compared on {dtype} inputs" in heading) != compared
     gradients = data["agreement"]["gradients"]
     for dtype in ("float64", "float32", "float16", "bfloat16"):
         assert set(gradients[dtype]["vs_oracle"]) == {"numpy", "numpy-flash"}
@@ -138,7 +142,7 @@ def test_report_on_two_backends(tmp_path):
     n = sum(r["outcome"] == "passed" for r in pair_rows)
     for column in ("numpy", "numpy-flash", "numpy~numpy-flash"):
         assert data["clauses"][column]["7.3"]["passed"] == n, column
-    assert f"| §7.3 Backends agree pairwise | ✅ {n}/{n} | ✅ {n}/{n} |" in md
+    assert f"| §7.3 Backends agree pairwise | ✅ {n}/{n} passed | ✅ {n}/{n} passed |" in md
     assert "| numpy~numpy-flash |" in md.split("## Every pair on random inputs")[1]
 
     # JUnit XML for CI, one testcase per test, with the measurements as properties.
@@ -223,6 +227,10 @@ def test_report_with_known_failures_passes(tmp_path):
     assert "| §8.1 Bad input raises a clear error | ⚠️" in md
     assert "| ⚠️ known failures in §8.1, nothing else fails |" in md
     assert "known failure (§8.1, 1 test): integer masks are read as bool" in md
+    # A known failure's reason cites the clause its test is counted under.
+    for group in data["known_failures"]:
+        cited = set(re.findall(r"§(\d+(?:\.\d+)*)", group["reason"]))
+        assert cited <= set(group["clauses"]), group
 
 
 @pytest.mark.clause("13.3")
@@ -376,6 +384,49 @@ def test_heatmaps_share_one_colour_scale():
     assert tuple(colours[1, 0]) == tuple(colours[1, 1]) == FAILS_COLOUR
     assert tuple(colours[1, 2]) == NOT_COMPARED_COLOUR
     assert np.array_equal(cell_colours(np.array([[0.5]]))[0, 0], colours[0, 1])
+
+
+@pytest.mark.clause("13.7")
+def test_a_heatmap_draws_no_pair_that_was_never_compared():
+    """float16 and bfloat16 have no pairwise tests: their grid is one row, each backend
+    against the oracle, not a matrix of grey cells; a dtype with pairs keeps the matrix."""
+    from conformance.report_pictures import heatmap_grid
+
+    def s(x):
+        return {"fraction_of_tolerance": x}
+
+    lone = {"vs_oracle": {"a": s(0.1), "b": s(0.2), "c": s(0.3)}, "pairs": {}}
+    names, grid = heatmap_grid(lone)
+    assert names == ["a", "b", "c"] and grid.tolist() == [[0.1, 0.2, 0.3]]
+    paired = {**lone, "pairs": {"a~b": s(0.5)}}
+    names, grid = heatmap_grid(paired)
+    assert grid.shape == (3, 3) and grid[0, 1] == grid[1, 0] == 0.5 and np.isnan(grid[0, 2])
+
+
+@pytest.mark.clause("13.7")
+def test_clause_cells_read_as_counts_in_words():
+    from conformance.report_markdown import clause_cell
+
+    def cell(passed=0, failed=0, skipped=0, xfailed=0):
+        return clause_cell(
+            {"passed": passed, "failed": failed, "skipped": skipped, "xfailed": xfailed}
+        )
+
+    assert cell(15) == "✅ 15/15 passed"
+    assert cell(74, skipped=6) == "✅ 74/74 passed, 6 skipped"
+    assert cell(20, skipped=2, xfailed=2) == "⚠️ 20/22 passed, 2 known failures, 2 skipped"
+    assert cell(3, failed=1, xfailed=1) == "❌ 3/5 passed, 1 failed, 1 known failure"
+    assert cell(skipped=5) == "➖ 5 skipped"
+
+
+@pytest.mark.clause("13.7")
+def test_pairs_are_listed_in_the_order_of_the_backends():
+    from conformance.report_markdown import render_pairs
+
+    one = {"7.3": {"passed": 1, "failed": 0, "skipped": 0, "xfailed": 0}}
+    clauses = {p: one for p in ("b~c", "a~c", "numpy", "b~a", "a~b")}
+    rows = [line.split(" | ")[0] for line in render_pairs(clauses, ["a", "b", "c"])[6:-1]]
+    assert rows == ["| a~b", "| a~c", "| b~a", "| b~c"]
 
 
 @pytest.mark.clause("13.7")

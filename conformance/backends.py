@@ -40,8 +40,8 @@ CAPABILITIES = {
     "what was given (SPEC §8.3)",
     "sharded": "context-parallel over P devices: load_backend(name, shards=P, layout=...) "
     "(SPEC §14)",
-    "sharded_heads": "a sharded backend that splits heads over the devices (Ulysses): H and "
-    "K must split over P, else ValueError (SPEC §14.8)",
+    "sharded_heads": "a sharded backend that splits heads over the devices (Ulysses), for "
+    "any H and K: uneven head counts and K not dividing P included (SPEC §14.8)",
 }
 #: Claiming a gradient capability means implementing ``attention_vjp`` (and, for
 #: "module_grad", ``module_param_grads``), so these are opted into one by one: they are not
@@ -450,17 +450,18 @@ class JaxRingBackend(JaxBackend):
 class JaxUlyssesBackend(JaxRingBackend):
     """DeepSpeed-Ulysses over P JAX devices: ``lax.all_to_all`` from sequence to head shards.
 
-    ``load_backend("jax-ulysses", shards=P)``: H % P == 0 and K % P == 0 (or K < P with
-    P % K == 0: each key/value head repeated P/K times), else ValueError naming H, K, P.
-    The spec's own shapes have head counts (1, 2, 3, ...) that most P do not divide, so the
-    whole spec runs at P = 1; SPEC §14's tests run it at P = 1-4 and 8 on head counts
-    that split (SPEC §14.8).
+    ``load_backend("jax-ulysses", shards=P, layout=...)`` takes any H, K and P: the heads
+    are padded to a multiple of P with inert dummy heads (the all-to-all splits equally),
+    and each device gets the key/value heads its query heads use, repeated where several
+    devices need one. The conformance run uses P = 3, zigzag, so the spec's head counts
+    (1, 2, 3, 4, ...) split unevenly and K rarely divides P; ``jax-ulysses-p2`` runs the
+    whole spec again at P = 2 (SPEC §14.1, §14.8).
     """
 
     name = "jax-ulysses"
     impl_module = "conformance.impls.jax_ulysses"
     capabilities = JaxRingBackend.capabilities | {"sharded_heads"}
-    conformance_options = MappingProxyType({"shards": 1})
+    conformance_options = MappingProxyType({"shards": 3, "layout": "zigzag"})
 
 
 def _at_shards(base: type[Backend], P: int) -> type[Backend]:
@@ -667,6 +668,7 @@ BUILTIN: dict[str, type[Backend]] = {
     "jax-ring": JaxRingBackend,
     **{f"jax-ring-p{P}": _at_shards(JaxRingBackend, P) for P in (1, 2, 3)},
     "jax-ulysses": JaxUlyssesBackend,
+    "jax-ulysses-p2": _at_shards(JaxUlyssesBackend, 2),
     "torch-ring": TorchRingBackend,
     **{f"torch-ring-p{P}": _at_shards(TorchRingBackend, P) for P in (1, 2, 4)},
 }
@@ -680,6 +682,7 @@ REQUIRES = {
     "jax-ring": "jax",
     **{f"jax-ring-p{P}": "jax" for P in (1, 2, 3)},
     "jax-ulysses": "jax",
+    "jax-ulysses-p2": "jax",
     "torch-ring": "torch",
     **{f"torch-ring-p{P}": "torch" for P in (1, 2, 4)},
 }

@@ -40,8 +40,8 @@ CAPABILITIES = {
     "what was given (SPEC §8.3)",
     "sharded": "context-parallel over P devices: load_backend(name, shards=P, layout=...) "
     "(SPEC §14)",
-    "sharded_heads": "a sharded backend that splits heads over the devices (Ulysses): H and "
-    "K must split over P, else ValueError (SPEC §14.8)",
+    "sharded_heads": "a sharded backend that splits heads over the devices (Ulysses), for "
+    "any H and K: uneven head counts and K not dividing P included (SPEC §14.8)",
 }
 #: Claiming a gradient capability means implementing ``attention_vjp`` (and, for
 #: "module_grad", ``module_param_grads``), so these are opted into one by one: they are not
@@ -473,17 +473,18 @@ class JaxRingBackend(JaxBackend):
 class JaxUlyssesBackend(JaxRingBackend):
     """DeepSpeed-Ulysses over P JAX devices: ``lax.all_to_all`` from sequence to head shards.
 
-    ``load_backend("jax-ulysses", shards=P)``: H % P == 0 and K % P == 0 (or K < P with
-    P % K == 0: each key/value head repeated P/K times), else ValueError naming H, K, P.
-    The spec's own shapes have head counts (1, 2, 3, ...) that most P do not divide, so the
-    whole spec runs at P = 1; SPEC §14's tests run it at P = 1-4 and 8 on head counts
-    that split (SPEC §14.8).
+    ``load_backend("jax-ulysses", shards=P, layout=...)`` takes any H, K and P: the heads
+    are padded to a multiple of P with inert dummy heads (the all-to-all splits equally),
+    and each device gets the key/value heads its query heads use, repeated where several
+    devices need one. The conformance run uses P = 3, zigzag, so the spec's head counts
+    (1, 2, 3, 4, ...) split unevenly and K rarely divides P; ``jax-ulysses-p2`` runs the
+    whole spec again at P = 2 (SPEC §14.1, §14.8).
     """
 
     name = "jax-ulysses"
     impl_module = "conformance.impls.jax_ulysses"
     capabilities = JaxRingBackend.capabilities | {"sharded_heads"}
-    conformance_options = MappingProxyType({"shards": 1})
+    conformance_options = MappingProxyType({"shards": 3, "layout": "zigzag"})
 
 
 def _at_shards(base: type[Backend], P: int) -> type[Backend]:
@@ -563,18 +564,21 @@ class TorchRingBackend(_TorchBackend):
     )
     conformance_options = MappingProxyType({"shards": 3, "layout": "zigzag"})
     default_shards = 4
+    impl_module = "conformance.impls.torch_ring"
 
     def __init__(
         self, *, shards: int | None = None, world_size: int | None = None, layout: str = "zigzag"
     ) -> None:
         super().__init__()
-        self.impl = importlib.import_module("conformance.impls.torch_ring")
+        #: The ring impl owns the worker pools (torch-ulysses runs its ranks on them too).
+        self.ring = importlib.import_module("conformance.impls.torch_ring")
+        self.impl = importlib.import_module(self.impl_module)
         P = shards if shards is not None else world_size
         P = self.default_shards if P is None else P
         if isinstance(P, bool) or not isinstance(P, int) or P < 1:
             raise ValueError(f"shards should be a positive int (P processes), got {P!r}")
-        if layout not in self.impl.LAYOUTS:
-            raise ValueError(f"layout should be one of {self.impl.LAYOUTS}, got {layout!r}")
+        if layout not in self.ring.LAYOUTS:
+            raise ValueError(f"layout should be one of {self.ring.LAYOUTS}, got {layout!r}")
         self.shards, self.layout = P, layout
         self.options = {"shards": P, "layout": layout}
 
@@ -591,6 +595,41 @@ class TorchRingBackend(_TorchBackend):
     def _attention_vjp(self, q, k, v, d_out, **options):
         return self.impl.attention_vjp(
             q, k, v, d_out, world_size=self.shards, layout=self.layout, **options
+        )
+
+    def release(self) -> None:
+        # The worker processes stop here, after each test module, rather than at exit:
+        # a run that loads many P would otherwise keep a pool per P (measured: 16 processes,
+        # 4.6 GiB, at P = 7 and 8). The next call starts a pool again.
+        self.ring.shutdown()
+
+
+class TorchUlyssesBackend(TorchRingBackend):
+    """DeepSpeed-Ulysses on the torch-ring worker pool: ``dist.all_to_all_single`` (gloo)
+    from sequence to head shards and back, uneven splits for any H and K.
+
+    ``load_backend("torch-ulysses", shards=P, layout=...)``, defaults as torch-ring's. The
+    impl stands alone (its ranks are run by whatever ``run`` it is given); this backend
+    gives it torch-ring's pool, so both backends share one set of P processes. The
+    backward is autograd on each rank's attention between the two hand-written reverse
+    all-to-alls.
+    """
+
+    name = "torch-ulysses"
+    impl_module = "conformance.impls.torch_ulysses"
+    capabilities = TorchRingBackend.capabilities | {"sharded_heads"}
+
+    def _run(self, fn, shards, **kwargs):
+        return self.ring.run_on_ranks(self.shards, fn, shards, **kwargs)
+
+    def _attention(self, q, k, v, *, seed=None, **options):
+        return self.impl.attention(
+            q, k, v, world_size=self.shards, layout=self.layout, run=self._run, **options
+        )
+
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        return self.impl.attention_vjp(
+            q, k, v, d_out, world_size=self.shards, layout=self.layout, run=self._run, **options
         )
 
 
@@ -690,8 +729,11 @@ BUILTIN: dict[str, type[Backend]] = {
     "jax-ring": JaxRingBackend,
     **{f"jax-ring-p{P}": _at_shards(JaxRingBackend, P) for P in (1, 2, 3)},
     "jax-ulysses": JaxUlyssesBackend,
+    "jax-ulysses-p2": _at_shards(JaxUlyssesBackend, 2),
     "torch-ring": TorchRingBackend,
     **{f"torch-ring-p{P}": _at_shards(TorchRingBackend, P) for P in (1, 2, 4)},
+    "torch-ulysses": TorchUlyssesBackend,
+    "torch-ulysses-p2": _at_shards(TorchUlyssesBackend, 2),
 }
 #: The framework each built-in backend needs, to tell "not installed" from "broken".
 REQUIRES = {
@@ -703,8 +745,11 @@ REQUIRES = {
     "jax-ring": "jax",
     **{f"jax-ring-p{P}": "jax" for P in (1, 2, 3)},
     "jax-ulysses": "jax",
+    "jax-ulysses-p2": "jax",
     "torch-ring": "torch",
     **{f"torch-ring-p{P}": "torch" for P in (1, 2, 4)},
+    "torch-ulysses": "torch",
+    "torch-ulysses-p2": "torch",
 }
 
 

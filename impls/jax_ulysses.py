@@ -24,17 +24,24 @@ values. Why it is exact: attention is independent per head, and the all-to-all o
 numbers. Where causal imbalance comes from: nowhere — every device holds every query of
 its heads, so each does the same causal triangle.
 
-Which heads. Query head h uses key/value head h // G (G = H // K), so the heads are split
-as contiguous groups: device d gets query heads [d·H/P, (d+1)·H/P) and key/value heads
-[d·K/P, (d+1)·K/P). That needs H % P == 0 and K % P == 0. With fewer key/value heads
-than devices (K < P, as in multi-query attention), each key/value head is repeated P/K
-times before the all-to-all, so that device d holds the one copy its query heads use
-(this needs P % K == 0 and H % P == 0; every device still holds one head's keys and
-values, and their gradients are summed over the copies). Other head counts raise
-ValueError naming H, K and P.
+Which heads. ``lax.all_to_all`` splits an axis into P equal parts, so the head axis is
+padded to Hp = P·⌈H/P⌉ with dummy query heads: device d gets query heads
+[d·Hl, (d+1)·Hl) (Hl = Hp/P), the last ones dummies when P does not divide H (H = 7 on
+P = 4: 2 + 2 + 2 + 1 real heads). A dummy head is inert: it may see no key, so its
+weights, output and gradients are exactly 0, and its output rows are cut off. DeepSpeed
+splits uneven heads the same way in effect (its all-to-all takes uneven splits, PR #6392);
+here the padding stands in for the uneven split, which ``lax.all_to_all`` lacks.
+Key/value heads follow the query heads: query head h uses key/value head h // G
+(G = H // K), so device d needs the key/value heads of its query heads, Kl slots of them
+(the most any device needs; a device that needs fewer repeats one). Each key/value head
+is sent to every device that needs it, repeated before the all-to-all, and the gradient
+of a repeated head is the sum over its copies. With K % P == 0 and H % P == 0 that is
+K/P heads per device, no copy; with K < P (multi-query attention) each device gets the
+one head its query heads share; any other H and K work too (K = 3 on P = 2: heads
+0 and 1 on device 0, 1 and 2 on device 1).
 
 Masks. A mask with an H axis is sharded along the heads, one without is replicated: each
-device holds (H/P) × T × S (or T × S) of it, since it attends the whole sequence.
+device holds Hl × T × S (or T × S) of it (a dummy head's rows are padding), since it attends the whole sequence.
 Lengths P does not divide are padded to whole slices; padded keys are never attended and
 padded queries are cut off. The ``layout`` option (contiguous or zigzag) permutes the
 sequence as ``jax_ring`` does; the result is the same either way.
@@ -44,7 +51,8 @@ Shape legend (heads-first, as in PyTorch):
     B batch            H query heads      K key/value heads (H % K == 0)
     G = H // K         T query length     S key/value length
     D q/k head dim     E v head dim       P devices (shards)
-    Tl, Sl: the per-device slice lengths; Hl = H / P, Kl = max(K, P) / P heads per device
+    Tl, Sl: the per-device slice lengths; Hp = P·⌈H/P⌉ the padded head count,
+    Hl = Hp / P query heads and Kl key/value head slots per device
 
 Supports what ``jax_ring`` does (masks, both causal alignments, windows, softcap, GQA,
 every dtype, unbatched inputs, gradients by ``jax.vjp``), batch > 1; not dropout.
@@ -66,18 +74,24 @@ from .jax_ring import LAYOUTS, _Ring, host_devices
 AXIS = "ring"  # the mesh axis jax_ring names
 
 
-def heads_per_device(H: int, K: int, P: int) -> int:
-    """The key/value heads after the K < P scheme (K, or P when each is repeated P/K times);
-    a ValueError naming H, K and P when the heads cannot be split over P devices."""
-    if H % P == 0 and K % P == 0:
-        return K
-    if H % P == 0 and K < P and P % K == 0:
-        return P
-    raise ValueError(
-        f"jax-ulysses shards heads: it needs H % P == 0 and either K % P == 0 or "
-        f"P % K == 0 (K < P: each key/value head repeated P/K times), got H={H} query "
-        f"heads, K={K} key/value heads, P={P} devices"
-    )
+def head_split(H: int, K: int, P: int) -> tuple[np.ndarray, np.ndarray]:
+    """Which heads go where: (kv_index (P·Kl,), kv_slot (Hp,)).
+
+    Device d gets query heads [d·Hl, (d+1)·Hl) of the Hp = P·⌈H/P⌉ padded ones and the Kl
+    key/value head slots kv_index[d·Kl : (d+1)·Kl] (original head numbers; a device that
+    needs fewer than Kl repeats its first). kv_slot[h] is the slot, on its device, of query
+    head h's key/value head, and -1 for a dummy head (h >= H).
+    """
+    G = H // K
+    Hl = -(-H // P)  # query heads per device, the last devices' padded with dummies
+    needed = [sorted({h // G for h in range(d * Hl, min((d + 1) * Hl, H))}) for d in range(P)]
+    Kl = max(len(n) for n in needed)
+    needed = [n + [n[0] if n else 0] * (Kl - len(n)) for n in needed]
+    kv_index = np.array(needed, dtype=np.int64).reshape(P * Kl)  # (P·Kl,)
+    kv_slot = np.array(
+        [needed[h // Hl].index(h // G) if h < H else -1 for h in range(P * Hl)], dtype=np.int32
+    )  # (Hp,)
+    return kv_index, kv_slot
 
 
 def attention(
@@ -124,7 +138,7 @@ def attention_vjp(
 
 
 def _run(q, k, v, d_out, mask, shards, layout, **options):
-    # 0. Validate (the shared contract), then lay the sequence out and shard it.
+    # 0. Validate (the shared contract), then lay the heads and the sequence out and shard.
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     mask = None if mask is None else np.asarray(mask)
     d_out = None if d_out is None else np.asarray(d_out)
@@ -135,62 +149,76 @@ def _run(q, k, v, d_out, mask, shards, layout, **options):
     if call.unbatched:
         q, k, v = q[None], k[None], v[None]
         d_out = None if d_out is None else d_out[None]
-    P = len(jax.devices()) if shards is None else shards
     if layout not in LAYOUTS:
         raise ValueError(f"layout should be one of {LAYOUTS}, got {layout!r}")
-    Kd = heads_per_device(call.H, call.K, P) if isinstance(P, int) and P >= 1 else call.K
-    if Kd != call.K:
-        # K < P: repeat each key/value head P/K times, so that device d holds the copy of
-        # head d·K/P its query heads use.
-        k = np.repeat(k, Kd // call.K, axis=1)  # (B, P, S, D)
-        v = np.repeat(v, Kd // call.K, axis=1)  # (B, P, S, E)
+    # Low precision is computed in float32 (its values are exact there) and rounded once,
+    # after the copies of a repeated key/value head have had their gradients summed.
+    dtype = q.dtype
+    work = np.float64 if dtype == np.float64 else np.float32
     run = type("Run", (), {})()
     run.__dict__.update(
-        q=q, k=k, v=v, T=call.T, S=call.S, scale=call.scale, is_causal=call.is_causal,
+        T=call.T, S=call.S, scale=call.scale, is_causal=call.is_causal,
         offset=0 if call.causal_alignment == "top_left" else call.S - call.T,
         window=call.window, softcap=call.softcap,
         mask=None if mask is None else mask.reshape(call.mask_shape),
     )  # fmt: skip
-    ring = _Ring(run, P, layout)  # the sequence layout and the mesh, as jax_ring's
-    mesh = ring.mesh
+    ring = _Ring(run, shards, layout)  # the sequence layout and the mesh, as jax_ring's
+    P, mesh = ring.P, ring.mesh
+    H = call.H
+    kv_index, kv_slot = head_split(H, call.K, P)
+    Hp = len(kv_slot)
+    heads = [(0, 0)] * 4
+    heads[1] = (0, Hp - H)  # dummy query heads at the end
+    q = np.pad(q.astype(work), heads)  # (B, Hp, T, D)
+    k = np.take(k.astype(work), kv_index, axis=1)  # (B, P·Kl, S, D): each device's slots
+    v = np.take(v.astype(work), kv_index, axis=1)  # (B, P·Kl, S, E)
     seq = PS(None, None, AXIS, None)
     args = [
-        ring.shard(ring.permute(q, axis=2, n=call.T, seq="t"), seq),  # (B, H, Tp, D)
-        ring.shard(ring.permute(k, axis=2, n=call.S, seq="s"), seq),  # (B, Kd, Sp, D)
-        ring.shard(ring.permute(v, axis=2, n=call.S, seq="s"), seq),  # (B, Kd, Sp, E)
+        ring.shard(ring.permute(q, axis=2, n=call.T, seq="t"), seq),  # (B, Hp, Tp, D)
+        ring.shard(ring.permute(k, axis=2, n=call.S, seq="s"), seq),  # (B, P·Kl, Sp, D)
+        ring.shard(ring.permute(v, axis=2, n=call.S, seq="s"), seq),  # (B, P·Kl, Sp, E)
+        ring.shard(kv_slot, PS(AXIS)),  # (Hp,): sharded with the query heads
         ring.shard(ring.perm["t"].astype(np.int32), PS()),  # (Tp,) replicated: tiny
         ring.shard(ring.perm["s"].astype(np.int32), PS()),  # (Sp,)
     ]
     m = run.mask
     mask_spec = None
     if m is not None:
+        if m.shape[1] != 1:
+            m = np.pad(m, heads)  # (B|1, Hp, T|1, S|1): a dummy head's rows never count
         if m.shape[2] != 1:
             m = ring.permute(m, axis=2, n=call.T, seq="t")
         if m.shape[3] != 1:
             m = ring.permute(m, axis=3, n=call.S, seq="s")
         mask_spec = PS(None, AXIS, None, None) if m.shape[1] != 1 else PS()
-        m = ring.shard(m, mask_spec)  # (B|1, H|1, Tp|1, Sp|1): heads sharded
+        m = ring.shard(m, mask_spec)  # (B|1, Hp|1, Tp|1, Sp|1): heads sharded
     args.append(m)
     opts = {n: ring.shard(x, PS()) for n, x in ring.opts.items()}
     args.append(opts)
     static = dict(mask_spec=mask_spec, softcap_on=call.softcap is not None)
     if d_out is None:
-        out = _ulysses_fn(mesh, **static)(*args)  # (B, H, Tp, E)
-        out = ring.unpermute(np.asarray(out), axis=2, n=call.T, seq="t")
+        out = _ulysses_fn(mesh, **static)(*args)  # (B, Hp, Tp, E)
+        out = ring.unpermute(np.asarray(out), axis=2, n=call.T, seq="t")[:, :H]  # (B, H, T, E)
+        out = out.astype(dtype)
         return out[0] if call.unbatched else out
     float_mask = m is not None and m.dtype != jnp.bool_
+    d_out = np.pad(d_out.astype(work), heads)  # (B, Hp, T, E)
     d_out = ring.shard(ring.permute(d_out, axis=2, n=call.T, seq="t"), seq)
     grads = _ulysses_vjp_fn(mesh, float_mask, **static)(*args, d_out)
-    dq = ring.unpermute(np.asarray(grads[0]), axis=2, n=call.T, seq="t")
-    dk = ring.unpermute(np.asarray(grads[1]), axis=2, n=call.S, seq="s")
-    dv = ring.unpermute(np.asarray(grads[2]), axis=2, n=call.S, seq="s")
-    if Kd != call.K:
-        # The gradient of a repeated head is the sum over its copies.
-        dk = dk.reshape(dk.shape[0], call.K, Kd // call.K, *dk.shape[2:]).sum(2).astype(dk.dtype)
-        dv = dv.reshape(dv.shape[0], call.K, Kd // call.K, *dv.shape[2:]).sum(2).astype(dv.dtype)
-    out = [x[0] if call.unbatched else x for x in (dq, dk, dv)]
+    dq = ring.unpermute(np.asarray(grads[0]), axis=2, n=call.T, seq="t")[:, :H]  # (B, H, T, D)
+    dk_slots = ring.unpermute(np.asarray(grads[1]), axis=2, n=call.S, seq="s")
+    dv_slots = ring.unpermute(np.asarray(grads[2]), axis=2, n=call.S, seq="s")
+    # The gradient of a key/value head is the sum over its copies on the devices.
+    dk = np.zeros((dk_slots.shape[0], call.K, *dk_slots.shape[2:]), work)  # (B, K, S, D)
+    dv = np.zeros((dv_slots.shape[0], call.K, *dv_slots.shape[2:]), work)  # (B, K, S, E)
+    np.add.at(dk, (slice(None), kv_index), dk_slots)
+    np.add.at(dv, (slice(None), kv_index), dv_slots)
+    out = [x.astype(dtype) for x in (dq, dk, dv)]
+    out = [x[0] if call.unbatched else x for x in out]
     if float_mask:
         dm = np.asarray(grads[3])
+        if dm.shape[1] != 1:
+            dm = dm[:, :H]
         if dm.shape[2] != 1:
             dm = ring.unpermute(dm, axis=2, n=call.T, seq="t")
         if dm.shape[3] != 1:
@@ -199,44 +227,47 @@ def _run(q, k, v, d_out, mask, shards, layout, **options):
     return tuple(out)
 
 
-def _ulysses_body(q, k, v, tpos, spos, mask, opts, *, softcap_on):
+def _ulysses_body(q, k, v, kv_slot, tpos, spos, mask, opts, *, softcap_on):
     """One device: all-to-all to head shards, attention on whole sequences, and back.
 
-    q (B, H, Tl, D), k (B, Kd, Sl, D), v (B, Kd, Sl, E); tpos (Tp,), spos (Sp,) the
-    original positions of every slot; mask (B|1, Hl|1, Tp|1, Sp|1) or None.
+    q (B, Hp, Tl, D), k (B, P·Kl, Sl, D), v (B, P·Kl, Sl, E); kv_slot (Hl,) this device's
+    query heads' key/value slots (-1: a dummy head); tpos (Tp,), spos (Sp,) the original
+    positions of every slot; mask (B|1, Hl|1, Tp|1, Sp|1) or None.
     """
     # Sequence shards -> head shards: split the heads into P groups, send group d' to
     # device d', and concatenate what arrives along the sequence.
     q = lax.all_to_all(q, AXIS, split_axis=1, concat_axis=2, tiled=True)  # (B, Hl, Tp, D)
     k = lax.all_to_all(k, AXIS, split_axis=1, concat_axis=2, tiled=True)  # (B, Kl, Sp, D)
     v = lax.all_to_all(v, AXIS, split_axis=1, concat_axis=2, tiled=True)  # (B, Kl, Sp, E)
-    B, Hl, Tp, D = q.shape
-    Kl = k.shape[1]
-    G = Hl // Kl  # query heads per key/value head on this device
     out_dtype = q.dtype
     # Low precision inputs are computed in float32: exp() of a float16 score overflows
     # past 11.09, and summing many weights in float16 loses the small ones.
     work = jnp.float64 if out_dtype == jnp.float64 else jnp.float32
     scale, softcap = opts["scale"].astype(work), opts["softcap"].astype(work)
+    # Each query head's own key/value head: a gather of the slots (GQA without a reshape,
+    # since a device's query heads need not be whole groups).
+    slot = jnp.maximum(kv_slot, 0)  # (Hl,)
+    k = jnp.take(k, slot, axis=1)  # (B, Hl, Sp, D)
+    v = jnp.take(v, slot, axis=1)  # (B, Hl, Sp, E)
 
     # Which keys each query may see: causality, the window and padding (from the tokens'
-    # original positions), a bool mask, a float mask's -inf entries.
+    # original positions), a real head, a bool mask, a float mask's -inf entries.
     distance = spos[None, :] - (tpos[:, None] + opts["offset"])  # (Tp, Sp)
     allowed = (tpos < opts["T"])[:, None] & (spos < opts["S"])[None, :]  # (Tp, Sp)
     allowed = allowed & (distance >= opts["lo"]) & (distance <= opts["hi"])
+    allowed = allowed[None] & (kv_slot >= 0)[:, None, None]  # (Hl, Tp, Sp)
     if mask is not None:
-        mask = _grouped(mask, Kl, G)  # (B|1, Kl|1, G|1, Tp|1, Sp|1)
         allowed = allowed & (mask if mask.dtype == jnp.bool_ else mask != -jnp.inf)
     # A key no query of its head may see must have no effect whatever it holds (0 · NaN
     # is NaN): its rows are replaced by 0, by selection, before they are used.
-    used = allowed.any(axis=-2) if allowed.ndim == 2 else allowed.any(axis=(-3, -2))
-    k = jnp.where(used[..., None], k.astype(work), 0.0)  # (B, Kl, Sp, D)
-    v = jnp.where(used[..., None], v.astype(work), 0.0)  # (B, Kl, Sp, E)
+    used = allowed.any(axis=-2)  # (B|1, Hl, Sp)
+    k = jnp.where(used[..., None], k.astype(work), 0.0)  # (B, Hl, Sp, D)
+    v = jnp.where(used[..., None], v.astype(work), 0.0)  # (B, Hl, Sp, E)
 
-    # 1. Scores and 2. scale (folded into q): query head g of kv head κ against its keys.
-    q = (q.astype(work) * scale).reshape(B, Kl, G, Tp, D)  # (B, Kl, G, Tp, D)
-    x = jnp.einsum("bkgtd,bksd->bkgts", q, k, precision=lax.Precision.HIGHEST)
-    # x: (B, Kl, G, Tp, Sp)
+    # 1. Scores and 2. scale (folded into q).
+    q = q.astype(work) * scale  # (B, Hl, Tp, D)
+    x = jnp.einsum("bhtd,bhsd->bhts", q, k, precision=lax.Precision.HIGHEST)
+    # x: (B, Hl, Tp, Sp)
 
     # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
     if softcap_on:
@@ -245,27 +276,21 @@ def _ulysses_body(q, k, v, tpos, spos, mask, opts, *, softcap_on):
     # 4. Mask: a float mask is added, then every key a query may not see gets -inf.
     if mask is not None and mask.dtype != jnp.bool_:
         x = x + mask.astype(work)
-    x = jnp.where(allowed, x, -jnp.inf)  # (B, Kl, G, Tp, Sp)
+    x = jnp.where(allowed, x, -jnp.inf)  # (B, Hl, Tp, Sp)
 
     # 5. Softmax over the keys, the row max subtracted; a row with no key gets weights 0.
     # Both guards select (the "double where"), so gradients through such a row are 0.
-    row_max = x.max(axis=-1, keepdims=True, initial=-jnp.inf)  # (B, Kl, G, Tp, 1)
-    p = jnp.exp(x - jnp.where(jnp.isfinite(row_max), row_max, 0.0))  # (B, Kl, G, Tp, Sp)
-    row_sum = p.sum(axis=-1, keepdims=True)  # (B, Kl, G, Tp, 1)
-    w = p / jnp.where(row_sum > 0, row_sum, 1.0)  # (B, Kl, G, Tp, Sp)
+    row_max = x.max(axis=-1, keepdims=True, initial=-jnp.inf)  # (B, Hl, Tp, 1)
+    p = jnp.exp(x - jnp.where(jnp.isfinite(row_max), row_max, 0.0))  # (B, Hl, Tp, Sp)
+    row_sum = p.sum(axis=-1, keepdims=True)  # (B, Hl, Tp, 1)
+    w = p / jnp.where(row_sum > 0, row_sum, 1.0)  # (B, Hl, Tp, Sp)
 
     # 7. Weighted sum of the values.
-    out = jnp.einsum("bkgts,bkse->bkgte", w, v, precision=lax.Precision.HIGHEST)
-    out = out.reshape(B, Hl, Tp, -1).astype(out_dtype)  # (B, Hl, Tp, E)
+    out = jnp.einsum("bhts,bhse->bhte", w, v, precision=lax.Precision.HIGHEST)
+    out = out.astype(out_dtype)  # (B, Hl, Tp, E)
 
     # Head shards -> sequence shards: the inverse all-to-all.
-    return lax.all_to_all(out, AXIS, split_axis=2, concat_axis=1, tiled=True)  # (B, H, Tl, E)
-
-
-def _grouped(x, K: int, G: int):
-    """A (B|1, H|1, T|1, S|1) array on the grouped layout (B|1, K|1, G|1, T|1, S|1)."""
-    b, h, t, s = x.shape
-    return x.reshape(b, 1, 1, t, s) if h == 1 else x.reshape(b, K, G, t, s)
+    return lax.all_to_all(out, AXIS, split_axis=2, concat_axis=1, tiled=True)  # (B, Hp, Tl, E)
 
 
 def _sharded(mesh, mask_spec, softcap_on):
@@ -273,7 +298,7 @@ def _sharded(mesh, mask_spec, softcap_on):
     return jax.shard_map(
         functools.partial(_ulysses_body, softcap_on=softcap_on),
         mesh=mesh,
-        in_specs=(seq, seq, seq, PS(), PS(), mask_spec, PS()),
+        in_specs=(seq, seq, seq, PS(AXIS), PS(), PS(), mask_spec, PS()),
         out_specs=seq,
     )
 
@@ -287,14 +312,17 @@ def _ulysses_fn(mesh, mask_spec, softcap_on):
 def _ulysses_vjp_fn(mesh, float_mask, mask_spec, softcap_on):
     f = _sharded(mesh, mask_spec, softcap_on)
 
-    def vjp(q, k, v, tpos, spos, mask, opts, d_out):
+    def vjp(q, k, v, kv_slot, tpos, spos, mask, opts, d_out):
+        def g(q, k, v, m):
+            return f(q, k, v, kv_slot, tpos, spos, m, opts)
+
         if float_mask:
-            _, pull = jax.vjp(lambda q, k, v, m: f(q, k, v, tpos, spos, m, opts), q, k, v, mask)
+            _, pull = jax.vjp(g, q, k, v, mask)
         else:
-            _, pull = jax.vjp(lambda q, k, v: f(q, k, v, tpos, spos, mask, opts), q, k, v)
+            _, pull = jax.vjp(lambda q, k, v: g(q, k, v, mask), q, k, v)
         return pull(d_out)
 
     return jax.jit(vjp)
 
 
-__all__ = ["attention", "attention_vjp", "heads_per_device", "host_devices"]
+__all__ = ["attention", "attention_vjp", "head_split", "host_devices"]

@@ -25,8 +25,10 @@ attended.
 ``ring_attention`` is the per-rank function: a user's own ``torchrun`` script calls it on
 its shards (``examples/torch_ring_torchrun.py``). ``attention`` is the single-process
 entry: it lays the sequence out, hands each rank its shard through a pool of P worker
-processes (started on first use, reused, one pool per P, shut down at exit), and gathers
-the result.
+processes (started on first use and reused, at most ``MAX_POOLS`` of them alive, shut
+down at exit; a worker also ends itself when the process that started it is gone), and
+gathers the result. The torch-ulysses backend runs its ranks on the same pools
+(``run_on_ranks``).
 Every collective has the process group's timeout; a worker that dies raises a clear
 error in the caller, and the next call starts a fresh pool.
 
@@ -62,6 +64,8 @@ import datetime
 import os
 import queue
 import socket
+import sys
+import threading
 import time
 
 import numpy as np
@@ -346,7 +350,7 @@ def attention(
         dropout_p=dropout_p, unsupported={"dropout_p": "torch-ring has no dropout"},
     )  # fmt: skip
     ring = _Layout(call, q, k, v, mask, None, world_size, layout)
-    outs = _pool(ring.P).run("forward", ring.shards, ring.opts, ring.pieces)  # P × (B, H, Tl, E)
+    outs = run_on_ranks(ring.P, _forward_rank, ring.shards, opts=ring.opts, pieces=ring.pieces)
     out = ring.rows_back(np.concatenate(outs, axis=2)).astype(q.dtype)  # (B, H, T, E)
     return out[0] if call.unbatched else out
 
@@ -375,7 +379,7 @@ def attention_vjp(
         causal_alignment=causal_alignment, window=window, softcap=softcap, d_out=d_out,
     )  # fmt: skip
     ring = _Layout(call, q, k, v, mask, d_out, world_size, layout)
-    parts = _pool(ring.P).run("backward", ring.shards, ring.opts, ring.pieces)
+    parts = run_on_ranks(ring.P, _backward_rank, ring.shards, opts=ring.opts, pieces=ring.pieces)
     dq = ring.rows_back(np.concatenate([g[0] for g in parts], axis=2))  # (B, H, T, D)
     dk = ring.cols_back(np.concatenate([g[1] for g in parts], axis=2), 2)  # (B, K, S, D)
     dv = ring.cols_back(np.concatenate([g[2] for g in parts], axis=2), 2)  # (B, K, S, E)
@@ -480,12 +484,37 @@ def _permute(x: np.ndarray, axis: int, perm: np.ndarray) -> np.ndarray:
     return np.take(np.pad(x, pad), perm, axis=axis)
 
 
+def _forward_rank(q, k, v, tpos, spos, mask, *, opts: dict, pieces: int):
+    """What a pool worker runs for ``attention``: (B, H, Tl, E)."""
+    return ring_attention(q, k, v, tpos, spos, mask, opts=opts, pieces=pieces)
+
+
+def _backward_rank(q, k, v, tpos, spos, mask, d_out, *, opts: dict, pieces: int):
+    """What a pool worker runs for ``attention_vjp``: (dq, dk, dv, dmask or None)."""
+    return ring_attention_backward(q, k, v, tpos, spos, mask, d_out, opts=opts, pieces=pieces)
+
+
 # ----------------------------------------------------------------------------------------
-# The pool: the only place processes are started or stopped.
+# The pool: the only place processes are started or stopped. The torch-ulysses backend
+# runs its ranks on the same pools (``run_on_ranks``), so one set of P processes serves both.
 
 
 class WorkerDied(RuntimeError):
-    """A torch-ring worker process died or stopped answering; the pool is shut down."""
+    """A pool worker process died or stopped answering; the pool is shut down."""
+
+
+def run_on_ranks(P: int, fn, shards, **kwargs) -> list:
+    """Run ``fn(*shards[r], **kwargs)`` on rank r of the pool of P gloo processes; return
+    the P results (NumPy), in rank order.
+
+    ``fn`` is a module-level function (a worker imports it by name); the arrays of
+    ``shards[r]`` arrive as tensors (None stays None), and its tensor results (or a tuple
+    of them, None allowed) come back as NumPy arrays. It runs inside the process group, so
+    it may call collectives. The pool starts on first use, is reused, and stops when this
+    process exits or ``shutdown`` is called; a worker that dies raises ``WorkerDied`` and
+    the next call starts a fresh pool.
+    """
+    return _pool(P).run(fn, shards, kwargs)
 
 
 class _Pool:
@@ -503,11 +532,25 @@ class _Pool:
         ]
         for p in self.procs:
             p.start()
+        # Each worker says it has started: one that dies before it does failed while
+        # starting, and the caller is told the usual cause.
+        ready: set[int] = set()
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(ready) < P:
+            try:
+                rank, _ = self.results.get(timeout=0.2)
+                ready.add(rank)
+            except queue.Empty:
+                for r, p in enumerate(self.procs):
+                    if r not in ready and not p.is_alive():
+                        self._fail(_start_failure(r, p))
+                if time.monotonic() > deadline:
+                    self._fail(f"not every worker started within {TIMEOUT_S:.0f} s")
 
-    def run(self, kind: str, shards, opts, pieces) -> list:
+    def run(self, fn, shards, kwargs) -> list:
         for r, shard in enumerate(shards):
-            self.tasks[r].put((kind, shard, opts, pieces))
-        outs: dict[int, np.ndarray] = {}
+            self.tasks[r].put((fn, shard, kwargs))
+        outs: dict[int, object] = {}
         deadline = time.monotonic() + TIMEOUT_S
         while len(outs) < self.P:
             try:
@@ -530,8 +573,8 @@ class _Pool:
     def _fail(self, why: str):
         self.close()
         raise WorkerDied(
-            f"torch-ring worker pool (P={self.P}, gloo) failed: {why}; the pool was shut "
-            f"down and the next call starts a fresh one"
+            f"torch.distributed worker pool (P={self.P}, gloo) failed: {why}; the pool was "
+            f"shut down and the next call starts a fresh one"
         )
 
     def close(self) -> None:
@@ -549,28 +592,56 @@ class _Pool:
             del _POOLS[self.P]
 
 
-_POOLS: dict[int, _Pool] = {}
+def _start_failure(rank: int, proc) -> str:
+    """Why a worker died before it started: spawn's bootstrapping rule, when there is a
+    main script it re-imports."""
+    said = f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode} while starting"
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main is None:
+        return f"{said} (its error is in its stderr)"
+    return (
+        f"{said}, before it ran any of the pool's code. The pool starts its workers with "
+        f"multiprocessing's 'spawn' start method, and a spawned worker first re-imports the "
+        f"main module, {main}: a script that uses the backend at module level, outside an "
+        f'`if __name__ == "__main__":` guard, has every worker start a pool of its own '
+        f"while it is still starting, which multiprocessing refuses (its RuntimeError about "
+        f"the bootstrapping phase is in the workers' stderr). Put the script's code under "
+        f'`if __name__ == "__main__":`'
+    )
+
+
+_POOLS: dict[int, _Pool] = {}  # by P, the most recently used last
+#: Pools kept alive at once: a caller comparing P with P = 1 needs two, and one per P
+#: (P = 1 to 8 is 36 processes) would hold gigabytes.
+MAX_POOLS = 2
 
 
 def _pool(P: int) -> _Pool:
     """The pool of P workers, started on first use and reused. A pool with a dead worker
-    raises WorkerDied and is shut down; the next call starts a fresh one."""
-    pool = _POOLS.get(P)
+    raises WorkerDied and is shut down; the next call starts a fresh one. Starting one
+    more than ``MAX_POOLS`` stops the least recently used."""
+    pool = _POOLS.pop(P, None)
     if pool is not None:
+        _POOLS[P] = pool
         pool._check_alive()  # a worker that died since the last call is an error, once
-    else:
-        pool = _POOLS[P] = _Pool(P)
+        return pool
+    while len(_POOLS) >= MAX_POOLS:
+        next(iter(_POOLS.values())).close()
+    pool = _POOLS[P] = _Pool(P)
     return pool
 
 
 @atexit.register
-def shutdown() -> None:
-    """Stop every worker pool (also run at exit)."""
+def shutdown(P: int | None = None) -> None:
+    """Stop the pool of P workers, or every pool (also run at exit)."""
     for pool in list(_POOLS.values()):
-        pool.close()
+        if P is None or pool.P == P:
+            pool.close()
 
 
 def _worker(rank: int, P: int, port: int, tasks, results) -> None:
+    results.put((rank, "started"))
+    _exit_with_parent()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -582,21 +653,32 @@ def _worker(rank: int, P: int, port: int, tasks, results) -> None:
     )
     try:
         while (task := tasks.get()) is not None:
-            kind, shard, opts, pieces = task
+            fn, shard, kwargs = task
             try:
-                q, k, v, tpos, spos, mask, *d_out = (
-                    None if x is None else torch.from_numpy(np.array(x)) for x in shard
-                )
-                tpos, spos = tpos.to(torch.int64), spos.to(torch.int64)
-                if kind == "forward":
-                    out = ring_attention(q, k, v, tpos, spos, mask, opts=opts, pieces=pieces)
-                    results.put((rank, out.numpy()))
+                args = [None if x is None else torch.from_numpy(np.array(x)) for x in shard]
+                out = fn(*args, **kwargs)
+                if isinstance(out, tuple):
+                    out = tuple(None if g is None else g.numpy() for g in out)
                 else:
-                    grads = ring_attention_backward(
-                        q, k, v, tpos, spos, mask, *d_out, opts=opts, pieces=pieces
-                    )
-                    results.put((rank, tuple(None if g is None else g.numpy() for g in grads)))
+                    out = out.numpy()
+                results.put((rank, out))
             except Exception as err:  # the caller raises it, naming the rank
                 results.put((rank, err))
     finally:
         dist.destroy_process_group()
+
+
+def _exit_with_parent() -> None:
+    """End this worker as soon as the process that started it is gone.
+
+    The parent stops its pools at exit, but a parent that is killed, or that leaves by
+    ``os._exit`` (as a pytest-xdist worker can), runs no exit handler: without this its
+    workers, and the resource tracker they keep open, would live on, adopted by init.
+    """
+    parent = mp.parent_process()
+
+    def watch() -> None:
+        parent.join()  # returns when the parent's sentinel closes: the parent has exited
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()

@@ -9,8 +9,6 @@ The inputs share a few shapes, so that a compiling backend compiles each once.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
@@ -27,8 +25,8 @@ SHARDS = [1, 2, 3, 4]
 #: §14.2's difference from P = 1 is measured up to 8 devices (the host devices JAX gets).
 ALL_SHARDS = [1, 2, 3, 4, 5, 6, 7, 8]
 LAYOUTS = ["contiguous", "zigzag"]
-#: One shape for most tests: T and S not multiples of 2, 3 or 4; grouped heads (K < H),
-#: with H = 12 and K = 1 splitting over every P in 1-4 for head-sharding backends too.
+#: One shape for most tests: T and S not multiples of 2, 3 or 4; grouped heads (K < H);
+#: H = 12 splits evenly over P = 1-4 and 6 and unevenly over 5, 7 and 8.
 SHAPE = {"B": 2, "H": 12, "K": 1, "T": 7, "S": 13, "D": 5, "E": 3}
 VARIANTS = {
     "plain": ((), {}),
@@ -128,9 +126,9 @@ def test_shard_count_invariance(backend, P, dtype, variant, request):
     options = VARIANTS[variant][1]
     at = _sharded(backend, P)
     one = _sharded(backend, 1)
-    # H = 12 splits over P = 1-4 and 6; for 5, 7 and 8 the heads grow to a multiple of P,
-    # so that a head-sharding backend takes every P too.
-    q, k, v = random_qkv(140, **_shape(backend, H=math.lcm(SHAPE["H"], P)), dtype=dtype)
+    # H = 12 does not split evenly over P = 5, 7 or 8: a head-sharding backend splits it
+    # unevenly there (§14.8).
+    q, k, v = random_qkv(140, **_shape(backend), dtype=dtype)
     ref = naive(q, k, v, **options)
     tol = random_tolerance(q, k, v, dtype, **options)
     out = at.attention(q, k, v, **options)
@@ -274,19 +272,39 @@ def test_zigzag_equals_contiguous(backend, P, variant):
 
 
 @pytest.mark.clause("14.8")
-@pytest.mark.parametrize("H,K,P", [(3, 3, 2), (4, 2, 3), (6, 3, 2), (4, 4, 8)])
-@requires("sharded_heads")
+@pytest.mark.parametrize(
+    "H,K,P",
+    [(7, 7, 4), (7, 1, 4), (3, 3, 2), (1, 1, 3), (4, 2, 3), (6, 3, 4), (20, 4, 8), (20, 10, 8)],
+    ids=lambda x: str(x),
+)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@requires("sharded_heads", "gqa")
 @uses_dtype("float64")
-def test_heads_that_do_not_split(backend, H, K, P):
-    """A head-sharding backend refuses head counts P does not split, naming H, K and P."""
-    at = load_backend(backend.name, shards=P)
-    q, k, v = random_qkv(151, B=2, H=H, K=K, T=5, S=6)
-    with pytest.raises(ValueError) as err:
-        at.attention(q, k, v)
-    for part in (f"H={H}", f"K={K}", f"P={P}"):
-        assert part in str(err.value), (
-            f"{backend.name}: the error does not name {part}: {err.value}"
-        )
+def test_uneven_heads(backend, H, K, P, layout):
+    """Head counts P does not split (7 on 4 and 20 on 8, as DeepSpeed PR #6392 tests; fewer
+    heads than devices) and K that does not divide P (K = 2 on 3, 3 on 4, 10 on 8): the
+    §1.2 result, and with "grad" §12.9's gradients, a float mask per head included."""
+    at = _sharded(backend, P, layout)
+    q, k, v = random_qkv(155, B=2, H=H, K=K, T=7, S=9, D=4, E=4)
+    mask = np.random.default_rng(156).standard_normal((2, H, 7, 9))  # (B, H, T, S)
+    mask[:, :, 2] = -np.inf  # a row with no key, on every head
+    options = {"mask": mask, "is_causal": True}
+    context = f"{at.name} P={P} {layout} H={H} K={K}"
+    out = at.attention(q, k, v, **options)
+    assert out.shape == q.shape[:3] + (v.shape[-1],), f"{context}: shape {out.shape}"
+    assert_within(
+        as64(out),
+        naive(q, k, v, **options),
+        random_tolerance(q, k, v, "float64", **options),
+        context,
+    )
+    if "grad" in backend.capabilities:
+        d_out = _d_out(157, q, v)
+        ref, tols = _grad_reference(q, k, v, d_out, "float64", **options)
+        grads = at.attention_vjp(q, k, v, d_out, **options)
+        wanted = 4 if "grad_mask" in backend.capabilities else 3
+        assert len(grads) == wanted, f"{context}: {len(grads)} gradients, expected {wanted}"
+        _check_grads(grads, ref, tols, context)
 
 
 @pytest.mark.clause("14.8")

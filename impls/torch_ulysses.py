@@ -1,0 +1,401 @@
+"""DeepSpeed-Ulysses attention with torch.distributed: an all-to-all trades sequence shards
+for head shards.
+
+The same algorithm as ``jax_ulysses`` (read its docstring for why it is exact), written
+the way PyTorch runs it: one process per rank, and the two all-to-alls as
+``dist.all_to_all_single``, which gloo implements on the CPU with uneven splits (measured
+with torch 2.13.0: even and uneven split sizes, zero included). Rank r starts with slice
+r of the sequence for every head; the first all-to-all gives it the whole sequence for
+its own heads, it runs ordinary attention on them, and the second all-to-all hands the
+outputs back as sequence slices:
+
+    before (sequence-sharded)          after all_to_all_single (head-sharded)
+    rank 0: s0 of h0 … h6              rank 0: s0 s1 s2 s3 of h0 h1
+    rank 1: s1 of h0 … h6         ->   rank 1: s0 s1 s2 s3 of h2 h3
+    rank 2: s2 of h0 … h6              rank 2: s0 s1 s2 s3 of h4 h5
+    rank 3: s3 of h0 … h6              rank 3: s0 s1 s2 s3 of h6
+
+Which heads. As DeepSpeed's uneven all-to-all does (PR #6392, 7 heads on 4 ranks), the H
+query heads are split as evenly as they go, the first H mod P ranks holding one more
+(above: 2, 2, 2, 1); with H < P some ranks hold none and only pass data on. Query head h
+uses key/value head h // G (G = H // K), so rank r receives exactly the key/value heads
+its query heads use, a contiguous range; a head two ranks need is sent to both, and its
+gradient is the sum of what both send back. Nothing is padded: the split sizes say who
+gets what.
+
+Who runs the ranks. ``ulysses_attention`` and ``ulysses_attention_backward`` are the
+per-rank functions, for a script under ``torchrun``. ``attention`` and ``attention_vjp``
+are the single-process entries: they lay the sequence out (the ``layout`` option,
+contiguous or zigzag, as ``torch_ring``; the result is the same either way), and hand
+each rank its shard through ``run``, the caller's runner of P ranks; the torch-ulysses
+backend passes the torch-ring pool, so one set of P processes serves both backends.
+
+Shape legend: B batch · H query heads · K key/value heads (H % K == 0) · G = H // K ·
+T query length · S key/value length · D q/k head dim · E v head dim · P ranks ·
+Tl, Sl the per-rank slice lengths, Tp = P·Tl, Sp = P·Sl the padded lengths ·
+Hr the query heads and Kr the key/value heads on this rank.
+
+    q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
+
+Supports: bool and float masks, causal (both alignments), windows, softcap, GQA, every
+dtype (computed in float32 or float64, rounded once), unbatched inputs, and the backward
+pass (autograd on each rank's attention; the all-to-alls' adjoints are the reverse
+all-to-alls). Not supported: dropout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import contract
+
+LAYOUTS = ("contiguous", "zigzag")
+_FAR = 2**30  # "unbounded" for a window side
+
+
+def head_split(H: int, K: int, P: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Which heads go where: (first query head, query heads, first key/value head,
+    key/value heads) per rank, as lists of P ints."""
+    G = H // K
+    counts = [H // P + (r < H % P) for r in range(P)]  # as even as they go
+    starts = [sum(counts[:r]) for r in range(P)]
+    kv_starts = [s // G for s in starts]
+    # The key/value heads of query heads [s, s + n): (s + n − 1)//G − s//G + 1, or none.
+    kv_counts = [(s + n - 1) // G - s // G + 1 if n else 0 for s, n in zip(starts, counts)]
+    return starts, counts, kv_starts, kv_counts
+
+
+def ulysses_attention(q, k, v, tpos, spos, mask, *, opts: dict, heads: tuple) -> torch.Tensor:
+    """One rank's share: (B, H, Tl, E), its sequence slice of every head's output.
+
+    q (B, H, Tl, D), k (B, K, Sl, D), v (B, K, Sl, E) in the working dtype, this rank's
+    sequence slice; tpos (Tp,), spos (Sp,) int64, the original position of every slot of
+    the whole laid-out sequence (padding at >= T, >= S); mask (B|1, Hr|1, Tp|1, Sp|1) or
+    None: this rank's heads, the whole sequence. ``heads`` is ``head_split(H, K, P)``.
+    """
+    qh, kh, vh = _to_heads(q, k, v, heads)
+    out = _attention_on_heads(qh, kh, vh, tpos, spos, mask, opts, heads)  # (B, Hr, Tp, E)
+    return _to_sequence(out, heads[1])  # (B, H, Tl, E)
+
+
+def ulysses_attention_backward(q, k, v, tpos, spos, mask, d_out, *, opts: dict, heads: tuple):
+    """One rank's share of the backward: (dq, dk, dv, dmask or None).
+
+    The arguments are ``ulysses_attention``'s and d_out (B, H, Tl, E), this rank's slice
+    of ∂L/∂out. dq (B, H, Tl, D), dk (B, K, Sl, D), dv (B, K, Sl, E) are this rank's
+    sequence slice (dk, dv summed over every rank that used the head); dmask
+    (B|1, Hr|1, Tp|1, Sp|1) with a float mask: this rank's heads.
+    """
+    me = dist.get_rank()
+    # Forward to head shards, then autograd through this rank's attention only: the
+    # adjoint of an all-to-all is the reverse all-to-all, done by hand below.
+    qh, kh, vh = (x.detach().requires_grad_(True) for x in _to_heads(q, k, v, heads))
+    leaves = [qh, kh, vh]
+    float_mask = mask is not None and mask.dtype != torch.bool
+    if float_mask:
+        mask = mask.detach().requires_grad_(True)
+        leaves.append(mask)
+    (d_head,) = _to_heads_q(d_out, heads)  # (B, Hr, Tp, E)
+    with torch.enable_grad():
+        out = _attention_on_heads(qh, kh, vh, tpos, spos, mask, opts, heads)
+    grads = torch.autograd.grad(out, leaves, grad_outputs=d_head, allow_unused=True)
+    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
+    dq = _to_sequence(grads[0], heads[1])  # (B, H, Tl, D)
+    dk = _kv_to_sequence(grads[1], heads, k.shape[1], me)  # (B, K, Sl, D)
+    dv = _kv_to_sequence(grads[2], heads, k.shape[1], me)  # (B, K, Sl, E)
+    return dq, dk, dv, grads[3] if float_mask else None
+
+
+def _attention_on_heads(q, k, v, tpos, spos, mask, opts: dict, heads: tuple):
+    """Attention of this rank's query heads over the whole sequence: (B, Hr, Tp, E).
+
+    q (B, Hr, Tp, D), k (B, Kr, Sp, D), v (B, Kr, Sp, E)."""
+    starts, counts, kv_starts, _ = heads
+    me = dist.get_rank()
+    G = opts["G"]
+    # Each query head's own key/value head, by index: a rank's query heads need not be
+    # whole groups of G.
+    slot = torch.arange(starts[me], starts[me] + counts[me]) // G - kv_starts[me]  # (Hr,)
+    k = k[:, slot]  # (B, Hr, Sp, D)
+    v = v[:, slot]  # (B, Hr, Sp, E)
+
+    # Which keys each query may see: causality, the window and padding (from the tokens'
+    # original positions), a bool mask, a float mask's -inf entries.
+    distance = spos[None, :] - (tpos[:, None] + opts["offset"])  # (Tp, Sp)
+    allowed = (tpos < opts["T"])[:, None] & (spos < opts["S"])[None, :]  # (Tp, Sp)
+    allowed = allowed & (distance >= opts["lo"]) & (distance <= opts["hi"])
+    if mask is not None:
+        allowed = allowed & (mask if mask.dtype == torch.bool else mask != -torch.inf)
+    # A key no query of its head may see must have no effect whatever it holds (0 · NaN
+    # is NaN): its rows are replaced by 0, by selection, before they are used.
+    used = allowed.any(dim=-2)  # (Sp,) or (B|1, Hr|1, Sp)
+    k = torch.where(used[..., None], k, 0.0)  # (B, Hr, Sp, D)
+    v = torch.where(used[..., None], v, 0.0)  # (B, Hr, Sp, E)
+
+    # 1. Scores and 2. scale (folded into q).
+    x = torch.einsum("bhtd,bhsd->bhts", q * opts["scale"], k)  # (B, Hr, Tp, Sp)
+
+    # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
+    if opts["softcap"] is not None:
+        x = opts["softcap"] * torch.tanh(x / opts["softcap"])
+
+    # 4. Mask: a float mask is added, then every key a query may not see gets -inf.
+    if mask is not None and mask.dtype != torch.bool:
+        x = x + mask
+    x = torch.where(allowed, x, -torch.inf)  # (B, Hr, Tp, Sp)
+
+    # 5. Softmax over the keys, the row max subtracted; a row with no key gets weights 0.
+    # Both guards select (the "double where"), so gradients through such a row are 0.
+    row_max = x.amax(dim=-1, keepdim=True)  # (B, Hr, Tp, 1)
+    p = torch.exp(x - torch.where(torch.isfinite(row_max), row_max, 0.0))  # (B, Hr, Tp, Sp)
+    row_sum = p.sum(dim=-1, keepdim=True)  # (B, Hr, Tp, 1)
+    w = p / torch.where(row_sum > 0, row_sum, 1.0)  # (B, Hr, Tp, Sp)
+
+    # 7. Weighted sum of the values.
+    return torch.einsum("bhts,bhse->bhte", w, v)  # (B, Hr, Tp, E)
+
+
+def _to_heads(q, k, v, heads: tuple):
+    """Sequence shards -> head shards: every rank sends each rank its heads' slice."""
+    (qh,) = _to_heads_q(q, heads)  # (B, Hr, Tp, D)
+    _, _, kv_starts, kv_counts = heads
+    parts = [(s, n) for s, n in zip(kv_starts, kv_counts)]
+    kh = _all_to_all_heads(k, parts)  # (B, Kr, Sp, D)
+    vh = _all_to_all_heads(v, parts)  # (B, Kr, Sp, E)
+    return qh, kh, vh
+
+
+def _to_heads_q(x, heads: tuple):
+    starts, counts, _, _ = heads
+    return (_all_to_all_heads(x, list(zip(starts, counts))),)
+
+
+def _all_to_all_heads(x, parts):
+    """x (B, N, Ll, F), this rank's slice of N heads; parts[r] = (first, count): the heads
+    rank r gets. Returns (B, n, P·Ll, F): this rank's n heads over the whole sequence."""
+    P, me = dist.get_world_size(), dist.get_rank()
+    B, _, Ll, F = x.shape
+    # all_to_all_single splits dim 0: heads first, one block of heads per rank, in order.
+    send = torch.cat([x[:, s : s + n] for s, n in parts], dim=1)  # (B, Σn, Ll, F)
+    send = send.permute(1, 0, 2, 3).contiguous()  # (Σn, B, Ll, F)
+    n = parts[me][1]
+    recv = send.new_empty((P * n, B, Ll, F))  # (P·n, B, Ll, F): rank-major
+    dist.all_to_all_single(recv, send, [n] * P, [c for _, c in parts])
+    recv = recv.reshape(P, n, B, Ll, F).permute(2, 1, 0, 3, 4)  # (B, n, P, Ll, F)
+    return recv.reshape(B, n, P * Ll, F)  # (B, n, P·Ll, F)
+
+
+def _to_sequence(x, counts: list[int]):
+    """Head shards -> sequence shards: x (B, Hr, Tp, F), this rank's heads over the whole
+    sequence; returns (B, H, Tl, F), this rank's slice of every head."""
+    P = dist.get_world_size()
+    B, n, Tp, F = x.shape
+    Tl = Tp // P
+    send = x.reshape(B, n, P, Tl, F).permute(2, 1, 0, 3, 4).contiguous()  # (P, n, B, Tl, F)
+    send = send.reshape(P * n, B, Tl, F)  # (P·n, B, Tl, F): one block per rank
+    recv = x.new_empty((sum(counts), B, Tl, F))  # (H, B, Tl, F)
+    dist.all_to_all_single(recv, send, counts, [n] * P)
+    return recv.permute(1, 0, 2, 3)  # (B, H, Tl, F)
+
+
+def _kv_to_sequence(g, heads: tuple, K: int, me: int):
+    """The reverse of the key/value all-to-all: g (B, Kr, Sp, F), the gradient of this
+    rank's key/value heads; returns (B, K, Sl, F), this rank's slice of every key/value
+    head, the copies other ranks used summed."""
+    _, _, kv_starts, kv_counts = heads
+    P = dist.get_world_size()
+    B, n, Sp, F = g.shape
+    Sl = Sp // P
+    send = g.reshape(B, n, P, Sl, F).permute(2, 1, 0, 3, 4).contiguous()  # (P, n, B, Sl, F)
+    send = send.reshape(P * n, B, Sl, F)  # (P·n, B, Sl, F)
+    recv = g.new_empty((sum(kv_counts), B, Sl, F))  # (Σ Kr, B, Sl, F): rank-major
+    dist.all_to_all_single(recv, send, kv_counts, [n] * P)
+    index = torch.cat([torch.arange(s, s + c) for s, c in zip(kv_starts, kv_counts)])
+    out = g.new_zeros((K, B, Sl, F)).index_add_(0, index, recv)  # (K, B, Sl, F)
+    return out.permute(1, 0, 2, 3)  # (B, K, Sl, F)
+
+
+# ----------------------------------------------------------------------------------------
+# The single-process entry: lay out, hand each rank its shard, gather.
+
+#: run(fn, shards, **kwargs): fn(*shards[r], **kwargs) on rank r of a P-process group,
+#: the P results as NumPy, in rank order.
+Runner = Callable[..., list]
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    mask=None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    world_size: int = 2,
+    layout: str = "zigzag",
+    run: Runner,
+) -> np.ndarray:
+    """Ulysses attention on ``world_size`` ranks run by ``run``; NumPy in and out."""
+    # 0. Validate: the input contract every impl shares (contract.py).
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    mask = None if mask is None else np.asarray(mask)
+    call = contract.check(
+        q, k, v, mask=mask, is_causal=is_causal, scale=scale,
+        causal_alignment=causal_alignment, window=window, softcap=softcap,
+        dropout_p=dropout_p, unsupported={"dropout_p": "torch-ulysses has no dropout"},
+    )  # fmt: skip
+    lay = _Layout(call, q, k, v, mask, None, world_size, layout)
+    outs = run(ulysses_attention, lay.shards, opts=lay.opts, heads=lay.heads)  # P × (B, H, Tl, E)
+    out = lay.rows_back(np.concatenate(outs, axis=2)).astype(q.dtype)  # (B, H, T, E)
+    return out[0] if call.unbatched else out
+
+
+def attention_vjp(
+    q,
+    k,
+    v,
+    d_out,
+    *,
+    mask=None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    world_size: int = 2,
+    layout: str = "zigzag",
+    run: Runner,
+) -> tuple[np.ndarray, ...]:
+    """The backward: (dq, dk, dv), and dmask with a float mask; NumPy in and out, shaped
+    and typed like q, k, v and the mask (summed over its broadcast axes)."""
+    q, k, v, d_out = np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(d_out)
+    mask = None if mask is None else np.asarray(mask)
+    call = contract.check(
+        q, k, v, mask=mask, is_causal=is_causal, scale=scale,
+        causal_alignment=causal_alignment, window=window, softcap=softcap, d_out=d_out,
+    )  # fmt: skip
+    lay = _Layout(call, q, k, v, mask, d_out, world_size, layout)
+    parts = run(ulysses_attention_backward, lay.shards, opts=lay.opts, heads=lay.heads)
+    dq = lay.rows_back(np.concatenate([g[0] for g in parts], axis=2))  # (B, H, T, D)
+    dk = lay.cols_back(np.concatenate([g[1] for g in parts], axis=2), 2)  # (B, K, S, D)
+    dv = lay.cols_back(np.concatenate([g[2] for g in parts], axis=2), 2)  # (B, K, S, E)
+    grads = [g.astype(q.dtype) for g in (dq, dk, dv)]
+    if call.unbatched:
+        grads = [g[0] for g in grads]
+    if mask is None or mask.dtype == np.bool_:
+        return tuple(grads)
+    dm = [g[3] for g in parts]  # P × (B|1, Hr|1, Tp|1, Sp|1)
+    # Per-head masks come back as each rank's heads; a mask without a head axis was the
+    # same on every rank, so its gradient is the sum of theirs.
+    dm = np.concatenate(dm, axis=1) if lay.mask_heads else np.sum(dm, axis=0)
+    if dm.shape[2] != 1:
+        dm = lay.rows_back(dm)
+    if dm.shape[3] != 1:
+        dm = lay.cols_back(dm, 3)
+    return (*grads, _sum_to(dm, mask.shape).astype(mask.dtype))
+
+
+class _Layout:
+    """The sequence laid out over P ranks and the heads split: each rank's shard, the way
+    back."""
+
+    def __init__(self, call, q, k, v, mask, d_out, P: int, layout: str) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout should be one of {LAYOUTS}, got {layout!r}")
+        if isinstance(P, bool) or not isinstance(P, int) or P < 1:
+            raise ValueError(f"world_size should be a positive int (P ranks), got {P!r}")
+        if call.unbatched:
+            q, k, v = q[None], k[None], v[None]
+            d_out = None if d_out is None else d_out[None]
+        # Low precision is computed in float32 (inputs are exact there) and rounded once.
+        work = np.float64 if q.dtype == np.float64 else np.float32
+        self.P, self.T, self.S = P, call.T, call.S
+        self.heads = head_split(call.H, call.K, P)
+        pieces = 2 if layout == "zigzag" else 1
+        self.perm_t = _perm(call.T, P, pieces, layout)
+        self.perm_s = _perm(call.S, P, pieces, layout)
+        q = _permute(q.astype(work), 2, self.perm_t)  # (B, H, Tp, D)
+        k = _permute(k.astype(work), 2, self.perm_s)  # (B, K, Sp, D)
+        v = _permute(v.astype(work), 2, self.perm_s)  # (B, K, Sp, E)
+        if d_out is not None:
+            d_out = _permute(d_out.astype(work), 2, self.perm_t)  # (B, H, Tp, E)
+        self.mask_heads = False
+        if mask is not None:
+            mask = mask.reshape(call.mask_shape)  # (B|1, H|1, T|1, S|1)
+            mask = mask if mask.dtype == np.bool_ else mask.astype(work)
+            if mask.shape[2] != 1:
+                mask = _permute(mask, 2, self.perm_t)
+            if mask.shape[3] != 1:
+                mask = _permute(mask, 3, self.perm_s)
+            self.mask_heads = mask.shape[1] != 1
+        left, right = call.window if call.window is not None else (None, None)
+        hi = _FAR if right is None else right
+        self.opts = dict(
+            scale=call.scale,
+            softcap=call.softcap,
+            offset=0 if call.causal_alignment == "top_left" else call.S - call.T,
+            lo=-_FAR if left is None else -left,
+            hi=min(hi, 0) if call.is_causal else hi,
+            T=call.T,
+            S=call.S,
+            G=call.H // call.K,
+        )
+        Tl, Sl = len(self.perm_t) // P, len(self.perm_s) // P
+        starts, counts, _, _ = self.heads
+        self.shards = []
+        for r in range(P):
+            rows = slice(r * Tl, (r + 1) * Tl)
+            cols = slice(r * Sl, (r + 1) * Sl)
+            m = mask
+            if self.mask_heads:
+                m = mask[:, starts[r] : starts[r] + counts[r]]  # (B|1, Hr, Tp|1, Sp|1)
+            shard = (q[:, :, rows], k[:, :, cols], v[:, :, cols], self.perm_t, self.perm_s, m)
+            if d_out is not None:
+                shard += (d_out[:, :, rows],)
+            self.shards.append(shard)
+
+    def rows_back(self, x: np.ndarray) -> np.ndarray:
+        """Axis 2 from the layout's order back to the original one, padding cut off."""
+        back = np.empty_like(x)
+        back[:, :, self.perm_t] = x
+        return back[:, :, : self.T]
+
+    def cols_back(self, x: np.ndarray, axis: int) -> np.ndarray:
+        """The key axis from the layout's order back to the original one, padding cut off."""
+        back = np.empty_like(x)
+        index = [slice(None)] * x.ndim
+        index[axis] = self.perm_s
+        back[tuple(index)] = x
+        index[axis] = slice(0, self.S)
+        return back[tuple(index)]
+
+
+def _sum_to(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Undo broadcasting: sum x over the axes along which an array of ``shape`` was broadcast."""
+    x = x.sum(axis=tuple(range(x.ndim - len(shape))))  # drop the leading axes
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    return x.sum(axis=axes, keepdims=True).reshape(shape)
+
+
+def _perm(n: int, P: int, pieces: int, layout: str) -> np.ndarray:
+    """perm[slot] = original position (>= n: padding); slots are rank-major."""
+    chunks = P * pieces
+    c = max(1, -(-n // chunks))
+    if layout == "contiguous":
+        return np.arange(chunks * c)
+    order = [i for r in range(P) for i in (r, 2 * P - 1 - r)]
+    return np.concatenate([np.arange(i * c, (i + 1) * c) for i in order])
+
+
+def _permute(x: np.ndarray, axis: int, perm: np.ndarray) -> np.ndarray:
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, len(perm) - x.shape[axis])
+    return np.take(np.pad(x, pad), perm, axis=axis)

@@ -177,7 +177,12 @@ def _attend(
     # left has maximum -inf and gets weights of exactly 0 (see Notes: empty rows).
     row_max = scores.max(axis=-1, keepdims=True, initial=-jnp.inf)  # (B, H, T, 1)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
-    p = jnp.exp(scores - row_max)  # (B, H, T, S)
+    shifted = scores - row_max  # (B, H, T, S)
+    # Shifted once more by the largest difference itself, so that it is exactly 0 even where
+    # XLA fuses step 2's multiply into the subtraction (see Notes: fused multiply-add).
+    shift = shifted.max(axis=-1, keepdims=True, initial=-jnp.inf)  # (B, H, T, 1)
+    shifted = shifted - jnp.where(jnp.isfinite(shift), shift, 0.0)  # (B, H, T, S)
+    p = jnp.exp(shifted)  # (B, H, T, S)
     row_sum = p.sum(axis=-1, keepdims=True)  # (B, H, T, 1)
     weights = p / jnp.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
 
@@ -500,6 +505,14 @@ def _is_key(key: object) -> bool:
 # would give. With S = 0 every row is such a row: the maximum starts from -inf, since an
 # empty axis has no maximum of its own.
 #
+# Fused multiply-add (step 5). On a CPU or GPU with FMA, XLA may fuse step 2's multiply into
+# step 5's subtraction, which skips the product's rounding, while the maximum was taken of
+# rounded products: past scores of ~1e18 the two differ by more than exp() can take, and the
+# row becomes inf / inf = NaN. Shifting once more by the maximum of the very differences
+# exp() receives makes the largest exactly 0; without such fusion that second shift is 0 and
+# changes nothing. Whether XLA fuses depends on the processor, so a machine without FMA
+# passes either way: the test that catches it (SPEC §8.4, scale 1e30) needs one that has it.
+
 # Gradients through empty rows (step 5). Both guards of step 5 are jnp.where on the value
 # that would be bad (the "double where"): the branch not taken gets a zero cotangent, so
 # jax.grad through a row with no key is 0, not NaN.

@@ -121,9 +121,9 @@ def test_a_sharded_pytest_run_leaves_no_worker():
     assert not left, "processes left running after pytest exited:\n" + "\n".join(left)
 
 
-def test_module_level_script_names_spawn_and_the_guard(tmp_path):
+def test_module_level_script_names_the_start_method_and_the_guard(tmp_path):
     """A script that uses torch-ring at module level, without the ``__main__`` guard: the
-    parent's error names the spawn start method and the guard, not just an exit code; the
+    parent's error names the start method (forkserver) and the guard, not just an exit code; the
     same script under the guard (the README's form) runs."""
     body = """
         import numpy as np
@@ -140,7 +140,7 @@ def test_module_level_script_names_spawn_and_the_guard(tmp_path):
     assert run.returncode != 0, f"the unguarded script ran:\n{run.stdout}"
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("conformance.impls.torch_ring.WorkerDied"), run.stderr[-3000:]
-    for part in ("'spawn' start method", 'if __name__ == "__main__":', str(bare)):
+    for part in ("'forkserver' start method", 'if __name__ == "__main__":', str(bare)):
         assert part in last, f"the parent's error does not name {part!r}: {last}"
 
     guarded = tmp_path / "guarded.py"

@@ -33,8 +33,19 @@ def _backend_names(item: pytest.Item) -> list[str]:
     return list(pair) if isinstance(pair, tuple) else [single] if single else []
 
 
+def _shard_count(item: pytest.Item) -> int:
+    return getattr(getattr(item, "callspec", None), "params", {}).get("P", 0)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip, by name, every test whose declared needs a backend of it does not declare."""
+    """Skip, by name, every test whose declared needs a backend of it does not declare.
+
+    Within a module, tests that run a backend at P shards are put in order of P: a
+    torch.distributed backend starts P worker processes for each new P and keeps only two
+    such pools, so tests that alternate between device counts would start one per test
+    (xdist's ``--dist load`` hands each worker consecutive tests, so the order survives)."""
+    module_order = {m: i for i, m in enumerate(dict.fromkeys(item.module for item in items))}
+    items.sort(key=lambda item: (module_order[item.module], _shard_count(item)))
     for item in items:
         names = _backend_names(item)
         if not names:

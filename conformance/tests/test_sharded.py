@@ -88,23 +88,24 @@ def test_unknown_layout_raises(backend):
 
 @pytest.mark.clause("14.1")
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("P", [8], ids=["P8"])
 @requires(*VARIANTS["all"][0])
 @uses_dtype("float64")
-def test_eight_shards(backend, layout):
+def test_eight_shards(backend, P, layout):
     """P = 8, every declared variant at once, forward and (with "grad") backward."""
-    at = _sharded(backend, 8, layout)
+    at = _sharded(backend, P, layout)
     options = VARIANTS["all"][1]
     q, k, v = random_qkv(80, **_shape(backend, H=8, K=2, T=13, S=11))
     mask = np.random.default_rng(81).random((1, 1, 13, 11)) > 0.2  # (1, 1, T, S)
     out = at.attention(q, k, v, mask=mask, **options)
     ref = naive(q, k, v, mask=mask, **options)
     tol = random_tolerance(q, k, v, "float64", mask=mask, **options)
-    assert_within(as64(out), ref, tol, f"{at.name} P=8 {layout} {options}")
+    assert_within(as64(out), ref, tol, f"{at.name} P={P} {layout} {options}")
     if "grad" in backend.capabilities:
         d_out = _d_out(82, q, v)
         ref_g, tols = _grad_reference(q, k, v, d_out, "float64", mask=mask, **options)
         grads = at.attention_vjp(q, k, v, d_out, mask=mask, **options)
-        _check_grads(grads, ref_g, tols, f"{at.name} P=8 {layout} {options}")
+        _check_grads(grads, ref_g, tols, f"{at.name} P={P} {layout} {options}")
 
 
 def naive(q, k, v, **options):
@@ -309,16 +310,17 @@ def test_uneven_heads(backend, H, K, P, layout):
 
 @pytest.mark.clause("14.8")
 @pytest.mark.parametrize("K", [1, 2, 4, 8])
+@pytest.mark.parametrize("P", [4], ids=["P4"])
 @requires("sharded_heads", "gqa")
 @uses_dtype("float64")
-def test_heads_batch_and_few_kv_heads(backend, K):
+def test_heads_batch_and_few_kv_heads(backend, P, K):
     """B = 3 distinct batch elements, H = 8 on P = 4 devices, K from 1 (< P) to 8."""
-    at = load_backend(backend.name, shards=4)
+    at = load_backend(backend.name, shards=P)
     q, k, v = random_qkv(152, B=3, H=8, K=K, T=7, S=13)
     mask = np.random.default_rng(153).random((3, 1, 7, 13)) > 0.3  # (B, 1, T, S)
     options = {"mask": mask, "is_causal": True, "causal_alignment": "bottom_right"}
     out = at.attention(q, k, v, **options)
-    context = f"{at.name} P=4 B=3 H=8 K={K}"
+    context = f"{at.name} P={P} B=3 H=8 K={K}"
     assert_within(
         as64(out),
         naive(q, k, v, **options),

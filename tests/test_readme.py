@@ -258,20 +258,27 @@ def test_sample_text_block(block, kit_dir):
 
 #: Runs a block statement by statement; after an expression, a ``# <value>`` comment line
 #: is its repr.
+#: Runs a block statement by statement, as a script would (``__name__ == "__main__"``).
+#: Its own work sits under the guard, since worker processes re-import the main module.
 DRIVER = """
 import ast, sys
 
-source = open(sys.argv[1]).read()
-lines = source.splitlines()
-env = {"__name__": "__main__"}
-for node in ast.parse(source).body:
-    if isinstance(node, ast.Expr):
-        value = eval(compile(ast.Expression(node.value), "README", "eval"), env)
-        after = lines[node.end_lineno] if node.end_lineno < len(lines) else ""
-        if after.startswith("# ") and repr(value) != after[2:]:
-            sys.exit(f"line {node.lineno}: {repr(value)} is not what the README shows: {after}")
-    else:
-        exec(compile(ast.Module([node], []), "README", "exec"), env)
+
+def run(source):
+    lines = source.splitlines()
+    env = {"__name__": "__main__"}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Expr):
+            value = eval(compile(ast.Expression(node.value), "README", "eval"), env)
+            after = lines[node.end_lineno] if node.end_lineno < len(lines) else ""
+            if after.startswith("# ") and repr(value) != after[2:]:
+                sys.exit(f"line {node.lineno}: {value!r} is not what the README shows: {after}")
+        else:
+            exec(compile(ast.Module([node], []), "README", "exec"), env)
+
+
+if __name__ == "__main__":
+    run(open(sys.argv[1]).read())
 """
 
 

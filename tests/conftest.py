@@ -14,7 +14,8 @@ def pytest_configure(config):
 @pytest.fixture
 def registry(monkeypatch):
     """A fresh backend registry for one test: what the test registers is forgotten after it."""
-    from conformance import backends, impl
+    from conformance import backends
+    from conformance.adapters import impl
 
     fresh = backends.Registry(backends.BUILTIN)
     monkeypatch.setattr(backends, "REGISTRY", fresh)

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from conformance import frameworks
-from conformance.profiles import _pattern, read_profile, shipped_profiles
+from conformance.adapters.profiles import _pattern, read_profile, shipped_profiles
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.cases import manifest
+from conformance.suite.cases import manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 #: What a checkout holds beside its sources: build outputs, caches, environments.

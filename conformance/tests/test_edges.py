@@ -17,9 +17,9 @@ import pytest
 
 from conformance.backends import numpy_dtype
 from conformance.fixtures.oracle import allowed_keys
-from conformance.helpers import as64, oracle_attention, random_qkv, random_tolerance
-from conformance.requirements import requires, value_dims
-from conformance.tolerance import assert_identical, assert_rows_zero, assert_within, expect
+from conformance.suite.helpers import as64, oracle_attention, random_qkv, random_tolerance
+from conformance.suite.requirements import requires, value_dims
+from conformance.suite.tolerance import assert_identical, assert_rows_zero, assert_within, expect
 
 DTYPES = ["float64", "float32", "float16", "bfloat16"]
 dtypes = pytest.mark.parametrize("dtype", DTYPES)

@@ -13,11 +13,17 @@ import numpy as np
 import pytest
 
 from conformance.backends import numpy_dtype
-from conformance.cases import case_entries, case_marks, load_case
-from conformance.helpers import SIZES, as64, random_qkv
-from conformance.measure import publish
-from conformance.requirements import SuiteError, requires, uses_dtype, value_dims
-from conformance.tolerance import Departure, assert_identical, assert_within, expect, tolerance
+from conformance.suite.cases import case_entries, case_marks, load_case
+from conformance.suite.helpers import SIZES, as64, random_qkv
+from conformance.suite.measure import publish
+from conformance.suite.requirements import SuiteError, requires, uses_dtype, value_dims
+from conformance.suite.tolerance import (
+    Departure,
+    assert_identical,
+    assert_within,
+    expect,
+    tolerance,
+)
 
 GRADS = ("dq", "dk", "dv", "dmask")
 DTYPES = ["float64", "float32"]

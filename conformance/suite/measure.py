@@ -2,7 +2,7 @@
 
 A test that compares a backend with the oracle (a fixture) or two backends with each other
 (SPEC §7.3, §12.10) calls ``publish`` just before it asserts: the max error, by the same
-rule as ``conformance.tolerance.assert_within``, the tolerance that assertion applies, and
+rule as ``conformance.suite.tolerance.assert_within``, the tolerance that assertion applies, and
 the unit eps · max(1, |expected|). The numbers go into the test's ``user_properties``
 (as JSON under the name ``PROPERTY``), so they travel with pytest's reports, through
 pytest-xdist's workers too, and land in JUnit XML; ``published`` reads them back. The
@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from conformance.tolerance import EPS, nonfinite_mismatch
+from conformance.suite.tolerance import EPS, nonfinite_mismatch
 
 #: The name of the user property a measurement is stored under.
 PROPERTY = "conformance-measurement"

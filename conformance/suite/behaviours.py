@@ -13,7 +13,7 @@ Where the sentence comes from, first match wins:
 1. ``SuiteError``: the suite's own bug, said so.
 2. An exception the function raised where the spec wants an output: its type and the
    first line of its message, numbers in it replaced by "N".
-3. A ``Departure`` raised by the suite's assertions (``conformance/tolerance.py``), which
+3. A ``Departure`` raised by the suite's assertions (``conformance/suite/tolerance.py``), which
    carries what it saw: rows that should be 0 because they attend nothing, NaN that
    appeared or vanished, an error that is exactly what a lower precision makes. These
    causes cut across clauses, so they are named before the test's own words.
@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from conformance.requirements import SuiteError
-from conformance.tolerance import EPS, Departure, Seen
+from conformance.suite.requirements import SuiteError
+from conformance.suite.tolerance import EPS, Departure, Seen
 
 #: The user properties a failing test's report carries: its behaviour, and a few words on
 #: its last call (``call_features``, as JSON).
@@ -126,7 +126,7 @@ def of_seen(seen: Seen, calls) -> str | None:
 def behaviour(err: BaseException | None, calls: list, clause: str | None, title: str) -> str:
     """One sentence for what a failing test found (see the module's docstring).
 
-    ``calls`` are the test's last calls to the backend (``conformance.replay``), oldest
+    ``calls`` are the test's last calls to the backend (``conformance.suite.replay``), oldest
     first; ``clause`` and ``title`` name what the test checks.
     """
     fallback = f"departs from §{clause} ({title})" if clause else "fails"

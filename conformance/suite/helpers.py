@@ -1,6 +1,6 @@
 """What the conformance tests share: random inputs, tolerances, the oracle kept for the run.
 
-What a test needs (capabilities, dtypes) is declared with ``conformance.requirements``.
+What a test needs (capabilities, dtypes) is declared with ``conformance.suite.requirements``.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from conformance.backends import numpy_dtype
-from conformance.tolerance import tolerance
+from conformance.suite.tolerance import tolerance
 
 
 def random_qkv(

@@ -6,7 +6,7 @@ The suite hands each test a ``RecordingBackend``, which remembers the last calls
 pickle) and the failure carries a snippet that loads the backend as the test loaded it
 (``load_backend(name, **options)``) and makes the call again::
 
-    from conformance.replay import load_call
+    from conformance.suite.replay import load_call
     backend, method, args, kwargs = load_call("test_x.npz", index=-1)
     result = getattr(backend, method)(*args, **kwargs)
 """
@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conformance import impl
+from conformance.adapters import impl
 from conformance.backends import Backend, load_backend, numpy_dtype
-from conformance.behaviours import mark_raised
-from conformance.requirements import SuiteError, undeclared
+from conformance.suite.behaviours import mark_raised
+from conformance.suite.requirements import SuiteError, undeclared
 
 #: The backend methods a replay covers: everything that computes.
 RECORDED = ("attention", "attention_vjp", "multi_head_attention", "gpt_block", "module_param_grads")
@@ -38,7 +38,7 @@ class RecordingBackend:
     """A backend that remembers its last calls, to replay a failure.
 
     With ``guard`` (the conformance run's default), a call using anything the backend does
-    not declare (``conformance.requirements.undeclared``) raises ``SuiteError`` and never
+    not declare (``conformance.suite.requirements.undeclared``) raises ``SuiteError`` and never
     reaches the backend. Everything else is the wrapped backend's own: attributes and
     other methods pass straight through.
     """
@@ -220,7 +220,7 @@ def replay_snippet(path: str | os.PathLike, lines: list[str]) -> str:
         f"the last {'call' if n == 1 else f'{n} calls'} to the backend before the failure "
         f"(inputs saved to {path}):\n{calls}\n"
         "replay in Python:\n"
-        "  from conformance.replay import load_call\n"
+        "  from conformance.suite.replay import load_call\n"
         f"  backend, method, args, kwargs = load_call({str(path)!r}, index=-1)\n"
         "  result = getattr(backend, method)(*args, **kwargs)"
     )

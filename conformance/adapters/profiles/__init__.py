@@ -9,7 +9,7 @@ module in this folder when the library cannot be called with arrays: ONNX, flex
 attention), its framework and layout, which keyword takes each spec option, the mask's
 convention, keywords fixed on every call, the capabilities and dtypes it has, the
 distributions it needs, and its known failures, each with the reason in words. The
-conversion itself is ``conformance/native.py``; a profile only says what to convert.
+conversion itself is ``conformance/adapters/native.py``; a profile only says what to convert.
 
     name = "torch.sdpa"
     target = "torch.nn.functional:scaled_dot_product_attention"
@@ -58,8 +58,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from conformance.adapters.native import BOOL_MEANINGS, SPEC_OPTIONS, OptionMap
 from conformance.backends import Backend, register_backend
-from conformance.native import BOOL_MEANINGS, SPEC_OPTIONS, OptionMap
 
 #: Where the shipped profiles live: ``<name>.toml``, adapters beside them.
 HERE = Path(__file__).resolve().parent
@@ -129,7 +129,7 @@ class Profile:
         """What the ``probe`` measured, when the hardware ``needs`` names is missing."""
         if not self.probe:
             return None
-        from conformance.impl import _import_target
+        from conformance.adapters.impl import _import_target
 
         why = _import_target(self.probe)()
         return None if why is None else f"needs {', '.join(self.needs)}: {why}"
@@ -141,7 +141,7 @@ class Profile:
           ProfileError: a required distribution is not installed, or the target or
             framework cannot be found.
         """
-        from conformance.impl import ImplUnavailable, resolve_impl
+        from conformance.adapters.impl import ImplUnavailable, resolve_impl
 
         missing = self.missing()
         if missing:
@@ -279,7 +279,7 @@ def load_profiles(names: Iterable[str]) -> tuple[list[Profile], list[Profile]]:
     Raises:
       ProfileError: a named profile is missing, malformed, or its library or target is.
     """
-    from conformance.impl import load_impl
+    from conformance.adapters.impl import load_impl
 
     loaded, unavailable = [], []
     for value in names:
@@ -327,7 +327,7 @@ def mark_items(
     """
     import pytest
 
-    from conformance.known_failures import known_failure_keys
+    from conformance.suite.known_failures import known_failure_keys
 
     patterns = {
         (p.name, text): _pattern(text) for p in loaded if known for text in p.known_failures

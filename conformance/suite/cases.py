@@ -14,8 +14,8 @@ import pytest
 
 from conformance import fixtures as fixtures_package
 from conformance.backends import numpy_dtype
-from conformance.requirements import requires, uses_dtype
-from conformance.tolerance import finite_error
+from conformance.suite.requirements import requires, uses_dtype
+from conformance.suite.tolerance import finite_error
 
 FIXTURES = Path(fixtures_package.__file__).resolve().parent
 
@@ -161,10 +161,10 @@ class Case:
         )
 
     def _snippet(self, backend, call: str) -> str:
-        from conformance.replay import load_expression
+        from conformance.suite.replay import load_expression
 
         return (
-            "from conformance import load_backend; from conformance.cases import load_case\n"
+            "from conformance import load_backend; from conformance.suite.cases import load_case\n"
             f"    backend = {load_expression(backend)}\n"
             f"    case = load_case({self.id!r})\n"
             f"    backend.{call}"

@@ -507,7 +507,7 @@ class _TorchBackend(Backend):
 
     def __init__(self) -> None:
         # The one converter between NumPy and torch, shared with the profiles' calls.
-        from conformance.native import TorchFramework
+        from conformance.adapters.native import TorchFramework
 
         self.arrays = TorchFramework()
         self.torch = self.arrays.torch

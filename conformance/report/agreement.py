@@ -1,6 +1,6 @@
 """Cross-framework agreement, summarised from the numbers the tests published.
 
-Each measurement (``conformance/measure.py``) is one comparison a test asserted: a backend
+Each measurement (``conformance/suite/measure.py``) is one comparison a test asserted: a backend
 against the oracle on a fixture (SPEC §7.1, §12.9), or two backends against each other on
 the same random inputs (SPEC §7.3, §12.10), with the max error, the tolerance the test
 applied and the unit eps · max(1, |expected|). Per quantity ("outputs", "gradients") and

@@ -2,10 +2,10 @@
 
 ``run_tests`` runs the conformance suite with pytest, in this process or, with
 ``workers > 1``, in pytest-xdist worker processes. Either way this module is loaded as a
-pytest plugin in every process (``-p conformance.report_collect``): where a test runs,
+pytest plugin in every process (``-p conformance.report.collect``): where a test runs,
 ``pytest_runtest_makereport`` labels its report with the backend and the SPEC clause, and
 where the results arrive, ``Collector`` turns each report into a row and gathers the
-measurements the tests published (``conformance/measure.py``). Labels and measurements are
+measurements the tests published (``conformance/suite/measure.py``). Labels and measurements are
 plain data on the report, so they survive xdist's trip from worker to controller.
 """
 
@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from conformance import behaviours
-from conformance.measure import published
+from conformance.suite import behaviours
+from conformance.suite.measure import published
 
-HERE = Path(__file__).resolve().parent
+#: The conformance package: the tests the report runs are its own.
+HERE = Path(__file__).resolve().parent.parent
 #: The outcomes a row can have; "xfailed" is a known failure (``--known-failures``).
 OUTCOMES = ("passed", "failed", "skipped", "xfailed")
 
@@ -106,7 +107,7 @@ def run_tests(
         "-p",
         "no:cacheprovider",
         "-p",
-        "conformance.report_collect",
+        "conformance.report.collect",
         "-W",
         "ignore::pytest.PytestAssertRewriteWarning",
     ]

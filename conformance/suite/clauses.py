@@ -6,7 +6,7 @@ import re
 from functools import cache
 from pathlib import Path
 
-SPEC = Path(__file__).resolve().parent / "SPEC.md"
+SPEC = Path(__file__).resolve().parent.parent / "SPEC.md"
 
 
 @cache

@@ -1,7 +1,7 @@
 """What the test run says per backend: clauses passed and failed, a verdict, and the skips
 grouped by the capability that caused them.
 
-Every function here reads the rows ``conformance.report_collect.Collector`` gathered:
+Every function here reads the rows ``conformance.report.collect.Collector`` gathered:
 {"test", "backend", "clause", "outcome", "reason", ...}. A pairwise test (backend "a~b",
 SPEC §7.3, §12.10) tests both backends: it counts under "a~b" and for a and for b.
 """
@@ -12,9 +12,9 @@ import re
 from collections import defaultdict
 
 from conformance.backends import CAPABILITIES, DTYPES
-from conformance.behaviours import describe_common, family
-from conformance.clauses import clause_key
-from conformance.report_collect import OUTCOMES
+from conformance.report.collect import OUTCOMES
+from conformance.suite.behaviours import describe_common, family
+from conformance.suite.clauses import clause_key
 
 _LACKS = re.compile(r"^(?P<who>.+?) lacks (?P<kind>capability|dtype) '(?P<what>[^']+)'")
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from conformance.backends import load_backend
-from conformance.cases import worked_example
-from conformance.report_agreement import names_in
+from conformance.report.agreement import names_in
+from conformance.suite.cases import worked_example
 
 
 def _pyplot():

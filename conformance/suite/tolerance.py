@@ -26,7 +26,7 @@ EPS = {"float64": 2.0**-52, "float32": 2.0**-23, "float16": 2.0**-10, "bfloat16"
 
 @dataclass
 class Seen:
-    """What a failed comparison saw, for ``conformance.behaviours`` to name the cause."""
+    """What a failed comparison saw, for ``conformance.suite.behaviours`` to name the cause."""
 
     error: float = 0.0
     tolerance: float = 0.0

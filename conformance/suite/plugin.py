@@ -14,10 +14,10 @@ every pytest run; in another project's run the plugin does nothing unless asked
 conformance tests with no ``--backend`` (and no ``--impl``) is a usage error, and so is a
 backend that cannot be loaded: a conformance run that tested nothing must never look green.
 
-``--impl`` plugs in your own implementation (``conformance/impl.py``): a function with
+``--impl`` plugs in your own implementation (``conformance/adapters/impl.py``): a function with
 the spec's signature, NumPy in and out, declaring the capabilities and dtypes you list,
 or a ``conformance.Backend``; ``--impl-framework``/``--impl-layout`` call a function on
-its framework's arrays in its layout (``conformance/native.py``), and ``--impl-profile``
+its framework's arrays in its layout (``conformance/adapters/native.py``), and ``--impl-profile``
 runs a library function a profile describes (``conformance/profiles``), with the known
 failures the profile lists. ``--known-failures FILE`` marks the tests it lists as
 expected failures (strict: a fixed one fails until its line is removed), with a warning
@@ -41,14 +41,15 @@ from pathlib import Path
 
 import pytest
 
-from conformance import behaviours, impl, known_failures, replay
+from conformance.adapters import impl
 from conformance.backends import (
     BackendUnavailable,
     available_backends,
     load_backend,
     registered_backends,
 )
-from conformance.clauses import clause_titles
+from conformance.suite import behaviours, known_failures, replay
+from conformance.suite.clauses import clause_titles
 
 
 def _register_hypothesis_profiles() -> None:
@@ -125,7 +126,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=[],
         metavar="NAME|PATH",
         help="a library function described by a profile (SPEC §13.10): a shipped one "
-        "(conformance/profiles/NAME.toml), 'all' of them, or a TOML file (repeatable)",
+        "(conformance/adapters/profiles/NAME.toml), 'all' of them, or a TOML file (repeatable)",
     )
     group.addoption(
         "--impl-name",
@@ -278,7 +279,7 @@ def _load_impl(config: pytest.Config) -> str | None:
 def _load_profiles(config: pytest.Config) -> list[str]:
     """Register the ``--impl-profile`` backends; return their names (those skipped for a
     missing library included: their tests are marked skipped, by name)."""
-    from conformance import profiles
+    from conformance.adapters import profiles
 
     try:
         loaded, unavailable = profiles.load_profiles(config.getoption("--impl-profile"))
@@ -415,7 +416,7 @@ def _mark_profile_items(config: pytest.Config, items: list[pytest.Item], known=T
     loaded, unavailable = getattr(config, "conformance_profiles", ([], []))
     if not loaded and not unavailable:
         return
-    from conformance import profiles
+    from conformance.adapters import profiles
 
     stale = profiles.mark_items(items, loaded, unavailable, known=known)
     if stale:
@@ -443,7 +444,7 @@ def _repro_dir(config: pytest.Config) -> Path:
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """A failing test (a known failure too) gets its behaviour, the one sentence that says
-    what the function did (``conformance.behaviours``), and, unless it was expected, a
+    what the function did (``conformance.suite.behaviours``), and, unless it was expected, a
     section that replays its last calls. The outermost wrapper, so it sees the report after
     a known failure became an xfail: an expected failure writes no replay."""
     outcome = yield

@@ -41,17 +41,17 @@ from pathlib import Path
 import numpy as np
 
 from conformance.backends import CAPABILITIES, DTYPES, BackendUnavailable, load_backend
-from conformance.report_agreement import agreement, shard_counts
-from conformance.report_collect import OUTCOMES, run_tests, xdist_installed
-from conformance.report_markdown import render_markdown
-from conformance.report_outcomes import (
+from conformance.report.agreement import agreement, shard_counts
+from conformance.report.collect import OUTCOMES, run_tests, xdist_installed
+from conformance.report.markdown import render_markdown
+from conformance.report.outcomes import (
     clause_table,
     departures,
     grouped_known_failures,
     grouped_skips,
     verdicts,
 )
-from conformance.report_pictures import draw_pictures
+from conformance.report.pictures import draw_pictures
 
 
 def versions(backends: list[str]) -> dict[str, str]:
@@ -144,7 +144,7 @@ def main(argv: list[str]) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     use_jax_cache(args.out)
-    from conformance.plugin import selected_backends
+    from conformance.suite.plugin import selected_backends
 
     class _Opts:
         def getoption(self, _name):
@@ -152,7 +152,7 @@ def main(argv: list[str]) -> int:
 
     backends = selected_backends(_Opts())
     if args.impl:
-        from conformance.impl import load_impl
+        from conformance.adapters.impl import load_impl
 
         try:
             impl = load_impl(

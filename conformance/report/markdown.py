@@ -1,4 +1,4 @@
-"""``report.md``: the report's data (``conformance/report.py``) as Markdown, in reading order.
+"""``report.md``: the report's data (``conformance/report/command.py``) as Markdown, in reading order.
 
 Verdict per backend first; then the clause table, known failures and skips (grouped by the
 missing capability), what failed with its replay, cross-framework agreement on the
@@ -7,9 +7,9 @@ outputs and the gradients, the pairwise tests, and the pictures.
 
 from __future__ import annotations
 
-from conformance.clauses import clause_key, clause_titles
-from conformance.report_agreement import names_in
-from conformance.report_collect import OUTCOMES
+from conformance.report.agreement import names_in
+from conformance.report.collect import OUTCOMES
+from conformance.suite.clauses import clause_key, clause_titles
 
 MAX_FAILURES_SHOWN = 40
 

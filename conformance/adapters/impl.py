@@ -8,7 +8,7 @@
    which ``FunctionBackend`` wraps, declaring only the capabilities and dtypes you list
    (``--impl-capabilities``, ``--impl-dtypes``); a function on torch or JAX arrays, or in
    the (B, T, H, D) layout, with ``--impl-framework`` and ``--impl-layout`` (the
-   conversion is ``conformance/native.py``), and a library function with its own
+   conversion is ``conformance/adapters/native.py``), and a library function with its own
    keywords through a profile (``conformance/profiles``); or a ``conformance.Backend`` subclass or
    instance, used as it is. ``load_impl`` imports it and registers it beside the built-in
    backends, so the suite, the report and ``load_backend`` all find it by its name.
@@ -34,6 +34,14 @@ from typing import Any
 
 import numpy as np
 
+from conformance.adapters.native import (
+    FRAMEWORKS,
+    LAYOUTS,
+    SPEC_OPTIONS,
+    OptionMap,
+    framework_of,
+    make_framework,
+)
 from conformance.backends import (
     ALL_CAPABILITIES,
     DTYPES,
@@ -45,14 +53,6 @@ from conformance.backends import (
     register_backend,
     registered_backends,
 )
-from conformance.native import (
-    FRAMEWORKS,
-    LAYOUTS,
-    SPEC_OPTIONS,
-    OptionMap,
-    framework_of,
-    make_framework,
-)
 
 #: What a plain function can declare: everything but the module layers, which a single
 #: attention function does not provide.
@@ -63,8 +63,8 @@ class FunctionBackend(Backend):
     """A library's attention function, called as its users call it, as a backend.
 
     The function takes its framework's arrays (NumPy by default), in its layout, with its
-    own keywords; ``call`` (``conformance.native.OptionMap``) says how a spec call maps
-    onto them, and ``conformance/native.py`` is where the conversion happens, visibly and
+    own keywords; ``call`` (``conformance.adapters.native.OptionMap``) says how a spec call maps
+    onto them, and ``conformance/adapters/native.py`` is where the conversion happens, visibly and
     without changing a number. With the defaults (NumPy, heads-first, the spec's option
     names) it is a function with the spec's signature, NumPy in and NumPy out.
 
@@ -122,7 +122,7 @@ class FunctionBackend(Backend):
         return self.arrays.to_numpy(x)
 
     def _prepare(self, q, k, v, mask, options) -> tuple[list, dict]:
-        """Steps 1, 2 and 4 of ``conformance.native``: the framework's q, k, v and the
+        """Steps 1, 2 and 4 of ``conformance.adapters.native``: the framework's q, k, v and the
         library's keywords (the mask among them, converted)."""
         keywords = {
             **self.call.keywords(self.func_name, options, self.arrays),
@@ -169,7 +169,7 @@ class FunctionBackend(Backend):
 
     def attention(self, q, k, v, *, mask=None, **options):
         """out (B, H, T, E) for q (B, H, T, D), k (B, K, S, D), v (B, K, S, E), NumPy in and
-        out: the library's call in between (``conformance.native``)."""
+        out: the library's call in between (``conformance.adapters.native``)."""
         self._refuse_undeclared(options)
         (q, k, v), keywords = self._prepare(q, k, v, mask, options)
         return self._result(self._call(q, k, v, keywords), f"{self.func_name}()")
@@ -297,7 +297,7 @@ def resolve_impl(
     comma-separated string; "all" = every capability a function can have) and ``dtypes``
     ("all" = every dtype of the spec), taking ``framework``'s arrays ("numpy", "torch",
     "jax", or "auto": from the target's module) in ``layout`` ("BHTD" or "BTHD"); ``call``
-    maps the spec's options to its keywords (a profile's, ``conformance.profiles``). A
+    maps the spec's options to its keywords (a profile's, ``conformance.adapters.profiles``). A
     Backend subclass is instantiated, an instance is used as it is; both declare their own
     capabilities and dtypes.
 
@@ -393,14 +393,14 @@ def load_impl(
     profile: str | None = None,
 ) -> Backend:
     """Import the implementation ``spec`` names (or the one ``profile`` describes: a
-    shipped profile's name or a TOML file, ``conformance.profiles``), register it and
+    shipped profile's name or a TOML file, ``conformance.adapters.profiles``), register it and
     return it loaded.
 
     Arguments as for ``resolve_impl``. Afterwards ``load_backend(backend.name)`` returns
     the same object, and the suite's ``--backend`` accepts the name.
     """
     if profile is not None:
-        from conformance.profiles import read_profile
+        from conformance.adapters.profiles import read_profile
 
         backend = read_profile(profile).resolve()
         loader = {"profile": profile}

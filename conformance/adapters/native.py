@@ -31,7 +31,6 @@ Frameworks are imported inside their class, when a backend is built.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import sys
 import types
@@ -41,152 +40,20 @@ from typing import Any
 
 import numpy as np
 
-from conformance.backends import numpy_dtype
+from conformance.backends.arrays import (  # noqa: F401  (re-exported: native's arrays)
+    FRAMEWORKS,
+    Framework,
+    JaxFramework,
+    TorchFramework,
+    make_framework,
+)
+from conformance.vocabulary import OPTION_DEFAULTS
 
 #: The options of ``Backend.attention``, with the value that means "not set".
-SPEC_OPTIONS = {
-    "is_causal": False,
-    "scale": None,
-    "causal_alignment": "top_left",
-    "window": None,
-    "softcap": None,
-    "dropout_p": 0.0,
-    "seed": None,
-}
+SPEC_OPTIONS = OPTION_DEFAULTS
 LAYOUTS = ("BHTD", "BTHD")
 #: What True means in a library's bool mask.
 BOOL_MEANINGS = ("attend", "blocked")
-
-
-class Framework:
-    """Arrays of one framework: the only place data crosses between NumPy and it."""
-
-    name = "numpy"
-    #: The distribution that provides it, for "not installed" messages.
-    package = "numpy"
-
-    def from_numpy(self, x: np.ndarray) -> Any:
-        return x
-
-    def to_numpy(self, x: Any) -> np.ndarray:
-        return np.asarray(x)
-
-    def is_array(self, x: Any) -> bool:
-        return isinstance(x, (np.ndarray, np.generic)) or hasattr(x, "__array__")
-
-    def swap_heads_and_time(self, x: Any) -> Any:
-        return np.swapaxes(x, -3, -2)
-
-    def seed(self, seed: int) -> None:
-        """Seed the framework's global generator (for a library without a seed keyword)."""
-        raise NotImplementedError(f"{self.name} has no global generator to seed")
-
-    def key(self, seed: int) -> Any:
-        """What a library's seed keyword takes in this framework: the int itself, except
-        in JAX (a key)."""
-        return seed
-
-    def vjp(self, call: Callable, primals: list, d_out: Any) -> list:
-        raise NotImplementedError(f"{self.name} arrays have no automatic differentiation")
-
-    def jit(self, func: Callable, static: list[str]) -> Callable:
-        """``func`` compiled as its users compile it (``jax.jit``); elsewhere ``func``."""
-        raise ValueError(f"jit: {self.name} functions are not compiled by the suite")
-
-    def version(self) -> dict[str, str]:
-        return {"numpy": np.__version__}
-
-
-class TorchFramework(Framework):
-    name = "torch"
-    package = "torch"
-
-    def __init__(self) -> None:
-        import torch
-
-        self.torch = torch
-
-    def from_numpy(self, x):
-        x = np.asarray(x)
-        if x.dtype.name == "bfloat16":
-            # torch cannot read ml_dtypes' bfloat16; the bits are the same, so reinterpret.
-            bits = self.torch.from_numpy(np.ascontiguousarray(x).view(np.int16))
-            return bits.view(self.torch.bfloat16)
-        return self.torch.from_numpy(np.array(x))
-
-    def to_numpy(self, x):
-        x = x.detach()
-        if x.dtype == self.torch.bfloat16:
-            return x.view(self.torch.int16).numpy().view(numpy_dtype("bfloat16"))
-        return x.numpy()
-
-    def is_array(self, x):
-        return isinstance(x, self.torch.Tensor)
-
-    def swap_heads_and_time(self, x):
-        return x.transpose(-3, -2)
-
-    def seed(self, seed):
-        self.torch.manual_seed(seed)
-
-    def vjp(self, call, primals, d_out):
-        # Autograd through the very call the forward tests: the primals become leaves
-        # that require grad, and the output's vector-Jacobian product is read off them.
-        leaves = [x.detach().requires_grad_(True) for x in primals]
-        with self.torch.enable_grad():
-            out = call(*leaves)
-        grads = self.torch.autograd.grad(out, leaves, grad_outputs=d_out, allow_unused=True)
-        # A leaf the output does not depend on (v with every row masked) has gradient 0.
-        return [self.torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
-
-    def version(self):
-        return {"torch": self.torch.__version__}
-
-
-class JaxFramework(Framework):
-    name = "jax"
-    package = "jax"
-
-    def __init__(self) -> None:
-        import jax
-
-        # float64 is part of the spec; without this JAX silently computes in float32.
-        jax.config.update("jax_enable_x64", True)
-        self.jax = jax
-
-    def from_numpy(self, x):
-        return self.jax.device_put(np.asarray(x))
-
-    def to_numpy(self, x):
-        return np.asarray(x)
-
-    def is_array(self, x):
-        return isinstance(x, self.jax.Array)
-
-    def swap_heads_and_time(self, x):
-        return self.jax.numpy.swapaxes(x, -3, -2)
-
-    def key(self, seed):
-        return self.jax.random.key(seed)
-
-    def vjp(self, call, primals, d_out):
-        out, pullback = self.jax.vjp(call, *primals)
-        return list(pullback(d_out))
-
-    def jit(self, func, static):
-        # Options (is_causal, scale, a window) are static, as in users' code: the arrays
-        # are traced, and each signature compiles once.
-        return self.jax.jit(func, static_argnames=static)
-
-    def version(self):
-        return {"jax": self.jax.__version__}
-
-
-FRAMEWORKS: dict[str, type[Framework]] = {
-    "numpy": Framework,
-    "torch": TorchFramework,
-    "jax": JaxFramework,
-}
 
 
 def framework_of(func: Callable) -> str:
@@ -210,21 +77,6 @@ def framework_of(func: Callable) -> str:
         else set()
     )
     return imported.pop() if len(imported) == 1 else "numpy"
-
-
-def make_framework(name: str) -> Framework:
-    """The framework ``name``; a missing or unknown one is a ``LookupError`` saying what is
-    available."""
-    if name not in FRAMEWORKS:
-        raise LookupError(f"unknown framework {name!r}; known: {', '.join(FRAMEWORKS)}")
-    cls = FRAMEWORKS[name]
-    if importlib.util.find_spec(cls.package) is None:
-        installed = [n for n, c in FRAMEWORKS.items() if importlib.util.find_spec(c.package)]
-        raise LookupError(
-            f"framework {name!r} is not installed (pip install {cls.package}); installed: "
-            f"{', '.join(installed)}"
-        )
-    return cls()
 
 
 @dataclass(frozen=True)

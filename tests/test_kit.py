@@ -406,7 +406,7 @@ def test_a_profile_path_does_not_move_the_rootdir(tmp_path):
     profile_dir, user_dir = tmp_path / "profiles" / "deep", tmp_path / "user"
     profile_dir.mkdir(parents=True)
     user_dir.mkdir()
-    text = (ROOT / "conformance" / "profiles" / "torch.sdpa.toml").read_text()
+    text = (ROOT / "conformance" / "adapters" / "profiles" / "torch.sdpa.toml").read_text()
     text = text.replace('name = "torch.sdpa"', 'name = "mine"').split("\n[known_failures]")[0]
     (profile_dir / "mine.toml").write_text(text)
     path = str(profile_dir / "mine.toml")

@@ -243,7 +243,8 @@ class ImplUnavailable(BackendUnavailable):
 LOADERS: dict[str, dict] = {}
 
 
-def _import_target(spec: str) -> Any:
+def import_target(spec: str) -> Any:
+    """The object ``spec`` ('package.module:attr') names, imported."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ImplUnavailable(
@@ -306,7 +307,7 @@ def resolve_impl(
         is unknown or not installed.
       ValueError: unknown capabilities, dtypes or layout.
     """
-    target = _import_target(spec)
+    target = import_target(spec)
     caps, dts = _split(capabilities), _split(dtypes)
     if isinstance(target, type) and issubclass(target, Backend):
         target = target()
@@ -390,40 +391,38 @@ def load_impl(
     dtypes: Iterable[str] | str | None = None,
     framework: str = "numpy",
     layout: str = "BHTD",
-    profile: str | None = None,
 ) -> Backend:
-    """Import the implementation ``spec`` names (or the one ``profile`` describes: a
-    shipped profile's name or a TOML file, ``conformance.adapters.profiles``), register it and
-    return it loaded.
+    """Import the implementation ``spec`` names, register it and return it loaded (a
+    profile is loaded by ``conformance.adapters.profiles.load_profile``).
 
     Arguments as for ``resolve_impl``. Afterwards ``load_backend(backend.name)`` returns
     the same object, and the suite's ``--backend`` accepts the name.
     """
-    if profile is not None:
-        from conformance.adapters.profiles import read_profile
+    if spec is None:
+        raise ValueError("load_impl needs a spec ('package.module:function') or a profile")
+    backend = resolve_impl(
+        spec,
+        name=name,
+        capabilities=capabilities,
+        dtypes=dtypes,
+        framework=framework,
+        layout=layout,
+    )
+    plain = isinstance(backend, FunctionBackend)
+    loader = {
+        "spec": spec,
+        "name": backend.name,
+        "capabilities": sorted(backend.capabilities) if plain else None,
+        "dtypes": list(backend.dtypes) if plain else None,
+        "framework": backend.framework if plain else "numpy",
+        "layout": backend.call.layout if plain else "BHTD",
+    }
+    return register_loaded(backend, loader)
 
-        backend = read_profile(profile).resolve()
-        loader = {"profile": profile}
-    else:
-        if spec is None:
-            raise ValueError("load_impl needs a spec ('package.module:function') or a profile")
-        backend = resolve_impl(
-            spec,
-            name=name,
-            capabilities=capabilities,
-            dtypes=dtypes,
-            framework=framework,
-            layout=layout,
-        )
-        plain = isinstance(backend, FunctionBackend)
-        loader = {
-            "spec": spec,
-            "name": backend.name,
-            "capabilities": sorted(backend.capabilities) if plain else None,
-            "dtypes": list(backend.dtypes) if plain else None,
-            "framework": backend.framework if plain else "numpy",
-            "layout": backend.call.layout if plain else "BHTD",
-        }
+
+def register_loaded(backend: Backend, loader: dict) -> Backend:
+    """Register ``backend`` under its name, remember how ``loader`` rebuilds it (for the
+    replay snippets), and return it loaded."""
     # Loading the same impl again (a replay in the process that recorded it) replaces it.
     register_backend(backend.name, lambda: backend, replace=backend.name in LOADERS)
     LOADERS[backend.name] = loader

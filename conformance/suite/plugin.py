@@ -390,15 +390,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     known = config.conformance_known_failures
     if not known:
         return
-    used: set[str] = set()
-    for item in items:
-        keys = known_failures.known_failure_keys(item.nodeid, getattr(item, "originalname", None))
-        hits = sorted(keys & known.keys())
-        if hits:
-            used.update(hits)
-            reason = "; ".join(known[h] for h in hits)
-            item.add_marker(pytest.mark.xfail(strict=True, reason=f"known failure: {reason}"))
-    stale = [test_id for test_id in known if test_id not in used]
+    stale = known_failures.mark_listed(items, known)
     if stale:
         warnings.warn(
             known_failures.StaleKnownFailure(
@@ -416,9 +408,7 @@ def _mark_profile_items(config: pytest.Config, items: list[pytest.Item], known=T
     loaded, unavailable = getattr(config, "conformance_profiles", ([], []))
     if not loaded and not unavailable:
         return
-    from conformance.adapters import profiles
-
-    stale = profiles.mark_items(items, loaded, unavailable, known=known)
+    stale = known_failures.mark_profiles(items, loaded, unavailable, known=known)
     if stale:
         warnings.warn(
             known_failures.StaleKnownFailure(

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conformance.adapters import impl
+from conformance.adapters import impl, profiles
 from conformance.backends import Backend, load_backend, numpy_dtype
 from conformance.suite.behaviours import mark_raised
 from conformance.suite.requirements import SuiteError, undeclared
@@ -203,7 +203,9 @@ def load_call(path: str | os.PathLike, index: int = -1) -> tuple[Backend, str, t
         i = range(len(meta))[index]
         entry = meta[i]
         options = _restore(entry["options"], saved)
-        if entry["loader"]:
+        if entry["loader"] and "profile" in entry["loader"]:
+            backend = profiles.load_profile(**entry["loader"])
+        elif entry["loader"]:
             backend = impl.load_impl(**entry["loader"])
         else:
             backend = load_backend(entry["backend"], **options)

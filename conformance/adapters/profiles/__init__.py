@@ -46,7 +46,6 @@ Known failures are strict expected failures: a library that fixes one shows up a
 from __future__ import annotations
 
 import importlib.util
-import re
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -58,6 +57,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from conformance.adapters.impl import (
+    ImplUnavailable,
+    import_target,
+    register_loaded,
+    resolve_impl,
+)
 from conformance.adapters.native import BOOL_MEANINGS, SPEC_OPTIONS, OptionMap
 from conformance.backends import Backend, register_backend
 
@@ -129,9 +134,7 @@ class Profile:
         """What the ``probe`` measured, when the hardware ``needs`` names is missing."""
         if not self.probe:
             return None
-        from conformance.adapters.impl import _import_target
-
-        why = _import_target(self.probe)()
+        why = import_target(self.probe)()
         return None if why is None else f"needs {', '.join(self.needs)}: {why}"
 
     def resolve(self) -> Backend:
@@ -141,8 +144,6 @@ class Profile:
           ProfileError: a required distribution is not installed, or the target or
             framework cannot be found.
         """
-        from conformance.adapters.impl import ImplUnavailable, resolve_impl
-
         missing = self.missing()
         if missing:
             raise ProfileError(
@@ -279,8 +280,6 @@ def load_profiles(names: Iterable[str]) -> tuple[list[Profile], list[Profile]]:
     Raises:
       ProfileError: a named profile is missing, malformed, or its library or target is.
     """
-    from conformance.adapters.impl import load_impl
-
     loaded, unavailable = [], []
     for value in names:
         every = value == "all"
@@ -290,9 +289,15 @@ def load_profiles(names: Iterable[str]) -> tuple[list[Profile], list[Profile]]:
                 register_backend(profile.name, lambda p=profile: MissingLibrary(p), replace=True)
                 unavailable.append(profile)
                 continue
-            load_impl(profile=str(profile.path))
+            load_profile(str(profile.path))
             loaded.append(profile)
     return loaded, unavailable
+
+
+def load_profile(profile: str) -> Backend:
+    """Register the backend of ``profile`` (a shipped profile's name or a TOML file) and
+    return it loaded; a replay rebuilds it the same way."""
+    return register_loaded(read_profile(profile).resolve(), {"profile": profile})
 
 
 class MissingLibrary(Backend):
@@ -309,47 +314,3 @@ class MissingLibrary(Backend):
 
 def skip_reason(profile: Profile) -> str:
     return f"profile {profile.name}: {profile.unavailable()}"
-
-
-def _pattern(text: str) -> re.Pattern:
-    """A known-failure id as a regular expression: ``*`` matches anything, all else is
-    literal (``[`` included, unlike ``fnmatch``)."""
-    return re.compile(".*".join(re.escape(part) for part in text.split("*")) + r"\Z")
-
-
-def mark_items(
-    items: list, loaded: list[Profile], unavailable: list[Profile], known: bool = True
-) -> list[str]:
-    """Mark the tests of the profiles' backends: known failures as strict xfails (with
-    their reason; not when ``known`` is False), every test of an unavailable profile as
-    skipped (naming what is missing). Returns the known-failure entries that match no
-    test, "profile: pattern".
-    """
-    import pytest
-
-    from conformance.suite.known_failures import known_failure_keys
-
-    patterns = {
-        (p.name, text): _pattern(text) for p in loaded if known for text in p.known_failures
-    }
-    reasons = {p.name: p.known_failures for p in loaded}
-    used: set[tuple[str, str]] = set()
-    skipped = {p.name: skip_reason(p) for p in unavailable}
-    for item in items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        pair, single = params.get("backend_pair"), params.get("backend")
-        names = tuple(pair) if isinstance(pair, tuple) else (single,)
-        for name in names:
-            if name in skipped:
-                item.add_marker(pytest.mark.skip(reason=skipped[name]))
-        keys = known_failure_keys(item.nodeid, getattr(item, "originalname", None))
-        hits = [
-            (name, text)
-            for (name, text), regex in patterns.items()
-            if name in names and any(regex.match(key) for key in keys)
-        ]
-        if hits:
-            used.update(hits)
-            reason = "; ".join(reasons[name][text] for name, text in hits)
-            item.add_marker(pytest.mark.xfail(strict=True, reason=f"known failure: {reason}"))
-    return [f"{name}: {text}" for name, text in patterns if (name, text) not in used]

@@ -48,8 +48,21 @@ from conformance.backends import (
     load_backend,
     registered_backends,
 )
-from conformance.suite import behaviours, known_failures, replay
+from conformance.suite import behaviours, known_failures, replay, rootdir
 from conformance.suite.clauses import clause_titles
+
+#: What the plugin keeps for a run, in pytest's stash: the backends under test, the
+#: known failures listed by ``--known-failures``, the profiles (loaded, unavailable), and
+#: the directory of the saved failing calls.
+BACKENDS = pytest.StashKey[list]()
+KNOWN_FAILURES = pytest.StashKey[dict]()
+PROFILES = pytest.StashKey[tuple]()
+REPRO_DIR = pytest.StashKey[Path]()
+
+
+def conformance_backends(config: pytest.Config) -> list[str]:
+    """The names of the backends this run tests (none when it chose none)."""
+    return config.stash.get(BACKENDS, [])
 
 
 def _register_hypothesis_profiles() -> None:
@@ -165,8 +178,8 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     path also chosen another ini file, that cannot be undone here, and the run stops
     saying so.
     """
-    settled = _setup_without_option_values(early_config)
-    _initial_conftests_of_the_installed_suite(early_config)
+    settled = rootdir.setup_without_option_values(early_config)
+    rootdir.initial_conftests_of_the_installed_suite(early_config)
     if settled is None:
         return
     rootpath, inipath = settled
@@ -182,59 +195,6 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
             namespace.confcutdir = str(rootpath)
         early_config._rootpath = rootpath
         early_config._parser.extra_info["rootdir"] = str(rootpath)
-
-
-def _initial_conftests_of_the_installed_suite(config: pytest.Config) -> None:
-    """Under ``--pyargs``, read ``conformance`` as the package this plugin came from.
-
-    pytest loads its first conftest files from each argument taken as a path, even under
-    ``--pyargs``; in a checkout with a non-editable install, ``conformance`` is then the
-    checkout's folder, whose ``conformance.tests.conftest`` clashes with the installed one
-    (``ImportPathMismatchError``). The tests collected are the installed package's, so the
-    conftest files read first are its too: only this scan's copy of the arguments changes.
-    """
-    namespace = config.known_args_namespace
-    if not namespace.pyargs:
-        return
-    import importlib.util
-
-    args = []
-    for arg in namespace.file_or_dir:
-        name, sep, rest = str(arg).partition("::")
-        if name.split(".")[0] == __package__:
-            try:
-                spec = importlib.util.find_spec(name)
-            except (ImportError, ValueError):  # pytest's collection reports it
-                spec = None
-            if spec is not None and spec.origin is not None:
-                path = Path(spec.origin)
-                arg = str(path.parent if path.name == "__init__.py" else path) + sep + rest
-        args.append(arg)
-    namespace.file_or_dir = args
-
-
-def _setup_without_option_values(config: pytest.Config):
-    """(rootpath, inipath) as pytest determines them from the positional arguments now
-    that this plugin's options have taken their values; None where pytest's internals
-    (``_pytest.config.findpaths.determine_setup``) are not as expected."""
-    import inspect
-
-    try:
-        from _pytest.config.findpaths import determine_setup
-
-        namespace = config.known_args_namespace
-        given = {
-            "inifile": namespace.inifilename,
-            "override_ini": namespace.override_ini,
-            "args": namespace.file_or_dir,
-            "rootdir_cmd_arg": namespace.rootdir or None,
-            "invocation_dir": config.invocation_params.dir,
-        }
-        accepted = inspect.signature(determine_setup).parameters
-        found = determine_setup(**{k: v for k, v in given.items() if k in accepted})
-        return found[0], found[1]
-    except Exception:  # a pytest whose internals differ: keep its own choice
-        return None
 
 
 def selected_backends(config: pytest.Config) -> list[str]:
@@ -285,7 +245,7 @@ def _load_profiles(config: pytest.Config) -> list[str]:
         loaded, unavailable = profiles.load_profiles(config.getoption("--impl-profile"))
     except (profiles.ProfileError, BackendUnavailable, ValueError) as err:
         raise pytest.UsageError(str(err)) from err
-    config.conformance_profiles = (loaded, unavailable)
+    config.stash[PROFILES] = (loaded, unavailable)
     return [p.name for p in [*loaded, *unavailable]]
 
 
@@ -317,8 +277,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "refuses(capability): runs where the backend does not declare it (SPEC §8.5)"
     )
-    config.conformance_backends = []
-    config.conformance_known_failures = {}
+    config.stash[BACKENDS] = []
+    config.stash[KNOWN_FAILURES] = {}
     if not conformance_requested(config):
         _load_impl(config)  # only to refuse --impl-* flags without an --impl
         if config.getoption("--known-failures") is not None:
@@ -342,10 +302,10 @@ def pytest_configure(config: pytest.Config) -> None:
             conformance_backend(name)
         except BackendUnavailable as err:
             raise pytest.UsageError(str(err)) from err
-    config.conformance_backends = names
+    config.stash[BACKENDS] = names
     path = config.getoption("--known-failures")
     try:
-        config.conformance_known_failures = known_failures.read_known_failures(path) if path else {}
+        config.stash[KNOWN_FAILURES] = known_failures.read_known_failures(path) if path else {}
     except (OSError, ValueError) as err:
         raise pytest.UsageError(f"--known-failures: {err}") from err
 
@@ -366,7 +326,7 @@ def _usage_error_without_backends(config: pytest.Config, items: list[pytest.Item
         getattr(getattr(item, "module", None), "__name__", "").startswith("conformance.tests.")
         for item in items
     )
-    if ours and not config.conformance_backends:
+    if ours and not conformance_backends(config):
         pytest.exit(
             "usage error: choose the backends to test with --backend NAME (repeatable), --backend all, "
             "or your own with --impl MODULE:FUNCTION; "
@@ -387,7 +347,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         _mark_profile_items(config, items, known=False)
         return
     _mark_profile_items(config, items)
-    known = config.conformance_known_failures
+    known = config.stash.get(KNOWN_FAILURES, {})
     if not known:
         return
     stale = known_failures.mark_listed(items, known)
@@ -405,7 +365,7 @@ def _mark_profile_items(config: pytest.Config, items: list[pytest.Item], known=T
     """Profiles' known failures become strict xfails (unless ``known`` is False); an
     unavailable profile's tests are skipped by name; a known failure that matches no test
     is a ``StaleKnownFailure``."""
-    loaded, unavailable = getattr(config, "conformance_profiles", ([], []))
+    loaded, unavailable = config.stash.get(PROFILES, ([], []))
     if not loaded and not unavailable:
         return
     stale = known_failures.mark_profiles(items, loaded, unavailable, known=known)
@@ -420,15 +380,15 @@ def _mark_profile_items(config: pytest.Config, items: list[pytest.Item], known=T
 
 
 def _repro_dir(config: pytest.Config) -> Path:
-    if not hasattr(config, "conformance_repro_dir"):
+    if REPRO_DIR not in config.stash:
         given = config.getoption("--repro-dir")
         if given:
             path = Path(given)
             path.mkdir(parents=True, exist_ok=True)
         else:
             path = Path(tempfile.mkdtemp(prefix="attention-conformance-repro-"))
-        config.conformance_repro_dir = path
-    return config.conformance_repro_dir
+        config.stash[REPRO_DIR] = path
+    return config.stash[REPRO_DIR]
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

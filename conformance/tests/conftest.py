@@ -13,12 +13,12 @@ import pytest
 
 from conformance import backends
 from conformance.suite import replay
-from conformance.suite.plugin import conformance_backend
+from conformance.suite.plugin import conformance_backend, conformance_backends
 from conformance.suite.requirements import common_dtype, declared_refusal, item_needs, lacking
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    names = metafunc.config.conformance_backends
+    names = conformance_backends(metafunc.config)
     if "backend" in metafunc.fixturenames:
         metafunc.parametrize("backend", names, ids=names, indirect=True)
     if "backend_pair" in metafunc.fixturenames:

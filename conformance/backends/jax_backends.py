@@ -8,9 +8,9 @@ from types import MappingProxyType
 
 import numpy as np
 
-from conformance.backends.arrays import import_jax
+from conformance.backends.arrays import JaxFramework, import_jax
 from conformance.backends.base import Backend, BackendUnavailable
-from conformance.backends.numpy_backends import _Blockwise
+from conformance.backends.numpy_backends import BLOCKWISE_CAPABILITIES, Blockwise
 from conformance.vocabulary import ALL_CAPABILITIES, DTYPES, GRAD_CAPABILITIES
 
 
@@ -65,14 +65,34 @@ class JaxBackend(Backend):
         return {**super().versions(), "jax": self.jax.__version__}
 
 
-class JaxFlashBackend(_Blockwise, JaxBackend):
+class JaxFlashBackend(Backend):
     """Blockwise attention with the online softmax under ``jax.jit``: no (T, S) matrix."""
 
     name = "jax-flash"
+    framework = "jax"
     impl_module = "conformance.impls.jax_flash"
-    capabilities = (ALL_CAPABILITIES - {"dropout", "module"}) | (
-        GRAD_CAPABILITIES - {"module_grad"}
-    )
+    capabilities = BLOCKWISE_CAPABILITIES
+    dtypes = DTYPES
+    conformance_options = Blockwise.CONFORMANCE_OPTIONS
+
+    def __init__(self, *, block_q: int | None = None, block_k: int | None = None) -> None:
+        self.arrays = JaxFramework()
+        self.jax = self.arrays.jax
+        self.impl = importlib.import_module(self.impl_module)
+        self.tiles = Blockwise(self.impl, block_q=block_q, block_k=block_k)
+        self.options = self.tiles.options
+
+    def from_numpy(self, x):
+        return self.arrays.from_numpy(x)
+
+    def _attention(self, q, k, v, **options):
+        return self.tiles.attention(q, k, v, **options)
+
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        return self.tiles.attention_vjp(q, k, v, d_out, **options)
+
+    def versions(self):
+        return {**super().versions(), "jax": self.jax.__version__}
 
 
 class JaxRingBackend(JaxBackend):

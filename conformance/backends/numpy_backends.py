@@ -50,45 +50,58 @@ class NumpyBackend(Backend):
         return {**grads, "x": d_x}
 
 
-class _Blockwise:
-    """Tile sizes of a blockwise backend: ``load_backend(name, block_q=..., block_k=...)``.
+class Blockwise:
+    """The tiles of a blockwise impl: ``load_backend(name, block_q=..., block_k=...)``.
 
     Left out, the impl's own defaults apply (hundreds of rows: the fast configuration).
-    The conformance run loads these backends with tiny tiles, so that every test's odd
-    sizes cross many tiles, partial last tiles, and tiles skipped or half-masked by
-    causality and windows; tests/test_flash.py checks the defaults on a problem large
-    enough to tile.
+    The conformance run loads these backends with tiny tiles (``CONFORMANCE_OPTIONS``), so
+    that every test's odd sizes cross many tiles, partial last tiles, and tiles skipped
+    or half-masked by causality and windows; tests/test_flash.py checks the defaults on a
+    problem large enough to tile. A blockwise backend holds one (composition): it has no
+    module layers, and no parent backend's methods to run the reference impl in their
+    place.
     """
 
-    conformance_options = MappingProxyType({"block_q": 4, "block_k": 8})
+    CONFORMANCE_OPTIONS = MappingProxyType({"block_q": 4, "block_k": 8})
 
-    def __init__(self, *, block_q: int | None = None, block_k: int | None = None) -> None:
-        super().__init__()
+    def __init__(self, impl, *, block_q: int | None = None, block_k: int | None = None) -> None:
+        self.impl = impl
         self.options = {
             n: b for n, b in (("block_q", block_q), ("block_k", block_k)) if b is not None
         }
 
-    def _attention(self, q, k, v, *, seed=None, **options):
+    def attention(self, q, k, v, *, seed=None, **options):
         # The blockwise impls have no dropout: they refuse dropout_p themselves, and the
         # seed that comes with it has no random source to go to.
         return self.impl.attention(q, k, v, **self.options, **options)
 
-    def _attention_vjp(self, q, k, v, d_out, **options):
+    def attention_vjp(self, q, k, v, d_out, **options):
         # The impl's own blockwise backward, on the same tiles as the forward.
         return self.impl.attention_vjp(q, k, v, d_out, **self.options, **options)
 
-    # No module layers here: the parent backend's methods would silently run the
-    # reference impl in their place.
-    module_param_grads = Backend.module_param_grads
-    multi_head_attention = Backend.multi_head_attention
-    gpt_block = Backend.gpt_block
+
+#: What a blockwise backend implements: no dropout, no module layers.
+BLOCKWISE_CAPABILITIES = (ALL_CAPABILITIES - {"dropout", "module"}) | (
+    GRAD_CAPABILITIES - {"module_grad"}
+)
 
 
-class NumpyFlashBackend(_Blockwise, NumpyBackend):
+class NumpyFlashBackend(Backend):
     """Blockwise attention with the online softmax: never builds the (T, S) matrix."""
 
     name = "numpy-flash"
     impl_module = "conformance.impls.numpy_flash"
-    capabilities = (ALL_CAPABILITIES - {"dropout", "module"}) | (
-        GRAD_CAPABILITIES - {"module_grad"}
-    )
+    capabilities = BLOCKWISE_CAPABILITIES
+    dtypes = DTYPES
+    conformance_options = Blockwise.CONFORMANCE_OPTIONS
+
+    def __init__(self, *, block_q: int | None = None, block_k: int | None = None) -> None:
+        self.impl = importlib.import_module(self.impl_module)
+        self.tiles = Blockwise(self.impl, block_q=block_q, block_k=block_k)
+        self.options = self.tiles.options
+
+    def _attention(self, q, k, v, **options):
+        return self.tiles.attention(q, k, v, **options)
+
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        return self.tiles.attention_vjp(q, k, v, d_out, **options)

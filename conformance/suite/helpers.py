@@ -5,6 +5,8 @@ What a test needs (capabilities, dtypes) is declared with ``conformance.suite.re
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
 from conformance.backends import numpy_dtype
@@ -53,17 +55,24 @@ def as64(x) -> np.ndarray:
 SIZES = {"T7-S13": {"T": 7, "S": 13}, "T13-S7": {"T": 13, "S": 7}, "T8-S8": {"T": 8, "S": 8}}
 
 
-_ORACLE_CACHE: dict[tuple, np.ndarray] = {}
+#: The oracle's results, most recently used last; at most ``_ORACLE_CACHE_SIZE`` of them.
+_ORACLE_CACHE: collections.OrderedDict[tuple, np.ndarray] = collections.OrderedDict()
+_ORACLE_CACHE_SIZE = 4096
 
 
 def oracle_attention(q, k, v, *, mask=None, **options) -> np.ndarray:
-    """The mpmath oracle on float64 inputs, kept for the process: its rows cost milliseconds
-    each, and every backend (and every mutant of the project's tests) asks for the same
-    inputs. The key is the inputs' bytes, so equal inputs are the only way to share."""
+    """The mpmath oracle on float64 inputs, kept for the process (the most recently used
+    4096 results): its rows cost milliseconds each, and every backend (and every mutant of
+    the project's tests) asks for the same inputs. The key is the inputs' bytes, so equal
+    inputs are the only way to share."""
     from conformance.fixtures import oracle
 
     arrays = (q, k, v) if mask is None else (q, k, v, mask)
     key = (tuple((x.dtype.str, x.shape, x.tobytes()) for x in arrays), *sorted(options.items()))
-    if key not in _ORACLE_CACHE:
+    if key in _ORACLE_CACHE:
+        _ORACLE_CACHE.move_to_end(key)
+    else:
         _ORACLE_CACHE[key] = oracle.attention(q, k, v, mask=mask, **options)
+        if len(_ORACLE_CACHE) > _ORACLE_CACHE_SIZE:
+            _ORACLE_CACHE.popitem(last=False)
     return _ORACLE_CACHE[key].copy()

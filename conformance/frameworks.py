@@ -43,7 +43,7 @@ PASS, FAIL, NONE = "✅", "❌", "—"
 
 def run(out: Path, workers: str, remeasure: bool, extra: list[str]) -> tuple[int, dict]:
     """The suite on every shipped profile, through the report: (exit code, report data)."""
-    from conformance.report.command import command as report
+    from conformance.report import command as report
 
     argv = ["--impl-profile", "all", "--out", str(out), "--workers", workers]
     argv += ["-m", "not pairwise", "--timeout", "120", *extra]

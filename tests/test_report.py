@@ -241,8 +241,8 @@ def test_report_with_an_unknown_impl_is_an_error(tmp_path):
 
 @pytest.mark.clause("13.7")
 def test_without_matplotlib_the_report_says_so(monkeypatch, tmp_path):
+    from conformance.report import pictures as report_pictures
     from conformance.report.collect import OUTCOMES
-    from conformance.report.command import pictures as report_pictures
     from conformance.report.markdown import render_markdown
 
     def no_matplotlib():

@@ -12,7 +12,7 @@ import sys
 
 #: Each command: the module whose ``main(argv)`` runs it, and one line about it.
 COMMANDS = {
-    "report": ("conformance.report", "run the spec on backends and write a report"),
+    "report": ("conformance.report.command", "run the spec on backends and write a report"),
     "bench": ("conformance.bench.run", "time and measure the memory of backends"),
     "frameworks": (
         "conformance.frameworks",

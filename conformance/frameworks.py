@@ -10,7 +10,7 @@ that run, and the profiles' known failures measured by it.
 The run is ``python -m conformance report --impl-profile all -m "not pairwise"``: the
 report (``--out``) holds every test, the clause × function matrix, the versions and the
 agreement tables. First comes, per function, the list of its departures: each distinct
-behaviour its failing tests show (``conformance/behaviours.py``), with the clauses and the
+behaviour its failing tests show (``conformance/suite/behaviours.py``), with the clauses and the
 number of tests. Then the table, a row per SPEC clause where some function departs from
 the spec and a cell per function: ✅ every test of the clause passes, ❌ how many fail and
 which of the function's departures they show (by number), — the function does not declare
@@ -32,9 +32,9 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from conformance.behaviours import as_text
-from conformance.clauses import clause_key, clause_titles
-from conformance.report_markdown import departure_line
+from conformance.report.markdown import departure_line
+from conformance.suite.behaviours import as_text
+from conformance.suite.clauses import clause_key, clause_titles
 
 START = "<!-- frameworks-table:start -->"
 END = "<!-- frameworks-table:end -->"
@@ -43,7 +43,7 @@ PASS, FAIL, NONE = "✅", "❌", "—"
 
 def run(out: Path, workers: str, remeasure: bool, extra: list[str]) -> tuple[int, dict]:
     """The suite on every shipped profile, through the report: (exit code, report data)."""
-    from conformance import report
+    from conformance.report import command as report
 
     argv = ["--impl-profile", "all", "--out", str(out), "--workers", workers]
     argv += ["-m", "not pairwise", "--timeout", "120", *extra]
@@ -59,8 +59,8 @@ def matrix(data: dict) -> dict:
     this machine lacks is no column (it would be all skips), but a line saying why it did
     not run. A cell's words are the numbers of the function's departures (its list in
     "departures", ``report_outcomes.departures``) that the clause's failures show."""
-    from conformance.profiles import read_profile, shipped_profiles
-    from conformance.report_outcomes import departures
+    from conformance.adapters.profiles import read_profile, shipped_profiles
+    from conformance.report.outcomes import departures
 
     functions, elsewhere = {}, {}
     for name in shipped_profiles():
@@ -290,7 +290,7 @@ def main(argv: list[str]) -> int:
     (args.out / "frameworks.md").write_text(block(found), encoding="utf-8")
     print(table(found), end="")
     if args.update_profiles:
-        from conformance.profiles import read_profile
+        from conformance.adapters.profiles import read_profile
 
         for name in found["functions"]:
             if any(r["backend"] == name and r["outcome"] != "skipped" for r in data["tests"]):

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from conformance.cases import worked_example
 from conformance.impls import numpy_attention, numpy_attention_backward, numpy_flash
+from conformance.suite.cases import worked_example
 
 #: The steps the example shows (3 softcap and 6 dropout are off here), as (number, title).
 STEPS = [

@@ -14,9 +14,14 @@ def pytest_configure(config):
 @pytest.fixture
 def registry(monkeypatch):
     """A fresh backend registry for one test: what the test registers is forgotten after it."""
-    from conformance import backends, impl
+    from conformance import backends
+    from conformance.adapters import impl
+    from conformance.backends import registry as backend_registry
 
     fresh = backends.Registry(backends.BUILTIN)
+    # The registry module's own name is the one its functions read; the package's
+    # re-export is patched too, for code that reads ``conformance.backends.REGISTRY``.
+    monkeypatch.setattr(backend_registry, "REGISTRY", fresh)
     monkeypatch.setattr(backends, "REGISTRY", fresh)
     monkeypatch.setattr(impl, "LOADERS", {})
     return fresh

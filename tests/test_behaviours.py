@@ -9,9 +9,15 @@ import itertools
 import numpy as np
 import pytest
 
-from conformance.behaviours import behaviour, call_features, describe_common, mark_raised, raised
-from conformance.requirements import SuiteError
-from conformance.tolerance import Departure, assert_rows_zero, assert_within
+from conformance.suite.behaviours import (
+    behaviour,
+    call_features,
+    describe_common,
+    mark_raised,
+    raised,
+)
+from conformance.suite.requirements import SuiteError
+from conformance.suite.tolerance import Departure, assert_rows_zero, assert_within
 
 pytestmark = pytest.mark.clause("13.15")
 _CLOCK = itertools.count()

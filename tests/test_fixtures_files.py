@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conformance.fixtures import generate
 
-from conformance import cases
+from conformance.suite import cases
 
 pytestmark = pytest.mark.clause("11.2")
 

@@ -17,8 +17,8 @@ import pytest
 from conformance.fixtures.oracle import naive_vjp_same_precision
 from conformance.impls import jax_flash, numpy_attention, numpy_flash
 
-from conformance.helpers import random_qkv, random_tolerance
-from conformance.tolerance import assert_identical, assert_within, tolerance
+from conformance.suite.helpers import random_qkv, random_tolerance
+from conformance.suite.tolerance import assert_identical, assert_within, tolerance
 
 OPTIONS = {
     "plain": {},

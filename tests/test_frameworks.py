@@ -9,8 +9,8 @@ import pytest
 import torch
 from conformance.impls import jax_attention, numpy_attention, torch_module, torch_naive, torch_sdpa
 
-from conformance.helpers import random_qkv, random_tolerance
-from conformance.tolerance import assert_within
+from conformance.suite.helpers import random_qkv, random_tolerance
+from conformance.suite.tolerance import assert_within
 
 
 def _chunks(q, k, v, sizes):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.cases import manifest
+from conformance.suite.cases import manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 #: What a checkout holds beside its sources: build outputs, caches, environments.
@@ -32,9 +32,17 @@ NOT_SOURCES = (
     ".hypothesis",
     "venv",
     ".venv",
-    "report",
-    "bench-results",
 )
+#: Outputs of runs in the checkout's root (not the package conformance/report).
+TOP_LEVEL_OUTPUTS = {"report", "bench-results"}
+
+
+def _not_sources(directory: str, names: list[str]) -> set[str]:
+    ignored = set(shutil.ignore_patterns(*NOT_SOURCES)(directory, names))
+    if Path(directory) == ROOT:
+        ignored |= TOP_LEVEL_OUTPUTS & set(names)
+    return ignored
+
 
 pytestmark = pytest.mark.clause("13.9")
 
@@ -130,7 +138,7 @@ def _build(work: Path) -> None:
     # setuptools builds in the source tree's build/, which tox's own editable build (or a
     # stale one) may hold at the same moment; a private copy of the sources cannot clash.
     source = work / "source"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*NOT_SOURCES))
+    shutil.copytree(ROOT, source, ignore=_not_sources)
     subprocess.run(
         [
             sys.executable,

@@ -10,8 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance import backends, impl, known_failures, replay
+from conformance import backends
+from conformance.adapters import impl
 from conformance.backends import Backend, BackendUnavailable, available_backends, load_backend
+from conformance.suite import known_failures, replay
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = [
@@ -302,7 +304,7 @@ def test_entry_point_that_cannot_import_is_loud(registry, monkeypatch):
 @pytest.mark.clause("13.5")
 @pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
 def test_recorded_calls_replay_bit_for_bit(tmp_path, dtype):
-    from conformance.helpers import random_qkv
+    from conformance.suite.helpers import random_qkv
 
     log = replay.new_call_log()
     b = replay.RecordingBackend(load_backend("numpy"), log)
@@ -324,7 +326,7 @@ def test_recorded_calls_replay_bit_for_bit(tmp_path, dtype):
 def test_gradient_and_module_calls_replay_with_the_backend_options(tmp_path):
     """attention_vjp and the module calls are recorded too, and the backend comes back with
     the options it was loaded with."""
-    from conformance.cases import load_case
+    from conformance.suite.cases import load_case
 
     log = replay.new_call_log(size=3)
     flash = replay.RecordingBackend(load_backend("numpy-flash", block_q=4, block_k=8), log)
@@ -373,7 +375,7 @@ def test_hypothesis_profiles():
     """The profile "quick" (the default) is small and repeatable; "deep" draws many more."""
     from hypothesis import settings
 
-    from conformance.plugin import _register_hypothesis_profiles
+    from conformance.suite.plugin import _register_hypothesis_profiles
 
     _register_hypothesis_profiles()
 
@@ -404,7 +406,7 @@ def test_a_profile_path_does_not_move_the_rootdir(tmp_path):
     profile_dir, user_dir = tmp_path / "profiles" / "deep", tmp_path / "user"
     profile_dir.mkdir(parents=True)
     user_dir.mkdir()
-    text = (ROOT / "conformance" / "profiles" / "torch.sdpa.toml").read_text()
+    text = (ROOT / "conformance" / "adapters" / "profiles" / "torch.sdpa.toml").read_text()
     text = text.replace('name = "torch.sdpa"', 'name = "mine"').split("\n[known_failures]")[0]
     (profile_dir / "mine.toml").write_text(text)
     path = str(profile_dir / "mine.toml")

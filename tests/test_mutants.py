@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from mutants import GRADIENT_MUTANTS, MUTANTS, Control
 
-import conformance.backends as backends
+import conformance
 
-SUITE = Path(backends.__file__).resolve().parent / "tests"
+SUITE = Path(conformance.__file__).resolve().parent / "tests"
 
 
 class _Failures:

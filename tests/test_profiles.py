@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conformance.impls.numpy_attention import attention as reference
 
-from conformance import impl, native, profiles
+from conformance.adapters import impl, native, profiles
 from conformance.backends import numpy_dtype, unregister_backend
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -430,7 +430,7 @@ def test_a_library_error_fails_one_test_and_replays(tmp_path):
     assert "load_call(" in out
     saved = sorted((tmp_path / "repro").glob("*.npz"))
     assert saved
-    from conformance.replay import load_call
+    from conformance.suite.replay import load_call
 
     sys.path.insert(0, str(tmp_path))
     try:

@@ -330,7 +330,7 @@ def test_toml_block(block):
             assert re.fullmatch(r"[\w.]+:\w+", target), target
         return
     shipped = tomllib.loads(
-        (ROOT / "conformance" / "profiles" / f"{data['name']}.toml").read_text()
+        (ROOT / "conformance" / "adapters" / "profiles" / f"{data['name']}.toml").read_text()
     )
     for key, value in data.items():
         if key == "known_failures":  # "cut to one": a subset

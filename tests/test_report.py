@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.measure import max_error
+from conformance.suite.measure import max_error
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,7 +98,7 @@ def test_report_on_two_backends(tmp_path):
     }
     numpy_out = {m["case"] for m in measured if m["backend"] == "numpy" and m["quantity"] == "out"}
     assert passed and passed <= numpy_out
-    from conformance.cases import load_case
+    from conformance.suite.cases import load_case
 
     case = load_case("gqa-H6-K2-float32")
     got = load_backend("numpy").attention(*case.inputs(), mask=case.mask(), **case.options())
@@ -241,9 +241,9 @@ def test_report_with_an_unknown_impl_is_an_error(tmp_path):
 
 @pytest.mark.clause("13.7")
 def test_without_matplotlib_the_report_says_so(monkeypatch, tmp_path):
-    from conformance import report_pictures
-    from conformance.report_collect import OUTCOMES
-    from conformance.report_markdown import render_markdown
+    from conformance.report import pictures as report_pictures
+    from conformance.report.collect import OUTCOMES
+    from conformance.report.markdown import render_markdown
 
     def no_matplotlib():
         raise ImportError("No module named 'matplotlib'")
@@ -279,7 +279,7 @@ def _row(backend, clause, outcome, reason="", test="t"):
 
 @pytest.mark.clause("13.7")
 def test_a_pairwise_test_counts_for_both_backends_and_once_in_total():
-    from conformance.report_outcomes import clause_table
+    from conformance.report.outcomes import clause_table
 
     rows = [
         _row("a", "4.1", "passed"),
@@ -300,7 +300,7 @@ def test_a_pairwise_test_counts_for_both_backends_and_once_in_total():
 def test_skips_are_grouped_by_the_backend_that_lacks_the_capability():
     """60 pairwise skips for one backend's missing capability are one line, charged to
     that backend and not to its partners; a failure shows in the verdict with its clause."""
-    from conformance.report_outcomes import grouped_skips, verdicts
+    from conformance.report.outcomes import grouped_skips, verdicts
 
     declared = {
         "a": {"capabilities": ["grad", "window"], "dtypes": ["float64"]},
@@ -340,7 +340,7 @@ def test_skips_are_grouped_by_the_backend_that_lacks_the_capability():
 
 @pytest.mark.clause("13.7")
 def test_agreement_keeps_the_worst_comparison_and_names_it():
-    from conformance.report_agreement import agreement
+    from conformance.report.agreement import agreement
 
     def m(backend, case, error, tolerance, dtype="float32", quantity="out"):
         return {
@@ -376,7 +376,7 @@ def test_heatmaps_share_one_colour_scale():
     """The same fraction of the tolerance has the same colour in every heatmap; beyond 1
     (a failing test) is red, a pair not compared is grey."""
     pytest.importorskip("matplotlib")
-    from conformance.report_pictures import FAILS_COLOUR, NOT_COMPARED_COLOUR, cell_colours
+    from conformance.report.pictures import FAILS_COLOUR, NOT_COMPARED_COLOUR, cell_colours
 
     colours = cell_colours(np.array([[0.0, 0.5, 1.0], [1.5, np.inf, np.nan]]))
     assert colours[0, 0, :3].min() > 0.95  # white: nowhere near the tolerance
@@ -390,7 +390,7 @@ def test_heatmaps_share_one_colour_scale():
 def test_a_heatmap_draws_no_pair_that_was_never_compared():
     """float16 and bfloat16 have no pairwise tests: their grid is one row, each backend
     against the oracle, not a matrix of grey cells; a dtype with pairs keeps the matrix."""
-    from conformance.report_pictures import heatmap_grid
+    from conformance.report.pictures import heatmap_grid
 
     def s(x):
         return {"fraction_of_tolerance": x}
@@ -405,7 +405,7 @@ def test_a_heatmap_draws_no_pair_that_was_never_compared():
 
 @pytest.mark.clause("13.7")
 def test_clause_cells_read_as_counts_in_words():
-    from conformance.report_markdown import clause_cell
+    from conformance.report.markdown import clause_cell
 
     def cell(passed=0, failed=0, skipped=0, xfailed=0):
         return clause_cell(
@@ -421,7 +421,7 @@ def test_clause_cells_read_as_counts_in_words():
 
 @pytest.mark.clause("13.7")
 def test_pairs_are_listed_in_the_order_of_the_backends():
-    from conformance.report_markdown import render_pairs
+    from conformance.report.markdown import render_pairs
 
     one = {"7.3": {"passed": 1, "failed": 0, "skipped": 0, "xfailed": 0}}
     clauses = {p: one for p in ("b~c", "a~c", "numpy", "b~a", "a~b")}
@@ -441,8 +441,8 @@ def test_a_measurement_is_what_assert_within_judges():
 
 @pytest.mark.clause("14.2")
 def test_shard_count_table_keeps_the_worst_difference_per_p():
-    from conformance.report_agreement import VS_ONE_SHARD, agreement, shard_counts
-    from conformance.report_markdown import render_shard_counts
+    from conformance.report.agreement import VS_ONE_SHARD, agreement, shard_counts
+    from conformance.report.markdown import render_shard_counts
 
     def m(P, variant, error, tolerance=1e-15):
         return {

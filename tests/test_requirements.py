@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.requirements import requires, undeclared, uses_dtype
+from conformance.suite.requirements import requires, undeclared, uses_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,7 +96,7 @@ def test_every_capability_but_value_dim_runs_e_equal_d_everywhere(tmp_path):
 
 def test_a_misspelt_capability_is_a_collection_error(tmp_path):
     (tmp_path / "test_misspelt.py").write_text(
-        "from conformance.requirements import requires\n\n"
+        "from conformance.suite.requirements import requires\n\n"
         "@requires('windw')\n"
         "def test_x():\n"
         "    pass\n"

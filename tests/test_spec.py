@@ -6,7 +6,7 @@ import ast
 import re
 from pathlib import Path
 
-from conformance import cases
+from conformance.suite import cases
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance import tolerance as tol
+from conformance.suite import tolerance as tol
 
 pytestmark = pytest.mark.clause("7.1")
 

@@ -1,9 +1,9 @@
 """The conformance tests' fixtures: every test runs once per chosen backend, named in its id.
 
-The options and the loading of backends are the plugin's (``conformance/plugin.py``);
+The options and the loading of backends are the plugin's (``conformance/suite/plugin.py``);
 this file only exists where the conformance tests are collected, so nothing here reaches
 another project's test run. What a test needs is declared beside it
-(``conformance/requirements.py``); here the harness turns each need a backend does not
+(``conformance/suite/requirements.py``); here the harness turns each need a backend does not
 declare into a skip that names it, before the test runs.
 """
 
@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import pytest
 
-from conformance import backends, replay
-from conformance.plugin import conformance_backend
-from conformance.requirements import common_dtype, declared_refusal, item_needs, lacking
+from conformance import backends
+from conformance.suite import replay
+from conformance.suite.plugin import conformance_backend, conformance_backends
+from conformance.suite.requirements import common_dtype, declared_refusal, item_needs, lacking
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    names = metafunc.config.conformance_backends
+    names = conformance_backends(metafunc.config)
     if "backend" in metafunc.fixturenames:
         metafunc.parametrize("backend", names, ids=names, indirect=True)
     if "backend_pair" in metafunc.fixturenames:

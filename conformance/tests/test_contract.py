@@ -16,9 +16,9 @@ import pytest
 
 from conformance.backends import numpy_dtype
 from conformance.fixtures.oracle import naive_same_precision
-from conformance.helpers import random_qkv, random_tolerance
-from conformance.requirements import refuses, requires, uses_dtype, value_dims
-from conformance.tolerance import Departure, assert_within, expect
+from conformance.suite.helpers import random_qkv, random_tolerance
+from conformance.suite.requirements import refuses, requires, uses_dtype, value_dims
+from conformance.suite.tolerance import Departure, assert_within, expect
 
 B, H, T, S, D = 2, 4, 5, 6, 3
 OUT = "output"

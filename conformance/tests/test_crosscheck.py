@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance.helpers import random_qkv, random_tolerance
-from conformance.measure import publish
-from conformance.requirements import requires, value_dims
-from conformance.tolerance import assert_within
+from conformance.suite.helpers import random_qkv, random_tolerance
+from conformance.suite.measure import publish
+from conformance.suite.requirements import requires, value_dims
+from conformance.suite.tolerance import assert_within
 
 SETUPS = {
     "plain": ({}, ()),

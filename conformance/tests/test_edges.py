@@ -15,92 +15,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance.backends import numpy_dtype
-from conformance.fixtures.oracle import allowed_keys
-from conformance.helpers import as64, oracle_attention, random_qkv, random_tolerance
-from conformance.requirements import requires, value_dims
-from conformance.tolerance import assert_identical, assert_rows_zero, assert_within, expect
+from conformance.suite import edges
+from conformance.suite.helpers import as64, oracle_attention, random_qkv, random_tolerance
+from conformance.suite.requirements import requires, value_dims
+from conformance.suite.tolerance import assert_identical, assert_rows_zero, assert_within, expect
 
 DTYPES = ["float64", "float32", "float16", "bfloat16"]
 dtypes = pytest.mark.parametrize("dtype", DTYPES)
 GRADS = ("dq", "dk", "dv", "dmask")
 
 
-def _finfo_max(dtype: str) -> float:
-    import ml_dtypes
-
-    return float(ml_dtypes.finfo(numpy_dtype(dtype)).max)
-
-
-def _garbage(kind: str, n: int, dtype: str) -> np.ndarray:
-    """n values of one kind of garbage: "nan", "inf" (±inf), "max" (± the dtype's largest
-    finite number) or "mixed" (all of them in turn)."""
-    big = _finfo_max(dtype)
-    cycle = {
-        "nan": [np.nan],
-        "inf": [np.inf, -np.inf],
-        "max": [big, -big],
-        "mixed": [np.nan, np.inf, -np.inf, big, -big],
-    }[kind]
-    return np.array([cycle[i % len(cycle)] for i in range(n)], dtype=np.float64)
-
-
-def _fill(x: np.ndarray, slots: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """x (B, K, S, ·) with every entry of the slots[b, κ, s] rows set from ``values``."""
-    x = x.copy()
-    rows = np.broadcast_to(slots[..., None], x.shape)
-    x[rows] = values[: int(rows.sum())].astype(x.dtype)
-    return x
-
-
-def _attended(q, k, mask, options) -> np.ndarray:
-    """(B, H, T, S) bool: which keys each query row attends (SPEC §1.2), from the oracle's
-    ``allowed_keys`` and the float mask's -inf entries."""
-    B, H, T, _ = q.shape
-    S = k.shape[2]
-    full = None if mask is None else np.broadcast_to(mask, (B, H, T, S))
-    out = np.zeros((B, H, T, S), dtype=bool)
-    for b in range(B):
-        for h in range(H):
-            for t in range(T):
-                bool_row = full[b, h, t] if full is not None and full.dtype == np.bool_ else None
-                keys = allowed_keys(
-                    t,
-                    T,
-                    S,
-                    bool_row=bool_row,
-                    is_causal=options.get("is_causal", False),
-                    causal_alignment=options.get("causal_alignment", "top_left"),
-                    window=options.get("window"),
-                )
-                out[b, h, t, keys] = True
-    if full is not None and full.dtype != np.bool_:
-        out &= as64(full) != -np.inf
-    return out
-
-
-def _unused(q, k, mask, options) -> np.ndarray:
-    """(B, K, S) bool: slots that no query row of their batch element and key/value head
-    attends (SPEC §4.7)."""
-    B, H, T, S = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    K = k.shape[1]
-    attended = _attended(q, k, mask, options).reshape(B, K, H // K, T, S)
-    return ~attended.any(axis=(2, 3))
-
-
 # --- §2.5 and §12.12: empty sequences -----------------------------------------------------
 
 EMPTY = ["plain", "causal", "bool-mask", "float-mask"]
-
-
-def _empty_options(how: str, T: int, S: int, dtype: str) -> dict:
-    if how == "causal":
-        return {"is_causal": True}
-    if how == "bool-mask":
-        return {"mask": np.ones((T, S), dtype=bool)}
-    if how == "float-mask":
-        return {"mask": np.zeros((1, 1, T, S), dtype=numpy_dtype(dtype))}
-    return {}
 
 
 @pytest.mark.clause("2.5")
@@ -113,7 +40,7 @@ def test_empty_sequences(backend, how, T, S, dtype):
     D, E = value_dims(backend, 4, 3)
     q, k, v = random_qkv(70, B=2, H=2, T=T, S=S, D=D, E=E, dtype=dtype)
     q[..., :1, :] = np.nan  # a row with no key returns 0 even from a NaN query
-    out = backend.attention(q, k, v, **_empty_options(how, T, S, dtype))
+    out = backend.attention(q, k, v, **edges.empty_options(how, T, S, dtype))
     expect(
         out.shape == (2, 2, T, E) and out.dtype == q.dtype,
         "returns the wrong shape or dtype for an empty sequence",
@@ -156,7 +83,7 @@ def test_empty_sequence_gradients(backend, how, T, S, dtype):
     typed like its input (dmask like the mask)."""
     D, E = value_dims(backend, 4, 3)
     q, k, v = random_qkv(72, B=2, H=2, T=T, S=S, D=D, E=E, dtype=dtype)
-    options = _empty_options(how, T, S, dtype)
+    options = edges.empty_options(how, T, S, dtype)
     d_out = np.ones((2, 2, T, E), dtype=q.dtype)
     grads = dict(zip(GRADS, backend.attention_vjp(q, k, v, d_out, **options)))
     likes = {"dq": q, "dk": k, "dv": v, "dmask": options.get("mask")}
@@ -196,49 +123,6 @@ INERT = {
 INERT_PARAMS = [pytest.param(how, marks=requires(*needs)) for how, (needs, _) in INERT.items()]
 
 
-def _inert_problem(backend, how: str, dtype: str, seed: int = 80):
-    """Inputs, options and the (B, K, S) unused slots for one way of leaving slots unused."""
-    B, H, K, T, S = 2, 4, 4, 5, 9
-    if how == "gqa-group":
-        K = 2
-    D, E = value_dims(backend, 4, 3)
-    q, k, v = random_qkv(seed, B=B, H=H, K=K, T=T, S=S, D=D, E=E, dtype=dtype)
-    rng = np.random.default_rng(seed + 1)
-    options: dict = {}
-    if how == "padding":
-        lengths = np.array([6, 3])
-        options["mask"] = (np.arange(S)[None, :] < lengths[:, None])[:, None, None, :]
-    elif how == "bool-column":
-        mask = rng.random((B, H, T, S)) < 0.8
-        mask[..., [0, 4, 8]] = False
-        options["mask"] = mask
-    elif how == "float-column":
-        mask = rng.standard_normal((T, S))
-        mask[rng.random((T, S)) < 0.2] = -np.inf
-        mask[:, [2, 7]] = -np.inf
-        options["mask"] = mask.astype(numpy_dtype(dtype))
-    elif how == "causal-T<S":
-        options["is_causal"] = True
-    elif how == "window":
-        options.update(window=(1, 0), causal_alignment="bottom_right")
-    else:
-        mask = rng.random((1, H, T, S)) < 0.8
-        mask[:, 0:2, :, 3] = False  # key 3 unused in group 0 (heads 0, 1), used in group 1
-        mask[:, 2:4, :, 6] = False  # key 6 the other way round
-        options["mask"] = mask
-    unused = _unused(q, k, options.get("mask"), options)
-    assert unused.any() and not unused.all()
-    return q, k, v, options, unused
-
-
-def _with_garbage(k, v, unused, garbage: str, dtype: str):
-    n = 10 * k.size
-    return (
-        _fill(k, unused, _garbage(garbage, n, dtype)),
-        _fill(v, unused, _garbage(garbage, n, dtype)[::-1].copy()),
-    )
-
-
 @pytest.mark.clause("4.7")
 @pytest.mark.parametrize("garbage", ["nan", "inf", "max", "mixed"])
 @pytest.mark.parametrize("how", INERT_PARAMS)
@@ -246,14 +130,14 @@ def _with_garbage(k, v, unused, garbage: str, dtype: str):
 def test_unused_slots_hold_anything(backend, how, garbage, dtype):
     """An unused slot may hold NaN, ±inf or the largest finite number: the output is bit for
     bit what it is with ordinary numbers there."""
-    q, k, v, options, unused = _inert_problem(backend, how, dtype)
+    q, k, v, options, unused = edges.inert_problem(backend, how, dtype)
     clean = backend.attention(q, k, v, **options)
     expect(
         np.isfinite(as64(clean)).all(),
         "returns a non-finite output on ordinary inputs",
         f"{backend.name}: non-finite output on clean inputs",
     )
-    k2, v2 = _with_garbage(k, v, unused, garbage, dtype)
+    k2, v2 = edges.with_garbage(k, v, unused, garbage, dtype)
     dirty = backend.attention(q, k2, v2, **options)
     assert_identical(
         dirty,
@@ -271,10 +155,10 @@ def test_unused_slots_are_deleted_keys(backend, how, dtype):
     """The output with garbage in the unused slots equals, within the tolerance, the output
     for each batch element and key/value head with those keys removed (the causal band or
     window then given as the equivalent bool mask, since removing keys moves the diagonal)."""
-    q, k, v, options, unused = _inert_problem(backend, how, dtype)
-    k2, v2 = _with_garbage(k, v, unused, "mixed", dtype)
+    q, k, v, options, unused = edges.inert_problem(backend, how, dtype)
+    k2, v2 = edges.with_garbage(k, v, unused, "mixed", dtype)
     out = as64(backend.attention(q, k2, v2, **options))
-    attended = _attended(q, k, options.get("mask"), options)
+    attended = edges.attended(q, k, options.get("mask"), options)
     K = k.shape[1]
     G = q.shape[1] // K
     for b in range(q.shape[0]):
@@ -313,7 +197,7 @@ def test_unused_slots_are_deleted_keys(backend, how, dtype):
 def test_unused_slot_gradients(backend, how, garbage, dtype):
     """Garbage in unused slots changes no gradient bit; the slots' own dk and dv are exactly
     0, and so is dmask wherever the float mask is -inf."""
-    q, k, v, options, unused = _inert_problem(backend, how, dtype, seed=81)
+    q, k, v, options, unused = edges.inert_problem(backend, how, dtype, seed=81)
     float_mask = "mask" in options and options["mask"].dtype != np.bool_
     d_out = np.random.default_rng(82).standard_normal((*q.shape[:-1], v.shape[-1]))
     d_out = d_out.astype(q.dtype)
@@ -324,7 +208,7 @@ def test_unused_slot_gradients(backend, how, garbage, dtype):
             "returns a non-finite gradient on ordinary inputs",
             f"{backend.name}: non-finite {name} on clean inputs",
         )
-    k2, v2 = _with_garbage(k, v, unused, garbage, dtype)
+    k2, v2 = edges.with_garbage(k, v, unused, garbage, dtype)
     dirty = dict(zip(GRADS, backend.attention_vjp(q, k2, v2, d_out, **options)))
     context = f"{backend.name}: {INERT[how][1]}, unused slots holding {garbage} ({dtype})"
     expect(
@@ -380,23 +264,13 @@ def test_keys_some_rows_attend(backend, how, slot, garbage, dtype):
     B, H, T, S = 2, 2, 6, 7
     D, E = value_dims(backend, 4, 3)
     q, k, v = random_qkv(90, B=B, H=H, T=T, S=S, D=D, E=E, dtype=dtype)
-    options: dict = {}
-    if how == "causal":
-        options["is_causal"] = True
-    elif how == "window":
-        options["window"] = (1, 1)
-    else:
-        mask = np.random.default_rng(91).random((T, S)) < 0.8
-        mask[:, 3] = [True, False, True, False, False, True]
-        options["mask"] = mask if how == "bool-mask" else np.where(mask, 0.5, -np.inf)
-        if how == "float-mask":
-            options["mask"] = options["mask"].astype(q.dtype)
-    attended = _attended(q, k, options.get("mask"), options)
+    options = edges.shared_key_options(how, T, S, q.dtype)
+    attended = edges.attended(q, k, options.get("mask"), options)
     blocking = ~attended[1, 0, :, 3]  # rows of batch 1, head 0 that block key 3
     assert blocking.any() and not blocking.all()
     clean = as64(backend.attention(q, k, v, **options))
     x = {"k": k, "v": v}[slot].copy()
-    x[1, 0, 3] = _garbage(garbage, x.shape[-1], dtype).astype(x.dtype)
+    x[1, 0, 3] = edges.garbage_values(garbage, x.shape[-1], dtype).astype(x.dtype)
     dirty_inputs = {"k": k, "v": v, slot: x}
     dirty = as64(backend.attention(q, dirty_inputs["k"], dirty_inputs["v"], **options))
     rows_dirty, rows_clean = dirty[1, 0][blocking], clean[1, 0][blocking]
@@ -448,7 +322,6 @@ def test_nan_propagates(backend, structure, at, dtype):
     B, H, K, T, S = 2, 4, 4, 6, 6
     if structure == "gqa-causal":
         K = 2
-    G = H // K
     # E = D: PyTorch SDPA then takes its CPU flash kernel, which reads NaN rows as empty.
     q, k, v = random_qkv(100, B=B, H=H, K=K, T=T, S=S, D=4, E=4, dtype=dtype)
     options = dict(opts)
@@ -458,22 +331,7 @@ def test_nan_propagates(backend, structure, at, dtype):
         mask[..., 0] = 0.0  # key 0 stays attended by every row
         options["mask"] = mask.astype(q.dtype)
     clean = as64(backend.attention(q, k, v, **options))
-    q2, k2, v2 = q.copy(), k.copy(), v.copy()
-    b, kv = 1, K - 1
-    reading = np.zeros((B, H), dtype=bool)  # the (batch, head) pairs that read the NaN
-    if at == "q":
-        q2[b, H - 1, 0, 1] = np.nan  # row 0: under causal it attends key 0 alone
-        reading[b, H - 1] = True
-    else:
-        if at == "k-first":
-            k2[b, kv, 0, 2] = np.nan
-        elif at == "k-middle":
-            k2[b, kv, 3, 0] = np.nan
-        elif at == "k-all":
-            k2[b, kv, :, 1] = np.nan
-        else:
-            v2[b, kv, 0, 1] = np.nan
-        reading[b, kv * G : (kv + 1) * G] = True
+    q2, k2, v2, reading = edges.with_nan(q, k, v, at)
     out = as64(backend.attention(q2, k2, v2, **options))
     mask = options.get("mask")
     rest = {n: x for n, x in options.items() if n != "mask"}

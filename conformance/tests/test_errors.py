@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from conformance.backends import DTYPES, numpy_dtype
-from conformance.helpers import random_qkv
-from conformance.requirements import SuiteError, requires, value_dims
-from conformance.tolerance import Departure, expect
+from conformance.suite.helpers import random_qkv
+from conformance.suite.requirements import SuiteError, requires, value_dims
+from conformance.suite.tolerance import Departure, expect
 
 B, H, T, S, D = 2, 4, 5, 6, 3
 #: The value head dim of the valid call each case spoils, where the backend declares E ≠ D.

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from conformance.backends import numpy_dtype
-from conformance.cases import case_entries, case_marks, load_case, worked_example
 from conformance.fixtures.oracle import naive_same_precision
-from conformance.measure import publish
-from conformance.tolerance import assert_within, expect, finite_error, tolerance
+from conformance.suite.cases import case_entries, case_marks, load_case, worked_example
+from conformance.suite.measure import publish
+from conformance.suite.tolerance import assert_within, expect, finite_error, tolerance
 
 #: What a fixture's failure says, for the clauses whose fixtures test one thing; the others
 #: are named by their clause (and by the causes every comparison looks for first).

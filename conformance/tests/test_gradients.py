@@ -13,39 +13,23 @@ import numpy as np
 import pytest
 
 from conformance.backends import numpy_dtype
-from conformance.cases import case_entries, case_marks, load_case
-from conformance.helpers import SIZES, as64, random_qkv
-from conformance.measure import publish
-from conformance.requirements import SuiteError, requires, uses_dtype, value_dims
-from conformance.tolerance import Departure, assert_identical, assert_within, expect, tolerance
+from conformance.suite import gradients
+from conformance.suite.cases import case_entries, case_marks, load_case
+from conformance.suite.helpers import SIZES, as64, random_qkv
+from conformance.suite.measure import publish
+from conformance.suite.requirements import SuiteError, requires, uses_dtype, value_dims
+from conformance.suite.tolerance import (
+    Departure,
+    assert_identical,
+    assert_within,
+    expect,
+    tolerance,
+)
 
 GRADS = ("dq", "dk", "dv", "dmask")
 DTYPES = ["float64", "float32"]
 sizes = pytest.mark.parametrize("size", list(SIZES.values()), ids=list(SIZES))
 dtypes = pytest.mark.parametrize("dtype", DTYPES)
-
-
-def _vjp(backend, q, k, v, d_out, **options) -> dict[str, np.ndarray]:
-    return dict(zip(GRADS, backend.attention_vjp(q, k, v, d_out, **options)))
-
-
-def _d_out(seed: int, q: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """A standard-normal upstream gradient shaped like the output (B, H, T, E)."""
-    shape = (*q.shape[:-1], v.shape[-1])
-    return np.random.default_rng(seed).standard_normal(shape).astype(q.dtype)
-
-
-def _grad_tolerances(q, k, v, d_out, dtype: str, **options) -> dict[str, float]:
-    """SPEC §12.9 for inputs without a fixture: the naive backward in ``dtype`` against the
-    same naive backward in float64, standing in for the oracle (as SPEC §7.2)."""
-    from conformance.fixtures.oracle import naive_vjp_same_precision
-
-    ref = naive_vjp_same_precision(q, k, v, d_out, np.float64, **options)
-    low = naive_vjp_same_precision(q, k, v, d_out, numpy_dtype(dtype), **options)
-    return {
-        n: tolerance(dtype, float(np.max(np.abs(low[n] - ref[n]), initial=0.0)), ref[n])
-        for n in ref
-    }
 
 
 #: What a gradient fixture's failure says, for the clauses whose fixtures test one thing.
@@ -167,8 +151,8 @@ def test_fully_masked_rows_have_zero_gradients(backend, how, dtype):
     else:
         options["window"] = (0, 0)
         blocked[S:] = True
-    d_out = _d_out(43, q, v)
-    grads = _vjp(backend, q, k, v, d_out, **options)
+    d_out = gradients.random_d_out(43, q, v)
+    grads = gradients.vjp(backend, q, k, v, d_out, **options)
     for name, g in grads.items():
         expect(
             np.isfinite(as64(g)).all(),
@@ -189,7 +173,7 @@ def test_fully_masked_rows_have_zero_gradients(backend, how, dtype):
         )
     d_out2 = d_out.copy()
     d_out2[..., blocked, :] = np.asarray(1e3, dtype=q.dtype)
-    again = _vjp(backend, q, k, v, d_out2, **options)
+    again = gradients.vjp(backend, q, k, v, d_out2, **options)
     for name in grads:
         assert_identical(
             again[name],
@@ -208,11 +192,11 @@ def test_no_gradient_from_the_future(backend, size, dtype):
     gradient of exactly 0, and so do the queries after i."""
     T, S = size["T"], size["S"]
     q, k, v = random_qkv(44, T=T, S=S, dtype=dtype)
-    d_out = _d_out(45, q, v)
+    d_out = gradients.random_d_out(45, q, v)
     for i in range(min(T, S) - 1):
         d_i = d_out.copy()
         d_i[..., i + 1 :, :] = 0
-        grads = _vjp(backend, q, k, v, d_i, is_causal=True)
+        grads = gradients.vjp(backend, q, k, v, d_i, is_causal=True)
         for name, g in (("dk", grads["dk"]), ("dv", grads["dv"]), ("dq", grads["dq"])):
             later = as64(g)[..., i + 1 :, :]
             expect(
@@ -233,14 +217,14 @@ def test_blocked_key_gets_no_gradient(backend, size, dtype, mask_kind):
     the other gradients equal those of the same call with the key deleted."""
     T, S = size["T"], size["S"]
     q, k, v = random_qkv(46, T=T, S=S, dtype=dtype)
-    d_out = _d_out(47, q, v)
+    d_out = gradients.random_d_out(47, q, v)
     for j in (0, S // 2, S - 1):
         keep = np.arange(S) != j
         if mask_kind == "bool":
             mask = np.broadcast_to(keep, (T, S))
         else:
             mask = np.where(np.broadcast_to(keep, (T, S)), 0.0, -np.inf).astype(q.dtype)
-        masked = _vjp(backend, q, k, v, d_out, mask=mask)
+        masked = gradients.vjp(backend, q, k, v, d_out, mask=mask)
         for name in ("dk", "dv"):
             expect(
                 (as64(masked[name])[..., j, :] == 0).all(),
@@ -254,8 +238,8 @@ def test_blocked_key_gets_no_gradient(backend, size, dtype, mask_kind):
                 f"{backend.name}: dmask on blocked key {j} should be 0",
             )
         kk, vv = k[..., keep, :], v[..., keep, :]
-        deleted = _vjp(backend, q, kk, vv, d_out)
-        tols = _grad_tolerances(q, kk, vv, d_out, dtype)
+        deleted = gradients.vjp(backend, q, kk, vv, d_out)
+        tols = gradients.grad_tolerances(q, kk, vv, d_out, dtype)
         for name, got in (
             ("dq", masked["dq"]),
             ("dk", masked["dk"][..., keep, :]),
@@ -277,7 +261,7 @@ def test_keys_outside_every_window_get_no_gradient(backend, dtype):
     """Keys no query's window reaches (window (1, 1) on T = 4, S = 9: keys 5-8) get
     dk = dv = 0 exactly."""
     q, k, v = random_qkv(48, T=4, S=9, dtype=dtype)
-    grads = _vjp(backend, q, k, v, _d_out(49, q, v), window=(1, 1))
+    grads = gradients.vjp(backend, q, k, v, gradients.random_d_out(49, q, v), window=(1, 1))
     for name in ("dk", "dv"):
         unreached = as64(grads[name])[..., 5:, :]
         expect(
@@ -288,28 +272,21 @@ def test_keys_outside_every_window_get_no_gradient(backend, dtype):
         )
 
 
-SUM_SETUPS = {
-    "plain": ({}, ()),
-    "causal-mqa": ({"is_causal": True, "K": 1}, ("gqa",)),
-    "bool-mask-empty-rows": ({"mask": "bool"}, ()),
-    "gqa-bottom-right-T>S": (
-        {"is_causal": True, "causal_alignment": "bottom_right", "K": 1},
-        ("gqa", "causal_bottom_right"),
-    ),
-}
-
-
 @pytest.mark.clause("12.7")
 @dtypes
 @pytest.mark.parametrize(
-    "setup", [pytest.param(name, marks=requires(*needs)) for name, (_, needs) in SUM_SETUPS.items()]
+    "setup",
+    [
+        pytest.param(name, marks=requires(*needs))
+        for name, (_, needs) in gradients.SUM_SETUPS.items()
+    ],
 )
 @requires("grad")
 def test_gradient_sums(backend, dtype, setup):
     """Each weight row sums to 1, so Σ_s dV[s] = Σ dO[t] over the queries (of the whole
     query group, with GQA) that attend some key; and the output ignores a shift of every
     key, so Σ_s dK[s] = 0."""
-    options = dict(SUM_SETUPS[setup][0])
+    options = dict(gradients.SUM_SETUPS[setup][0])
     T, S = (9, 6) if setup.endswith("T>S") else (7, 9)
     q, k, v = random_qkv(50, H=4, K=options.pop("K", None), T=T, S=S, dtype=dtype)
     B, H, K = q.shape[0], q.shape[1], k.shape[1]
@@ -321,9 +298,9 @@ def test_gradient_sums(backend, dtype, setup):
         attends = np.broadcast_to(mask.any(-1), (B, H, T))
     if options.get("causal_alignment") == "bottom_right":
         attends = attends & (np.arange(T) >= T - S)
-    d_out = _d_out(52, q, v)
-    grads = _vjp(backend, q, k, v, d_out, **options)
-    tols = _grad_tolerances(q, k, v, d_out, dtype, **options)
+    d_out = gradients.random_d_out(52, q, v)
+    grads = gradients.vjp(backend, q, k, v, d_out, **options)
+    tols = gradients.grad_tolerances(q, k, v, d_out, dtype, **options)
     d_live = np.where(attends[..., None], as64(d_out), 0.0)  # (B, H, T, E)
     want = d_live.reshape(B, K, H // K, T, -1).sum(axis=(2, 3))  # (B, K, E)
     assert_within(
@@ -351,28 +328,6 @@ MODULE_CASES = [
 ]
 
 
-def _module_grads(backend, case, d_out):
-    H = case.meta["shape"]["H"]
-    x = case.arrays["x"].astype(case.dtype)
-    return backend.module_param_grads(
-        case.meta["kind"], case.params(), x, d_out, n_heads=H, is_causal=case.meta["is_causal"]
-    )
-
-
-def _module_reference(case, d_out):
-    """The naive float64 backward (standing in for the oracle) and SPEC §12.9 tolerances."""
-    from conformance.fixtures.oracle import naive_module_vjp_same_precision
-
-    H = case.meta["shape"]["H"]
-    x = case.arrays["x"].astype(case.dtype)
-    args = (case.meta["kind"], case.params(), x, d_out)
-    opts = {"n_heads": H, "is_causal": case.meta["is_causal"]}
-    ref = naive_module_vjp_same_precision(*args, np.float64, **opts)
-    low = naive_module_vjp_same_precision(*args, case.dtype, **opts)
-    tols = {n: tolerance(case.dtype, float(np.max(np.abs(low[n] - ref[n]))), ref[n]) for n in ref}
-    return ref, tols
-
-
 @pytest.mark.clause("12.8")
 @pytest.mark.parametrize(
     "case_id", [pytest.param(c, marks=uses_dtype(c.rsplit("-", 1)[1])) for c in MODULE_CASES]
@@ -384,8 +339,8 @@ def test_module_parameter_gradients(backend, case_id):
     case = load_case(case_id)
     x = case.arrays["x"]
     d_out = np.random.default_rng(53).standard_normal(x.shape).astype(case.dtype)
-    grads = _module_grads(backend, case, d_out)
-    ref, tols = _module_reference(case, d_out)
+    grads = gradients.module_grads(backend, case, d_out)
+    ref, tols = gradients.module_reference(case, d_out)
     expect(
         set(grads) == set(ref),
         "returns gradients for other parameters than the module's",
@@ -402,31 +357,21 @@ def test_module_parameter_gradients(backend, case_id):
         )
 
 
-PAIR_SETUPS = {
-    "plain": ({}, ()),
-    "causal-T7-S13": ({"is_causal": True}, ()),
-    "bool-mask": ({"mask": "bool"}, ()),
-    "float-mask": ({"mask": "float", "scale": 0.4}, ()),
-    "gqa-bottom-right-window": (
-        {"is_causal": True, "causal_alignment": "bottom_right", "window": (3, None), "K": 2},
-        ("gqa", "causal_bottom_right", "window"),
-    ),
-    "gqa-softcap": ({"softcap": 3.0, "K": 1}, ("gqa", "softcap", "grad_softcap")),
-}
-
-
 @pytest.mark.clause("12.10")
 @pytest.mark.pairwise
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize(
     "setup",
-    [pytest.param(name, marks=requires(*needs)) for name, (_, needs) in PAIR_SETUPS.items()],
+    [
+        pytest.param(name, marks=requires(*needs))
+        for name, (_, needs) in gradients.PAIR_SETUPS.items()
+    ],
 )
 @requires("grad")
 def test_backends_agree_on_gradients(backend_pair, dtype, setup, request):
     """Every pair of backends gives gradients within twice SPEC §12.9's tolerance."""
     a, b = backend_pair
-    options = dict(PAIR_SETUPS[setup][0])
+    options = dict(gradients.PAIR_SETUPS[setup][0])
     D, E = value_dims(backend_pair, 6, 5)
     q, k, v = random_qkv(54, H=4, K=options.pop("K", None), T=7, S=13, D=D, E=E, dtype=dtype)
     rng = np.random.default_rng(55)
@@ -436,10 +381,10 @@ def test_backends_agree_on_gradients(backend_pair, dtype, setup, request):
         options["mask"] = np.where(
             rng.random((7, 13)) < 0.2, -np.inf, rng.standard_normal((7, 13))
         ).astype(q.dtype)
-    d_out = _d_out(56, q, v)
-    grads_a = _vjp(a, q, k, v, d_out, **options)
-    grads_b = _vjp(b, q, k, v, d_out, **options)
-    tols = _grad_tolerances(q, k, v, d_out, dtype, **options)
+    d_out = gradients.random_d_out(56, q, v)
+    grads_a = gradients.vjp(a, q, k, v, d_out, **options)
+    grads_b = gradients.vjp(b, q, k, v, d_out, **options)
+    tols = gradients.grad_tolerances(q, k, v, d_out, dtype, **options)
     for name in sorted(set(grads_a) & set(grads_b)):
         publish(
             request.node,
@@ -475,9 +420,9 @@ def test_backends_agree_on_module_gradients(backend_pair, case_id, request):
     a, b = backend_pair
     case = load_case(case_id)
     d_out = np.random.default_rng(57).standard_normal(case.arrays["x"].shape).astype(case.dtype)
-    grads_a = _module_grads(a, case, d_out)
-    grads_b = _module_grads(b, case, d_out)
-    _, tols = _module_reference(case, d_out)
+    grads_a = gradients.module_grads(a, case, d_out)
+    grads_b = gradients.module_grads(b, case, d_out)
+    _, tols = gradients.module_reference(case, d_out)
     for name, tol in tols.items():
         publish(
             request.node,

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from conformance.backends import numpy_dtype
-from conformance.helpers import SIZES, as64, random_qkv, random_tolerance
-from conformance.requirements import requires, value_dims
-from conformance.tolerance import assert_identical, assert_rows_zero, assert_within, expect
+from conformance.suite.helpers import SIZES, as64, random_qkv, random_tolerance
+from conformance.suite.requirements import requires, value_dims
+from conformance.suite.tolerance import assert_identical, assert_rows_zero, assert_within, expect
 
 DTYPES = ["float64", "float32"]
 sizes = pytest.mark.parametrize("size", list(SIZES.values()), ids=list(SIZES))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance.cases import case_entries, case_marks, load_case
-from conformance.measure import publish
-from conformance.requirements import requires, uses_dtype
-from conformance.tolerance import assert_identical, assert_within, expect, tolerance
+from conformance.suite.cases import case_entries, case_marks, load_case
+from conformance.suite.measure import publish
+from conformance.suite.requirements import requires, uses_dtype
+from conformance.suite.tolerance import assert_identical, assert_within, expect, tolerance
 
 pytestmark = requires("module")
 

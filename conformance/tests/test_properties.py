@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 from conformance.backends import DTYPES, numpy_dtype
 from conformance.fixtures import oracle
-from conformance.helpers import as64, oracle_attention, random_tolerance
-from conformance.tolerance import assert_rows_zero, assert_within, expect, tolerance
+from conformance.suite.helpers import as64, oracle_attention, random_tolerance
+from conformance.suite.tolerance import assert_rows_zero, assert_within, expect, tolerance
 
 
 @dataclass

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from conformance.backends import load_backend
-from conformance.helpers import as64, random_qkv, random_tolerance
-from conformance.measure import publish
-from conformance.report_agreement import VS_ONE_SHARD
-from conformance.requirements import requires, uses_dtype, value_dims
-from conformance.tolerance import assert_identical, assert_within, tolerance
+from conformance.report.agreement import VS_ONE_SHARD
+from conformance.suite.helpers import as64, random_qkv, random_tolerance
+from conformance.suite.measure import publish
+from conformance.suite.requirements import requires, uses_dtype, value_dims
+from conformance.suite.tolerance import assert_identical, assert_within, tolerance
 
 pytestmark = requires("sharded")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance.helpers import SIZES, as64, random_qkv, random_tolerance
-from conformance.requirements import requires, value_dims
-from conformance.tolerance import assert_identical, assert_within, expect, tolerance
+from conformance.suite.helpers import SIZES, as64, random_qkv, random_tolerance
+from conformance.suite.requirements import requires, value_dims
+from conformance.suite.tolerance import assert_identical, assert_within, expect, tolerance
 
 sizes = pytest.mark.parametrize("size", list(SIZES.values()), ids=list(SIZES))
 dtypes = pytest.mark.parametrize("dtype", ["float64", "float32"])

@@ -1,0 +1,316 @@
+"""Profiles: one small TOML file per library function, so the whole spec runs on it.
+
+    pytest conformance --impl-profile torch.sdpa           # a shipped profile, by name
+    pytest conformance --impl-profile all                  # every shipped profile
+    pytest conformance --impl-profile path/to/mine.toml    # your own
+
+A profile is data only (SPEC §13.10): the target ``module:function`` (or a thin adapter
+module in this folder when the library cannot be called with arrays: ONNX, flex
+attention), its framework and layout, which keyword takes each spec option, the mask's
+convention, keywords fixed on every call, the capabilities and dtypes it has, the
+distributions it needs, and its known failures, each with the reason in words. The
+conversion itself is ``conformance/adapters/native.py``; a profile only says what to convert.
+
+    name = "torch.sdpa"
+    target = "torch.nn.functional:scaled_dot_product_attention"
+    framework = "torch"                      # numpy | torch | jax
+    layout = "BHTD"                          # or BTHD
+    requires = ["torch"]                     # distributions; missing -> skipped by name
+    jit = false                              # JAX: compile with jax.jit, options static
+    needs = []                               # hardware: ["cuda"]; skipped by name without
+    probe = ""                               # "module:function": None, or why not (measured)
+    capabilities = ["unbatched", "gqa", "dropout", "grad", "grad_mask"]
+    dtypes = ["float64", "float32", "float16", "bfloat16"]
+
+    [options]                                # spec option = the library's keyword
+    is_causal = "is_causal"
+    scale = "scale"
+    dropout_p = "dropout_p"
+    seed = "global"                          # torch.manual_seed(seed) before the call
+
+    [mask]
+    bool = "attn_mask"                       # keyword for a bool mask (false: none)
+    bool_true = "attend"                     # or "blocked": inverted on the way in
+    float = "attn_mask"                      # keyword for an additive float mask
+
+    [fixed]                                  # passed on every call
+    enable_gqa = true
+
+    [known_failures]                         # test id (* matches anything) = reason
+    "test_bad_input[torch.sdpa-integer-mask]" = "SPEC §3.3: ... raises RuntimeError"
+
+Known failures are strict expected failures: a library that fixes one shows up as
+``XPASS(strict)``, and a pattern that matches no test as a ``StaleKnownFailure``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from conformance.adapters.impl import (
+    ImplUnavailable,
+    import_target,
+    register_loaded,
+    resolve_impl,
+)
+from conformance.adapters.native import BOOL_MEANINGS, SPEC_OPTIONS, OptionMap
+from conformance.backends import Backend, register_backend
+
+#: Where the shipped profiles live: ``<name>.toml``, adapters beside them.
+HERE = Path(__file__).resolve().parent
+KEYS = {
+    "name",
+    "description",
+    "target",
+    "framework",
+    "layout",
+    "requires",
+    "capabilities",
+    "dtypes",
+    "options",
+    "mask",
+    "fixed",
+    "known_failures",
+    "jit",
+    "needs",
+    "probe",
+}
+MASK_KEYS = {"bool", "bool_true", "float"}
+#: What a profile's ``needs`` may name: hardware a function requires beyond its libraries.
+HARDWARE = {"cuda"}
+
+
+class ProfileError(LookupError):
+    """A profile that cannot be used: missing, malformed, or naming something missing."""
+
+
+def shipped_profiles() -> list[str]:
+    """The names of the profiles shipped in this folder."""
+    return sorted(path.stem for path in HERE.glob("*.toml"))
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A library function as a profile describes it (the TOML's keys, checked)."""
+
+    name: str
+    target: str
+    path: Path
+    framework: str = "numpy"
+    layout: str = "BHTD"
+    description: str = ""
+    requires: tuple[str, ...] = ()
+    capabilities: tuple[str, ...] = ()
+    dtypes: tuple[str, ...] = ("float64", "float32")
+    call: OptionMap = field(default_factory=OptionMap)
+    known_failures: dict[str, str] = field(default_factory=dict)
+    jit: bool = False
+    needs: tuple[str, ...] = ()
+    probe: str = ""
+
+    def missing(self) -> list[str]:
+        """The distributions in ``requires`` that are not installed here."""
+        return [p for p in self.requires if importlib.util.find_spec(_module_of(p)) is None]
+
+    def unavailable(self) -> str | None:
+        """Why the function cannot run here (a distribution missing, or the hardware that
+        ``needs`` names, as the ``probe`` measured it), or None."""
+        missing = self.missing()
+        if missing:
+            return f"{', '.join(missing)} not installed here (pip install {' '.join(missing)})"
+        return self._hardware_missing()
+
+    def _hardware_missing(self) -> str | None:
+        """What the ``probe`` measured, when the hardware ``needs`` names is missing."""
+        if not self.probe:
+            return None
+        why = import_target(self.probe)()
+        return None if why is None else f"needs {', '.join(self.needs)}: {why}"
+
+    def resolve(self) -> Backend:
+        """The backend, not yet registered (``impl.resolve_impl`` with this profile).
+
+        Raises:
+          ProfileError: a required distribution is not installed, or the target or
+            framework cannot be found.
+        """
+        missing = self.missing()
+        if missing:
+            raise ProfileError(
+                f"profile {self.name!r} ({self.path}) needs {', '.join(missing)}, not "
+                f"installed here (pip install {' '.join(missing)}); profiles whose libraries "
+                f"are installed: {installed_profiles()}"
+            )
+        why = self._hardware_missing()
+        if why:
+            raise ProfileError(f"profile {self.name!r} ({self.path}) cannot run here: {why}")
+        try:
+            return resolve_impl(
+                self.target,
+                name=self.name,
+                capabilities=list(self.capabilities),
+                dtypes=list(self.dtypes),
+                framework=self.framework,
+                layout=self.layout,
+                call=self.call,
+                libraries=self.requires,
+                jit=self.jit,
+            )
+        except (ImplUnavailable, ValueError) as err:
+            raise ProfileError(f"profile {self.name!r} ({self.path}): {err}") from err
+
+
+def _module_of(distribution: str) -> str:
+    """The import name of a distribution in ``requires`` (onnxruntime, torch, ...)."""
+    return distribution.replace("-", "_")
+
+
+def installed_profiles() -> list[str]:
+    """The shipped profiles whose libraries are installed here."""
+    return [n for n in shipped_profiles() if not read_profile(n).missing()]
+
+
+def read_profile(name_or_path: str | Path) -> Profile:
+    """The profile called ``name_or_path`` (a shipped one) or stored at that path.
+
+    Raises:
+      ProfileError: no such profile, or the file is not a valid profile (the message says
+        which key is wrong and what is allowed).
+    """
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = HERE / f"{name_or_path}.toml"
+    if not path.is_file():
+        raise ProfileError(
+            f"no profile {str(name_or_path)!r}: neither a file nor a shipped profile; shipped: "
+            f"{', '.join(shipped_profiles())}"
+        )
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as err:
+        raise ProfileError(f"{path}: not valid TOML: {err}") from err
+    return parse_profile(data, path)
+
+
+def parse_profile(data: dict[str, Any], path: Path) -> Profile:
+    """Check a profile's keys and build the ``Profile``."""
+    where = str(path)
+    unknown = sorted(set(data) - KEYS)
+    if unknown:
+        raise ProfileError(f"{where}: unknown keys {unknown}; known: {', '.join(sorted(KEYS))}")
+    for key in ("name", "target"):
+        if not isinstance(data.get(key), str) or not data[key]:
+            raise ProfileError(f"{where}: {key!r} is required (a string)")
+    options = data.get("options", {})
+    bad = sorted(set(options) - set(SPEC_OPTIONS))
+    if bad:
+        raise ProfileError(
+            f"{where}: [options] names unknown spec options {bad}; known: {', '.join(SPEC_OPTIONS)}"
+        )
+    mask = data.get("mask", {})
+    bad = sorted(set(mask) - MASK_KEYS)
+    if bad:
+        raise ProfileError(f"{where}: [mask] has unknown keys {bad}; known: bool, bool_true, float")
+    bool_true = mask.get("bool_true", "attend")
+    if bool_true not in BOOL_MEANINGS:
+        raise ProfileError(
+            f"{where}: [mask] bool_true should be one of {', '.join(BOOL_MEANINGS)}, got {bool_true!r}"
+        )
+    try:
+        call = OptionMap(
+            options={k: v for k, v in options.items() if v},
+            mask_bool=mask.get("bool") or None,
+            bool_true=bool_true,
+            mask_float=mask.get("float") or None,
+            fixed=dict(data.get("fixed", {})),
+            layout=data.get("layout", "BHTD"),
+        )
+    except ValueError as err:
+        raise ProfileError(f"{where}: {err}") from err
+    needs = data.get("needs", [])
+    if not isinstance(needs, list) or not all(n in HARDWARE for n in needs):
+        raise ProfileError(
+            f"{where}: 'needs' should be a list of {sorted(HARDWARE)}, got {needs!r}"
+        )
+    probe = data.get("probe", "")
+    if needs and (not isinstance(probe, str) or ":" not in probe):
+        raise ProfileError(
+            f"{where}: 'needs' requires 'probe', the 'module:function' that says whether the "
+            f"function runs here (None) or what it raised"
+        )
+    known = data.get("known_failures", {})
+    for pattern, reason in known.items():
+        if not isinstance(reason, str) or not reason.strip():
+            raise ProfileError(f"{where}: known failure {pattern!r} needs a reason (a string)")
+    return Profile(
+        name=data["name"],
+        target=data["target"],
+        path=path,
+        framework=data.get("framework", "numpy"),
+        layout=data.get("layout", "BHTD"),
+        description=data.get("description", ""),
+        requires=tuple(data.get("requires", ())),
+        capabilities=tuple(data.get("capabilities", ())),
+        dtypes=tuple(data.get("dtypes", ("float64", "float32"))),
+        call=call,
+        known_failures=dict(known),
+        jit=bool(data.get("jit", False)),
+        needs=tuple(needs),
+        probe=probe,
+    )
+
+
+def load_profiles(names: Iterable[str]) -> tuple[list[Profile], list[Profile]]:
+    """Register the profiles ``names`` (``all``: every shipped one) as backends.
+
+    Returns (loaded, unavailable). A profile named explicitly must load; under ``all``,
+    one whose library is not installed here is registered as ``MissingLibrary`` (its
+    tests are skipped by name, ``skip_reason``), never left out in silence.
+
+    Raises:
+      ProfileError: a named profile is missing, malformed, or its library or target is.
+    """
+    loaded, unavailable = [], []
+    for value in names:
+        every = value == "all"
+        for name in shipped_profiles() if every else [value]:
+            profile = read_profile(name)
+            if every and profile.unavailable():
+                register_backend(profile.name, lambda p=profile: MissingLibrary(p), replace=True)
+                unavailable.append(profile)
+                continue
+            load_profile(str(profile.path))
+            loaded.append(profile)
+    return loaded, unavailable
+
+
+def load_profile(profile: str) -> Backend:
+    """Register the backend of ``profile`` (a shipped profile's name or a TOML file) and
+    return it loaded; a replay rebuilds it the same way."""
+    return register_loaded(read_profile(profile).resolve(), {"profile": profile})
+
+
+class MissingLibrary(Backend):
+    """A shipped profile that cannot run here (its library is not installed, or the
+    hardware it needs is missing): its tests are skipped by name, with the reason."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.name = profile.name
+        self.profile = profile
+
+    def _attention(self, q, k, v, **options):
+        raise NotImplementedError(skip_reason(self.profile))
+
+
+def skip_reason(profile: Profile) -> str:
+    return f"profile {profile.name}: {profile.unavailable()}"

@@ -1,0 +1,172 @@
+"""Arrays of each framework: the one place data crosses between NumPy and torch or JAX.
+
+The backends convert with these classes, and so do the native calls of other libraries'
+functions (``conformance.adapters.native``). Frameworks are imported inside their class,
+when one is built, so ``import conformance`` imports neither torch nor jax.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from conformance.vocabulary import numpy_dtype
+
+
+def import_jax() -> Any:
+    """JAX, with float64 switched on: the one place the suite turns on ``jax_enable_x64``.
+
+    float64 is part of the spec; without this JAX silently computes in float32.
+    """
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    return jax
+
+
+class Framework:
+    """Arrays of one framework: the only place data crosses between NumPy and it."""
+
+    name = "numpy"
+    #: The distribution that provides it, for "not installed" messages.
+    package = "numpy"
+
+    def from_numpy(self, x: np.ndarray) -> Any:
+        return x
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return np.asarray(x)
+
+    def is_array(self, x: Any) -> bool:
+        return isinstance(x, (np.ndarray, np.generic)) or hasattr(x, "__array__")
+
+    def swap_heads_and_time(self, x: Any) -> Any:
+        return np.swapaxes(x, -3, -2)
+
+    def seed(self, seed: int) -> None:
+        """Seed the framework's global generator (for a library without a seed keyword)."""
+        raise NotImplementedError(f"{self.name} has no global generator to seed")
+
+    def key(self, seed: int) -> Any:
+        """What a library's seed keyword takes in this framework: the int itself, except
+        in JAX (a key)."""
+        return seed
+
+    def vjp(self, call: Callable, primals: list, d_out: Any) -> list:
+        raise NotImplementedError(f"{self.name} arrays have no automatic differentiation")
+
+    def jit(self, func: Callable, static: list[str]) -> Callable:
+        """``func`` compiled as its users compile it (``jax.jit``); elsewhere ``func``."""
+        raise ValueError(f"jit: {self.name} functions are not compiled by the suite")
+
+    def version(self) -> dict[str, str]:
+        return {"numpy": np.__version__}
+
+
+class TorchFramework(Framework):
+    name = "torch"
+    package = "torch"
+
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+
+    def from_numpy(self, x):
+        x = np.asarray(x)
+        if x.dtype.name == "bfloat16":
+            # torch cannot read ml_dtypes' bfloat16; the bits are the same, so reinterpret.
+            bits = self.torch.from_numpy(np.ascontiguousarray(x).view(np.int16))
+            return bits.view(self.torch.bfloat16)
+        return self.torch.from_numpy(np.array(x))
+
+    def to_numpy(self, x):
+        x = x.detach()
+        if x.dtype == self.torch.bfloat16:
+            return x.view(self.torch.int16).numpy().view(numpy_dtype("bfloat16"))
+        return x.numpy()
+
+    def is_array(self, x):
+        return isinstance(x, self.torch.Tensor)
+
+    def swap_heads_and_time(self, x):
+        return x.transpose(-3, -2)
+
+    def seed(self, seed):
+        self.torch.manual_seed(seed)
+
+    def vjp(self, call, primals, d_out, check=None):
+        # Autograd through the very call the forward tests: the primals become leaves
+        # that require grad, and the output's vector-Jacobian product is read off them.
+        # ``check(out, d_out)``, when given, runs between the forward and the backward.
+        leaves = [x.detach().requires_grad_(True) for x in primals]
+        with self.torch.enable_grad():
+            out = call(*leaves)
+        if check is not None:
+            check(out, d_out)
+        grads = self.torch.autograd.grad(out, leaves, grad_outputs=d_out, allow_unused=True)
+        # A leaf the output does not depend on (v with every row masked) has gradient 0.
+        return [self.torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
+
+    def version(self):
+        return {"torch": self.torch.__version__}
+
+
+class JaxFramework(Framework):
+    name = "jax"
+    package = "jax"
+
+    def __init__(self) -> None:
+        self.jax = import_jax()
+
+    def from_numpy(self, x):
+        return self.jax.device_put(np.asarray(x))
+
+    def to_numpy(self, x):
+        return np.asarray(x)
+
+    def is_array(self, x):
+        return isinstance(x, self.jax.Array)
+
+    def swap_heads_and_time(self, x):
+        return self.jax.numpy.swapaxes(x, -3, -2)
+
+    def key(self, seed):
+        return self.jax.random.key(seed)
+
+    def vjp(self, call, primals, d_out):
+        out, pullback = self.jax.vjp(call, *primals)
+        return list(pullback(d_out))
+
+    def jit(self, func, static):
+        # Options (is_causal, scale, a window) are static, as in users' code: the arrays
+        # are traced, and each signature compiles once.
+        return self.jax.jit(func, static_argnames=static)
+
+    def version(self):
+        return {"jax": self.jax.__version__}
+
+
+FRAMEWORKS: dict[str, type[Framework]] = {
+    "numpy": Framework,
+    "torch": TorchFramework,
+    "jax": JaxFramework,
+}
+
+
+def make_framework(name: str) -> Framework:
+    """The framework ``name``; a missing or unknown one is a ``LookupError`` saying what is
+    available."""
+    if name not in FRAMEWORKS:
+        raise LookupError(f"unknown framework {name!r}; known: {', '.join(FRAMEWORKS)}")
+    cls = FRAMEWORKS[name]
+    if importlib.util.find_spec(cls.package) is None:
+        installed = [n for n, c in FRAMEWORKS.items() if importlib.util.find_spec(c.package)]
+        raise LookupError(
+            f"framework {name!r} is not installed (pip install {cls.package}); installed: "
+            f"{', '.join(installed)}"
+        )
+    return cls()

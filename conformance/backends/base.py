@@ -1,0 +1,216 @@
+"""The backend interface: what the suite tests, NumPy in and out.
+
+A backend takes NumPy arrays, converts them to its framework (``from_numpy``), calls the
+implementation and converts the result back (``to_numpy``). It declares the optional
+capabilities it supports and the dtypes it accepts; the suite decides what to run from
+those declarations, never from a backend's name.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from conformance.vocabulary import OPTION_DEFAULTS
+
+
+class BackendUnavailable(LookupError):
+    """A backend was asked for that is unknown or cannot be imported."""
+
+
+class Backend:
+    """The interface the suite tests. Subclass it to plug in your own implementation.
+
+    Attributes:
+      name: the id used in test ids and the report.
+      framework: the library the implementation runs on, for the versions table.
+      capabilities: a subset of ``CAPABILITIES``.
+      dtypes: a subset of ``DTYPES``.
+      options: the options it was loaded with (``load_backend(name, **options)``), so a
+        replay can load it the same way.
+      conformance_options: the options the conformance run loads it with, when the
+        suite's small inputs need another configuration than the fast default to reach
+        every code path (SPEC §10.4). Users get the defaults.
+    """
+
+    name: str = ""
+    framework: str = "numpy"
+    capabilities: frozenset[str] = frozenset()
+    dtypes: tuple[str, ...] = ("float64", "float32")
+    options: Mapping[str, Any] = MappingProxyType({})
+    conformance_options: Mapping[str, Any] = MappingProxyType({})
+
+    def from_numpy(self, x: np.ndarray) -> Any:
+        return x
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return np.asarray(x)
+
+    def attention(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        *,
+        mask: np.ndarray | None = None,
+        is_causal: bool = False,
+        scale: float | None = None,
+        causal_alignment: str = "top_left",
+        window: tuple[int | None, int | None] | None = None,
+        softcap: float | None = None,
+        dropout_p: float = 0.0,
+        seed: int | None = None,
+    ) -> np.ndarray:
+        """out (B, H, T, E) for q (B, H, T, D), k (B, K, S, D), v (B, K, S, E), NumPy in and out."""
+        options = {"is_causal": is_causal, "scale": scale}
+        for key, value in (
+            ("causal_alignment", causal_alignment),
+            ("window", window),
+            ("softcap", softcap),
+            ("dropout_p", dropout_p),
+        ):
+            # An option left at its default is not passed on, so an implementation
+            # without that feature needs no parameter for it.
+            if value != OPTION_DEFAULTS[key]:
+                options[key] = value
+        if dropout_p:
+            options["seed"] = seed
+        mask = None if mask is None else self.from_numpy(np.asarray(mask))
+        out = self._attention(
+            self.from_numpy(q), self.from_numpy(k), self.from_numpy(v), mask=mask, **options
+        )
+        return self.to_numpy(out)
+
+    def _attention(self, q, k, v, **options):
+        raise NotImplementedError
+
+    def prepare(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, **options: Any
+    ) -> Callable[[], Any]:
+        """Convert q, k, v once; return a zero-argument call that runs attention and waits.
+
+        For timing (the benchmark): the conversion from NumPy stays outside the call, and
+        the call returns only once the result exists (JAX dispatches asynchronously, so
+        an output with ``block_until_ready`` is waited on). ``options`` go to the
+        implementation as given; the result stays in the backend's framework.
+        """
+        q, k, v = (self.from_numpy(x) for x in (q, k, v))
+
+        def call() -> Any:
+            out = self._attention(q, k, v, **options)
+            wait = getattr(out, "block_until_ready", None)
+            return out if wait is None else wait()
+
+        return call
+
+    def attention_vjp(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        d_out: np.ndarray,
+        *,
+        mask: np.ndarray | None = None,
+        is_causal: bool = False,
+        scale: float | None = None,
+        causal_alignment: str = "top_left",
+        window: tuple[int | None, int | None] | None = None,
+        softcap: float | None = None,
+    ) -> tuple[np.ndarray, ...]:
+        """The backward pass (capability "grad"), NumPy in and out.
+
+        For the loss L = Σ d_out · attention(q, k, v, ...), with d_out (B, H, T, E) like the
+        output: (dq, dk, dv) = (∂L/∂q, ∂L/∂k, ∂L/∂v), shaped and typed like q, k, v; with a
+        floating mask and capability "grad_mask", (dq, dk, dv, dmask), dmask shaped like
+        the mask. Options as for ``attention``; there is no dropout in the backward.
+        """
+        options = {"is_causal": is_causal, "scale": scale}
+        for key, value in (
+            ("causal_alignment", causal_alignment),
+            ("window", window),
+            ("softcap", softcap),
+        ):
+            if value != OPTION_DEFAULTS[key]:
+                options[key] = value
+        mask = None if mask is None else self.from_numpy(np.asarray(mask))
+        grads = self._attention_vjp(
+            self.from_numpy(q),
+            self.from_numpy(k),
+            self.from_numpy(v),
+            self.from_numpy(d_out),
+            mask=mask,
+            **options,
+        )
+        # Autograd may hand back transposed views; the caller gets plain C-ordered arrays.
+        return tuple(np.ascontiguousarray(self.to_numpy(g)) for g in grads)
+
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        raise NotImplementedError(f"{self.name} does not declare the 'grad' capability")
+
+    def prepare_vjp(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, d_out: np.ndarray, **options: Any
+    ) -> Callable[[], Any]:
+        """``prepare`` for the backward pass: q, k, v and d_out converted once; the call
+        runs ``attention_vjp`` (forward and backward) and returns once every gradient
+        exists, in the backend's framework. ``options`` go to the implementation as given."""
+        q, k, v, d_out = (self.from_numpy(x) for x in (q, k, v, d_out))
+
+        def call() -> Any:
+            grads = self._attention_vjp(q, k, v, d_out, **options)
+            return [
+                g if not hasattr(g, "block_until_ready") else g.block_until_ready() for g in grads
+            ]
+
+        return call
+
+    def module_param_grads(
+        self,
+        kind: str,
+        params: dict[str, np.ndarray],
+        x: np.ndarray,
+        d_out: np.ndarray,
+        *,
+        n_heads: int,
+        is_causal: bool = False,
+    ) -> dict[str, np.ndarray]:
+        """Gradients of L = Σ d_out · module(x) (capability "module_grad").
+
+        ``kind`` is "mha" (``multi_head_attention``) or "gpt_block" (``is_causal`` is then
+        ignored: the block is causal). Returns {parameter name: ∂L/∂parameter} for every
+        entry of ``params``, and "x": ∂L/∂x, all NumPy arrays.
+        """
+        raise NotImplementedError(f"{self.name} does not declare the 'module_grad' capability")
+
+    def multi_head_attention(
+        self,
+        params: dict[str, np.ndarray],
+        x: np.ndarray,
+        *,
+        n_heads: int,
+        mask: np.ndarray | None = None,
+        is_causal: bool = False,
+    ) -> np.ndarray:
+        """The seeds' multi-head layer from a PyTorch-layout ``state_dict`` (capability "module")."""
+        raise NotImplementedError(f"{self.name} does not declare the 'module' capability")
+
+    def gpt_block(
+        self, params: dict[str, np.ndarray], x: np.ndarray, *, n_heads: int
+    ) -> np.ndarray:
+        """The seeds' pre-LN GPT block from a PyTorch-layout ``state_dict`` (capability "module")."""
+        raise NotImplementedError(f"{self.name} does not declare the 'module' capability")
+
+    def versions(self) -> dict[str, str]:
+        """Versions of the libraries this backend runs on, for the report."""
+        return {"python": platform.python_version(), "numpy": np.__version__}
+
+    def release(self) -> None:
+        """Drop what the backend keeps from earlier calls (compiled programs, say); the
+        next call builds it again. The conformance run calls this on every loaded backend
+        after each test module. By default nothing is dropped."""
+
+    def __repr__(self) -> str:
+        return f"<backend {self.name}: {', '.join(self.dtypes)}; {', '.join(sorted(self.capabilities))}>"

@@ -1,0 +1,169 @@
+"""The JAX backends: the reference impl, its blockwise sibling, and the context-parallel
+ring and Ulysses backends over P devices."""
+
+from __future__ import annotations
+
+import importlib
+from types import MappingProxyType
+
+import numpy as np
+
+from conformance.backends.arrays import JaxFramework, import_jax
+from conformance.backends.base import Backend, BackendUnavailable
+from conformance.backends.numpy_backends import BLOCKWISE_CAPABILITIES, Blockwise
+from conformance.vocabulary import ALL_CAPABILITIES, DTYPES, GRAD_CAPABILITIES
+
+
+class JaxBackend(Backend):
+    name = "jax"
+    framework = "jax"
+    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES
+    dtypes = DTYPES
+    impl_module = "conformance.impls.jax_attention"
+
+    def __init__(self) -> None:
+        self.jax = import_jax()
+        self.impl = importlib.import_module(self.impl_module)
+
+    def from_numpy(self, x):
+        # device_put moves the bytes as they are; jnp.asarray would compile a copy per shape.
+        return self.jax.device_put(np.asarray(x))
+
+    def _attention(self, q, k, v, *, seed=None, **options):
+        if seed is not None:
+            options["key"] = self.jax.random.key(seed)
+        return self.impl.attention(q, k, v, **options)
+
+    def multi_head_attention(self, params, x, *, n_heads, mask=None, is_causal=False):
+        params = {n: self.from_numpy(p) for n, p in params.items()}
+        mask = None if mask is None else self.from_numpy(mask)
+        out = self.impl.multi_head_attention(
+            params, self.from_numpy(x), n_heads=n_heads, mask=mask, is_causal=is_causal
+        )
+        return self.to_numpy(out)
+
+    def gpt_block(self, params, x, *, n_heads):
+        params = {n: self.from_numpy(p) for n, p in params.items()}
+        return self.to_numpy(self.impl.gpt_block(params, self.from_numpy(x), n_heads=n_heads))
+
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        return self.impl.attention_vjp(q, k, v, d_out, **options)
+
+    def module_param_grads(self, kind, params, x, d_out, *, n_heads, is_causal=False):
+        params = {n: self.from_numpy(p) for n, p in params.items()}
+        d_params, d_x = self.impl.module_vjp(
+            params,
+            self.from_numpy(x),
+            self.from_numpy(d_out),
+            kind=kind,
+            n_heads=n_heads,
+            is_causal=is_causal,
+        )
+        return {**{n: self.to_numpy(g) for n, g in d_params.items()}, "x": self.to_numpy(d_x)}
+
+    def versions(self):
+        return {**super().versions(), "jax": self.jax.__version__}
+
+
+class JaxFlashBackend(Backend):
+    """Blockwise attention with the online softmax under ``jax.jit``: no (T, S) matrix."""
+
+    name = "jax-flash"
+    framework = "jax"
+    impl_module = "conformance.impls.jax_flash"
+    capabilities = BLOCKWISE_CAPABILITIES
+    dtypes = DTYPES
+    conformance_options = Blockwise.CONFORMANCE_OPTIONS
+
+    def __init__(self, *, block_q: int | None = None, block_k: int | None = None) -> None:
+        self.arrays = JaxFramework()
+        self.jax = self.arrays.jax
+        self.impl = importlib.import_module(self.impl_module)
+        self.tiles = Blockwise(self.impl, block_q=block_q, block_k=block_k)
+        self.options = self.tiles.options
+
+    def from_numpy(self, x):
+        return self.arrays.from_numpy(x)
+
+    def _attention(self, q, k, v, **options):
+        return self.tiles.attention(q, k, v, **options)
+
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        return self.tiles.attention_vjp(q, k, v, d_out, **options)
+
+    def versions(self):
+        return {**super().versions(), "jax": self.jax.__version__}
+
+
+class JaxRingBackend(JaxBackend):
+    """Ring attention over P JAX devices: ``shard_map``, K/V blocks passed by ``ppermute``.
+
+    ``load_backend("jax-ring", shards=P, layout="contiguous"|"zigzag")``; left out, P is
+    every device JAX sees and the layout is zigzag (balanced causal work). On a CPU-only
+    machine the constructor makes 8 host devices visible when JAX has not computed
+    anything yet (``jax_num_cpu_devices``); when JAX has started with fewer than P devices
+    it raises ``BackendUnavailable`` saying so. The ``jax-ring-pN`` names are the same
+    backend at P = N, so that the whole spec runs at several P (SPEC §14.1).
+    """
+
+    name = "jax-ring"
+    impl_module = "conformance.impls.jax_ring"
+    capabilities = (ALL_CAPABILITIES - {"dropout", "module"}) | {
+        "grad",
+        "grad_mask",
+        "grad_softcap",
+        "sharded",
+    }
+    default_shards: int | None = None
+    conformance_options = MappingProxyType({"shards": 4, "layout": "zigzag"})
+
+    def __init__(self, *, shards: int | None = None, layout: str = "zigzag") -> None:
+        super().__init__()
+        shards = self.default_shards if shards is None else shards
+        try:
+            self.impl.host_devices(1 if shards is None else shards)
+        except RuntimeError as err:
+            raise BackendUnavailable(f"{self.name}: {err}") from err
+        if layout not in self.impl.LAYOUTS:
+            raise ValueError(f"layout should be one of {self.impl.LAYOUTS}, got {layout!r}")
+        self.shards = len(self.jax.devices()) if shards is None else shards
+        self.layout = layout
+        self.options = {"shards": self.shards, "layout": layout}
+
+    def from_numpy(self, x):
+        return np.asarray(x)  # the impl lays the arrays out over its devices itself
+
+    def _attention(self, q, k, v, *, seed=None, **options):
+        # No dropout: the impl refuses dropout_p > 0 by name, so the seed goes nowhere.
+        return self.impl.attention(q, k, v, shards=self.shards, layout=self.layout, **options)
+
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        return self.impl.attention_vjp(
+            q, k, v, d_out, shards=self.shards, layout=self.layout, **options
+        )
+
+    def release(self) -> None:
+        # Each compiled multi-device program holds about 15 memory mappings on the CPU,
+        # and JAX keeps every program it compiled: a whole conformance run (about a
+        # thousand programs) passes Linux's vm.max_map_count (65530) and XLA crashes in a
+        # later compile or cache write. Measured: a run died at 90 % twice. Dropping the
+        # compiled programs frees their mappings; the persistent cache, where on, makes
+        # the next compile of the same program cheap.
+        self.jax.clear_caches()
+
+
+class JaxUlyssesBackend(JaxRingBackend):
+    """DeepSpeed-Ulysses over P JAX devices: ``lax.all_to_all`` from sequence to head shards.
+
+    ``load_backend("jax-ulysses", shards=P, layout=...)`` takes any H, K and P: the heads
+    are padded to a multiple of P with inert dummy heads (the all-to-all splits equally),
+    and each device gets the key/value heads its query heads use, repeated where several
+    devices need one. The conformance run uses P = 3, zigzag, so the spec's head counts
+    (1, 2, 3, 4, ...) split unevenly and K rarely divides P; ``jax-ulysses-p2`` runs the
+    whole spec again at P = 2 (SPEC §14.1, §14.8).
+    """
+
+    name = "jax-ulysses"
+    impl_module = "conformance.impls.jax_ulysses"
+    capabilities = JaxRingBackend.capabilities | {"sharded_heads"}
+    conformance_options = MappingProxyType({"shards": 3, "layout": "zigzag"})

@@ -1,0 +1,107 @@
+"""The NumPy backends: the reference impl and its blockwise (flash) sibling."""
+
+from __future__ import annotations
+
+import importlib
+from types import MappingProxyType
+
+import numpy as np
+
+from conformance.backends.base import Backend
+from conformance.vocabulary import ALL_CAPABILITIES, DTYPES, GRAD_CAPABILITIES
+
+
+class NumpyBackend(Backend):
+    name = "numpy"
+    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES
+    dtypes = DTYPES
+
+    impl_module = "conformance.impls.numpy_attention"
+    #: The hand-written backward pass, a teaching page of its own.
+    backward_module = "conformance.impls.numpy_attention_backward"
+
+    def __init__(self) -> None:
+        self.impl = importlib.import_module(self.impl_module)
+        self.backward = importlib.import_module(self.backward_module)
+
+    def _attention(self, q, k, v, *, seed=None, **options):
+        if seed is not None:
+            options["rng"] = np.random.default_rng(seed)
+        return self.impl.attention(q, k, v, **options)
+
+    def multi_head_attention(self, params, x, *, n_heads, mask=None, is_causal=False):
+        return self.impl.multi_head_attention(
+            params, x, n_heads=n_heads, mask=mask, is_causal=is_causal
+        )
+
+    def gpt_block(self, params, x, *, n_heads):
+        return self.impl.gpt_block(params, x, n_heads=n_heads)
+
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        return self.backward.attention_backward(q, k, v, d_out, **options)
+
+    def module_param_grads(self, kind, params, x, d_out, *, n_heads, is_causal=False):
+        if kind == "mha":
+            d_x, grads = self.backward.multi_head_attention_backward(
+                params, x, d_out, n_heads=n_heads, is_causal=is_causal
+            )
+        else:
+            d_x, grads = self.backward.gpt_block_backward(params, x, d_out, n_heads=n_heads)
+        return {**grads, "x": d_x}
+
+
+class Blockwise:
+    """The tiles of a blockwise impl: ``load_backend(name, block_q=..., block_k=...)``.
+
+    Left out, the impl's own defaults apply (hundreds of rows: the fast configuration).
+    The conformance run loads these backends with tiny tiles (``CONFORMANCE_OPTIONS``), so
+    that every test's odd sizes cross many tiles, partial last tiles, and tiles skipped
+    or half-masked by causality and windows; tests/test_flash.py checks the defaults on a
+    problem large enough to tile. A blockwise backend holds one (composition): it has no
+    module layers, and no parent backend's methods to run the reference impl in their
+    place.
+    """
+
+    CONFORMANCE_OPTIONS = MappingProxyType({"block_q": 4, "block_k": 8})
+
+    def __init__(self, impl, *, block_q: int | None = None, block_k: int | None = None) -> None:
+        self.impl = impl
+        self.options = {
+            n: b for n, b in (("block_q", block_q), ("block_k", block_k)) if b is not None
+        }
+
+    def attention(self, q, k, v, *, seed=None, **options):
+        # The blockwise impls have no dropout: they refuse dropout_p themselves, and the
+        # seed that comes with it has no random source to go to.
+        return self.impl.attention(q, k, v, **self.options, **options)
+
+    def attention_vjp(self, q, k, v, d_out, **options):
+        # The impl's own blockwise backward, on the same tiles as the forward.
+        return self.impl.attention_vjp(q, k, v, d_out, **self.options, **options)
+
+
+#: What a blockwise backend implements: no dropout, no module layers.
+BLOCKWISE_CAPABILITIES = (ALL_CAPABILITIES - {"dropout", "module"}) | (
+    GRAD_CAPABILITIES - {"module_grad"}
+)
+
+
+class NumpyFlashBackend(Backend):
+    """Blockwise attention with the online softmax: never builds the (T, S) matrix."""
+
+    name = "numpy-flash"
+    impl_module = "conformance.impls.numpy_flash"
+    capabilities = BLOCKWISE_CAPABILITIES
+    dtypes = DTYPES
+    conformance_options = Blockwise.CONFORMANCE_OPTIONS
+
+    def __init__(self, *, block_q: int | None = None, block_k: int | None = None) -> None:
+        self.impl = importlib.import_module(self.impl_module)
+        self.tiles = Blockwise(self.impl, block_q=block_q, block_k=block_k)
+        self.options = self.tiles.options
+
+    def _attention(self, q, k, v, **options):
+        return self.tiles.attention(q, k, v, **options)
+
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        return self.tiles.attention_vjp(q, k, v, d_out, **options)

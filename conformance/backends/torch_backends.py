@@ -1,0 +1,229 @@
+"""The PyTorch backends: the naive impl, the nn.Module, SDPA, and the context-parallel
+ring and Ulysses backends on a pool of worker processes."""
+
+from __future__ import annotations
+
+import importlib
+from types import MappingProxyType
+
+import numpy as np
+
+from conformance.backends.arrays import TorchFramework
+from conformance.backends.base import Backend
+from conformance.vocabulary import ALL_CAPABILITIES, DTYPES, GRAD_CAPABILITIES
+
+
+class _TorchBackend(Backend):
+    framework = "torch"
+    dtypes = DTYPES
+
+    def __init__(self) -> None:
+        # The one converter between NumPy and torch, shared with the profiles' calls.
+        self.arrays = TorchFramework()
+        self.torch = self.arrays.torch
+
+    def from_numpy(self, x):
+        return self.arrays.from_numpy(x)
+
+    def to_numpy(self, x):
+        return self.arrays.to_numpy(x)
+
+    def versions(self):
+        return {**super().versions(), "torch": self.torch.__version__}
+
+    def _attention_vjp(self, q, k, v, d_out, *, mask=None, **options):
+        # Autograd through the very forward the suite tests (the framework's one vjp): q,
+        # k, v (and a float mask) become leaves, and the output's vector-Jacobian product
+        # with d_out is read off them.
+        primals = [q, k, v]
+        if mask is not None and mask.dtype.is_floating_point:
+            primals.append(mask)
+
+        def call(q, k, v, *float_mask):
+            return self._attention(q, k, v, mask=float_mask[0] if float_mask else mask, **options)
+
+        return self.arrays.vjp(call, primals, d_out, check=_check_d_out)
+
+
+def _check_d_out(out, d_out) -> None:
+    """d_out must be shaped and typed like the output, said in the spec's words."""
+    if d_out.shape != out.shape:
+        letters = "(B, H, T, E)" if out.ndim == 4 else "(H, T, E)"
+        raise ValueError(
+            f"d_out shape should be the output's {letters} = {tuple(out.shape)}, "
+            f"got {tuple(d_out.shape)}"
+        )
+    if d_out.dtype != out.dtype:
+        raise TypeError(f"d_out dtype should be {out.dtype} like q, got {d_out.dtype}")
+
+
+class TorchRingBackend(_TorchBackend):
+    """Ring attention on a pool of P torch.distributed (gloo) worker processes.
+
+    ``load_backend("torch-ring", shards=P, layout=...)`` (``world_size=P`` is the same);
+    left out, P = 4 and the zigzag layout. The pool starts on first use, is reused, and
+    stops at exit; a dead worker raises ``WorkerDied`` and the next call starts a new one.
+    The backward pass is a second ring, written by hand (autograd does not differentiate
+    point-to-point communication).
+    """
+
+    name = "torch-ring"
+    capabilities = (
+        (ALL_CAPABILITIES - {"dropout", "module"})
+        | (GRAD_CAPABILITIES - {"module_grad"})
+        | {"sharded"}
+    )
+    conformance_options = MappingProxyType({"shards": 3, "layout": "zigzag"})
+    default_shards = 4
+    impl_module = "conformance.impls.torch_ring"
+
+    def __init__(
+        self, *, shards: int | None = None, world_size: int | None = None, layout: str = "zigzag"
+    ) -> None:
+        super().__init__()
+        #: The ring impl owns the worker pools (torch-ulysses runs its ranks on them too).
+        self.ring = importlib.import_module("conformance.impls.torch_ring")
+        self.impl = importlib.import_module(self.impl_module)
+        P = shards if shards is not None else world_size
+        P = self.default_shards if P is None else P
+        if isinstance(P, bool) or not isinstance(P, int) or P < 1:
+            raise ValueError(f"shards should be a positive int (P processes), got {P!r}")
+        if layout not in self.ring.LAYOUTS:
+            raise ValueError(f"layout should be one of {self.ring.LAYOUTS}, got {layout!r}")
+        self.shards, self.layout = P, layout
+        self.options = {"shards": P, "layout": layout}
+
+    def from_numpy(self, x):
+        return np.asarray(x)  # the impl lays the arrays out and hands them to its ranks
+
+    def to_numpy(self, x):
+        return np.asarray(x)
+
+    def _attention(self, q, k, v, *, seed=None, **options):
+        # No dropout: the impl refuses dropout_p > 0 by name, so the seed goes nowhere.
+        return self.impl.attention(q, k, v, world_size=self.shards, layout=self.layout, **options)
+
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        return self.impl.attention_vjp(
+            q, k, v, d_out, world_size=self.shards, layout=self.layout, **options
+        )
+
+    def release(self) -> None:
+        # The worker processes stop here, after each test module, rather than at exit:
+        # a run that loads many P would otherwise keep a pool per P (measured: 16 processes,
+        # 4.6 GiB, at P = 7 and 8). The next call starts a pool again.
+        self.ring.shutdown()
+
+
+class TorchUlyssesBackend(TorchRingBackend):
+    """DeepSpeed-Ulysses on the torch-ring worker pool: ``dist.all_to_all_single`` (gloo)
+    from sequence to head shards and back, uneven splits for any H and K.
+
+    ``load_backend("torch-ulysses", shards=P, layout=...)``, defaults as torch-ring's. The
+    impl stands alone (its ranks are run by whatever ``run`` it is given); this backend
+    gives it torch-ring's pool, so both backends share one set of P processes. The
+    backward is autograd on each rank's attention between the two hand-written reverse
+    all-to-alls.
+    """
+
+    name = "torch-ulysses"
+    impl_module = "conformance.impls.torch_ulysses"
+    capabilities = TorchRingBackend.capabilities | {"sharded_heads"}
+
+    def _run(self, fn, shards, **kwargs):
+        return self.ring.run_on_ranks(self.shards, fn, shards, **kwargs)
+
+    def _attention(self, q, k, v, *, seed=None, **options):
+        return self.impl.attention(
+            q, k, v, world_size=self.shards, layout=self.layout, run=self._run, **options
+        )
+
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        return self.impl.attention_vjp(
+            q, k, v, d_out, world_size=self.shards, layout=self.layout, run=self._run, **options
+        )
+
+
+class TorchNaiveBackend(_TorchBackend):
+    name = "torch-naive"
+    capabilities = (ALL_CAPABILITIES - {"module"}) | (GRAD_CAPABILITIES - {"module_grad"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.impl = importlib.import_module("conformance.impls.torch_naive")
+
+    def _attention(self, q, k, v, *, seed=None, **options):
+        if seed is not None:
+            options["generator"] = self.torch.Generator().manual_seed(seed)
+        return self.impl.attention(q, k, v, **options)
+
+
+class TorchModuleBackend(_TorchBackend):
+    """The nn.Module backend: the core spec runs the module's own attention function."""
+
+    name = "torch-module"
+    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.impl = importlib.import_module("conformance.impls.torch_module")
+
+    def _attention(self, q, k, v, *, seed=None, dropout_p=0.0, **options):
+        # dropout_p arrives only when it is not 0 (Backend.attention): whatever it is, it
+        # goes to the module's dropout, whose p the impl's input contract checks.
+        if dropout_p != 0.0:
+            if seed is not None:
+                self.torch.manual_seed(seed)
+            options["dropout"] = self.torch.nn.Dropout(dropout_p).train()
+        return self.impl.attention(q, k, v, **options)
+
+    def _load(self, module, params):
+        state = {n: self.from_numpy(p) for n, p in params.items()}
+        dtype = next(iter(state.values())).dtype
+        module = module.to(dtype)
+        module.load_state_dict(state)
+        return module.eval()
+
+    def multi_head_attention(self, params, x, *, n_heads, mask=None, is_causal=False):
+        C = np.asarray(x).shape[-1]
+        mha = self._load(self.impl.MultiHeadAttention(C, n_heads), params)
+        mask = None if mask is None else self.from_numpy(mask)
+        with self.torch.no_grad():
+            return self.to_numpy(mha(self.from_numpy(x), mask=mask, is_causal=is_causal))
+
+    def gpt_block(self, params, x, *, n_heads):
+        C = np.asarray(x).shape[-1]
+        F = np.asarray(params["mlp.0.weight"]).shape[0]
+        block = self._load(self.impl.SelfAttentionBlock(C, n_heads, F), params)
+        with self.torch.no_grad():
+            return self.to_numpy(block(self.from_numpy(x)))
+
+    def module_param_grads(self, kind, params, x, d_out, *, n_heads, is_causal=False):
+        C = np.asarray(x).shape[-1]
+        if kind == "mha":
+            module = self._load(self.impl.MultiHeadAttention(C, n_heads), params)
+        else:
+            F = np.asarray(params["mlp.0.weight"]).shape[0]
+            module = self._load(self.impl.SelfAttentionBlock(C, n_heads, F), params)
+        x = self.from_numpy(x).requires_grad_(True)
+        with self.torch.enable_grad():
+            out = module(x, is_causal=is_causal) if kind == "mha" else module(x)
+            out.backward(self.from_numpy(d_out))
+        grads = {n: self.to_numpy(p.grad) for n, p in module.named_parameters()}
+        return {**grads, "x": self.to_numpy(x.grad)}
+
+
+class TorchSdpaBackend(_TorchBackend):
+    """SDPA's own backward; softcap goes through flex_attention, which has no CPU backward."""
+
+    name = "torch-sdpa"
+    capabilities = (ALL_CAPABILITIES - {"module"}) | {"grad", "grad_mask"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.impl = importlib.import_module("conformance.impls.torch_sdpa")
+
+    def _attention(self, q, k, v, *, seed=None, **options):
+        if seed is not None:
+            self.torch.manual_seed(seed)
+        return self.impl.attention(q, k, v, **options)

@@ -1,0 +1,225 @@
+"""The main job: run the spec on backends and write a report.
+
+    python -m conformance report --backend all --out report/
+    python -m conformance report --impl examples.my_attention:attention \
+        --impl-capabilities value_dim,causal_bottom_right,window,gqa --out report-mine/
+
+Into ``--out`` go ``report.md`` (read this), ``report.json`` (the same, for programs),
+``junit.xml`` (for CI), PNG pictures, and ``repro/`` (the inputs of failing calls). The
+report has, in order: a verdict per backend (conforms, or the clauses it fails, and what
+it does not declare); each clause passed / failed / skipped / known to fail per backend,
+with the skips grouped by the capability the backend lacks; every failure's message with
+a snippet that replays it; per dtype, the cross-framework agreement on the outputs and
+the gradients, as the tests measured it (tables naming the worst fixture, and heatmaps on
+one scale: the fraction of the tolerance); pictures of the masks and the worked example;
+the versions, the machine and the date. With ``--impl-profile`` (``all``: every shipped
+one) the library functions the profiles describe are columns of the clause table beside
+the backends, with their libraries' versions (``python -m conformance frameworks`` is that
+run, with the README's table).
+
+The parts: ``report_collect`` (the pytest run and what it gathers), ``report_outcomes``
+(clauses, verdicts, grouped skips), ``report_agreement`` (the tests' measurements,
+summarised), ``report_pictures`` and ``report_markdown``. This module is the command.
+
+JAX's persistent compilation cache is on: ``$JAX_COMPILATION_CACHE_DIR`` if set (tox sets
+it), else ``<out>/.jax-cache``. The tests run in two pytest-xdist processes where xdist is
+installed and there are two cores (``--workers``).
+
+Any other options are passed to pytest (``-k``, ``--known-failures FILE``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from conformance.backends import CAPABILITIES, DTYPES, BackendUnavailable, load_backend
+from conformance.report.agreement import agreement, shard_counts
+from conformance.report.collect import OUTCOMES, run_tests, xdist_installed
+from conformance.report.markdown import render_markdown
+from conformance.report.outcomes import (
+    clause_table,
+    departures,
+    grouped_known_failures,
+    grouped_skips,
+    verdicts,
+)
+from conformance.report.pictures import draw_pictures
+
+
+def versions(backends: list[str]) -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": platform.python_version(), "numpy": np.__version__}
+    for package in ("pytest", "pytest-xdist", "hypothesis", "mpmath", "ml_dtypes", "matplotlib"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            pass
+    for name in backends:
+        try:
+            found.update(load_backend(name).versions())
+        except BackendUnavailable:
+            pass
+    return found
+
+
+def machine() -> str:
+    return (
+        f"{platform.machine()} {platform.system()} {platform.release()}, "
+        f"{platform.processor() or 'cpu'}, {os.cpu_count()} cores"
+    )
+
+
+def use_jax_cache(out: Path) -> None:
+    """Turn on JAX's persistent compilation cache, unless the caller chose one: in
+    ``out/.jax-cache``, for every program however quick to compile. JAX compiles a program
+    per shape and option set (hundreds in a run); a second run reads them back instead.
+    Set before JAX is imported (it reads these at import), and inherited by the workers."""
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str((out / ".jax-cache").resolve()))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m conformance report",
+        description=__doc__.splitlines()[0],
+        epilog="Any other options are passed to pytest (-k EXPR, --known-failures FILE, ...).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        help="backend(s) to run; 'all' = every installed one",
+    )
+    parser.add_argument("--impl", help="your implementation, MODULE:ATTR (see --impl in pytest)")
+    parser.add_argument("--impl-capabilities", help="capabilities of an --impl function")
+    parser.add_argument("--impl-dtypes", help="dtypes of an --impl function")
+    parser.add_argument("--impl-name", help="the --impl backend's name")
+    parser.add_argument("--out", type=Path, default=Path("report"), help="output directory")
+    parser.add_argument(
+        "--workers",
+        default="auto",
+        help="test processes (pytest-xdist); 'auto' = 2 where xdist is installed and there "
+        "are 2 cores or more, else 1 (in this process); an --impl runs in this process",
+    )
+    parser.add_argument(
+        "--impl-profile",
+        action="append",
+        default=[],
+        metavar="NAME|PATH",
+        help="a library function described by a profile (repeatable; 'all' = every shipped "
+        "one): the report then has its clauses, versions and agreement beside the backends'",
+    )
+    return parser
+
+
+def _declarations(name: str) -> dict:
+    """What backend ``name`` declares; everything, where it cannot be loaded here."""
+    try:
+        backend = load_backend(name)
+    except BackendUnavailable:
+        return {"capabilities": sorted(CAPABILITIES), "dtypes": list(DTYPES)}
+    return {"capabilities": sorted(backend.capabilities), "dtypes": list(backend.dtypes)}
+
+
+def _workers(value: str, impl: bool) -> int:
+    if impl:
+        # An --impl is registered in this process only; xdist's workers would not find it.
+        return 1
+    if value == "auto":
+        return 2 if xdist_installed() and (os.cpu_count() or 1) >= 2 else 1
+    return int(value)
+
+
+def main(argv: list[str]) -> int:
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    use_jax_cache(args.out)
+    from conformance.suite.plugin import selected_backends
+
+    class _Opts:
+        def getoption(self, _name):
+            return args.backend
+
+    backends = selected_backends(_Opts())
+    if args.impl:
+        from conformance.adapters.impl import load_impl
+
+        try:
+            impl = load_impl(
+                args.impl,
+                name=args.impl_name,
+                capabilities=args.impl_capabilities,
+                dtypes=args.impl_dtypes,
+            )
+        except (BackendUnavailable, ValueError) as err:
+            parser.error(str(err))
+        # Registered in this process, so the in-process pytest run finds it by name.
+        backends = list(dict.fromkeys([*backends, impl.name]))
+    for profile in args.impl_profile:
+        # Every test process (xdist's workers too) registers the profiles from this option.
+        extra += ["--impl-profile", profile]
+    if not backends and not args.impl_profile:
+        parser.error(
+            "choose backends with --backend NAME, --backend all, --impl MODULE:ATTR or "
+            "--impl-profile NAME"
+        )
+    declared = {}
+    for name in backends:
+        try:
+            load_backend(name)
+        except BackendUnavailable as err:
+            parser.error(str(err))
+        declared[name] = _declarations(name)
+    workers = _workers(args.workers, impl=bool(args.impl))
+    if workers > 1 and not xdist_installed():
+        parser.error("--workers above 1 needs pytest-xdist: pip install pytest-xdist")
+    args.out.mkdir(parents=True, exist_ok=True)
+    code, collected = run_tests(backends, extra, args.out, workers)
+    rows = collected.rows
+    # Backends the run added itself (e.g. from pytest options passed through) get a
+    # verdict too, with their declarations where they can be loaded here.
+    for name in dict.fromkeys(r["backend"] for r in rows):
+        if name and "~" not in name and name not in declared:
+            backends.append(name)
+            declared[name] = _declarations(name)
+    agreed = agreement(collected.measurements, backends)
+    data = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "command": "python -m conformance report " + " ".join(argv),
+        "backends": backends,
+        "versions": versions(backends),
+        "exit_code": code,
+        "summary": {o: sum(r["outcome"] == o for r in rows) for o in OUTCOMES},
+        "verdicts": verdicts(rows, declared),
+        "departures": departures(rows),
+        "clauses": clause_table(rows),
+        "skips": grouped_skips(rows, declared),
+        "known_failures": grouped_known_failures(rows),
+        "agreement": agreed,
+        "shard_counts": shard_counts(collected.measurements),
+        "measurements": collected.measurements,
+        "pictures": draw_pictures(args.out, agreed),
+        "tests": rows,
+    }
+    (args.out / "report.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+    (args.out / "report.md").write_text(render_markdown(data))
+    # pytest's last line is on stdout: flush it first, so this line stands on its own.
+    sys.stdout.flush()
+    print(f"wrote {args.out / 'report.md'}", flush=True)
+    print(
+        f"  and {args.out / 'report.json'}, {args.out / 'junit.xml'}, the pictures "
+        f"({len([p for p in data['pictures'] if p != 'error'])})",
+        flush=True,
+    )
+    return code

@@ -1,0 +1,381 @@
+"""``report.md``: the report's data (``conformance/report/command.py``) as Markdown, in reading order.
+
+Verdict per backend first; then the clause table, known failures and skips (grouped by the
+missing capability), what failed with its replay, cross-framework agreement on the
+outputs and the gradients, the pairwise tests, and the pictures.
+"""
+
+from __future__ import annotations
+
+from conformance.report.agreement import names_in
+from conformance.report.collect import OUTCOMES
+from conformance.suite.clauses import clause_key, clause_titles
+
+MAX_FAILURES_SHOWN = 40
+
+
+def _sections(clauses: list[str]) -> str:
+    return ", ".join(f"§{c}" for c in clauses)
+
+
+def render_markdown(data: dict) -> str:
+    summary = data["summary"]
+    pictures = data.get("pictures", {})
+    lines = [
+        "# Conformance report",
+        "",
+        f"Generated {data['date']} on {data['machine']} by `{data['command']}`.",
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(data["versions"].items())),
+        "",
+        f"Result: **{summary['passed']} passed, {summary['failed']} failed, "
+        f"{summary['skipped']} skipped, {summary['xfailed']} known failures** "
+        f"(pytest exit code {data['exit_code']}). Also written: `report.json`, `junit.xml`"
+        + (", and the inputs of failing calls in `repro/`." if summary["failed"] else "."),
+        "",
+        *render_verdicts(data.get("verdicts", {})),
+        *render_departures(data.get("departures", {})),
+        *render_clauses(data),
+        *render_known_failures_and_skips(data),
+        *render_failures(data["tests"]),
+    ]
+    if "error" in pictures:
+        lines += [f"*{pictures['error']}*", ""]
+    agreement = data.get("agreement", {})
+    lines += render_agreement(agreement.get("outputs", {}), pictures, "outputs")
+    lines += render_agreement(agreement.get("gradients", {}), pictures, "gradients")
+    lines += render_shard_counts(data.get("shard_counts", {}))
+    lines += render_pairs(data["clauses"], data["backends"])
+    if "masks" in pictures:
+        lines += [
+            "## Pictures",
+            "",
+            "Run it, draw the mask: each picture is the weight matrix the reference returns "
+            "with equal scores and V = identity, so a query's n visible keys each get 1/n and "
+            "a query with none returns 0 (SPEC §3.4–§3.6, §4.3).",
+            "",
+            f"![causal and windowed masks]({pictures['masks']})",
+            "",
+            "The seed notes' worked example (SPEC §11.1): the weights, and the output rows in "
+            "the titles.",
+            "",
+            f"![worked example weights]({pictures['worked_example']})",
+            "",
+        ]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def render_verdicts(verdicts: dict[str, dict]) -> list[str]:
+    """One line per backend: conforms, or the clauses it fails; and what it does not declare."""
+    if not verdicts:
+        return []
+    lines = [
+        "## Verdict",
+        "",
+        "| backend | verdict | does not declare (its tests are skipped) |",
+        "|---|---|---|",
+    ]
+    for name, v in verdicts.items():
+        parts = []
+        if v["failed_clauses"]:
+            n = v["failed_tests"]
+            parts.append(
+                f"❌ **fails {_sections(v['failed_clauses'])}** ({n} test{'s' * (n != 1)})"
+            )
+        for partner, apart in v["apart_from"].items():
+            n = apart["tests"]
+            parts.append(
+                f"❌ **disagrees with {partner}** on {_sections(apart['clauses'])} "
+                f"({n} pairwise test{'s' * (n != 1)})"
+            )
+        if v["known_failure_clauses"]:
+            parts.append(f"⚠️ known failures in {_sections(v['known_failure_clauses'])}")
+        if v["conforms"]:
+            parts.append(f"✅ conforms: {v['ran']} tests, none failed")
+        elif not parts:
+            parts.append("➖ no test ran")
+        elif not v["failed_clauses"] and not v["apart_from"]:
+            parts.append("nothing else fails")
+        lacks = [*v["lacks_capabilities"], *(f"dtype {d}" for d in v["lacks_dtypes"])]
+        verdict = "; ".join(parts).replace("; nothing else fails", ", nothing else fails")
+        lines.append(f"| {name} | {verdict} | {', '.join(lacks) or 'nothing: all declared'} |")
+    lines.append("")
+    return lines
+
+
+def departure_line(entry: dict) -> str:
+    """One behaviour: what the function does, where in the spec, how many tests."""
+    n = entry["tests"]
+    counts = f"{n} test{'s' * (n != 1)}"
+    if entry["known"]:
+        counts += ", all known failures" if entry["known"] == n else f", {entry['known']} known"
+    common = f"; {entry['common']}" if entry.get("common") else ""
+    return f"{entry['behaviour']}: {_sections(entry['clauses'])} ({counts}{common})"
+
+
+def render_departures(by_backend: dict[str, list[dict]]) -> list[str]:
+    """Per backend, its distinct departures from the spec, the commonest first, each with
+    one test that shows it and, where one was saved, its replay."""
+    if not by_backend:
+        return []
+    lines = [
+        "## What each backend does differently from the spec",
+        "",
+        "Every failing test (known failures included), grouped by the behaviour it shows: "
+        "what the function does, the clauses it breaks, how many tests it touches, and one "
+        "test to rerun. The clause table below counts the same tests per clause.",
+        "",
+    ]
+    for backend, entries in by_backend.items():
+        lines += [f"**{backend}**", ""]
+        for i, entry in enumerate(entries, start=1):
+            lines.append(f"{i}. {departure_line(entry)}; e.g. `{entry['example']}`")
+        lines.append("")
+        replays = [e for e in entries if e["reproduce"]]
+        if replays:
+            lines += ["<details><summary>replays</summary>", ""]
+            for i, entry in enumerate(entries, start=1):
+                if entry["reproduce"]:
+                    lines += [
+                        f"{i}. `{entry['example']}`",
+                        "",
+                        "```",
+                        entry["reproduce"],
+                        "```",
+                        "",
+                    ]
+            lines += ["</details>", ""]
+    return lines
+
+
+def render_clauses(data: dict) -> list[str]:
+    titles = clause_titles()
+    lines = [
+        "## Clauses per backend",
+        "",
+        "Each cell: how many of the tests that ran passed, then how many failed, were known "
+        "to fail or were skipped. ✅ all ran and passed, ❌ a failure, ⚠️ known failures "
+        "(from `--known-failures` or a profile), ➖ all skipped (the skips are listed below, "
+        "by the capability the backend lacks). A pairwise test counts in both backends' "
+        "columns.",
+        "",
+    ]
+    backends = list(data["backends"])
+    clauses = sorted({c for b in data["clauses"].values() for c in b}, key=clause_key)
+    lines.append("| clause | " + " | ".join(backends) + " |")
+    lines.append("|---|" + "---|" * len(backends))
+    for clause in clauses:
+        cells = []
+        for b in backends:
+            cell = data["clauses"].get(b, {}).get(clause)
+            if cell is None:
+                cells.append("")
+                continue
+            cells.append(clause_cell(cell))
+        lines.append(f"| §{clause} {titles.get(clause, '')} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
+
+
+def clause_cell(cell: dict) -> str:
+    """One clause for one backend: how many of the tests that ran passed, then what failed,
+    was known to fail, or was skipped ("⚠️ 20/22 passed, 2 known failures, 2 skipped")."""
+    run = cell["passed"] + cell["failed"] + cell["xfailed"]
+    mark = "❌" if cell["failed"] else "⚠️" if cell["xfailed"] else "✅" if run else "➖"
+    parts = [f"{cell['passed']}/{run} passed"] if run else []
+    if cell["failed"]:
+        parts.append(f"{cell['failed']} failed")
+    if cell["xfailed"]:
+        n = cell["xfailed"]
+        parts.append(f"{n} known failure{'s' * (n != 1)}")
+    if cell["skipped"]:
+        parts.append(f"{cell['skipped']} skipped")
+    return f"{mark} {', '.join(parts)}"
+
+
+def render_known_failures_and_skips(data: dict) -> list[str]:
+    lines = []
+    known = data.get("known_failures", [])
+    if known:
+        lines += ["Known failures (from `--known-failures`), by backend and reason:", ""]
+        for g in known:
+            lines.append(
+                f"- {g['backend']}, known failure ({_sections(g['clauses'])}, "
+                f"{g['tests']} test{'s' * (g['tests'] != 1)}): {g['reason']}"
+            )
+        lines.append("")
+    skips = data.get("skips", [])
+    if skips:
+        lines += ["Skipped, one line per backend and what it lacks:", ""]
+        for g in skips:
+            who = g["backend"] or "the run"
+            pairwise = f", {g['pairwise']} of them pairwise" if g["pairwise"] else ""
+            n = f"{g['tests']} test{'s' * (g['tests'] != 1)} skipped{pairwise}"
+            why = f"{who} lacks {g['missing']}" if g["missing"] else g["reason"].rstrip(".")
+            lines.append(f"- {why}: {n} ({_sections(g['clauses'])})")
+        lines.append("")
+    return lines
+
+
+def render_failures(rows: list[dict]) -> list[str]:
+    failed = [r for r in rows if r["outcome"] == "failed"]
+    if not failed:
+        return []
+    lines = [
+        "## What failed, and how to reproduce it",
+        "",
+        "Each failure: the test, its message (max absolute and relative error, where, the "
+        "case), and Python that replays the call on the saved inputs. Rerun one test with "
+        '`pytest conformance <options of this run> "<test id>"`.',
+        "",
+    ]
+    for row in failed[:MAX_FAILURES_SHOWN]:
+        lines += [f"### `{row['test']}`", "", "```", row["message"].strip()]
+        if row["reproduce"]:
+            lines += ["", row["reproduce"].strip()]
+        lines += ["```", ""]
+    if len(failed) > MAX_FAILURES_SHOWN:
+        lines += [
+            f"… and {len(failed) - MAX_FAILURES_SHOWN} more failures: see `report.json`.",
+            "",
+        ]
+    return lines
+
+
+_AGREEMENT_INTRO = {
+    "outputs": (
+        "## Cross-framework agreement on the fixtures",
+        "Numbers the tests measured as they asserted (SPEC §7): per dtype, each backend's "
+        "worst error against the 50-digit oracle over the attention and module fixtures it "
+        "ran, as a fraction of SPEC §7's tolerance (1 is where the test fails), with the "
+        "fixture that gave it, its absolute error and its error in units of eps scaled by "
+        "max(1, |expected|); then each pair of backends on the same random inputs (SPEC "
+        "§7.3, float64 and float32), as a fraction of that test's tolerance (twice §7's). "
+        "The heatmaps share one colour scale: white 0, dark blue 1, red beyond.",
+    ),
+    "gradients": (
+        "## Gradients: cross-framework agreement on the gradient fixtures (SPEC §12)",
+        "The same for the backward pass: the worst of dq, dk, dv and dmask against the "
+        "oracle over every `grad-*` fixture of that dtype the backend ran (SPEC §12.9's "
+        "tolerance), then each pair on the same random inputs and on the module's "
+        "parameter gradients (SPEC §12.10). Only backends declaring `grad` appear.",
+    ),
+}
+
+
+#: The dtypes the pairwise tests draw (SPEC §7.3, §12.10).
+PAIRWISE_DTYPES = ("float64", "float32")
+
+
+def no_pairs_line(dtype: str, quantity: str) -> str:
+    """Why a dtype's heatmap is one row: no two backends were compared in it."""
+    what, clause = ("", "§7.3") if quantity == "outputs" else ("' gradients", "§12.10")
+    if dtype in PAIRWISE_DTYPES:
+        why = "no pairwise test ran here (each needs two backends that declare what it uses)"
+    else:
+        why = f"the pairwise tests (SPEC {clause}) draw only float64 and float32 ones"
+    return (
+        f"No two backends{what} were compared on {dtype} inputs: {why}. The heatmap is one "
+        "row, each backend against the oracle."
+    )
+
+
+def render_shard_counts(by_backend: dict[str, dict]) -> list[str]:
+    if not by_backend:
+        return []
+    lines = [
+        "## Shard-count invariance (SPEC §14.2)",
+        "",
+        "Each sharded backend's output at P devices against its own output at P = 1, on the "
+        "same inputs: the worst over the variants and dtypes tested, as a fraction of the "
+        "test's tolerance (twice §7's, whatever P: it does not widen with P), with the "
+        "variant that gave it.",
+        "",
+        "| backend | P | worst difference from P = 1 | in eps | fraction of tolerance | comparisons |",
+        "|---|---|---|---|---|---|",
+    ]
+    for backend, by_p in by_backend.items():
+        for P, s in by_p.items():
+            lines.append(
+                f"| {backend} | {P} | {s['error']:.3g} (`{s['case']}`) | {s['error_eps']:.3g} | "
+                f"{s['fraction_of_tolerance']:.3g} | {s['comparisons']} |"
+            )
+    lines.append("")
+    return lines
+
+
+def _at(s: dict) -> str:
+    return f"`{s['case']}`" + (f" {s['quantity']}" if s["quantity"] != "out" else "")
+
+
+def render_agreement(by_dtype: dict[str, dict], pictures: dict, quantity: str) -> list[str]:
+    if not by_dtype:
+        return []
+    title, intro = _AGREEMENT_INTRO[quantity]
+    lines = [title, "", intro, ""]
+    prefix = "agreement" if quantity == "outputs" else "gradient-agreement"
+    for dtype, block in by_dtype.items():
+        heading = dtype if quantity == "outputs" else f"{dtype} gradients"
+        lines += [f"### {heading}", ""]
+        if block["vs_oracle"]:
+            lines += [
+                "| backend | compared | worst: error / tolerance | at fixture | abs error | error / eps |",
+                "|---|---|---|---|---|---|",
+            ]
+            for b, s in block["vs_oracle"].items():
+                lines.append(
+                    f"| {b} | {s['comparisons']} | {_fraction(s)} | {_at(s)} | "
+                    f"{s['error']:.3e} | {s['error_eps']:.3g} |"
+                )
+            lines.append("")
+        if block["pairs"]:
+            lines += [
+                "| pair | compared | worst: difference / tolerance | setup | abs difference |",
+                "|---|---|---|---|---|",
+            ]
+            for pair, s in block["pairs"].items():
+                lines.append(
+                    f"| {pair} | {s['comparisons']} | {_fraction(s)} | {_at(s)} | {s['error']:.3e} |"
+                )
+            lines.append("")
+        if block["vs_oracle"] and not block["pairs"]:
+            lines += [no_pairs_line(dtype, quantity), ""]
+        picture = pictures.get(f"{prefix}-{dtype}")
+        if picture and len(names_in(block)) >= 1:
+            lines += [f"![{heading} agreement heatmap]({picture})", ""]
+    return lines
+
+
+def _fraction(s: dict) -> str:
+    x = s["fraction_of_tolerance"]
+    text = f"{x:.3g}"
+    if x > 1:
+        text = f"❌ **{text}** ({s['failed']} of {s['comparisons']} beyond 1)"
+    return text
+
+
+def render_pairs(clauses: dict, backends: list[str]) -> list[str]:
+    """The pairwise tests per pair, in the order of the run's backends (first by the pair's
+    first backend, then by its second)."""
+    order = {name: i for i, name in enumerate(backends)}
+
+    def rank(pair: str) -> tuple:
+        return tuple((order.get(name, len(order)), name) for name in pair.split("~"))
+
+    pairs = {b: clauses[b] for b in sorted((b for b in clauses if b and "~" in b), key=rank)}
+    if not pairs:
+        return []
+    lines = [
+        "## Every pair on random inputs (SPEC §7.3, §12.10)",
+        "",
+        "Each pairwise test also counts in both backends' columns of the clause table; "
+        "the totals above count it once.",
+        "",
+        "| pair | passed | failed | skipped |",
+        "|---|---|---|---|",
+    ]
+    for pair, by_clause in pairs.items():
+        cell = {o: sum(c[o] for c in by_clause.values()) for o in OUTCOMES}
+        lines.append(f"| {pair} | {cell['passed']} | {cell['failed']} | {cell['skipped']} |")
+    lines.append("")
+    return lines

@@ -1,0 +1,197 @@
+"""What the test run says per backend: clauses passed and failed, a verdict, and the skips
+grouped by the capability that caused them.
+
+Every function here reads the rows ``conformance.report.collect.Collector`` gathered:
+{"test", "backend", "clause", "outcome", "reason", ...}. A pairwise test (backend "a~b",
+SPEC §7.3, §12.10) tests both backends: it counts under "a~b" and for a and for b.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+from conformance.backends import CAPABILITIES, DTYPES
+from conformance.report.collect import OUTCOMES
+from conformance.suite.behaviours import describe_common, family
+from conformance.suite.clauses import clause_key
+
+_LACKS = re.compile(r"^(?P<who>.+?) lacks (?P<kind>capability|dtype) '(?P<what>[^']+)'")
+
+
+def columns(backend: str | None) -> list[str | None]:
+    """The clause-table columns a row counts in: its backend, and both of a pair."""
+    if backend and "~" in backend:
+        return [backend, *backend.split("~")]
+    return [backend]
+
+
+def clause_table(rows: list[dict]) -> dict[str, dict[str, dict]]:
+    """{backend: {clause: {"passed": n, "failed": n, "skipped": n, "xfailed": n}}}
+
+    The cells are views of the tests, so their sum over columns is not the number of
+    tests: the summary counts the rows.
+    """
+    table: dict = defaultdict(lambda: defaultdict(lambda: dict.fromkeys(OUTCOMES, 0)))
+    for row in rows:
+        for column in columns(row["backend"]):
+            table[column][row["clause"]][row["outcome"]] += 1
+    return {b: dict(c) for b, c in table.items()}
+
+
+def _clauses(rows: list[dict]) -> list[str]:
+    found = {r["clause"] or "(no clause)" for r in rows}
+    return sorted(found, key=lambda c: clause_key(None if c == "(no clause)" else c))
+
+
+def verdicts(rows: list[dict], declared: dict[str, dict]) -> dict[str, dict]:
+    """Per backend: whether it conforms; the clauses its own tests fail; per partner, the
+    clauses where a pairwise test found the two apart (which of them is wrong, the pair
+    cannot say); the clauses with known failures; how many tests ran; and the capabilities
+    and dtypes it does not declare.
+
+    ``declared``: {backend: {"capabilities": [...], "dtypes": [...]}}.
+    """
+    result = {}
+    for name, decl in declared.items():
+        own = [r for r in rows if r["backend"] == name]
+        paired = [r for r in rows if r["backend"] and name in r["backend"].split("~")[:2]]
+        paired = [r for r in paired if "~" in r["backend"]]
+        failed = [r for r in own if r["outcome"] == "failed"]
+        apart: dict[str, list[dict]] = defaultdict(list)
+        for r in paired:
+            if r["outcome"] == "failed":
+                a, b = r["backend"].split("~")
+                apart[b if a == name else a].append(r)
+        known = [r for r in own + paired if r["outcome"] == "xfailed"]
+        ran = sum(r["outcome"] in ("passed", "failed", "xfailed") for r in own + paired)
+        result[name] = {
+            "conforms": ran > 0 and not failed and not apart and not known,
+            "ran": ran,
+            "failed_tests": len(failed),
+            "failed_clauses": _clauses(failed),
+            "apart_from": {
+                partner: {"tests": len(rs), "clauses": _clauses(rs)}
+                for partner, rs in apart.items()
+            },
+            "known_failure_clauses": _clauses(known),
+            "lacks_capabilities": sorted(set(CAPABILITIES) - set(decl["capabilities"])),
+            "lacks_dtypes": [d for d in DTYPES if d not in decl["dtypes"]],
+        }
+    return result
+
+
+def grouped_skips(rows: list[dict], declared: dict[str, dict]) -> list[dict]:
+    """The skipped tests, one entry per backend and missing capability (or dtype, or other
+    reason): {"backend", "missing", "reason", "tests", "pairwise", "clauses"}; "missing"
+    ("capability window", "dtype float16") is None for a skip of another reason.
+
+    A pairwise test skipped because "a or b lacks capability 'c'" counts for whichever of
+    a and b does not declare c.
+    """
+    groups: dict[tuple[str | None, str], dict] = {}
+    for row in rows:
+        if row["outcome"] != "skipped":
+            continue
+        reason, backend = row["reason"], row["backend"]
+        owners: list[str | None] = [backend]
+        match = _LACKS.match(reason)
+        if match:
+            missing = f"{match['kind']} {match['what']}"
+            if backend and "~" in backend:
+                key = "capabilities" if match["kind"] == "capability" else "dtypes"
+                owners = [
+                    b
+                    for b in backend.split("~")
+                    if match["what"] not in declared.get(b, {}).get(key, [match["what"]])
+                ] or [backend]
+        elif reason.startswith("got empty parameter set"):
+            owners, missing = [None], "a second backend (pairwise tests need two)"
+        else:
+            missing = None
+        for owner in owners:
+            group = groups.setdefault(
+                (owner, missing or reason),
+                {
+                    "backend": owner,
+                    "missing": missing,
+                    "reason": reason,
+                    "tests": 0,
+                    "pairwise": 0,
+                    "clauses": set(),
+                },
+            )
+            group["tests"] += 1
+            group["pairwise"] += bool(backend and "~" in backend)
+            if row["clause"]:
+                group["clauses"].add(row["clause"])
+    order = list(declared)
+    result = sorted(
+        groups.values(),
+        key=lambda g: (
+            order.index(g["backend"]) if g["backend"] in order else len(order),
+            g["missing"] or g["reason"],
+        ),
+    )
+    for group in result:
+        group["clauses"] = sorted(group["clauses"], key=clause_key)
+    return result
+
+
+def grouped_known_failures(rows: list[dict]) -> list[dict]:
+    """Known failures, one entry per backend and reason: {"backend", "reason", "tests", "clauses"}."""
+    groups: dict[tuple, dict] = {}
+    for row in rows:
+        if row["outcome"] != "xfailed":
+            continue
+        reason = row["reason"].removeprefix("known failure: ")
+        group = groups.setdefault(
+            (row["backend"], reason),
+            {"backend": row["backend"], "reason": reason, "tests": 0, "clauses": set()},
+        )
+        group["tests"] += 1
+        if row["clause"]:
+            group["clauses"].add(row["clause"])
+    for group in groups.values():
+        group["clauses"] = sorted(group["clauses"], key=clause_key)
+    return list(groups.values())
+
+
+def departures(rows: list[dict]) -> dict[str, list[dict]]:
+    """What each backend does differently from the spec, one entry per distinct behaviour:
+    {backend: [{"behaviour", "covers", "clauses", "tests", "known", "example",
+    "reproduce", "common"}]}, the behaviour touching most tests first.
+
+    Failed tests and known failures both count ("known": how many of them were listed as
+    known failures). Behaviours of one family (``behaviours.FAMILIES``: inputs accepted
+    that the spec refuses, say) share one entry whose text lists their details; "covers"
+    holds the behaviours an entry stands for. "example" is one test that shows it,
+    "reproduce" its replay where one was saved, and "common" what every call of it had in
+    common (its dtype, say), in words. A pairwise test counts under its pair, "a~b".
+    """
+    groups: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        if row["outcome"] in ("failed", "xfailed") and row["backend"]:
+            text = row.get("behaviour") or row["reason"] or row["message"]
+            groups[row["backend"]][family(text)[0]].append({**row, "behaviour": text})
+    result: dict[str, list[dict]] = {}
+    for backend, by_line in groups.items():
+        entries = []
+        for line, members in by_line.items():
+            members = sorted(members, key=lambda r: r["test"])
+            covers = sorted({r["behaviour"] for r in members})
+            details = sorted({family(text)[1] for text in covers} - {""})
+            entries.append(
+                {
+                    "behaviour": f"{line} {'; '.join(details)}" if details else line,
+                    "covers": covers,
+                    "clauses": _clauses(members),
+                    "tests": len(members),
+                    "known": sum(r["outcome"] == "xfailed" for r in members),
+                    "example": members[0]["test"],
+                    "reproduce": next((r["reproduce"] for r in members if r["reproduce"]), ""),
+                    "common": describe_common([r.get("call", []) for r in members]),
+                }
+            )
+        result[backend] = sorted(entries, key=lambda e: (-e["tests"], e["behaviour"]))
+    return result

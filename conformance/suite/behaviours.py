@@ -1,0 +1,219 @@
+"""What a failing test says the function does: one short sentence per distinct behaviour.
+
+A conformance run on someone else's function should read like a bug tracker, not like a
+pytest log: "a query with no key to attend returns the mean of V, not 0", "computes
+float64 at float32 precision", "raises ValueError: ...". Each failure is reduced to one
+such sentence, its *behaviour*; the report and the frameworks table list the distinct
+behaviours with the clauses and the number of tests they touch, and a profile's known
+failures give them as their reasons. A behaviour names no number that changes between
+machines (no error size, no address), so measuring again on another CPU changes no line.
+
+Where the sentence comes from, first match wins:
+
+1. ``SuiteError``: the suite's own bug, said so.
+2. An exception the function raised where the spec wants an output: its type and the
+   first line of its message, numbers in it replaced by "N".
+3. A ``Departure`` raised by the suite's assertions (``conformance/suite/tolerance.py``), which
+   carries what it saw: rows that should be 0 because they attend nothing, NaN that
+   appeared or vanished, an error that is exactly what a lower precision makes. These
+   causes cut across clauses, so they are named before the test's own words.
+4. The test's own sentence for what it checks (``behaviour=`` of the assertion).
+5. Else: the clause the test checks, by its title.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from conformance.suite.requirements import SuiteError
+from conformance.suite.tolerance import EPS, Departure, Seen
+
+#: The user properties a failing test's report carries: its behaviour, and a few words on
+#: its last call (``call_features``, as JSON).
+PROPERTY = "conformance-behaviour"
+FEATURES = "conformance-call"
+#: Precisions a float64 result can show instead of its own, most precise first: an error
+#: within ``PRECISION_SLACK`` eps of one (scaled by max(1, |expected|)) is that precision.
+LOWER_PRECISIONS = {"float64": ("float32",)}
+PRECISION_SLACK = 64.0
+#: How close to the mean of V a row with no key must be to be called that.
+MEAN_OF_V_RTOL = 1e-2
+
+
+def mark_raised(err: BaseException, backend: str, method: str) -> None:
+    """Note on ``err`` that the function under test raised it (not the test's own code)."""
+    try:
+        err._conformance_raised_by = (backend, method)
+    except AttributeError:  # an exception type without instance attributes
+        pass
+
+
+def _first_line(message: str) -> str:
+    line = next((part for part in message.strip().splitlines() if part.strip()), "")
+    line = re.sub(r"0x[0-9a-fA-F]+", "0x…", line)
+    line = re.sub(r"\bnp\.\w+\(([^()]*)\)", r"\1", line)  # np.float64(0.5) reads as 0.5
+    line = re.sub(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?(?![\w.])", "N", line)
+    return line if len(line) <= 120 else line[:119].rstrip() + "…"
+
+
+def raised(err: BaseException) -> str:
+    """The behaviour of a function that raised ``err`` on an input the spec accepts."""
+    text = _first_line(str(err))
+    return f"raises {type(err).__name__}" + (f": {text}" if text else "")
+
+
+def _mean_of_v(rows, calls) -> bool:
+    """Whether each of ``rows`` ((b, h, t), values) equals the mean of v over every key of
+    its batch element and key/value head, in the last call's inputs."""
+    if not calls or not rows:
+        return False
+    _, _, method, args, _ = calls[-1]
+    if method not in ("attention", "attention_vjp") or len(args) < 3:
+        return False
+    q, v = (np.asarray(args[i], dtype=np.float64) for i in (0, 2))
+    if q.ndim == 3:
+        q, v = q[None], v[None]
+    if q.ndim != 4 or v.ndim != 4 or v.shape[2] == 0:
+        return False
+    H, K = q.shape[1], v.shape[1]
+    if K == 0 or H % K:
+        return False
+    for index, values in rows:
+        if len(index) != 3:
+            return False
+        b, h, _ = index
+        mean = v[b, h // (H // K)].mean(axis=0)
+        if values.shape != mean.shape or not np.allclose(
+            values, mean, rtol=MEAN_OF_V_RTOL, atol=MEAN_OF_V_RTOL
+        ):
+            return False
+    return True
+
+
+def _precision(seen: Seen, calls) -> str | None:
+    """ "computes float64 at float32 precision", when the error fits that exactly."""
+    if not calls or seen.nan_where_number or seen.number_where_nan:
+        return None
+    q = calls[-1][3][0] if calls[-1][3] else None
+    dtype = getattr(q, "dtype", None)
+    name = None if dtype is None else np.dtype(dtype).name
+    for lower in LOWER_PRECISIONS.get(name, ()):
+        bound = PRECISION_SLACK * EPS[lower] * max(1.0, seen.scale)
+        if seen.tolerance < seen.error <= bound:
+            return f"computes {name} at {lower} precision"
+    return None
+
+
+def of_seen(seen: Seen, calls) -> str | None:
+    """The cross-cutting cause a comparison shows, if any."""
+    if seen.empty_rows_wrong:
+        if calls and calls[-1][2] == "attention_vjp":
+            what = "NaN" if seen.nan_in_empty_rows else "not 0"
+            return f"a gradient that nothing attended must make exactly 0 is {what}"
+        if seen.nan_in_empty_rows:
+            return "a query with no key to attend returns NaN, not 0"
+        if _mean_of_v(seen.empty_rows, calls):
+            return "a query with no key to attend returns the mean of V, not 0"
+        return "a query with no key to attend returns a row that is not 0"
+    if seen.number_where_nan:
+        return "a NaN in the inputs becomes a number in the output"
+    return _precision(seen, calls)
+
+
+def behaviour(err: BaseException | None, calls: list, clause: str | None, title: str) -> str:
+    """One sentence for what a failing test found (see the module's docstring).
+
+    ``calls`` are the test's last calls to the backend (``conformance.suite.replay``), oldest
+    first; ``clause`` and ``title`` name what the test checks.
+    """
+    fallback = f"departs from §{clause} ({title})" if clause else "fails"
+    if err is None:
+        return fallback
+    inner = _innermost(err)
+    if isinstance(inner, SuiteError):
+        return "the suite made a call the function does not declare (a bug in the suite)"
+    if getattr(inner, "_conformance_raised_by", None):
+        return raised(inner)
+    if isinstance(inner, Departure):
+        cause = of_seen(inner.seen, calls) if inner.seen is not None else None
+        return cause or inner.behaviour or fallback
+    if type(inner).__name__ == "Failed" and str(inner).startswith("Timeout"):
+        return "hangs: no answer within the time limit"
+    return fallback
+
+
+def _innermost(err: BaseException) -> BaseException:
+    """The failure itself, out of an exception group's wrapping (Hypothesis reports several
+    distinct failures of one test as a group): its first member."""
+    while getattr(err, "exceptions", None):
+        err = err.exceptions[0]
+    return err
+
+
+#: Behaviours of one family, listed on one line with their details: refusals of bad input
+#: (SPEC §8.1) are one finding each, but a reader wants them side by side.
+FAMILIES = (
+    (re.compile(r"^accepts (?P<what>.+) \(no error\)$"), "accepts, with no error,"),
+    (
+        re.compile(r"^raises (?P<got>\w+), not (?P<want>\w+), for (?P<what>.+)$"),
+        "raises {got}, not {want}, for",
+    ),
+)
+
+
+def family(text: str) -> tuple[str, str]:
+    """(the line a behaviour is listed under, its detail): "accepts scale = 0 (no error)"
+    is listed as "accepts, with no error," with the detail "scale = 0"; a behaviour of no
+    family is its own line, with no detail."""
+    for pattern, line in FAMILIES:
+        found = pattern.match(text)
+        if found:
+            return line.format(**found.groupdict()), found["what"]
+    return text, ""
+
+
+def call_features(calls: list) -> list[str]:
+    """A few words on the last call a test made (its dtype, empty sequences, the mask and
+    options), for the report to say what every call of a behaviour had in common."""
+    if not calls:
+        return []
+    _, _, method, args, kwargs = calls[-1]
+    found: list[str] = []
+    if method == "attention_vjp":
+        found.append("backward")
+    arrays = [a for a in args[:3] if isinstance(a, np.ndarray)]
+    if len(arrays) == 3:
+        q, k, v = arrays
+        found.append(q.dtype.name)
+        if q.ndim >= 2 and q.shape[-2] == 0:
+            found.append("T = 0")
+        if k.ndim >= 2 and k.shape[-2] == 0:
+            found.append("S = 0")
+        if q.ndim == 3:
+            found.append("unbatched")
+    mask = kwargs.get("mask")
+    if isinstance(mask, np.ndarray):
+        kind = {"b": "bool", "f": "float", "V": "float"}.get(mask.dtype.kind, mask.dtype.name)
+        found.append(f"{kind} mask")  # ml_dtypes' bfloat16 is of kind "V"
+    for name, value in kwargs.items():
+        if name in ("mask", "scale", "seed"):
+            continue
+        if value not in (None, False, 0.0, "top_left"):
+            found.append(name if name != "causal_alignment" else str(value))
+    return found
+
+
+def describe_common(features: list[list[str]]) -> str:
+    """ "every call: float16, S = 0" for what all of ``features`` share, or ""."""
+    if not features:
+        return ""
+    common = [f for f in features[0] if all(f in other for other in features[1:])]
+    return f"every call: {', '.join(common)}" if common else ""
+
+
+def as_text(value: Any) -> str:
+    """A behaviour as the one line it is stored as (a known-failure reason)."""
+    return " ".join(str(value).split())

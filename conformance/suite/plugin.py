@@ -1,0 +1,424 @@
+"""The pytest plugin (entry point ``pytest11``): choose backends explicitly, name them in
+every test id.
+
+    pytest --pyargs conformance --backend numpy --backend jax     # from any directory
+    pytest --pyargs conformance --backend all                     # every installed backend
+    pytest --pyargs conformance --impl mypkg.attn:attention --impl-capabilities window,gqa
+    pytest conformance --impl mypkg.attn:MyBackend --known-failures mine.txt   # in a checkout
+    pytest conformance --impl mylib:attend --impl-framework torch --impl-layout BTHD
+    pytest conformance --impl-profile torch.sdpa --impl-profile mine.toml      # profiles
+
+Installing the distribution registers this module with pytest, so the options exist in
+every pytest run; in another project's run the plugin does nothing unless asked
+(``--backend``/``--impl``, or collecting the ``conformance`` tests). Running the
+conformance tests with no ``--backend`` (and no ``--impl``) is a usage error, and so is a
+backend that cannot be loaded: a conformance run that tested nothing must never look green.
+
+``--impl`` plugs in your own implementation (``conformance/adapters/impl.py``): a function with
+the spec's signature, NumPy in and out, declaring the capabilities and dtypes you list,
+or a ``conformance.Backend``; ``--impl-framework``/``--impl-layout`` call a function on
+its framework's arrays in its layout (``conformance/adapters/native.py``), and ``--impl-profile``
+runs a library function a profile describes (``conformance/profiles``), with the known
+failures the profile lists. ``--known-failures FILE`` marks the tests it lists as
+expected failures (strict: a fixed one fails until its line is removed), with a warning
+for ids that match no test.
+
+Every failing test carries a snippet that replays its last calls to ``attention``, with
+the inputs saved to ``--repro-dir`` (default: a temporary directory).
+
+Property-based tests (``test_properties.py``) use the Hypothesis profile "quick" (the
+default: 25 examples per test, derandomized, so a run is repeatable) or "deep" (500 random
+examples): ``--hypothesis-profile deep``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+
+from conformance.adapters import impl
+from conformance.backends import (
+    BackendUnavailable,
+    available_backends,
+    load_backend,
+    registered_backends,
+)
+from conformance.suite import behaviours, known_failures, replay, rootdir
+from conformance.suite.clauses import clause_titles
+
+#: What the plugin keeps for a run, in pytest's stash: the backends under test, the
+#: known failures listed by ``--known-failures``, the profiles (loaded, unavailable), and
+#: the directory of the saved failing calls.
+BACKENDS = pytest.StashKey[list]()
+KNOWN_FAILURES = pytest.StashKey[dict]()
+PROFILES = pytest.StashKey[tuple]()
+REPRO_DIR = pytest.StashKey[Path]()
+
+
+def conformance_backends(config: pytest.Config) -> list[str]:
+    """The names of the backends this run tests (none when it chose none)."""
+    return config.stash.get(BACKENDS, [])
+
+
+def _register_hypothesis_profiles() -> None:
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile(
+        "quick",
+        max_examples=25,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+    settings.register_profile(
+        "deep",
+        max_examples=500,
+        deadline=None,
+        # Explicit: under CI=true Hypothesis' own defaults derandomize, and a deep run should
+        # draw new examples each time.
+        derandomize=False,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("conformance")
+    group.addoption(
+        "--backend",
+        action="append",
+        default=[],
+        help="backend to test (repeatable or comma-separated); 'all' = every installed "
+        "single-device one (the sharded backends run when named)",
+    )
+    group.addoption(
+        "--impl",
+        default=None,
+        metavar="MODULE:ATTR",
+        help="your implementation: a function with the spec's signature (NumPy in and out) "
+        "or a conformance.Backend subclass or instance, e.g. examples.my_attention:attention",
+    )
+    group.addoption(
+        "--impl-capabilities",
+        default=None,
+        metavar="CAP,...",
+        help="the optional capabilities an --impl function implements (default: none, the "
+        "core only; 'all' = every one a function can have): "
+        + ", ".join(sorted(impl.FUNCTION_CAPABILITIES)),
+    )
+    group.addoption(
+        "--impl-dtypes",
+        default=None,
+        metavar="DTYPE,...",
+        help="the dtypes an --impl function accepts (default: float64,float32; 'all')",
+    )
+    group.addoption(
+        "--impl-framework",
+        default=None,
+        choices=["numpy", "torch", "jax", "auto"],
+        help="the arrays an --impl function takes and returns (default: numpy; auto: from "
+        "the function's module); the suite converts, keeping float16 and bfloat16",
+    )
+    group.addoption(
+        "--impl-layout",
+        default=None,
+        choices=["BHTD", "BTHD"],
+        help="the axis order of an --impl function's q, k, v and output (default: BHTD, the "
+        "spec's; BTHD: (B, T, H, D)); the mask keeps the spec's (B, H, T, S)",
+    )
+    group.addoption(
+        "--impl-profile",
+        action="append",
+        default=[],
+        metavar="NAME|PATH",
+        help="a library function described by a profile (SPEC §13.10): a shipped one "
+        "(conformance/adapters/profiles/NAME.toml), 'all' of them, or a TOML file (repeatable)",
+    )
+    group.addoption(
+        "--impl-name",
+        default=None,
+        help="the --impl backend's name in test ids (default: module.function)",
+    )
+    group.addoption(
+        "--known-failures",
+        default=None,
+        metavar="FILE",
+        help="tests expected to fail: one 'test_id  # reason' per line (strict xfail)",
+    )
+    group.addoption(
+        "--ignore-known-failures",
+        action="store_true",
+        help="run as if no known failures were listed (--known-failures, the profiles'), "
+        "so each fails with today's message: how they are measured afresh",
+    )
+    group.addoption(
+        "--repro-dir",
+        default=None,
+        metavar="DIR",
+        help="where a failing test saves the inputs of its last calls (default: a temp dir)",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    """Keep the rootdir where it would be without this plugin's options.
+
+    pytest picks its rootdir (and its ini file) before it loads this plugin, so the value
+    of ``--impl-profile PATH`` (or ``--known-failures``, ``--repro-dir``), written with a
+    space, is taken for a test path then, and the rootdir moves to that file's folder.
+    Now that the options are known, the choice is made again without their values: the
+    rootdir is set back where ``--impl-profile=PATH`` would have left it. Had the stray
+    path also chosen another ini file, that cannot be undone here, and the run stops
+    saying so.
+    """
+    settled = rootdir.setup_without_option_values(early_config)
+    rootdir.initial_conftests_of_the_installed_suite(early_config)
+    if settled is None:
+        return
+    rootpath, inipath = settled
+    if inipath != early_config.inipath:
+        raise pytest.UsageError(
+            f"pytest read its configuration from {early_config.inipath} because an option's "
+            f"value was taken for a test path; write the plugin's options with '=' "
+            f"(--impl-profile=PATH, --known-failures=FILE, --repro-dir=DIR)"
+        )
+    if rootpath != early_config.rootpath:
+        namespace = early_config.known_args_namespace
+        if namespace.confcutdir == str(early_config.rootpath):
+            namespace.confcutdir = str(rootpath)
+        early_config._rootpath = rootpath
+        early_config._parser.extra_info["rootdir"] = str(rootpath)
+
+
+def selected_backends(config: pytest.Config) -> list[str]:
+    names: list[str] = []
+    for value in config.getoption("--backend"):
+        for name in value.split(","):
+            name = name.strip()
+            if name == "all":
+                names += available_backends(sharded=False)
+            elif name:
+                names.append(name)
+    return list(dict.fromkeys(names))
+
+
+def _load_impl(config: pytest.Config) -> str | None:
+    spec = config.getoption("--impl")
+    if spec is None:
+        for flag in (
+            "--impl-capabilities",
+            "--impl-dtypes",
+            "--impl-name",
+            "--impl-framework",
+            "--impl-layout",
+        ):
+            if config.getoption(flag) is not None:
+                raise pytest.UsageError(f"{flag} describes an --impl; give --impl MODULE:ATTR")
+        return None
+    try:
+        backend = impl.load_impl(
+            spec,
+            name=config.getoption("--impl-name"),
+            capabilities=config.getoption("--impl-capabilities"),
+            dtypes=config.getoption("--impl-dtypes"),
+            framework=config.getoption("--impl-framework") or "numpy",
+            layout=config.getoption("--impl-layout") or "BHTD",
+        )
+    except (BackendUnavailable, ValueError) as err:
+        raise pytest.UsageError(str(err)) from err
+    return backend.name
+
+
+def _load_profiles(config: pytest.Config) -> list[str]:
+    """Register the ``--impl-profile`` backends; return their names (those skipped for a
+    missing library included: their tests are marked skipped, by name)."""
+    from conformance.adapters import profiles
+
+    try:
+        loaded, unavailable = profiles.load_profiles(config.getoption("--impl-profile"))
+    except (profiles.ProfileError, BackendUnavailable, ValueError) as err:
+        raise pytest.UsageError(str(err)) from err
+    config.stash[PROFILES] = (loaded, unavailable)
+    return [p.name for p in [*loaded, *unavailable]]
+
+
+def conformance_requested(config: pytest.Config) -> bool:
+    """Whether this pytest run asked for the conformance suite (--backend or --impl)."""
+    return (
+        bool(config.getoption("--backend"))
+        or config.getoption("--impl") is not None
+        or bool(config.getoption("--impl-profile"))
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Load the chosen backends; in a run that chose none, change nothing.
+
+    Runs before Hypothesis' own plugin reads ``--hypothesis-profile``, so the suite's
+    profiles "quick" (the default) and "deep" exist by then.
+    """
+    config.addinivalue_line("markers", "clause(number): the SPEC.md clause a test checks")
+    config.addinivalue_line("markers", "pairwise: compares every pair of selected backends")
+    config.addinivalue_line(
+        "markers", "requires(*capabilities): what the test's calls use (skipped where undeclared)"
+    )
+    config.addinivalue_line("markers", "dtypes(*names): the dtypes of a parameter set's arrays")
+    config.addinivalue_line(
+        "markers", "refusal: the test passes what a backend may not declare, to see it refused"
+    )
+    config.addinivalue_line(
+        "markers", "refuses(capability): runs where the backend does not declare it (SPEC §8.5)"
+    )
+    config.stash[BACKENDS] = []
+    config.stash[KNOWN_FAILURES] = {}
+    if not conformance_requested(config):
+        _load_impl(config)  # only to refuse --impl-* flags without an --impl
+        if config.getoption("--known-failures") is not None:
+            raise pytest.UsageError(
+                "--known-failures describes a conformance run; give --backend NAME or --impl "
+                "MODULE:ATTR"
+            )
+        return
+    _register_hypothesis_profiles()
+    if config.getoption("hypothesis_profile", None) is None:
+        from hypothesis import settings
+
+        settings.load_profile("quick")
+    impl_name = _load_impl(config)
+    names = selected_backends(config)
+    if impl_name is not None:
+        names = list(dict.fromkeys([*names, impl_name]))
+    names = list(dict.fromkeys([*names, *_load_profiles(config)]))
+    for name in names:
+        try:
+            conformance_backend(name)
+        except BackendUnavailable as err:
+            raise pytest.UsageError(str(err)) from err
+    config.stash[BACKENDS] = names
+    path = config.getoption("--known-failures")
+    try:
+        config.stash[KNOWN_FAILURES] = known_failures.read_known_failures(path) if path else {}
+    except (OSError, ValueError) as err:
+        raise pytest.UsageError(f"--known-failures: {err}") from err
+
+
+def conformance_backend(name: str):
+    """The backend as the conformance run tests it: loaded with its ``conformance_options``
+    (SPEC §10.4); ``load_backend(name)`` alone gives the users' default configuration."""
+    backend = load_backend(name)
+    if backend.conformance_options:
+        backend = load_backend(name, **backend.conformance_options)
+    return backend
+
+
+def _usage_error_without_backends(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The conformance tests were collected, but no backend was chosen: stop with pytest's
+    usage-error exit code, before anything runs."""
+    ours = any(
+        getattr(getattr(item, "module", None), "__name__", "").startswith("conformance.tests.")
+        for item in items
+    )
+    if ours and not conformance_backends(config):
+        pytest.exit(
+            "usage error: choose the backends to test with --backend NAME (repeatable), --backend all, "
+            "or your own with --impl MODULE:FUNCTION; "
+            f"registered: {registered_backends()}, installed here: {available_backends()}",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the known failures as strict xfails; warn about entries that match no test.
+
+    Runs before -k and -m deselect anything, so an entry is stale only if no test of the
+    suite has that id.
+    """
+    _usage_error_without_backends(config, items)
+    if config.getoption("--ignore-known-failures"):
+        _mark_profile_items(config, items, known=False)
+        return
+    _mark_profile_items(config, items)
+    known = config.stash.get(KNOWN_FAILURES, {})
+    if not known:
+        return
+    stale = known_failures.mark_listed(items, known)
+    if stale:
+        warnings.warn(
+            known_failures.StaleKnownFailure(
+                f"{len(stale)} known-failures entr{'y' if len(stale) == 1 else 'ies'} in "
+                f"{config.getoption('--known-failures')} match{'es' if len(stale) == 1 else ''} no test: {stale}"
+            ),
+            stacklevel=1,
+        )
+
+
+def _mark_profile_items(config: pytest.Config, items: list[pytest.Item], known=True) -> None:
+    """Profiles' known failures become strict xfails (unless ``known`` is False); an
+    unavailable profile's tests are skipped by name; a known failure that matches no test
+    is a ``StaleKnownFailure``."""
+    loaded, unavailable = config.stash.get(PROFILES, ([], []))
+    if not loaded and not unavailable:
+        return
+    stale = known_failures.mark_profiles(items, loaded, unavailable, known=known)
+    if stale:
+        warnings.warn(
+            known_failures.StaleKnownFailure(
+                f"{len(stale)} profile known-failure entr{'y' if len(stale) == 1 else 'ies'} "
+                f"match{'es' if len(stale) == 1 else ''} no test: {stale}"
+            ),
+            stacklevel=1,
+        )
+
+
+def _repro_dir(config: pytest.Config) -> Path:
+    if REPRO_DIR not in config.stash:
+        given = config.getoption("--repro-dir")
+        if given:
+            path = Path(given)
+            path.mkdir(parents=True, exist_ok=True)
+        else:
+            path = Path(tempfile.mkdtemp(prefix="attention-conformance-repro-"))
+        config.stash[REPRO_DIR] = path
+    return config.stash[REPRO_DIR]
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failing test (a known failure too) gets its behaviour, the one sentence that says
+    what the function did (``conformance.suite.behaviours``), and, unless it was expected, a
+    section that replays its last calls. The outermost wrapper, so it sees the report after
+    a known failure became an xfail: an expected failure writes no replay."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.when != "call" or not (rep.failed or hasattr(rep, "wasxfail")):
+        return
+    calls = replay.logged_calls(item)
+    marker = item.get_closest_marker("clause")
+    clause = marker.args[0] if marker else None
+    err = call.excinfo.value if call.excinfo is not None else None
+    found = behaviours.behaviour(err, calls, clause, clause_titles().get(clause or "", ""))
+    rep.user_properties.append((behaviours.PROPERTY, found))
+    rep.user_properties.append((behaviours.FEATURES, json.dumps(behaviours.call_features(calls))))
+    if not rep.failed or not calls:
+        return
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", item.name)[:150]
+    path = _repro_dir(item.config) / f"{name}.npz"
+    try:
+        lines = replay.save_calls(path, calls)
+    except Exception as err:  # the test's own failure matters more than the replay
+        text = f"could not save the inputs for a replay: {err!r}"
+    else:
+        text = replay.replay_snippet(path, lines)
+    rep.user_properties.append(("reproduce", text))
+    if hasattr(rep.longrepr, "addsection"):
+        rep.longrepr.addsection("behaviour", found)
+        rep.longrepr.addsection("reproduce", text)

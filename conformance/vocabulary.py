@@ -1,0 +1,62 @@
+"""The suite's vocabulary: capabilities, dtypes and option defaults, the words every
+layer speaks. A leaf: it imports nothing of the suite."""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: Optional features of the spec. A backend lists those it implements; tests of the others
+#: are reported as skipped with the capability's name (SPEC §10.3).
+CAPABILITIES = {
+    "unbatched": "accepts unbatched (H, T, D) inputs (SPEC §2.2)",
+    "value_dim": "a value head dim E that differs from the query/key head dim D (SPEC §2.1)",
+    "causal_bottom_right": "causal_alignment='bottom_right' (SPEC §3.5)",
+    "window": "sliding-window attention (SPEC §3.6)",
+    "softcap": "score softcapping (SPEC §4.2)",
+    "gqa": "grouped/multi-query attention with K < H (SPEC §4.6)",
+    "dropout": "dropout on the weights with a seed (SPEC §5)",
+    "module": "the multi-head layer and GPT block from shared weights (SPEC §9)",
+    "grad": "backward pass: attention_vjp (SPEC §12)",
+    "grad_mask": "attention_vjp also returns the gradient of a float mask (SPEC §12.3)",
+    "grad_softcap": "attention_vjp with softcap (SPEC §12.2)",
+    "module_grad": "parameter gradients of the module and GPT block: module_param_grads (SPEC §12.8)",
+    "error_messages": "errors worded to this project's standard: argument, expected shape, "
+    "what was given (SPEC §8.3)",
+    "sharded": "context-parallel over P devices: load_backend(name, shards=P, layout=...) "
+    "(SPEC §14)",
+    "sharded_heads": "a sharded backend that splits heads over the devices (Ulysses), for "
+    "any H and K: uneven head counts and K not dividing P included (SPEC §14.8)",
+}
+#: Claiming a gradient capability means implementing ``attention_vjp`` (and, for
+#: "module_grad", ``module_param_grads``), so these are opted into one by one: they are not
+#: part of ``ALL_CAPABILITIES``, and a backend that declares ``ALL_CAPABILITIES`` has its
+#: gradient tests skipped by name rather than failed.
+GRAD_CAPABILITIES = frozenset({"grad", "grad_mask", "grad_softcap", "module_grad"})
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+#: Every capability of the forward pass ("sharded" and "sharded_heads" describe how a
+#: backend runs, not a feature of the function: only the context-parallel backends
+#: declare them).
+ALL_CAPABILITIES = frozenset(CAPABILITIES) - GRAD_CAPABILITIES - {"sharded", "sharded_heads"}
+
+#: The options of ``Backend.attention``, each with the value that means "not set": an
+#: option left at it is not passed on. The one table of the suite's option defaults;
+#: the impls' own (``conformance.impls.contract``) names the same values.
+OPTION_DEFAULTS = {
+    "is_causal": False,
+    "scale": None,
+    "causal_alignment": "top_left",
+    "window": None,
+    "softcap": None,
+    "dropout_p": 0.0,
+    "seed": None,
+}
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype for a dtype name; bfloat16 comes from ``ml_dtypes``."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)

@@ -1,4 +1,5 @@
-"""Scaled dot-product attention in JAX: a line-for-line mirror of the NumPy reference.
+"""Scaled dot-product attention in JAX: the NumPy reference's steps, line for line, plus
+one guard against XLA's fused multiply-add (step 5; see Notes).
 
     out = softmax(mask(softcap(scale · q kᵀ))) v
 

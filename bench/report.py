@@ -97,6 +97,17 @@ def _markdown(rows: list[dict], env: dict) -> str:
                     )
             lines.append(f"| {b} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += _memory_section(rows, backends, sizes, cell)
+    lines += _skipped_section(rows)
+    errors = [r for r in rows if "memory_error" in r]
+    for r in errors:
+        lines.append(f"- memory {r['backend']} T={r['T']}: {r['memory_error']}")
+    return "\n".join(lines) + "\n"
+
+
+def _memory_section(rows: list[dict], backends: list, sizes: list, cell: dict) -> list[str]:
+    """The peak-memory table, for the rows that measured memory."""
+    lines: list[str] = []
     mem_rows = [r for r in rows if "extra_mib" in r or "memory_error" in r]
     if mem_rows:
         lines += [
@@ -128,6 +139,12 @@ def _markdown(rows: list[dict], env: dict) -> str:
                 if any(cells):
                     lines.append(f"| {b} | {pass_} | {causal} | " + " | ".join(cells) + " |")
         lines.append("")
+    return lines
+
+
+def _skipped_section(rows: list[dict]) -> list[str]:
+    """One line per backend, pass and reason that was skipped, with its sizes."""
+    lines: list[str] = []
     skipped = [r for r in rows if r["status"] != "ok"]
     if skipped:
         lines += ["## Skipped", ""]
@@ -142,10 +159,7 @@ def _markdown(rows: list[dict], env: dict) -> str:
                 what = " (backward)" if r.get("pass") == "backward" else ""
                 lines.append(f"- {r['backend']}{what} at T={sizes_b}: {r['reason']}")
         lines.append("")
-    errors = [r for r in rows if "memory_error" in r]
-    for r in errors:
-        lines.append(f"- memory {r['backend']} T={r['T']}: {r['memory_error']}")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _plots(rows: list[dict], out: Path) -> None:

@@ -28,6 +28,36 @@ def _report(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def _check_agreement(data: dict, md: str) -> None:
+    """The agreement tables of a report on numpy and numpy-flash: every dtype's outputs
+    and gradients against the oracle, and the pair compared where §7.3 and §12.10 run."""
+    outputs = data["agreement"]["outputs"]
+    for dtype in ("float64", "float32", "float16", "bfloat16"):
+        block = outputs[dtype]
+        assert set(block["vs_oracle"]) == {"numpy", "numpy-flash"}
+        for s in block["vs_oracle"].values():
+            assert 0 < s["fraction_of_tolerance"] <= 1 and s["failed"] == 0
+            assert s["case"].endswith(dtype) or s["case"].startswith(("mha", "gpt"))
+            assert f"| `{s['case']}` |" in md  # the table names the worst fixture
+        # The pairwise tests (SPEC §7.3) run float64 and float32 only; the other dtypes
+        # say so, rather than draw pairs never compared.
+        compared = dtype in ("float64", "float32")
+        assert ("numpy~numpy-flash" in block["pairs"]) == compared
+        heading = md.split(f"### {dtype}\n")[1].split("###")[0]
+        assert (f"No two backends were compared on {dtype} inputs" in heading) != compared
+    gradients = data["agreement"]["gradients"]
+    for dtype in ("float64", "float32", "float16", "bfloat16"):
+        assert set(gradients[dtype]["vs_oracle"]) == {"numpy", "numpy-flash"}
+        # The pairwise gradient tests (SPEC §12.10) run float64 and float32 only.
+        assert ("numpy~numpy-flash" in gradients[dtype]["pairs"]) == (
+            dtype in ("float64", "float32")
+        )
+        assert f"### {dtype} gradients" in md
+    section = md.index("## Gradients: cross-framework agreement on the gradient fixtures")
+    assert md.index("## Cross-framework agreement on the fixtures") < section
+    assert section < md.index("## Every pair on random inputs")
+
+
 @pytest.mark.clause("13.7", "13.8")
 def test_report_on_two_backends(tmp_path):
     run = _report(
@@ -108,31 +138,7 @@ def test_report_on_two_backends(tmp_path):
     assert m["error"] == max_error(got, case.expected) and 0 < m["error"] <= m["tolerance"]
     assert {m["quantity"] for m in measured if m["backend"] == "numpy"} >= {"out", "dq", "dmask"}
 
-    outputs = data["agreement"]["outputs"]
-    for dtype in ("float64", "float32", "float16", "bfloat16"):
-        block = outputs[dtype]
-        assert set(block["vs_oracle"]) == {"numpy", "numpy-flash"}
-        for s in block["vs_oracle"].values():
-            assert 0 < s["fraction_of_tolerance"] <= 1 and s["failed"] == 0
-            assert s["case"].endswith(dtype) or s["case"].startswith(("mha", "gpt"))
-            assert f"| `{s['case']}` |" in md  # the table names the worst fixture
-        # The pairwise tests (SPEC §7.3) run float64 and float32 only; the other dtypes
-        # say so, rather than draw pairs never compared.
-        compared = dtype in ("float64", "float32")
-        assert ("numpy~numpy-flash" in block["pairs"]) == compared
-        heading = md.split(f"### {dtype}\n")[1].split("###")[0]
-        assert (f"No two backends were compared on {dtype} inputs" in heading) != compared
-    gradients = data["agreement"]["gradients"]
-    for dtype in ("float64", "float32", "float16", "bfloat16"):
-        assert set(gradients[dtype]["vs_oracle"]) == {"numpy", "numpy-flash"}
-        # The pairwise gradient tests (SPEC §12.10) run float64 and float32 only.
-        assert ("numpy~numpy-flash" in gradients[dtype]["pairs"]) == (
-            dtype in ("float64", "float32")
-        )
-        assert f"### {dtype} gradients" in md
-    section = md.index("## Gradients: cross-framework agreement on the gradient fixtures")
-    assert md.index("## Cross-framework agreement on the fixtures") < section
-    assert section < md.index("## Every pair on random inputs")
+    _check_agreement(data, md)
 
     # Pairwise tests (SPEC §7.3, §12.10) count in both backends' columns and in the pair's
     # own table, and once in the totals.

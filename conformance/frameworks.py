@@ -30,13 +30,17 @@ import json
 import re
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 
 from conformance.report.markdown import departure_line
 from conformance.suite.behaviours import as_text
 from conformance.suite.clauses import clause_key, clause_titles
+from conformance.suite.known_failures import ON_SOME_PROCESSORS, pattern
 
 START = "<!-- frameworks-table:start -->"
+#: The line under a function's departures for what fails on some processors only.
+VARIES = "On some processors only (not in the table): "
 END = "<!-- frameworks-table:end -->"
 PASS, FAIL, NONE = "✅", "❌", "—"
 
@@ -72,10 +76,15 @@ def matrix(data: dict) -> dict:
         library = profile.requires[0] if profile.requires else profile.framework
         version = data["versions"].get(library)
         functions[name] = f"`{name}` ({library} {version})" if version else f"`{name}`"
-    found = departures([r for r in data["tests"] if r["backend"] in functions])
+    rows = [r for r in data["tests"] if r["backend"] in functions]
+    # A processor-dependent test fails here and passes there: it is listed on its own,
+    # from the profile, so that the table reads the same on every processor.
+    varies = [r for r in rows if _varies(r)]
+    rows = [r for r in rows if not _varies(r)]
+    found = departures(rows)
     tests: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
-    for row in data["tests"]:
-        if row["backend"] in functions and row["clause"]:
+    for row in rows:
+        if row["clause"]:
             tests[row["clause"]][row["backend"]].append(row)
     clauses = {}
     for clause, by_function in tests.items():
@@ -86,8 +95,30 @@ def matrix(data: dict) -> dict:
         "functions": functions,
         "clauses": clauses,
         "departures": {name: found.get(name, []) for name in functions},
+        "processor_dependent": {name: _varying(varies, name) for name in functions},
         "elsewhere": elsewhere,
     }
+
+
+def _varies(row: dict) -> bool:
+    return row["reason"].startswith(ON_SOME_PROCESSORS)
+
+
+def _varying(rows: list[dict], name: str) -> list[dict]:
+    """``name``'s processor-dependent tests, one entry per behaviour: its clauses and how
+    many tests (whether they failed or passed on this processor)."""
+    by_reason: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        if row["backend"] == name and row["outcome"] != "skipped":
+            by_reason[row["reason"].removeprefix(ON_SOME_PROCESSORS)].append(row)
+    return [
+        {
+            "behaviour": reason,
+            "clauses": sorted({r["clause"] for r in members if r["clause"]}, key=clause_key),
+            "tests": len(members),
+        }
+        for reason, members in sorted(by_reason.items())
+    ]
 
 
 def _cell(rows: list[dict], listed: list[dict]) -> tuple[str, str]:
@@ -119,6 +150,9 @@ def table(found: dict) -> str:
         lines += [f"{i}. {departure_line(e)}" for i, e in enumerate(entries, start=1)]
         if entries:
             lines.append("")
+        for entry in found.get("processor_dependent", {}).get(name, []):
+            clauses = ", ".join(f"§{c}" for c in entry["clauses"])
+            lines += [f"{VARIES}{entry['behaviour']}: {clauses} ({entry['tests']} tests)", ""]
     lines += [
         "| clause | " + " | ".join(found["functions"][n] for n in names) + " |",
         "|---|" + "---|" * len(names),
@@ -174,6 +208,9 @@ def departure_lines(text: str) -> set[tuple[str, str]]:
         item = re.match(r"^\d+\. (.*): §", line)
         if item and function:
             found.add((function, item.group(1)))
+        varies = re.match(rf"^{re.escape(VARIES)}(.*): §", line)
+        if varies and function:
+            found.add((function, ON_SOME_PROCESSORS + varies.group(1)))
     return found
 
 
@@ -219,14 +256,18 @@ def rewrite_readme(path: Path, found: dict) -> bool:
     return new != text
 
 
-def known_failures(data: dict, profile: str) -> dict[str, str]:
+def known_failures(data: dict, profile: str, varies: Iterable[str] = ()) -> dict[str, str]:
     """What failed on ``profile`` in a run without known failures, as profile entries:
     {test id: the behaviour it shows}. A test function whose every run fails with one
-    behaviour is one ``name[profile-*]`` entry."""
+    behaviour is one ``name[profile-*]`` entry. Tests the patterns ``varies`` match (the
+    profile's processor-dependent entries, kept by hand) are left out."""
+    apart = [pattern(text) for text in varies]
     runs: dict[str, list[dict]] = defaultdict(list)
     for row in data["tests"]:
         if row["backend"] == profile and row["outcome"] != "skipped":
             name = row["test"].rpartition("::")[2]
+            if any(regex.match(name) for regex in apart):
+                continue
             runs[name.partition("[")[0]].append({**row, "name": name})
     entries = {}
     for function, rows in sorted(runs.items()):
@@ -251,7 +292,7 @@ def stale_reasons(data: dict) -> list[str]:
     stale = []
     for row in data["tests"]:
         if row["outcome"] == "xfailed" and row.get("behaviour"):
-            listed = row["reason"].removeprefix("known failure: ")
+            listed = row["reason"].removeprefix("known failure: ").removeprefix(ON_SOME_PROCESSORS)
             if row["behaviour"] not in listed.split("; "):
                 stale.append(f"{row['test']}: listed {listed!r}, shows {row['behaviour']!r}")
     return stale
@@ -295,7 +336,8 @@ def main(argv: list[str]) -> int:
         for name in found["functions"]:
             if any(r["backend"] == name and r["outcome"] != "skipped" for r in data["tests"]):
                 profile = read_profile(name)
-                write_known_failures(profile.path, known_failures(data, name))
+                entries = known_failures(data, name, profile.processor_dependent)
+                write_known_failures(profile.path, entries)
                 print(f"rewrote the known failures of {profile.path}")
         # Without its known failures the run fails by design; what counts is what it wrote.
         code = 0

@@ -205,3 +205,31 @@ def test_writing_known_failures_keeps_the_rest_of_the_profile(tmp_path):
     )
     head = path.read_text().split("[known_failures]")[0]
     assert head == before.path.read_text().split("[known_failures]")[0]
+
+
+def test_processor_dependent_tests_read_the_same_failed_or_passed():
+    """A test listed as processor-dependent is no ✅/❌ and no departure, but a line of
+    its own under the function's departures, the same whether it failed or passed here;
+    ``--check`` reads that line back; ``--update-profiles`` leaves it to the profile."""
+    p = "torch.sdpa"
+    varies = frameworks.ON_SOME_PROCESSORS + "a NaN in the inputs becomes a number in the output"
+
+    def run(outcome):
+        rows = [
+            _row(p, f"test_nan[{p}-float32]", "4.9", "xfailed", ACCEPTS),
+            {**_row(p, f"test_nan[{p}-float64-a]", "4.9", outcome), "reason": varies},
+            {**_row(p, f"test_nan[{p}-float64-b]", "4.9", "xfailed"), "reason": varies},
+            _row(p, f"test_ok[{p}]", "2.5", "passed"),
+        ]
+        return rows, frameworks.matrix(_data(rows))
+
+    (rows, failed), (_, passed) = run("xfailed"), run("passed")
+    assert frameworks.block(failed) == frameworks.block(passed)
+    assert failed["clauses"]["4.9"][p] == (frameworks.FAIL, "1/1 (#1)")
+    assert [e["covers"] for e in failed["departures"][p]] == [[ACCEPTS]]
+    line = f"{frameworks.VARIES}a NaN in the inputs becomes a number in the output: §4.9 (2 tests)"
+    assert line in frameworks.table(failed).splitlines()
+    assert (p, varies) in frameworks.departure_lines(frameworks.block(failed))
+    failing = [{**r, "outcome": "failed", "reason": ""} for r in rows if r["outcome"] != "passed"]
+    entries = frameworks.known_failures(_data(failing), p, [f"test_nan[{p}-float64-*]"])
+    assert entries == {f"test_nan[{p}-float32]": ACCEPTS}

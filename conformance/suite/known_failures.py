@@ -72,18 +72,24 @@ def pattern(text: str) -> re.Pattern:
 Rule = tuple[Any, Callable[[Any, set[str]], bool], str]
 
 
-def mark_known_failures(items: list, rules: list[Rule]) -> set:
+#: The reason prefix of a test that fails on some processors and passes on others.
+ON_SOME_PROCESSORS = "on some processors: "
+
+
+def mark_known_failures(items: list, rules: list[Rule], strict: bool = True) -> set:
     """The one known-failure marker: every test a rule matches becomes a strict xfail,
-    with the reasons of all its rules (in the rules' order). Returns the ids of the rules
-    that matched a test."""
+    with the reasons of all its rules (in the rules' order); with ``strict`` False, a
+    non-strict one whose reason starts with ``ON_SOME_PROCESSORS`` (it may fail or pass).
+    Returns the ids of the rules that matched a test."""
     used = set()
+    prefix = "known failure: " if strict else ON_SOME_PROCESSORS
     for item in items:
         keys = known_failure_keys(item.nodeid, getattr(item, "originalname", None))
         hits = [(rule_id, reason) for rule_id, matches, reason in rules if matches(item, keys)]
         if hits:
             used.update(rule_id for rule_id, _ in hits)
             reason = "; ".join(reason for _, reason in hits)
-            item.add_marker(pytest.mark.xfail(strict=True, reason=f"known failure: {reason}"))
+            item.add_marker(pytest.mark.xfail(strict=strict, reason=prefix + reason))
     return used
 
 
@@ -109,21 +115,26 @@ def item_backends(item: Any) -> tuple:
 def mark_profiles(items: list, loaded: list, unavailable: list, known: bool = True) -> list[str]:
     """Mark the tests of the profiles' backends: every test of an unavailable profile as
     skipped (naming what is missing), the loaded profiles' known failures as strict
-    xfails (not when ``known`` is False). Returns the known-failure entries that match no
+    xfails and their processor-dependent entries as non-strict ones (neither when
+    ``known`` is False). Returns the known-failure entries that match no
     test, "profile: pattern"."""
     skipped = {p.name: skip_reason(p) for p in unavailable}
     for item in items:
         for name in item_backends(item):
             if name in skipped:
                 item.add_marker(pytest.mark.skip(reason=skipped[name]))
-    rules = [
-        ((p.name, text), _profile_rule(p.name, pattern(text)), reason)
-        for p in loaded
-        if known
-        for text, reason in p.known_failures.items()
-    ]
-    used = mark_known_failures(items, rules)
-    return [f"{name}: {text}" for (name, text), _, _ in rules if (name, text) not in used]
+    if not known:
+        return []
+    stale = []
+    for table, strict in (("known_failures", True), ("processor_dependent", False)):
+        rules = [
+            ((p.name, text), _profile_rule(p.name, pattern(text)), reason)
+            for p in loaded
+            for text, reason in getattr(p, table).items()
+        ]
+        used = mark_known_failures(items, rules, strict=strict)
+        stale += [f"{name}: {text}" for (name, text), _, _ in rules if (name, text) not in used]
+    return stale
 
 
 def _profile_rule(name: str, regex: re.Pattern) -> Callable[[Any, set[str]], bool]:

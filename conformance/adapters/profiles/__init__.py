@@ -36,11 +36,18 @@ conversion itself is ``conformance/adapters/native.py``; a profile only says wha
     [fixed]                                  # passed on every call
     enable_gqa = true
 
+    [processor_dependent]                    # fails on some processors, not others
+    "test_nan_propagates[torch.sdpa-float64-plain-q]" = "a NaN in the inputs becomes ..."
+
     [known_failures]                         # test id (* matches anything) = reason
     "test_bad_input[torch.sdpa-integer-mask]" = "SPEC §3.3: ... raises RuntimeError"
 
 Known failures are strict expected failures: a library that fixes one shows up as
 ``XPASS(strict)``, and a pattern that matches no test as a ``StaleKnownFailure``.
+Processor-dependent entries are for behaviour measured to differ between processors
+(with the measurement in a comment): such a test may fail or pass (a non-strict xfail,
+reason "on some processors: ..."), and ``python -m conformance frameworks`` lists it
+apart from the ✅/❌ table, the same wherever it runs.
 """
 
 from __future__ import annotations
@@ -81,6 +88,7 @@ KEYS = {
     "mask",
     "fixed",
     "known_failures",
+    "processor_dependent",
     "jit",
     "needs",
     "probe",
@@ -114,6 +122,7 @@ class Profile:
     dtypes: tuple[str, ...] = ("float64", "float32")
     call: OptionMap = field(default_factory=OptionMap)
     known_failures: dict[str, str] = field(default_factory=dict)
+    processor_dependent: dict[str, str] = field(default_factory=dict)
     jit: bool = False
     needs: tuple[str, ...] = ()
     probe: str = ""
@@ -249,9 +258,17 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
             f"function runs here (None) or what it raised"
         )
     known = data.get("known_failures", {})
-    for pattern, reason in known.items():
-        if not isinstance(reason, str) or not reason.strip():
-            raise ProfileError(f"{where}: known failure {pattern!r} needs a reason (a string)")
+    varies = data.get("processor_dependent", {})
+    for table, entries in (("known failure", known), ("processor-dependent entry", varies)):
+        for pattern, reason in entries.items():
+            if not isinstance(reason, str) or not reason.strip():
+                raise ProfileError(f"{where}: {table} {pattern!r} needs a reason (a string)")
+    both = sorted(set(known) & set(varies))
+    if both:
+        raise ProfileError(
+            f"{where}: {both} listed both as known failures and as processor-dependent: "
+            "a test is one or the other"
+        )
     return Profile(
         name=data["name"],
         target=data["target"],
@@ -264,6 +281,7 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
         dtypes=tuple(data.get("dtypes", ("float64", "float32"))),
         call=call,
         known_failures=dict(known),
+        processor_dependent=dict(varies),
         jit=bool(data.get("jit", False)),
         needs=tuple(needs),
         probe=probe,

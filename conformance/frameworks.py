@@ -21,7 +21,9 @@ machine with the same versions. ``--readme`` replaces only the text between ``ST
 ``--update-profiles`` runs with ``--ignore-known-failures`` and rewrites each profile's
 ``[known_failures]`` from what failed, each test's reason its behaviour: a test function
 whose every run fails with one behaviour gets one ``name[profile-*]`` entry, the others
-one entry per test."""
+one entry per test. A profile's ``[processor_dependent]`` tests (they fail on some
+processors, pass on others) are in no cell and no entry: a line of their own under the
+function's departures says which, the same whatever they did here."""
 
 from __future__ import annotations
 

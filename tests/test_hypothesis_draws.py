@@ -1,0 +1,78 @@
+"""The examples a derandomized property test draws depend on the test alone.
+
+Hypothesis mixes into its draws literal constants it parses from the source of the local
+modules a process has loaded, within a time limit, so the same derandomized test drew
+other examples under ``python -m conformance report`` than under ``pytest``, and
+``onnxruntime.Attention``'s §1.2 property run passed in one and failed in the other. A
+conformance run turns that pool off (``conformance.suite.plugin``); these tests look at
+the pool Hypothesis' generator reads, in a run with a local module full of constants.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("hypothesis.internal.conjecture.providers")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CONSTANTS = "LOTS = [3, 5, 7, 11, 13, 17, 119, 500, 4096, 65535]\n"
+
+# A plugin that reports, after the run, how many local constants Hypothesis would draw
+# from: the pool its generator reads for each example.
+PROBE = """
+from hypothesis.internal.conjecture import providers
+
+def pytest_sessionfinish(session):
+    print("local constants:", len(providers._get_local_constants().integers))
+"""
+
+A_TEST = """
+from hypothesis import given, strategies as st
+
+@given(st.integers(0, 10))
+def test_draws(x):
+    assert 0 <= x <= 10
+"""
+
+
+def _run(tmp_path: Path, *args: str) -> str:
+    (tmp_path / "many_constants.py").write_text(CONSTANTS)
+    (tmp_path / "pool_probe.py").write_text(PROBE)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"]
+        + ["-p", "many_constants", "-p", "pool_probe", *args],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    return out
+
+
+def test_a_plain_hypothesis_run_draws_from_local_constants(tmp_path):
+    """Without a conformance run Hypothesis' pool holds the local module's constants: the
+    feature this guards against exists in the installed Hypothesis."""
+    (tmp_path / "test_plain.py").write_text(A_TEST)
+    out = _run(tmp_path, "test_plain.py")
+    count = int(out.split("local constants:")[1].split()[0])
+    assert count > 0, out[-2000:]
+
+
+def test_a_conformance_run_draws_from_no_local_constants(tmp_path):
+    out = _run(
+        tmp_path,
+        str(ROOT / "conformance" / "tests" / "test_properties.py"),
+        "--backend",
+        "numpy",
+        "-k",
+        "test_matches_the_reference",
+    )
+    assert "local constants: 0" in out, out[-2000:]

@@ -97,9 +97,12 @@ def run_tests(
     """Run the suite on ``backends`` (plus pytest options ``extra``): the exit code, and
     the collector holding the rows and the measurements.
 
-    With ``workers > 1`` (pytest-xdist), the tests are spread over that many processes
-    (``--dist load``); JAX programs compiled in one are found by the other in JAX's
-    persistent compilation cache, when it is on (``report.main`` turns it on).
+    With ``workers > 1`` (pytest-xdist), the tests are spread over that many processes,
+    one test function on one backend at a time (``--dist loadscope``, see
+    ``conformance.suite.scheduling``), so that the programs a JAX backend compiles for a
+    function's parametrizations are compiled once; programs compiled in one process are
+    found by the other in JAX's persistent compilation cache, when it is on
+    (``report.main`` turns it on).
     """
     collector = Collector()
     # The report imported Hypothesis before pytest starts: nothing of it needs rewriting,
@@ -119,6 +122,6 @@ def run_tests(
     if out is not None:
         args += [f"--junitxml={out / 'junit.xml'}", "--repro-dir", str(out / "repro")]
     if workers > 1:
-        args += ["-n", str(workers), "--dist", "load"]
+        args += ["-n", str(workers), "--dist", "loadscope"]
     code = pytest.main(args + extra, plugins=[collector])
     return int(code), collector

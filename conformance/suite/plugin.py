@@ -49,7 +49,7 @@ from conformance.backends import (
     load_backend,
     registered_backends,
 )
-from conformance.suite import behaviours, known_failures, replay, rootdir
+from conformance.suite import behaviours, known_failures, replay, rootdir, scheduling
 from conformance.suite.clauses import clause_titles
 
 #: What the plugin keeps for a run, in pytest's stash: the backends under test, the
@@ -334,6 +334,16 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[KNOWN_FAILURES] = known_failures.read_known_failures(path) if path else {}
     except (OSError, ValueError) as err:
         raise pytest.UsageError(f"--known-failures: {err}") from err
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under ``--dist loadscope``, a conformance run's work unit is one test function on
+    one backend, whose parametrizations share compiled programs (``scheduling``)."""
+    backends = conformance_backends(config)
+    if config.getvalue("dist") != "loadscope" or not backends:
+        return None
+    return scheduling.scheduler(config, log, backends)
 
 
 def conformance_backend(name: str):

@@ -48,7 +48,8 @@ def _grad_case_params():
 
 @pytest.mark.parametrize("case_id", _grad_case_params())
 def test_gradient_fixture(backend, case_id, request):
-    """dq, dk, dv (and dmask) match the 50-digit oracle within the gradient tolerance."""
+    """dq, dk, dv (and dmask, and dsinks) match the 50-digit oracle within the gradient
+    tolerance."""
     case = load_case(case_id)
     q, k, v = case.inputs()
     mask = case.mask()
@@ -60,8 +61,9 @@ def test_gradient_fixture(backend, case_id, request):
         "returns another set of gradients than the spec (dmask for a float mask)",
         f"{context}: got {len(grads)} gradients, expected {len(expected)} ({', '.join(expected)})",
     )
-    likes = {"dq": q, "dk": k, "dv": v, "dmask": mask}
-    for name, got in zip(GRADS, grads):
+    likes = {"dq": q, "dk": k, "dv": v, "dmask": mask, "dsinks": case.options().get("sinks")}
+    # In the order attention_vjp returns them: dq, dk, dv, then dmask and dsinks if any.
+    for name, got in zip(expected, grads):
         like = likes[name]
         expect(
             got.shape == like.shape and got.dtype == like.dtype,

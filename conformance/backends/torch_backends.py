@@ -172,7 +172,7 @@ class TorchModuleBackend(_TorchBackend):
     """The nn.Module backend: the core spec runs the module's own attention function."""
 
     name = "torch-module"
-    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES
+    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks"}
 
     def __init__(self) -> None:
         super().__init__()

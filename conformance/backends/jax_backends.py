@@ -71,7 +71,7 @@ class JaxFlashBackend(Backend):
     name = "jax-flash"
     framework = "jax"
     impl_module = "conformance.impls.jax_flash"
-    capabilities = BLOCKWISE_CAPABILITIES
+    capabilities = BLOCKWISE_CAPABILITIES | {"sinks"}
     dtypes = DTYPES
     conformance_options = Blockwise.CONFORMANCE_OPTIONS
 

@@ -273,6 +273,38 @@ def test_sinks_are_per_query_head_under_gqa(backend, dtype):
     )
 
 
+@pytest.mark.clause("15.2", "4.7")
+@dtypes
+def test_unused_slots_stay_inert_with_sinks(backend, dtype):
+    """Key slots no query attends (padding) change nothing, whatever they hold, with sinks
+    as without: the output is bit for bit the same with NaN, inf or 0 there."""
+    q, k, v = random_qkv(80, T=5, S=7, dtype=dtype)
+    mask = np.arange(7)[None, None, None, :] < np.array([5, 3])[:, None, None, None]
+    sinks = _sinks(81, 3, dtype)
+    outs = []
+    for garbage in (0.0, np.nan, np.inf):
+        k2, v2 = k.copy(), v.copy()
+        for b, n in enumerate((5, 3)):
+            k2[b, :, n:], v2[b, :, n:] = garbage, -garbage
+        outs.append(backend.attention(q, k2, v2, mask=mask, sinks=sinks))
+    expected, tol = _oracle(q, k, v, dtype, mask=mask, sinks=sinks)
+    assert_within(
+        outs[0],
+        expected,
+        tol,
+        f"{backend.name}: padded keys with sinks ({dtype})",
+        behaviour="attention with sinks differs from the oracle",
+    )
+    for out, garbage in zip(outs[1:], ("NaN", "inf")):
+        assert_identical(
+            out,
+            outs[0],
+            f"{backend.name}: {garbage} in padded key slots with sinks ({dtype})",
+            behaviour="garbage (NaN, ±inf, the largest number) in key slots no query attends "
+            "reaches the output",
+        )
+
+
 @pytest.mark.clause("15.1", "4.4")
 @dtypes
 def test_large_sink_drives_the_output_to_zero(backend, dtype):

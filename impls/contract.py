@@ -170,8 +170,8 @@ def check(
         value, default = getattr(checked, option), _DEFAULTS[option]
         if value != default:
             # sinks is an array; Checked records only that it was given.
-            sinks = option == "sinks"
-            given, unset = ("an array", "None") if sinks else (repr(value), repr(default))
+            array = option == "sinks"
+            given, unset = ("an array", "None") if array else (repr(value), repr(default))
             raise NotImplementedError(
                 f"{option}={given} is not supported ({why}); leave it at {unset}"
             )

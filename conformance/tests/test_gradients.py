@@ -383,6 +383,8 @@ def test_backends_agree_on_gradients(backend_pair, dtype, setup, request):
         options["mask"] = np.where(
             rng.random((7, 13)) < 0.2, -np.inf, rng.standard_normal((7, 13))
         ).astype(q.dtype)
+    if options.get("sinks") == "random":
+        options["sinks"] = rng.uniform(-1.0, 2.0, 4).astype(q.dtype)  # (H,)
     d_out = gradients.random_d_out(56, q, v)
     grads_a = gradients.vjp(a, q, k, v, d_out, **options)
     grads_b = gradients.vjp(b, q, k, v, d_out, **options)

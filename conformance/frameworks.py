@@ -41,9 +41,9 @@ from conformance.suite.clauses import clause_key, clause_titles
 from conformance.suite.known_failures import ON_SOME_PROCESSORS, pattern
 
 START = "<!-- frameworks-table:start -->"
+END = "<!-- frameworks-table:end -->"
 #: The line under a function's departures for what fails on some processors only.
 VARIES = "On some processors only (not in the table): "
-END = "<!-- frameworks-table:end -->"
 PASS, FAIL, NONE = "✅", "❌", "—"
 
 

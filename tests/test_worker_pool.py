@@ -59,9 +59,13 @@ def _run(args: list[str], tag: str, timeout: float = 600, **kwargs):
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
 
-#: A script that starts a P = 2 pool under the guard, then ends the way it is told.
+#: A script that starts a P = 2 pool under the guard, then ends the way it is told. The
+#: signal goes to the main thread (raise_signal): one sent to the process (os.kill) may be
+#: taken by another thread while the main thread goes on into a wait no signal then ends,
+#: which hung this test once. The wait is bounded, so a signal that ends nothing fails the
+#: test by what is left running, not by a timeout.
 ENDING = """
-import os, signal, sys
+import signal, sys, time
 import numpy as np
 from conformance.backends import load_backend
 
@@ -74,8 +78,8 @@ def main(how):
     if how == "raise":
         raise RuntimeError("a failure after the pool started")
     if how != "exit":
-        os.kill(os.getpid(), getattr(signal, how))
-        signal.pause()
+        signal.raise_signal(getattr(signal, how))
+        time.sleep(60)
 
 
 if __name__ == "__main__":
@@ -96,7 +100,7 @@ def test_no_worker_outlives_its_parent(tmp_path, name, how):
     script = tmp_path / "ending.py"
     script.write_text(ENDING.format(name=name))
     tag = uuid.uuid4().hex
-    run = _run([sys.executable, str(script), how], tag)
+    run = _run([sys.executable, str(script), how], tag, timeout=240)
     assert "pool started" in run.stdout, f"the pool did not start:\n{run.stderr[-3000:]}"
     left = _left_after(tag)
     assert not left, f"{name}, parent ended by {how}: processes left running:\n" + "\n".join(left)

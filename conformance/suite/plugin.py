@@ -27,7 +27,8 @@ Every failing test carries a snippet that replays its last calls to ``attention`
 the inputs saved to ``--repro-dir`` (default: a temporary directory).
 
 Property-based tests (``test_properties.py``) use the Hypothesis profile "quick" (the
-default: 25 examples per test, derandomized, so a run is repeatable) or "deep" (500 random
+default: 25 examples per test, derandomized, the first failure only, so a run is
+repeatable) or "deep" (500 random
 examples): ``--hypothesis-profile deep``.
 """
 
@@ -74,6 +75,10 @@ def _register_hypothesis_profiles() -> None:
         deadline=None,
         derandomize=True,
         database=None,
+        # One failure, the first drawn (then shrunk): to report several, Hypothesis keeps
+        # drawing for ten seconds after the first, so which other failures a slow function
+        # showed, and so the behaviour a run named, depended on the machine's speed.
+        report_multiple_bugs=False,
         print_blob=True,
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     )

@@ -15,6 +15,8 @@ CAPABILITIES = {
     "softcap": "score softcapping (SPEC §4.2)",
     "gqa": "grouped/multi-query attention with K < H (SPEC §4.6)",
     "dropout": "dropout on the weights with a seed (SPEC §5)",
+    "sinks": "attention sinks: one learned logit per query head, sinks (H,), that takes "
+    "softmax weight and carries no value (SPEC §15)",
     "module": "the multi-head layer and GPT block from shared weights (SPEC §9)",
     "grad": "backward pass: attention_vjp (SPEC §12)",
     "grad_mask": "attention_vjp also returns the gradient of a float mask (SPEC §12.3)",
@@ -34,10 +36,21 @@ CAPABILITIES = {
 GRAD_CAPABILITIES = frozenset({"grad", "grad_mask", "grad_softcap", "module_grad"})
 DTYPES = ("float64", "float32", "float16", "bfloat16")
 
+#: The variants of today's models (SPEC §15 onwards), opted into one by one as a backend
+#: implements them: they are not part of ``ALL_CAPABILITIES`` either, so that a backend
+#: (or an ``--impl`` function) declaring ``ALL_CAPABILITIES`` promises only what it
+#: promised before they existed, and has their tests skipped by name.
+VARIANT_CAPABILITIES = frozenset({"sinks"})
+
 #: Every capability of the forward pass ("sharded" and "sharded_heads" describe how a
 #: backend runs, not a feature of the function: only the context-parallel backends
 #: declare them).
-ALL_CAPABILITIES = frozenset(CAPABILITIES) - GRAD_CAPABILITIES - {"sharded", "sharded_heads"}
+ALL_CAPABILITIES = (
+    frozenset(CAPABILITIES)
+    - GRAD_CAPABILITIES
+    - VARIANT_CAPABILITIES
+    - {"sharded", "sharded_heads"}
+)
 
 #: The options of ``Backend.attention``, each with the value that means "not set": an
 #: option left at it is not passed on. The one table of the suite's option defaults;
@@ -50,7 +63,17 @@ OPTION_DEFAULTS = {
     "softcap": None,
     "dropout_p": 0.0,
     "seed": None,
+    "sinks": None,
 }
+
+
+def option_is_set(name: str, value: object) -> bool:
+    """Whether ``value`` is other than option ``name``'s default, for array options too
+    (``sinks``: an array is set, ``None`` is not; ``array != None`` has no truth value)."""
+    default = OPTION_DEFAULTS[name]
+    if default is None:
+        return value is not None
+    return bool(value != default)
 
 
 def numpy_dtype(name: str) -> np.dtype:

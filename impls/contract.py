@@ -37,7 +37,8 @@ One rule for numbers (``scale``, ``softcap``, ``dropout_p``, the window's sides;
   becomes 0.)
 
 ``is_causal`` is a Python or NumPy bool (or a 0-d bool array); ``causal_alignment`` one of
-``ALIGNMENTS``. An option the impl does not implement is refused with
+``ALIGNMENTS``; ``sinks`` (SPEC §15) an array of shape (H,), one logit per query head, in
+q's dtype. An option the impl does not implement is refused with
 ``NotImplementedError`` naming it, once its value has passed the checks above.
 """
 
@@ -78,6 +79,7 @@ class Checked:
     window: tuple[int | None, int | None] | None
     softcap: float | None
     dropout_p: float
+    sinks: bool = False
 
 
 def check(
@@ -96,6 +98,7 @@ def check(
     unsupported: dict[str, str] | None = None,
     tiles: dict[str, Any] | None = None,
     d_out: Any = None,
+    sinks: Any = None,
 ) -> Checked:
     """Check one attention call; return its sizes and normalised options.
 
@@ -109,6 +112,7 @@ def check(
         than the option's default raises NotImplementedError.
       tiles: {name: value} of tile sizes that must be positive ints (blockwise impls).
       d_out: for a backward pass, the upstream gradient, shaped and typed like the output.
+      sinks: the sink logits (H,) in q's dtype, or None (SPEC §15).
 
     Raises:
       ValueError, TypeError: bad input, with a message naming the argument, the expected
@@ -140,6 +144,8 @@ def check(
             raise ValueError(f"{name} should be a positive int, got {size!r}")
     if d_out is not None:
         _check_d_out(d_out, (H, T, E) if unbatched else (B, H, T, E), _dtype_name(q))
+    if sinks is not None:
+        check_sinks(sinks, q)
     checked = Checked(
         unbatched=unbatched,
         B=B,
@@ -158,12 +164,16 @@ def check(
         window=window,
         softcap=softcap,
         dropout_p=dropout_p,
+        sinks=sinks is not None,
     )
     for option, why in (unsupported or {}).items():
         value, default = getattr(checked, option), _DEFAULTS[option]
         if value != default:
+            # sinks is an array; Checked records only that it was given.
+            array = option == "sinks"
+            given, unset = ("an array", "None") if array else (repr(value), repr(default))
             raise NotImplementedError(
-                f"{option}={value!r} is not supported ({why}); leave it at {default!r}"
+                f"{option}={given} is not supported ({why}); leave it at {unset}"
             )
     return checked
 
@@ -175,6 +185,7 @@ _DEFAULTS = {
     "window": None,
     "softcap": None,
     "dropout_p": 0.0,
+    "sinks": False,
 }
 
 
@@ -254,6 +265,24 @@ def _check_mask(
     if not fits:
         raise ValueError(f"mask shape should broadcast to {letters} = {want}, got {got}")
     return (1,) * (4 - len(got)) + got  # (B|1, H|1, T|1, S|1)
+
+
+def check_sinks(sinks: Any, q: Any) -> None:
+    """Check the sink logits against q: an array of shape (H,), one per query head (also
+    for unbatched q), in q's dtype (SPEC §15.1)."""
+    H, dtype = tuple(q.shape)[-3], _dtype_name(q)
+    if not (hasattr(sinks, "shape") and hasattr(sinks, "dtype")):
+        raise TypeError(
+            f"sinks should be an array of shape (H,) = ({H},) in q's dtype {dtype}, "
+            f"got {type(sinks).__name__} {sinks!r}"
+        )
+    if tuple(sinks.shape) != (H,):
+        raise ValueError(
+            f"sinks shape should be (H,) = ({H},), one logit per query head, "
+            f"got {tuple(sinks.shape)}"
+        )
+    if _dtype_name(sinks) != dtype:
+        raise TypeError(f"sinks dtype should be {dtype} like q, got {_dtype_name(sinks)}")
 
 
 def _check_d_out(d_out: Any, want: tuple[int, ...], dtype: str) -> None:

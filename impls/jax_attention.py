@@ -12,6 +12,10 @@ Step by step, for one query row t:
     w[s]      = exp(score[s] - max) / Σ exp(score - max)
     out[t, e] = Σ_s w[s] · v[s, e]
 
+With attention sinks (one logit sink[h] per query head), the sink joins the row's max and
+its sum, but has no value row: w[s] = exp(score[s] - max) / (exp(sink - max) + Σ exp(score
+- max)), so a row's weights sum to less than 1.
+
 Shape legend (heads-first, as in PyTorch; ``jax.nn`` writes N for H and H for D, E):
 
     B batch            H query heads      K key/value heads (H % K == 0)
@@ -21,9 +25,10 @@ Shape legend (heads-first, as in PyTorch; ``jax.nn`` writes N for H and H for D,
     q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
     mask: bool (True = may attend) or floating (added to the scores), broadcastable to
     (B, H, T, S). Unbatched q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
+    sinks (H,): one logit per query head.
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, softcapping, grouped-query and multi-query attention (K < H), dropout (with an
+windows, softcapping, attention sinks, grouped-query and multi-query attention (K < H), dropout (with an
 explicit ``jax.random`` key), float64 (after ``jax.config.update("jax_enable_x64", True)``
 by the caller), float32, float16 and bfloat16, ``jax.grad``. A query row with no key left
 to attend returns exactly 0, and its gradient is 0, not NaN.
@@ -60,6 +65,7 @@ def attention(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     key: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention.
 
@@ -79,6 +85,8 @@ def attention(
       softcap: scores become softcap · tanh(scores / softcap) before masking.
       dropout_p: probability of zeroing each attention weight (needs ``key``).
       key: the ``jax.random`` key that draws the dropout mask.
+      sinks: (H,), same dtype as q: one logit per query head that joins every row's
+        softmax and carries no value (gpt-oss); None for none.
 
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
@@ -87,6 +95,7 @@ def attention(
     # argument, the expected shape and what was given.
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     mask = None if mask is None else jnp.asarray(mask)
+    sinks = None if sinks is None else jnp.asarray(sinks)
     call = contract.check(
         q,
         k,
@@ -99,6 +108,7 @@ def attention(
         softcap=softcap,
         dropout_p=dropout_p,
         random=("key", key, _is_key(key), "a jax.random key"),
+        sinks=sinks,
     )
     if call.unbatched:
         q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
@@ -110,6 +120,7 @@ def attention(
         v,
         mask,
         key if call.dropout_p > 0 else None,
+        sinks,
         scale=call.scale,
         is_causal=call.is_causal,
         causal_alignment=call.causal_alignment,
@@ -130,6 +141,7 @@ def _attend(
     v: jax.Array,
     mask: jax.Array | None,
     key: jax.Array | None,
+    sinks: jax.Array | None,
     *,
     scale: float,
     is_causal: bool,
@@ -177,15 +189,30 @@ def _attend(
     # 5. Softmax over the keys, less the row maximum so that exp() <= 1. A row with no key
     # left has maximum -inf and gets weights of exactly 0 (see Notes: empty rows).
     row_max = scores.max(axis=-1, keepdims=True, initial=-jnp.inf)  # (B, H, T, 1)
+    if sinks is not None:
+        # A sink joins the maximum of every row that has a key (see Notes: sinks).
+        sink = _sink_logits(sinks.astype(work), row_max, H)  # (B, H, T, 1)
+        row_max = jnp.maximum(row_max, sink)  # (B, H, T, 1)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
     shifted = scores - row_max  # (B, H, T, S)
     # Shifted once more by the largest difference itself, so that it is exactly 0 even where
     # XLA fuses step 2's multiply into the subtraction (see Notes: fused multiply-add).
     shift = shifted.max(axis=-1, keepdims=True, initial=-jnp.inf)  # (B, H, T, 1)
-    shifted = shifted - jnp.where(jnp.isfinite(shift), shift, 0.0)  # (B, H, T, S)
+    if sinks is not None:
+        shift = jnp.maximum(shift, sink - row_max)  # (B, H, T, 1)
+    shift = jnp.where(jnp.isfinite(shift), shift, 0.0)  # (B, H, T, 1)
+    shifted = shifted - shift  # (B, H, T, S)
     p = jnp.exp(shifted)  # (B, H, T, S)
     row_sum = p.sum(axis=-1, keepdims=True)  # (B, H, T, 1)
+    if sinks is not None:
+        # The sink takes its share of the sum, and has no value row to give anything back.
+        row_sum = row_sum + jnp.exp(sink - row_max - shift)  # (B, H, T, 1)
     weights = p / jnp.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
+    if sinks is not None:
+        # A NaN or +inf sink makes its row NaN, as +inf - +inf does in the softmax (SPEC
+        # §15.4); the shift by a finite row maximum above cannot show it, so it is selected.
+        bad = jnp.isnan(sink) | (sink == jnp.inf)  # (B, H, T, 1)
+        weights = jnp.where(bad, jnp.nan, weights)  # (B, H, T, S)
 
     # 6. Dropout: zero each weight with probability dropout_p and rescale the survivors
     # by 1 / (1 - dropout_p), so the expected output is unchanged.
@@ -197,6 +224,13 @@ def _attend(
     out = jnp.einsum("bhts,bhse->bhte", weights, v)  # (B, H, T, E)
     out = out.astype(out_dtype)  # (B, H, T, E)
     return out
+
+
+def _sink_logits(sinks: jax.Array, row_max: jax.Array, H: int) -> jax.Array:
+    """Each row's sink logit, (B, H, T, 1): sinks[h] in the rows of head h that have a key,
+    and -inf (no sink) in a row with none, which stays exactly 0 whatever its sink holds."""
+    has_key = row_max != -jnp.inf  # (B, H, T, 1); NaN != -inf: a NaN row has keys
+    return jnp.where(has_key, sinks.reshape(1, H, 1, 1), -jnp.inf)  # (B, H, T, 1)
 
 
 def _allowed(
@@ -360,11 +394,12 @@ def attention_vjp(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     dropout_p: float = 0.0,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """Gradients of ``attention`` by ``jax.vjp``: JAX differentiates the jitted steps 1-7.
 
     Args:
-      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap: as for
+      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks: as for
         ``attention`` (no dropout: its gradient needs the forward's random draw).
       d_out: ∂L/∂out, shaped like the output, (B, H, T, E) or (H, T, E), in q's dtype.
 
@@ -372,12 +407,13 @@ def attention_vjp(
       (dq, dk, dv) shaped like q, k, v, for the loss L = Σ d_out · attention(q, k, v, ...);
       with a floating mask, (dq, dk, dv, dmask), dmask shaped like the mask (JAX's
       transpose of the broadcast sums the axes it was broadcast along). A bool mask has
-      no gradient.
+      no gradient. With sinks, dsinks (H,) comes last.
     """
     # 0. Validate as the forward does (eagerly, so errors are ours, not a tracer's), and
     # d_out against the output's shape.
     q, k, v, d_out = (jnp.asarray(x) for x in (q, k, v, d_out))
     mask = None if mask is None else jnp.asarray(mask)
+    sinks = None if sinks is None else jnp.asarray(sinks)
     call = contract.check(
         q,
         k,
@@ -391,12 +427,14 @@ def attention_vjp(
         dropout_p=dropout_p,
         unsupported={"dropout_p": "the backward pass would need the forward's random draw"},
         d_out=d_out,
+        sinks=sinks,
     )
     return _attend_vjp(
         q,
         k,
         v,
         mask,
+        sinks,
         d_out,
         mask_shape=call.mask_shape,
         unbatched=call.unbatched,
@@ -424,26 +462,34 @@ def _attend_vjp(
     k: jax.Array,
     v: jax.Array,
     mask: jax.Array | None,
+    sinks: jax.Array | None,
     d_out: jax.Array,
     *,
     mask_shape: tuple[int, int, int, int] | None,
     unbatched: bool,
     **options,
 ) -> tuple[jax.Array, ...]:
-    """jax.vjp of the mask's reshape and steps 1-7, compiled once per shape and options."""
+    """jax.vjp of the mask's reshape and steps 1-7, compiled once per shape and options;
+    the sinks, when given, are differentiated last."""
 
-    def forward(q, k, v, mask):
+    def forward(q, k, v, mask, sinks):
         if unbatched:
             q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
         if mask is not None:
             mask = mask.reshape(mask_shape)  # (B|1, H|1, T|1, S|1)
-        out = _attend(q, k, v, mask, None, dropout_p=0.0, **options)  # (B, H, T, E)
+        out = _attend(q, k, v, mask, None, sinks, dropout_p=0.0, **options)  # (B, H, T, E)
         return out[0] if unbatched else out
 
-    if mask is not None and mask.dtype != jnp.bool_:
-        _, pullback = jax.vjp(forward, q, k, v, mask)
-    else:
-        _, pullback = jax.vjp(lambda q, k, v: forward(q, k, v, mask), q, k, v)
+    float_mask = mask is not None and mask.dtype != jnp.bool_
+    primals = [q, k, v] + ([mask] if float_mask else []) + ([sinks] if sinks is not None else [])
+
+    def differentiated(q, k, v, *rest):
+        rest = list(rest)
+        given_sinks = rest.pop() if sinks is not None else None
+        given_mask = rest.pop() if float_mask else mask
+        return forward(q, k, v, given_mask, given_sinks)
+
+    _, pullback = jax.vjp(differentiated, *primals)
     return pullback(d_out)
 
 
@@ -514,6 +560,13 @@ def _is_key(key: object) -> bool:
 # changes nothing. Whether XLA fuses depends on the processor, so a machine without FMA
 # passes either way: the test that catches it (SPEC §8.4, scale 1e30) needs one that has it.
 
+# Sinks (step 5). An attention sink (gpt-oss; StreamingLLM's sink tokens in masking form) is
+# one more logit per query head in every row's softmax, with no value row: its weight goes
+# "nowhere", so a head can attend to nothing in particular. It joins the row maximum, so
+# exp() stays <= 1 even for a sink of 1e4, and the sum, not the numerator: the keys' weights
+# then add up to 1 - p_sink. It is not scaled, softcapped, masked or dropped. A row with no
+# key has no softmax at all and stays 0 (SPEC §15.3), so its sink is left out.
+#
 # Gradients through empty rows (step 5). Both guards of step 5 are jnp.where on the value
 # that would be bad (the "double where"): the branch not taken gets a zero cotangent, so
 # jax.grad through a row with no key is 0, not NaN.

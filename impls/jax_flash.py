@@ -42,6 +42,12 @@ are padded up to multiples of the block sizes; padded keys are masked like block
 and padded query rows are cut off at the end. The query blocks are a ``lax.fori_loop``
 writing into the output, and the key blocks an inner ``lax.fori_loop`` carrying (m, l, a).
 
+Sinks. An attention sink (one logit per query head, gpt-oss) is one more term of the row
+sum l with no value row: after the last key block it is folded in like one more block,
+m' = max(m, sink), l' = exp(m - m') · l + exp(sink - m'), a' = exp(m - m') · a, so a sink
+of 1e4 cannot overflow either. A row with no key keeps l = 0 and returns 0. Its gradient
+is −Σ_t exp(sink − lse[t]) · Δ[t], from the backward's own lse and Δ.
+
 Skipping blocks. Causal and window masks are bands around the diagonal, so for query block
 i only the key blocks [first(i), last(i)) can hold a visible key: the inner loop runs
 over just those (``fori_loop`` accepts traced bounds; it becomes a while loop). That
@@ -106,7 +112,7 @@ its G query heads, not G times, and no input is repeated or copied, which the
 memory-efficient impls must avoid (the teaching reference repeats k and v instead).
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, softcapping, grouped-query and multi-query attention (K < H), float64, float32,
+windows, softcapping, attention sinks, grouped-query and multi-query attention (K < H), float64, float32,
 float16 and bfloat16 (computed in float32 and rounded once), and the backward pass of all
 of them with a float mask's gradient. A query row with no key left
 to attend returns exactly 0. Float64 needs ``jax.config.update("jax_enable_x64", True)``
@@ -141,6 +147,7 @@ def attention(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     key: jax.Array | None = None,
+    sinks: jax.Array | None = None,
     block_q: int = 512,
     block_k: int = 256,
 ) -> jax.Array:
@@ -162,6 +169,8 @@ def attention(
       softcap: scores become softcap · tanh(scores / softcap) before masking.
       dropout_p: must be 0; dropout is not supported here.
       key: unused (dropout is not supported).
+      sinks: (H,), same dtype as q: one logit per query head that joins every row's
+        softmax and carries no value; None for none.
       block_q: Tb, queries per tile (per query head); shrunk to T when T is smaller.
       block_k: Sb, keys per tile; shrunk to S when S is smaller.
 
@@ -171,14 +180,14 @@ def attention(
     # 0. Validate: the input contract every impl shares (contract.py) checks shapes,
     # dtypes and options, and names the argument, the expected shape and what was given.
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
-    options.update(window=window, softcap=softcap, dropout_p=dropout_p)
-    call, (q, k, v, mask), static = _prepare(q, k, v, mask, options, block_q, block_k)
+    options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
+    call, (q, k, v, mask, sinks), static = _prepare(q, k, v, mask, options, block_q, block_k)
     if call.T == 0 or call.S == 0:
         # Nothing to tile: with T = 0 there is no query, and with S = 0 every query has
         # no key, so every output row is exactly 0, whatever q holds.
         out = jnp.zeros((call.B, call.H, call.T, call.E), dtype=q.dtype)  # (B, H, T, E)
     else:
-        out = _flash(q, k, v, mask, **static)  # (B, H, T, E)
+        out = _flash(q, k, v, mask, sinks, **static)  # (B, H, T, E)
     return out[0] if call.unbatched else out
 
 
@@ -195,6 +204,7 @@ def attention_vjp(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     dropout_p: float = 0.0,
+    sinks: jax.Array | None = None,
     block_q: int = 512,
     block_k: int = 256,
 ) -> tuple[jax.Array, ...]:
@@ -202,7 +212,7 @@ def attention_vjp(
     docstring; the derivation is ``numpy_flash.attention_vjp``'s).
 
     Args:
-      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, block_q,
+      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks, block_q,
         block_k: as for ``attention`` (no dropout: its gradient needs the forward's
         random draw).
       d_out: ∂L/∂out, shaped like the output, (B, H, T, E) or (H, T, E), in q's dtype.
@@ -211,27 +221,30 @@ def attention_vjp(
     Returns:
       (dq, dk, dv) shaped and typed like q, k, v, for L = Σ d_out · attention(q, k, v,
       ...); with a floating mask, (dq, dk, dv, dmask), dmask shaped and typed like the
-      mask: ∂L/∂mask, summed over the axes the mask was broadcast along.
+      mask: ∂L/∂mask, summed over the axes the mask was broadcast along. With sinks,
+      dsinks (H,) typed like sinks comes last.
     """
     # 0. Validate as the forward does, and d_out against the output's shape and dtype.
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
-    options.update(window=window, softcap=softcap, dropout_p=dropout_p)
+    options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
     d_out = jnp.asarray(d_out)
     given = None if mask is None else jnp.shape(mask)  # dmask is shaped like this
-    call, (q, k, v, mask), static = _prepare(q, k, v, mask, options, block_q, block_k, d_out=d_out)
+    call, (q, k, v, mask, sinks), static = _prepare(
+        q, k, v, mask, options, block_q, block_k, d_out=d_out
+    )
     float_mask = mask is not None and not call.mask_is_bool
     if call.T == 0 or call.S == 0:
         # Nothing attends anything: every gradient is exactly 0.
         grads = tuple(jnp.zeros_like(x) for x in (q, k, v))
-        if float_mask:
-            grads += (jnp.zeros_like(mask),)  # (B|1, H|1, T|1, S|1)
+        grads += (jnp.zeros_like(mask),) if float_mask else (None,)  # (B|1, H|1, T|1, S|1)
+        grads += (None if sinks is None else jnp.zeros_like(sinks),)  # (H,)
     else:
         d_out = d_out[None] if call.unbatched else d_out  # (B, H, T, E)
-        grads = _flash_vjp(q, k, v, mask, d_out, **static)
+        grads = _flash_vjp(q, k, v, mask, sinks, d_out, **static)
     dq, dk, dv = (g[0] if call.unbatched else g for g in grads[:3])
-    if not float_mask:
-        return dq, dk, dv
-    return dq, dk, dv, grads[3].reshape(given)  # the mask's shape
+    extra = (grads[3].reshape(given),) if float_mask else ()  # the mask's shape
+    extra += (grads[4],) if sinks is not None else ()  # (H,)
+    return (dq, dk, dv, *extra)
 
 
 @functools.partial(
@@ -243,6 +256,7 @@ def _flash(
     k: jax.Array,
     v: jax.Array,
     mask: jax.Array | None,
+    sinks: jax.Array | None,
     *,
     scale: float,
     is_causal: bool,
@@ -265,7 +279,9 @@ def _flash(
         # applied to it once, here: Tb·D multiplies instead of Tb·S.
         qi = tiles.queries(i, scale)  # (B, K, G·Tb, D)
         # Steps 3-5 and 7, key block by key block (_Tiles.online_softmax).
-        _, l, acc = tiles.online_softmax(qi, i)
+        m, l, acc = tiles.online_softmax(qi, i)
+        if sinks is not None:
+            _, l, acc = _add_sink(m, l, acc, tiles.sink_rows(sinks))
         # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
         acc = acc / jnp.where(l > 0, l, 1.0)[..., None]  # (B, K, G·Tb, E)
         acc = acc.reshape(B, H, Tb, E).astype(out_dtype)  # (B, H, Tb, E)
@@ -285,6 +301,7 @@ def _flash_vjp(
     k: jax.Array,
     v: jax.Array,
     mask: jax.Array | None,
+    sinks: jax.Array | None,
     d_out: jax.Array,
     *,
     scale: float,
@@ -295,8 +312,9 @@ def _flash_vjp(
     Tb: int,
     Sb: int,
 ) -> tuple[jax.Array, ...]:
-    """The backward on checked, batched inputs: (dq, dk, dv) and, with a float mask,
-    dmask shaped (B|1, H|1, T|1, S|1); compiled once per shape, dtype and options."""
+    """The backward on checked, batched inputs: (dq, dk, dv, dmask, dsinks), dmask shaped
+    (B|1, H|1, T|1, S|1) with a float mask and dsinks (H,) with sinks, else None;
+    compiled once per shape, dtype and options."""
     B, H, T, D = q.shape
     _, K, S, _ = k.shape
     E = v.shape[-1]
@@ -306,12 +324,15 @@ def _flash_vjp(
     d_out = jnp.pad(d_out, ((0, 0), (0, 0), (0, tiles.Tp - T), (0, 0)))  # (B, H, Tp, E)
 
     def query_block(i: jax.Array, grads: tuple) -> tuple:
-        dq, dk, dv, dm = grads
+        dq, dk, dv, dm, ds = grads
         # Forward steps 1-5 and 7 for this block, as in ``attention``: its rows' output
         # O and log-sum-exp, the one number per row the backward needs. A row with no key
         # has l = 0: its lse is +inf, so that its weights exp(Z − lse) are all 0.
         qi = tiles.queries(i, scale)  # (B, K, G·Tb, D)
         m, l, acc = tiles.online_softmax(qi, i)
+        if sinks is not None:
+            sink = tiles.sink_rows(sinks)  # (B, K, G·Tb)
+            m, l, acc = _add_sink(m, l, acc, sink)
         some = l > 0  # (B, K, G·Tb)
         o = acc / jnp.where(some, l, 1.0)[..., None]  # (B, K, G·Tb, E)
         m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # (B, K, G·Tb)
@@ -322,21 +343,28 @@ def _flash_vjp(
         do = do.reshape(B, K, G * Tb, E)  # (B, K, G·Tb, E)
         delta = (do * o).sum(axis=-1)  # (B, K, G·Tb)
 
+        # 5'. Sinks: dsink = −Σ_t p_sink · Δ, p_sink = exp(sink − lse) (0 with no key).
+        if sinks is not None:
+            p_sink = jnp.where(some, jnp.exp(sink - lse), 0.0)  # (B, K, G·Tb)
+            d_rows = -(p_sink * delta).reshape(B, K, G, Tb)  # (B, K, G, Tb)
+            ds = ds + d_rows.sum(axis=(0, 3)).reshape(H)  # (H,)
+
         # The backward over the block's key blocks; dq gets the scale once, here.
         dq_i = jnp.zeros((B, K, G * Tb, D), dtype=work)  # (B, K, G·Tb, D)
         body = functools.partial(_backward_tile, tiles, i, qi, do, lse, delta)
         dq_i, dk, dv, dm = tiles.walk(i, body, (dq_i, dk, dv, dm))
         dq_i = (dq_i * scale).reshape(B, H, Tb, D).astype(q.dtype)  # (B, H, Tb, D)
         dq = lax.dynamic_update_slice_in_dim(dq, dq_i, i * Tb, axis=2)  # (B, H, Tp, D)
-        return dq, dk, dv, dm
+        return dq, dk, dv, dm, ds
 
     grads = (
         jnp.zeros((B, H, tiles.Tp, D), dtype=q.dtype),  # dq: (B, H, Tp, D)
         jnp.zeros((B, K, tiles.Sp, D), dtype=work),  # dk: (B, K, Sp, D)
         jnp.zeros((B, K, tiles.Sp, E), dtype=work),  # dv: (B, K, Sp, E)
         jnp.zeros(tiles.mask.shape, dtype=work) if float_mask else None,  # dmask, padded
+        None if sinks is None else jnp.zeros((H,), dtype=work),  # dsinks: (H,)
     )
-    dq, dk, dv, dm = lax.fori_loop(0, tiles.nT, query_block, grads)
+    dq, dk, dv, dm, ds = lax.fori_loop(0, tiles.nT, query_block, grads)
     out = (
         dq[:, :, :T],  # (B, H, T, D)
         dk[:, :, :S].astype(q.dtype),  # (B, K, S, D)
@@ -346,7 +374,27 @@ def _flash_vjp(
         t = T if mask.shape[2] != 1 else 1
         s = S if mask.shape[3] != 1 else 1
         out += (dm[:, :, :t, :s].astype(mask.dtype),)  # (B|1, H|1, T|1, S|1)
-    return out
+    else:
+        out += (None,)
+    return out + (None if sinks is None else ds.astype(sinks.dtype),)  # dsinks: (H,)
+
+
+def _add_sink(
+    m: jax.Array, l: jax.Array, acc: jax.Array, sink: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Fold each row's sink into its (m, l, acc) after the last key block, as one more
+    block of one key whose value row is 0 (the module docstring's Sinks): a row with no
+    key (l = 0) is left alone, and a NaN or +inf sink makes a row with a key NaN (SPEC
+    §15.4)."""
+    some = l > 0  # (B, K, G·Tb)
+    sink = jnp.where(some, sink, -jnp.inf)  # (B, K, G·Tb)
+    m_new = jnp.maximum(m, sink)  # (B, K, G·Tb)
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # (B, K, G·Tb)
+    alpha = jnp.exp(m - m_safe)  # (B, K, G·Tb)
+    l = alpha * l + jnp.exp(sink - m_safe)  # (B, K, G·Tb)
+    bad = jnp.isnan(sink) | (sink == jnp.inf)  # (B, K, G·Tb)
+    acc = jnp.where(bad[..., None], jnp.nan, alpha[..., None] * acc)  # (B, K, G·Tb, E)
+    return m_new, jnp.where(bad, jnp.nan, l), acc
 
 
 def _backward_tile(tiles, i, qi, do, lse, delta, j, grads, banded_tile):
@@ -577,6 +625,13 @@ class _Tiles:
         )
         return self.walk(i, key_block, carry)
 
+    def sink_rows(self, sinks: jax.Array) -> jax.Array:
+        """Each row's sink logit in the grouped layout, (B, K, G·Tb): row g·Tb + t of
+        key/value head k belongs to query head h = k·G + g."""
+        rows = sinks.astype(self.work).reshape(1, self.K, self.G, 1)  # (1, K, G, 1)
+        rows = jnp.broadcast_to(rows, (self.B, self.K, self.G, self.Tb))  # (B, K, G, Tb)
+        return rows.reshape(self.B, self.K, self.G * self.Tb)  # (B, K, G·Tb)
+
     def add_mask_grad(self, dm: jax.Array, dz: jax.Array, i: jax.Array, j: jax.Array):
         """4'. dmask += dZ on tile (i, j), summed over the axes along which one mask entry
         served many scores (broadcasting). dm: (B|1, H|1, Tp|1, Sp|1)."""
@@ -591,10 +646,12 @@ class _Tiles:
 
 
 def _prepare(q, k, v, mask, options: dict, block_q: int, block_k: int, d_out=None):
-    """Step 0 and the static options: (the checked call, the batched q, k, v and the
-    mask as (B|1, H|1, T|1, S|1), the keyword arguments of ``_flash``)."""
+    """Step 0 and the static options: (the checked call, the batched q, k, v, the mask as
+    (B|1, H|1, T|1, S|1) and the sinks (H,), the keyword arguments of ``_flash``)."""
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     mask = None if mask is None else jnp.asarray(mask)
+    sinks = options.pop("sinks")
+    sinks = None if sinks is None else jnp.asarray(sinks)
     call = contract.check(
         q,
         k,
@@ -604,6 +661,7 @@ def _prepare(q, k, v, mask, options: dict, block_q: int, block_k: int, d_out=Non
         unsupported={"dropout_p": "jax-flash is blockwise attention without dropout"},
         tiles={"block_q": block_q, "block_k": block_k},
         d_out=d_out,
+        sinks=sinks,
     )
     if call.unbatched:
         q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
@@ -620,7 +678,7 @@ def _prepare(q, k, v, mask, options: dict, block_q: int, block_k: int, d_out=Non
         Tb=max(1, min(block_q, call.T)),
         Sb=max(1, min(block_k, call.S)),
     )
-    return call, (q, k, v, mask), static
+    return call, (q, k, v, mask, sinks), static
 
 
 def _mask_tile(mask: jax.Array, i: jax.Array, j: jax.Array, Tb: int, Sb: int):

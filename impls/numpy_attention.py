@@ -11,6 +11,10 @@ Step by step, for one query row t:
     w[s]      = exp(score[s] - max) / Σ exp(score - max)
     out[t, e] = Σ_s w[s] · v[s, e]
 
+With attention sinks (one logit sink[h] per query head), the sink joins the row's max and
+its sum, but has no value row: w[s] = exp(score[s] - max) / (exp(sink - max) + Σ exp(score
+- max)), so a row's weights sum to less than 1.
+
 Shape legend (heads-first, as in PyTorch):
 
     B batch            H query heads      K key/value heads (H % K == 0)
@@ -20,9 +24,10 @@ Shape legend (heads-first, as in PyTorch):
     q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
     mask: bool (True = may attend) or floating (added to the scores), broadcastable to
     (B, H, T, S). Unbatched q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
+    sinks (H,): one logit per query head.
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, softcapping, grouped-query and multi-query attention (K < H), dropout (with an
+windows, softcapping, attention sinks, grouped-query and multi-query attention (K < H), dropout (with an
 explicit ``numpy.random.Generator``), float64, float32, float16 and bfloat16
 (``ml_dtypes``). A query row with no key left to attend returns exactly 0.
 
@@ -55,6 +60,7 @@ def attention(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     rng: np.random.Generator | None = None,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """Scaled dot-product attention.
 
@@ -74,6 +80,8 @@ def attention(
       softcap: scores become softcap · tanh(scores / softcap) before masking.
       dropout_p: probability of zeroing each attention weight (needs ``rng``).
       rng: the random generator that draws the dropout mask.
+      sinks: (H,), same dtype as q: one logit per query head that joins every row's
+        softmax and carries no value (gpt-oss); None for none.
 
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
@@ -82,6 +90,7 @@ def attention(
     # argument, the expected shape and what was given.
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     mask = None if mask is None else np.asarray(mask)
+    sinks = None if sinks is None else np.asarray(sinks)
     call = contract.check(
         q,
         k,
@@ -94,6 +103,7 @@ def attention(
         softcap=softcap,
         dropout_p=dropout_p,
         random=("rng", rng, isinstance(rng, np.random.Generator), "a numpy.random.Generator"),
+        sinks=sinks,
     )
     B, H, T, S, G = call.B, call.H, call.T, call.S, call.G
     if call.unbatched:
@@ -137,13 +147,25 @@ def attention(
     # 5. Softmax over the keys, less the row maximum so that exp() <= 1. A row with no key
     # left has maximum -inf and gets weights of exactly 0 (see Notes: empty rows).
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)  # (B, H, T, 1)
+    if sinks is not None:
+        # A sink joins the maximum of every row that has a key (see Notes: sinks).
+        sink = _sink_logits(sinks.astype(work), row_max, H)  # (B, H, T, 1)
+        row_max = np.maximum(row_max, sink)  # (B, H, T, 1)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
     p = np.exp(scores - row_max)  # (B, H, T, S)
     row_sum = p.sum(axis=-1, keepdims=True)  # (B, H, T, 1)
+    if sinks is not None:
+        # The sink takes its share of the sum, and has no value row to give anything back.
+        with np.errstate(over="ignore", invalid="ignore"):
+            row_sum = row_sum + np.exp(sink - row_max)  # (B, H, T, 1)
     # A row that reads +inf or NaN becomes NaN here (inf / inf), as SPEC §3.8 and §4.9
     # define: the answer, not an error, so NumPy is not to warn about it.
     with np.errstate(invalid="ignore"):
         weights = p / np.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
+    if sinks is not None:
+        # A NaN or +inf sink makes its row NaN, as +inf - +inf does in the softmax (SPEC
+        # §15.4); the shift by a finite row maximum above cannot show it, so it is selected.
+        weights = np.where(np.isnan(sink) | (sink == np.inf), np.nan, weights)  # (B, H, T, S)
 
     # 6. Dropout: zero each weight with probability dropout_p and rescale the survivors
     # by 1 / (1 - dropout_p), so the expected output is unchanged.
@@ -155,6 +177,13 @@ def attention(
     out = np.einsum("bhts,bhse->bhte", weights, v)  # (B, H, T, E)
     out = out.astype(out_dtype)  # (B, H, T, E)
     return out[0] if call.unbatched else out
+
+
+def _sink_logits(sinks: np.ndarray, row_max: np.ndarray, H: int) -> np.ndarray:
+    """Each row's sink logit, (B, H, T, 1): sinks[h] in the rows of head h that have a key,
+    and -inf (no sink) in a row with none, which stays exactly 0 whatever its sink holds."""
+    has_key = row_max != -np.inf  # (B, H, T, 1); NaN != -inf: a NaN row has keys
+    return np.where(has_key, sinks.reshape(1, H, 1, 1), -np.inf)  # (B, H, T, 1)
 
 
 def _allowed(mask: np.ndarray | None, call: contract.Checked) -> np.ndarray:
@@ -323,6 +352,13 @@ def gpt_block(params: dict[str, np.ndarray], x: np.ndarray, *, n_heads: int) -> 
 # exactly 0 (as PyTorch SDPA and FlashAttention do) instead of the NaN that exp(-inf - -inf)
 # would give. With S = 0 every row is such a row: the maximum starts from -inf, since an
 # empty axis has no maximum of its own.
+#
+# Sinks (step 5). An attention sink (gpt-oss; StreamingLLM's sink tokens in masking form) is
+# one more logit per query head in every row's softmax, with no value row: its weight goes
+# "nowhere", so a head can attend to nothing in particular. It joins the row maximum, so
+# exp() stays <= 1 even for a sink of 1e4, and the sum, not the numerator: the keys' weights
+# then add up to 1 - p_sink. It is not scaled, softcapped, masked or dropped. A row with no
+# key has no softmax at all and stays 0 (SPEC §15.3), so its sink is left out.
 #
 # NumPy's warnings (step 5). A row that reads +inf (a +inf float mask entry, a score that
 # overflowed) or NaN has a row sum of inf or NaN, and its weights come out NaN: the answer

@@ -21,6 +21,13 @@ dZ[s] = Σ_s' dP[s'] P[s'] (δ(s', s) − P[s]) = P[s] (dP[s] − Σ_s' P[s'] dP
 sum Σ_s' P[s'] dP[s'] = Σ_s' P[s'] (dO · v[s']) = dO · O: one dot product per row, from
 the output the forward already made (FlashAttention's "D" term), not a (T, S) reduction.
 
+An attention sink is one more logit in each row's softmax whose value row is 0: its dP is
+0, so the lines above hold as written (P the weights with the sink in their sum, O the
+output), and ∂P[s']/∂sink = −P[s'] · p_sink gives its own gradient, summed over the
+batch and the queries of its head:
+
+    dsink = − Σ_t p_sink[t] · Σ_s' P[t,s'] dP[t,s'] = − Σ_t p_sink[t] · (dO[t]·O[t])
+
 Blocked keys need no step of their own: their weight P is exactly 0, so dZ = 0 there and
 nothing flows to their keys, values or mask entries. A row with no key at all has P = 0
 and O = 0 and so gets zero gradients, never NaN.
@@ -38,7 +45,7 @@ Shape legend (heads-first, as in PyTorch):
     q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    d_out, out (B, H, T, E)
 
 Supports every option of the forward but dropout (its gradient needs the forward's random
-draw): masks, both causal alignments, windows, softcap, GQA, unbatched inputs, float64,
+draw): masks, both causal alignments, windows, softcap, sinks, GQA, unbatched inputs, float64,
 float32, float16 and bfloat16 (computed in float32, each gradient rounded once). Also
 here: the parameter gradients of the multi-head layer and the pre-LN GPT block.
 
@@ -70,11 +77,12 @@ def attention_backward(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     dropout_p: float = 0.0,
+    sinks: np.ndarray | None = None,
 ) -> tuple[np.ndarray, ...]:
-    """Gradients of ``attention`` with respect to q, k, v (and a float mask).
+    """Gradients of ``attention`` with respect to q, k, v (and a float mask, and sinks).
 
     Args:
-      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap: as for
+      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks: as for
         ``attention`` (no dropout: the backward of a random draw needs the draw itself).
       d_out: ∂L/∂out, the gradient arriving from above, shaped like the output:
         (B, H, T, E) or unbatched (H, T, E), same dtype as q.
@@ -84,10 +92,12 @@ def attention_backward(
       (dq, dk, dv): (B, H, T, D), (B, K, S, D), (B, K, S, E), or unbatched without B;
       same dtype as q. With a floating mask, (dq, dk, dv, dmask) with dmask shaped and
       typed like the mask: ∂L/∂mask, summed over the axes the mask was broadcast along.
+      With sinks, dsinks (H,) typed like sinks comes last: (dq, dk, dv[, dmask], dsinks).
     """
     # 0. Validate with the forward's contract, and d_out against the output's shape.
     q, k, v, d_out = np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(d_out)
     mask = None if mask is None else np.asarray(mask)
+    sinks = None if sinks is None else np.asarray(sinks)
     call = contract.check(
         q,
         k,
@@ -101,6 +111,7 @@ def attention_backward(
         dropout_p=dropout_p,
         unsupported={"dropout_p": "the backward pass would need the forward's random draw"},
         d_out=d_out,
+        sinks=sinks,
     )
     B, K, G, S, D, E = call.B, call.K, call.G, call.S, call.D, call.E
     if call.unbatched:
@@ -115,9 +126,10 @@ def attention_backward(
     k = np.repeat(k, G, axis=1)  # (B, H, S, D)
     v = np.repeat(v, G, axis=1)  # (B, H, S, E)
 
-    # Forward steps 1-5 and 7 again, keeping the raw scores R, the weights P and the output
-    # O, with the key and value rows that no query of their head sees replaced by 0.
-    k, v, used, raw, weights, out = _forward(q, k, v, mask, call, work)
+    # Forward steps 1-5 and 7 again, keeping the raw scores R, the weights P, the sinks'
+    # weights and the output O, with the key and value rows that no query of their head
+    # sees replaced by 0.
+    k, v, used, raw, weights, sink_weights, out = _forward(q, k, v, mask, sinks, call, work)
 
     # 7'. Weighted sum, out = P·V. Each value row s was used by every query t with weight
     # P[t, s], so dV = Pᵀ·dO ...
@@ -129,6 +141,12 @@ def attention_backward(
     # coupling shows: raising one score lowers every other weight of its row.
     d_row = np.sum(d_out * out, axis=-1, keepdims=True)  # (B, H, T, 1)
     d_scores = weights * (d_weights - d_row)  # (B, H, T, S)
+
+    # 5'. Sinks: the sink's value row is 0, so its dZ is p_sink · (0 − rowsum(dO ⊙ O)),
+    # summed over the batch and the queries that share the head's sink.
+    d_sinks = None
+    if sinks is not None:
+        d_sinks = -np.sum(sink_weights * d_row, axis=(0, 2, 3))  # (H,)
 
     # 4'. Mask: a float mask was added to the scores, so its gradient is dZ itself, summed
     # over every axis along which one mask entry served many scores (broadcasting). A
@@ -164,7 +182,11 @@ def attention_backward(
     grads = [d_q.astype(out_dtype), d_k.astype(out_dtype), d_v.astype(out_dtype)]
     if call.unbatched:
         grads = [g[0] for g in grads]
-    return (*grads, d_mask) if d_mask is not None else tuple(grads)
+    if d_mask is not None:
+        grads.append(d_mask)
+    if d_sinks is not None:
+        grads.append(d_sinks.astype(out_dtype))
+    return tuple(grads)
 
 
 def _forward(
@@ -172,12 +194,14 @@ def _forward(
     k: np.ndarray,
     v: np.ndarray,
     mask: np.ndarray | None,
+    sinks: np.ndarray | None,
     call: contract.Checked,
     work: type,
 ) -> tuple[np.ndarray, ...]:
     """``numpy_attention.attention``'s steps 1-5 and 7 on batched, repeated inputs in the
     working precision, keeping what the backward pass reads: k and v with their unused
-    rows zeroed, which slots are used, the raw scores R, the weights P and the output O."""
+    rows zeroed, which slots are used, the raw scores R, the weights P, the sinks' weights
+    p_sink (B, H, T, 1) (None without sinks) and the output O."""
     allowed = forward._allowed(mask, call)  # (B|1, H|1, T, S)
     used = allowed.any(axis=2)[..., None]  # (B|1, H|1, S, 1)
     k = np.where(used, k, 0.0)  # (B, H, S, D)
@@ -192,14 +216,28 @@ def _forward(
         scores = scores + mask.astype(work)  # (B, H, T, S)
     scores = np.where(allowed, scores, -np.inf)  # (B, H, T, S)
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)  # (B, H, T, 1)
+    if sinks is not None:
+        sink = forward._sink_logits(sinks.astype(work), row_max, call.H)  # (B, H, T, 1)
+        row_max = np.maximum(row_max, sink)  # (B, H, T, 1)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
     p = np.exp(scores - row_max)  # (B, H, T, S)
     row_sum = p.sum(axis=-1, keepdims=True)  # (B, H, T, 1)
+    sink_weights = None
+    if sinks is not None:
+        with np.errstate(over="ignore", invalid="ignore"):
+            p_sink = np.exp(sink - row_max)  # (B, H, T, 1)
+        row_sum = row_sum + p_sink  # (B, H, T, 1)
     # A row that reads +inf or NaN becomes NaN here (inf / inf), as in the forward.
     with np.errstate(invalid="ignore"):
         weights = p / np.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
+        if sinks is not None:
+            sink_weights = p_sink / np.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, 1)
+    if sinks is not None:
+        bad = np.isnan(sink) | (sink == np.inf)  # (B, H, T, 1): NaN rows, as in the forward
+        weights = np.where(bad, np.nan, weights)  # (B, H, T, S)
+        sink_weights = np.where(bad, np.nan, sink_weights)  # (B, H, T, 1)
     out = np.einsum("bhts,bhse->bhte", weights, v)  # (B, H, T, E)
-    return k, v, used, raw, weights, out
+    return k, v, used, raw, weights, sink_weights, out
 
 
 def _sum_to(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

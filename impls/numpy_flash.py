@@ -39,6 +39,11 @@ against m_safe = 0 in that case, which gives exp(-inf) = 0 for the blocked keys 
 for the (empty) history. A row that never sees a key ends with l = 0 and a = 0, and returns
 exactly 0, as the reference does.
 
+Sinks. An attention sink (one logit per query head, gpt-oss) is one more term of the row
+sum l with no value row: after the last key tile it is folded in like one more block,
+m' = max(m, sink), l' = exp(m - m') · l + exp(sink - m'), a' = exp(m - m') · a, so a sink
+of 1e4 cannot overflow either. A row with no key keeps l = 0 and returns 0.
+
 Skipping tiles. Causal and window masks are bands around the diagonal. For a block of
 queries, the keys split into ranges: keys no row of the block may see are skipped, keys
 every row sees need no masking, and only the two diagonal strips between them (each as
@@ -84,7 +89,7 @@ its G query heads, not G times, and no input is repeated or copied, which the
 memory-efficient impls must avoid (the teaching reference repeats k and v instead).
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, softcapping, grouped-query and multi-query attention (K < H), float64, float32,
+windows, softcapping, attention sinks, grouped-query and multi-query attention (K < H), float64, float32,
 float16 and bfloat16 (``ml_dtypes``, computed in float32 and rounded once), and the
 backward pass of all of them with a float mask's gradient. A query row with no key left
 to attend returns exactly 0. Not supported: dropout (``dropout_p > 0`` raises
@@ -113,6 +118,7 @@ def attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     dropout_p: float = 0.0,
+    sinks: np.ndarray | None = None,
     block_q: int = 256,
     block_k: int = 512,
 ) -> np.ndarray:
@@ -133,6 +139,8 @@ def attention(
         its aligned diagonal; None on a side is unbounded.
       softcap: scores become softcap · tanh(scores / softcap) before masking.
       dropout_p: must be 0; dropout is not supported here.
+      sinks: (H,), same dtype as q: one logit per query head that joins every row's
+        softmax and carries no value; None for none.
       block_q: Tb, queries per tile (per query head).
       block_k: Sb, keys per tile.
 
@@ -142,7 +150,7 @@ def attention(
     # 0. Validate with the input contract every impl shares (contract.py, called in
     # _prepare), and lay the inputs out by key/value head, as views.
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
-    options.update(window=window, softcap=softcap, dropout_p=dropout_p)
+    options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
     call, q, tiles = _prepare(q, k, v, mask, options, block_q, block_k)
     B, H, K, G, T, E = call.B, call.H, call.K, call.G, call.T, call.E
     out = np.empty((B * K, G, T, E), dtype=q.dtype)  # (B·K, G, T, E)
@@ -159,7 +167,9 @@ def attention(
         # Steps 3-5 and 7, key tile by key tile: the online softmax (_online_softmax,
         # below), run through its tuned form (_fast_online_softmax, at the end of the
         # file), which gives the same rows.
-        acc, l, _ = _fast_online_softmax(qs, t0, t1, tiles)
+        acc, l, m = _fast_online_softmax(qs, t0, t1, tiles)
+        if sinks is not None:
+            acc, l, _ = _add_sink(acc, l, m, _sink_rows(sinks, call, Tb, tiles.work))
 
         # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
         # Assigning into out rounds to the output dtype once.
@@ -184,6 +194,7 @@ def attention_vjp(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     dropout_p: float = 0.0,
+    sinks: np.ndarray | None = None,
     block_q: int = 256,
     block_k: int = 512,
 ) -> tuple[np.ndarray, ...]:
@@ -240,8 +251,12 @@ def attention_vjp(
     NaN), and its dK, dV from the block by 0, so that whatever the slot holds, its
     gradients are 0 and no other gradient changes.
 
+    Sinks. The sink joins lse (its term is in l), so P = exp(Z − lse) is already the
+    weight with the sink in the sum; the sink has no value row, so its dP is 0 and its
+    own gradient is dsink = Σ_t p_sink[t] · (0 − Δ[t]) with p_sink = exp(sink − lse).
+
     Args:
-      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, block_q,
+      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks, block_q,
         block_k: as for ``attention`` (no dropout: its gradient needs the forward's
         random draw).
       d_out: ∂L/∂out, shaped like the output, (B, H, T, E) or (H, T, E), in q's dtype.
@@ -250,11 +265,12 @@ def attention_vjp(
     Returns:
       (dq, dk, dv) shaped and typed like q, k, v, for L = Σ d_out · attention(q, k, v,
       ...); with a floating mask, (dq, dk, dv, dmask), dmask shaped and typed like the
-      mask: ∂L/∂mask, summed over the axes the mask was broadcast along.
+      mask: ∂L/∂mask, summed over the axes the mask was broadcast along. With sinks,
+      dsinks (H,) typed like sinks comes last.
     """
     # 0. Validate as the forward does, and d_out against the output's shape and dtype.
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
-    options.update(window=window, softcap=softcap, dropout_p=dropout_p)
+    options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
     d_out = np.asarray(d_out)
     call, q, tiles = _prepare(q, k, v, mask, options, block_q, block_k, d_out=d_out)
     B, H, K, G, T, S, D, E = call.B, call.H, call.K, call.G, call.T, call.S, call.D, call.E
@@ -265,6 +281,7 @@ def attention_vjp(
     dv = np.zeros((B * K, S, E), dtype=work)  # (B·K, S, E)
     float_mask = mask is not None and not call.mask_is_bool
     dm = np.zeros(call.mask_shape, dtype=work) if float_mask else None  # (B|1, H|1, T|1, S|1)
+    d_sinks = np.zeros((B, K, G), dtype=work)  # (B, K, G): per query head h = k·G + g
 
     for t0 in range(0, T, block_q):
         t1 = min(t0 + block_q, T)
@@ -273,6 +290,9 @@ def attention_vjp(
         # O and log-sum-exp, the one number per row the backward needs.
         qs = _query_tile(q, t0, t1, call.scale, work)  # (B·K, G·Tb, D)
         acc, l, m = _fast_online_softmax(qs, t0, t1, tiles)
+        if sinks is not None:
+            sink = _sink_rows(sinks, call, Tb, work)  # (B·K, G·Tb, 1)
+            acc, l, m = _add_sink(acc, l, m, sink)
         o = _normalise(acc, l)  # (B·K, G·Tb, E)
         some = l > 0  # (B·K, G·Tb, 1)
         lse = np.where(some, m + np.log(np.where(some, l, 1.0)), np.inf)  # (B·K, G·Tb, 1)
@@ -280,6 +300,14 @@ def attention_vjp(
         # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O): one dot product per row.
         do = d_out[:, :, t0:t1].astype(work).reshape(B * K, G * Tb, E)  # (B·K, G·Tb, E)
         delta = np.sum(do * o, axis=-1, keepdims=True)  # (B·K, G·Tb, 1)
+
+        # 5'. Sinks: dsink = −Σ_t p_sink · Δ, p_sink = exp(sink − lse) (0 with no key).
+        if sinks is not None:
+            with np.errstate(invalid="ignore"):
+                p_sink = np.exp(sink - lse)  # (B·K, G·Tb, 1)
+            p_sink = np.where(some, p_sink, 0.0)  # (B·K, G·Tb, 1)
+            d_rows = -(p_sink * delta).reshape(B, K, G, Tb)  # (B, K, G, Tb)
+            d_sinks += d_rows.sum(axis=-1)  # (B, K, G)
 
         # The backward over the block's key tiles; dq gets the scale once, here.
         dq_b = _backward_block(qs, do, lse, delta, t0, t1, tiles, dk, dv, dm)
@@ -295,7 +323,35 @@ def attention_vjp(
         grads = [g[0] for g in grads]
     if dm is not None:
         grads.append(dm.reshape(np.shape(mask)).astype(np.asarray(mask).dtype, copy=False))
+    if sinks is not None:
+        grads.append(d_sinks.sum(axis=0).reshape(H).astype(q.dtype))  # (H,)
     return tuple(grads)
+
+
+def _sink_rows(sinks: np.ndarray, call: contract.Checked, Tb: int, work: type) -> np.ndarray:
+    """Each row's sink logit in the grouped layout, (B·K, G·Tb, 1): row g·Tb + t of key/value
+    head k belongs to query head h = k·G + g."""
+    B, K, G = call.B, call.K, call.G
+    rows = np.asarray(sinks).astype(work).reshape(1, K, G, 1)  # (1, K, G, 1)
+    return np.broadcast_to(rows, (B, K, G, Tb)).reshape(B * K, G * Tb, 1)  # (B·K, G·Tb, 1)
+
+
+def _add_sink(
+    acc: np.ndarray, l: np.ndarray, m: np.ndarray, sink: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Fold each row's sink into its (acc, l, m) after the last key tile, as one more block
+    of one key whose value row is 0 (the module docstring's Sinks): a row with no key (l =
+    0) is left alone, and a NaN or +inf sink makes a row with a key NaN (SPEC §15.4)."""
+    some = l > 0  # (B·K, G·Tb, 1)
+    sink = np.where(some, sink, -np.inf)  # (B·K, G·Tb, 1)
+    m_new = np.maximum(m, sink)  # (B·K, G·Tb, 1)
+    m_safe = np.where(np.isfinite(m_new), m_new, 0.0)  # (B·K, G·Tb, 1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        alpha = np.exp(m - m_safe)  # (B·K, G·Tb, 1)
+        l = alpha * l + np.exp(sink - m_safe)  # (B·K, G·Tb, 1)
+    bad = np.isnan(sink) | (sink == np.inf)  # (B·K, G·Tb, 1)
+    acc = np.where(bad, np.nan, alpha * acc)  # (B·K, G·Tb, E)
+    return acc, np.where(bad, np.nan, l), m_safe
 
 
 def _online_softmax(

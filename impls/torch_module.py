@@ -11,6 +11,10 @@ Step by step, for one query row t:
     w[s]      = exp(score[s] - max) / Σ exp(score - max)
     out[t, e] = Σ_s w[s] · v[s, e]
 
+With attention sinks (one logit sink[h] per query head), the sink joins the row's max and
+its sum, but has no value row: w[s] = exp(score[s] - max) / (exp(sink - max) + Σ exp(score
+- max)), so a row's weights sum to less than 1.
+
 Shape legend (heads-first, as in PyTorch; PyTorch's own docs call T "L" and E "Ev"):
 
     B batch            H query heads      K key/value heads (H % K == 0)
@@ -21,9 +25,11 @@ Shape legend (heads-first, as in PyTorch; PyTorch's own docs call T "L" and E "E
     q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
     mask: bool (True = may attend) or floating (added to the scores), broadcastable to
     (B, H, T, S). Unbatched q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
+    sinks (H,): one logit per query head.
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, softcapping, grouped-query and multi-query attention (K < H), dropout (through a
+windows, softcapping, attention sinks (in ``attention``; the modules have none),
+grouped-query and multi-query attention (K < H), dropout (through a
 callable such as ``nn.Dropout``, so that ``module.eval()`` turns it off), float64,
 float32, float16 and bfloat16, autograd. A query row with no key left to attend returns
 exactly 0, and its gradients are 0, not NaN.
@@ -61,6 +67,7 @@ def attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     dropout: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention: the core of ``MultiHeadAttention``.
 
@@ -80,6 +87,8 @@ def attention(
       softcap: scores become softcap · tanh(scores / softcap) before masking.
       dropout: applied to the (B, H, T, S) weights, e.g. ``nn.Dropout(p)``: zeroes each
         weight with probability p in training mode, does nothing in eval mode.
+      sinks: (H,), same dtype as q: one logit per query head that joins every row's
+        softmax and carries no value (gpt-oss); None for none.
 
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
@@ -88,6 +97,7 @@ def attention(
     # argument, the expected shape and what was given.
     q, k, v = torch.as_tensor(q), torch.as_tensor(k), torch.as_tensor(v)
     mask = None if mask is None else torch.as_tensor(mask)
+    sinks = None if sinks is None else torch.as_tensor(sinks)
     ok = dropout is None or callable(dropout)
     call = contract.check(
         q,
@@ -103,8 +113,9 @@ def attention(
         # rescale by 1 / (1 - p), needs p < 1.
         dropout_p=getattr(dropout, "p", 0.0),
         random=("dropout", dropout, ok, "a callable such as nn.Dropout, or None"),
+        sinks=sinks,
     )
-    S, G = call.S, call.G
+    H, S, G = call.H, call.S, call.G
     if call.unbatched:
         q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
     if mask is not None:
@@ -148,10 +159,22 @@ def attention(
         if S
         else scores.new_full((*scores.shape[:-1], 1), -math.inf)
     )  # (B, H, T, 1)
+    if sinks is not None:
+        # A sink joins the maximum of every row that has a key (see Notes: sinks).
+        sink = _sink_logits(sinks.to(work), row_max, H)  # (B, H, T, 1)
+        row_max = torch.maximum(row_max, sink)  # (B, H, T, 1)
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
     p = torch.exp(scores - row_max)  # (B, H, T, S)
     row_sum = p.sum(dim=-1, keepdim=True)  # (B, H, T, 1)
+    if sinks is not None:
+        # The sink takes its share of the sum, and has no value row to give anything back.
+        row_sum = row_sum + torch.exp(sink - row_max)  # (B, H, T, 1)
     weights = p / torch.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
+    if sinks is not None:
+        # A NaN or +inf sink makes its row NaN, as +inf - +inf does in the softmax (SPEC
+        # §15.4); the shift by a finite row maximum above cannot show it, so it is selected.
+        bad = torch.isnan(sink) | (sink == math.inf)  # (B, H, T, 1)
+        weights = torch.where(bad, math.nan, weights)  # (B, H, T, S)
 
     # 6. Dropout: zero each weight with probability dropout_p and rescale the survivors
     # by 1 / (1 - dropout_p), so the expected output is unchanged.
@@ -163,6 +186,13 @@ def attention(
     out = torch.einsum("bhts,bhse->bhte", weights, v)  # (B, H, T, E)
     out = out.to(out_dtype)  # (B, H, T, E)
     return out[0] if call.unbatched else out
+
+
+def _sink_logits(sinks: torch.Tensor, row_max: torch.Tensor, H: int) -> torch.Tensor:
+    """Each row's sink logit, (B, H, T, 1): sinks[h] in the rows of head h that have a key,
+    and -inf (no sink) in a row with none, which stays exactly 0 whatever its sink holds."""
+    has_key = row_max != -math.inf  # (B, H, T, 1); NaN != -inf: a NaN row has keys
+    return torch.where(has_key, sinks.reshape(1, H, 1, 1), -math.inf)  # (B, H, T, 1)
 
 
 def _allowed(
@@ -295,6 +325,13 @@ class SelfAttentionBlock(nn.Module):
 # exactly 0 (as PyTorch SDPA and FlashAttention do) instead of the NaN that exp(-inf - -inf)
 # would give. With S = 0 every row is such a row: the maximum starts from -inf, since an
 # empty axis has no maximum of its own.
+#
+# Sinks (step 5). An attention sink (gpt-oss; StreamingLLM's sink tokens in masking form) is
+# one more logit per query head in every row's softmax, with no value row: its weight goes
+# "nowhere", so a head can attend to nothing in particular. It joins the row maximum, so
+# exp() stays <= 1 even for a sink of 1e4, and the sum, not the numerator: the keys' weights
+# then add up to 1 - p_sink. It is not scaled, softcapped, masked or dropped. A row with no
+# key has no softmax at all and stays 0 (SPEC §15.3), so its sink is left out.
 #
 # An empty key axis (step 5). torch's amax refuses an axis of length 0, so with S = 0 the
 # row maximum is made -inf explicitly, as NumPy's max(initial=-inf) makes it.

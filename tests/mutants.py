@@ -77,6 +77,20 @@ def softmax(scores, dtype):
     return p / np.where(row_sum > 0, row_sum, 1.0)
 
 
+def sink_softmax(scores, sinks):
+    """The softmax with each row's sink logit (..., 1) in the max and the sum only (SPEC
+    §15.1); a row with no key gets weights 0, a NaN or +inf sink a NaN row."""
+    live = (scores != -np.inf).any(axis=-1, keepdims=True)  # rows with a key
+    sink = np.where(live, sinks, -np.inf)
+    row_max = np.maximum(scores.max(axis=-1, keepdims=True, initial=-np.inf), sink)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    p = np.exp(scores - row_max)
+    with np.errstate(over="ignore", invalid="ignore"):
+        row_sum = p.sum(axis=-1, keepdims=True) + np.exp(sink - row_max)
+    weights = p / np.where(row_sum > 0, row_sum, 1.0)
+    return np.where(np.isnan(sink) | (sink == np.inf), np.nan, weights)
+
+
 def hide_unused(k, v, allowed):
     """Key and value rows no query of their head sees are replaced by 0 (SPEC §4.7)."""
     used = allowed.any(axis=2)[..., None]  # (B|1, H|1, S, 1)
@@ -220,6 +234,20 @@ def softmax_nan_as_empty(scores, dtype):
     return softmax(np.where(np.isnan(scores), -np.inf, scores), dtype)
 
 
+def sink_softmax_in_numerator(scores, sinks):
+    """BUG: the sink's term is added to every attended key's numerator as well as to the
+    sum, so the weights sum to more than 1."""
+    live = (scores != -np.inf).any(axis=-1, keepdims=True)
+    sink = np.where(live, sinks, -np.inf)
+    row_max = np.maximum(scores.max(axis=-1, keepdims=True, initial=-np.inf), sink)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        extra = np.exp(sink - row_max)
+        p = np.exp(scores - row_max) + np.where(scores != -np.inf, extra, 0.0)
+        row_sum = np.exp(scores - row_max).sum(axis=-1, keepdims=True) + extra
+    return p / np.where(row_sum > 0, row_sum, 1.0)
+
+
 def softmax_no_identity(scores, dtype):
     """BUG: the row max of an empty key axis (S = 0) raises instead of starting at -inf."""
     row_max = scores.max(axis=-1, keepdims=True)
@@ -245,6 +273,20 @@ def backward_weights(scores):
     p = np.exp(scores - row_max)
     row_sum = p.sum(axis=-1, keepdims=True)
     return p / np.where(row_sum > 0, row_sum, 1.0)
+
+
+def backward_sink_weights(scores, sinks):
+    """The forward's weights with sinks, and each row's sink weight p_sink (..., 1): 0 in a
+    row with no key."""
+    live = (scores != -np.inf).any(axis=-1, keepdims=True)
+    sink = np.where(live, sinks, -np.inf)
+    row_max = np.maximum(scores.max(axis=-1, keepdims=True, initial=-np.inf), sink)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    p = np.exp(scores - row_max)
+    p_sink = np.exp(sink - row_max)
+    row_sum = p.sum(axis=-1, keepdims=True) + p_sink
+    row_sum = np.where(row_sum > 0, row_sum, 1.0)
+    return p / row_sum, p_sink / row_sum
 
 
 def softmax_backward(weights, d_weights, d_out, out):
@@ -323,6 +365,7 @@ class Steps:
     band = staticmethod(band)
     hide_unused = staticmethod(hide_unused)
     softmax = staticmethod(softmax)
+    sink_softmax = staticmethod(sink_softmax)
     dropout = staticmethod(dropout)
     cast_output = staticmethod(cast_output)
     merge_heads = staticmethod(merge_heads)
@@ -341,9 +384,11 @@ class Steps:
         softcap=None,
         dropout_p=0.0,
         rng=None,
+        sinks=None,
     ):
         q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
         mask = None if mask is None else np.asarray(mask)
+        sinks = None if sinks is None else np.asarray(sinks)
         call = contract.check(
             q,
             k,
@@ -356,6 +401,7 @@ class Steps:
             softcap=softcap,
             dropout_p=dropout_p,
             random=("rng", rng, isinstance(rng, np.random.Generator), "a numpy.random.Generator"),
+            sinks=sinks,
         )
         unbatched = call.unbatched
         if unbatched:
@@ -388,7 +434,10 @@ class Steps:
             scores = self.apply_float_mask(scores, mask.astype(work))
         scores = np.where(allowed, scores, -np.inf)  # (B, H, T, S)
 
-        weights = self.softmax(scores, dtype)  # (B, H, T, S)
+        if sinks is None:
+            weights = self.softmax(scores, dtype)  # (B, H, T, S)
+        else:
+            weights = self.sink_softmax(scores, sinks.astype(work).reshape(1, H, 1, 1))
         if dropout_p > 0:
             weights = self.dropout(weights, dropout_p, rng)
         out = self.cast_output(np.einsum("bhts,bhse->bhte", weights, v), dtype)
@@ -444,9 +493,11 @@ class BackwardSteps:
         causal_alignment="top_left",
         window=None,
         softcap=None,
+        sinks=None,
     ):
         q, k, v, d_out = np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(d_out)
         mask = None if mask is None else np.asarray(mask)
+        sinks = None if sinks is None else np.asarray(sinks)
         call = contract.check(
             q,
             k,
@@ -458,6 +509,7 @@ class BackwardSteps:
             window=window,
             softcap=softcap,
             d_out=d_out,
+            sinks=sinks,
         )
         unbatched = call.unbatched
         if unbatched:
@@ -494,7 +546,11 @@ class BackwardSteps:
         if mask is not None and mask.dtype != np.bool_:
             scores = scores + grouped(mask.astype(work), K, G)
         scores = np.where(grouped(allowed, K, G), scores, -np.inf)  # (B, K, G, T, S)
-        weights = self.weights(scores)  # (B, K, G, T, S)
+        if sinks is None:
+            weights = self.weights(scores)  # (B, K, G, T, S)
+        else:
+            sink_logits = sinks.astype(work).reshape(1, K, G, 1, 1)
+            weights, p_sink = backward_sink_weights(scores, sink_logits)  # p_sink (B, K, G, T, 1)
         out = np.einsum("bkgts,bkse->bkgte", weights, v)  # (B, K, G, T, E)
         d_out = d_out.reshape(B, K, G, T, E)  # (B, K, G, T, E)
 
@@ -517,7 +573,13 @@ class BackwardSteps:
         grads = [d_q.astype(dtype), d_k.astype(dtype), d_v.astype(dtype)]
         if unbatched:
             grads = [g[0] for g in grads]
-        return (*grads, d_mask) if d_mask is not None else tuple(grads)
+        if d_mask is not None:
+            grads.append(d_mask)
+        if sinks is not None:
+            # dsinks = −Σ_{b,t} p_sink · rowsum(dO ⊙ O) (SPEC §15.5).
+            d_row = np.sum(d_out * out, axis=-1, keepdims=True)  # (B, K, G, T, 1)
+            grads.append((-(p_sink * d_row).sum(axis=(0, 3, 4))).reshape(H).astype(dtype))
+        return tuple(grads)
 
 
 class MutantBackend(Backend):
@@ -542,6 +604,12 @@ class GradientMutantBackend(MutantBackend):
     """The unbroken forward with a backward running ``backward``."""
 
     capabilities = (ALL_CAPABILITIES - {"module"}) | GRAD
+
+
+class SinkMutantBackend(MutantBackend):
+    """A forward mutant that also declares "sinks" (SPEC §15)."""
+
+    capabilities = (ALL_CAPABILITIES - {"module"}) | {"sinks"}
 
 
 class ModuleMutantBackend(MutantBackend):
@@ -578,7 +646,7 @@ def _gradient_mutant(name, step, broken):
 Control = type(
     "MutantControl",
     (ModuleMutantBackend,),
-    {"name": "mutant-control", "capabilities": ALL_CAPABILITIES | GRAD},
+    {"name": "mutant-control", "capabilities": ALL_CAPABILITIES | GRAD | {"sinks"}},
 )
 
 #: name: (backend class, clauses that should catch it, substring the failing node id needs)
@@ -682,6 +750,17 @@ MUTANTS = {
     "mutant-empty-keys-raise": (
         _mutant("mutant-empty-keys-raise", "softmax", softmax_no_identity),
         {"2.5"},
+        "",
+    ),
+    # Attention sinks (SPEC §15).
+    "mutant-sink-in-numerator": (
+        _mutant(
+            "mutant-sink-in-numerator",
+            "sink_softmax",
+            sink_softmax_in_numerator,
+            base=SinkMutantBackend,
+        ),
+        {"15.1"},
         "",
     ),
     # The backward pass (SPEC §12): the forward is correct, only the gradients are broken.

@@ -182,3 +182,51 @@ def test_naive_module_backward_matches_finite_differences(kind):
         fd = _central_difference(loss, arrays, which)
         err = np.max(np.abs(fd - grads[name]))
         assert err < FD_ATOL, f"{kind}: naive module gradient of {name} vs differences: {err:.3e}"
+
+
+@pytest.mark.clause("15.5")
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"is_causal": True},
+        {"softcap": 1.5, "window": (1, None), "causal_alignment": "bottom_right"},
+    ],
+    ids=["causal-gqa-bool-mask", "softcap-window-float-mask"],
+)
+def test_oracle_sink_gradients_match_finite_differences(options):
+    """dq, dk, dv, (dmask) and dsinks of the sinks' oracle against central differences, a
+    fully masked row and a head without a sink (-inf) included."""
+    rng = np.random.default_rng(11)
+    B, H, K, T, S, D, E = 1, 4, 2, 3, 4, 2, 3
+    q = rng.standard_normal((B, H, T, D))
+    k = rng.standard_normal((B, K, S, D))
+    v = rng.standard_normal((B, K, S, E))
+    d_out = rng.standard_normal((B, H, T, E))
+    sinks = rng.standard_normal(H)
+    sinks[3] = -np.inf
+    if "softcap" in options:
+        mask = np.where(rng.random((H, T, S)) < 0.2, -np.inf, rng.standard_normal((H, T, S)))
+        mask[0, 1] = -np.inf
+    else:
+        mask = rng.random((B, H, T, S)) < 0.7
+        mask[0, 1, 2] = False
+    float_mask = mask.dtype != np.bool_
+    arrays = [q, k, v, mask, sinks] if float_mask else [q, k, v, sinks]
+
+    def loss(*xs):
+        m = xs[3] if float_mask else mask
+        return float(np.sum(d_out * oracle.attention(*xs[:3], mask=m, sinks=xs[-1], **options)))
+
+    grads = oracle.attention_vjp(q, k, v, d_out, mask=mask, sinks=sinks, **options)
+    names = ["dq", "dk", "dv", "dmask", "dsinks"] if float_mask else ["dq", "dk", "dv", "dsinks"]
+    assert list(grads) == names
+    for which, name in enumerate(names):
+        fd = _central_difference(loss, arrays, which)
+        err = np.max(np.abs(fd - grads[name]))
+        assert err < FD_ATOL, f"{options}: oracle {name} vs central differences: {err:.3e}"
+        assert np.isfinite(grads[name]).all()
+    naive = oracle.naive_vjp_same_precision(
+        q, k, v, d_out, np.float64, mask=mask, sinks=sinks, **options
+    )
+    for name in names:
+        assert np.max(np.abs(naive[name] - grads[name])) < 1e-13, name

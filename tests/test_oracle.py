@@ -69,3 +69,106 @@ def test_oracle_fully_masked_row_is_zero():
     mask = np.array([[True, False, True], [False, False, False]])
     out = oracle.attention(q, k, v, mask=mask)
     assert out[0, 0, 1].tolist() == [0.0, 0.0] and out[0, 0, 0].tolist() == [1.0, 1.0]
+
+
+# --- Attention sinks (SPEC §15) -------------------------------------------------------------
+
+
+def _sink_example() -> dict:
+    from conformance.fixtures import generate
+
+    return generate.WORKED_EXAMPLE["sinks"]
+
+
+@pytest.mark.clause("15.1")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
+def test_sinks_worked_example_by_hand(causal):
+    """The hand computation in fixtures/worked_example.json: scores and sink all 0, so
+    every attended key and the sink weigh alike (its description does the arithmetic)."""
+    ex = _sink_example()
+    q, k, v, d_out = (
+        np.array(ex[n], dtype=np.float64)[None, None] for n in ("q", "k", "v", "d_out")
+    )
+    sinks = np.array(ex["sinks"])
+    key = "causal" if causal else "non_causal"
+    out = oracle.attention(q, k, v, is_causal=causal, sinks=sinks)[0, 0]
+    assert np.max(np.abs(out - np.array(ex[key]["hand"]))) < 1e-15
+    grads = oracle.attention_vjp(q, k, v, d_out, is_causal=causal, sinks=sinks)
+    assert abs(grads["dsinks"][0] - ex[key]["dsinks_hand"][0]) < 1e-14
+    without = oracle.attention(q, k, v, is_causal=True, sinks=np.array([-np.inf]))[0, 0]
+    assert without.tolist() == ex["no_sink_causal"]["hand"]
+
+
+def _sinks_inputs(seed: int = 3):
+    rng = np.random.default_rng(seed)
+    q, k, v = (
+        rng.standard_normal((2, 4, 5, 3)),
+        rng.standard_normal((2, 2, 7, 3)),
+        rng.standard_normal((2, 2, 7, 4)),
+    )
+    return q, k, v, rng.standard_normal(4)
+
+
+@pytest.mark.clause("15.1")
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"is_causal": True},
+        {"softcap": 2.0, "window": (2, 1)},
+        {"is_causal": True, "causal_alignment": "bottom_right"},
+    ],
+)
+def test_sinks_oracle_is_transformers_eager_path(options):
+    """transformers' eager path, in float64 arrays: concatenate the sink as one more column
+    of the masked scores, take the softmax, drop the column, multiply by V."""
+    q, k, v, sinks = _sinks_inputs()
+    exact = oracle.attention(q, k, v, sinks=sinks, **options)
+    scores = np.where(
+        oracle._naive_forward(
+            q,
+            k,
+            v,
+            np.dtype(np.float64),
+            None,
+            options.get("is_causal", False),
+            None,
+            options.get("causal_alignment", "top_left"),
+            options.get("window"),
+            options.get("softcap"),
+        ).weights
+        > 0,
+        0.0,
+        -np.inf,
+    )  # which keys each row attends, from the naive run's weights
+    kk, vv = np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1)
+    raw = q @ np.swapaxes(kk, -1, -2) / np.sqrt(3)
+    if options.get("softcap"):
+        raw = options["softcap"] * np.tanh(raw / options["softcap"])
+    columns = np.concatenate(
+        [raw + scores, np.broadcast_to(sinks[None, :, None, None], (2, 4, 5, 1))], axis=-1
+    )
+    p = np.exp(columns - columns.max(axis=-1, keepdims=True))
+    p = p / p.sum(axis=-1, keepdims=True)
+    eager = p[..., :-1] @ vv
+    assert np.max(np.abs(exact - eager)) < 1e-14
+    naive = oracle.naive_same_precision(q, k, v, np.float64, sinks=sinks, **options)
+    assert np.max(np.abs(exact - naive)) < 1e-14
+
+
+@pytest.mark.clause("15.3", "15.4")
+def test_sinks_oracle_edges():
+    """A -inf sink is no sink; a row with no key is 0 whatever its sink holds; a NaN or +inf
+    sink makes the rows with a key NaN."""
+    q, k, v, _ = _sinks_inputs(4)
+    mask = np.ones((5, 7), dtype=bool)
+    mask[2] = False
+    plain = oracle.attention(q, k, v, mask=mask)
+    sinks = np.array([-np.inf, np.nan, np.inf, -np.inf])
+    out = oracle.attention(q, k, v, mask=mask, sinks=sinks)
+    assert np.array_equal(out[:, [0, 3]], plain[:, [0, 3]])
+    assert (out[:, :, 2] == 0).all()
+    rows = [0, 1, 3, 4]
+    assert np.isnan(out[:, 1:3][:, :, rows]).all()
+    naive = oracle.naive_same_precision(q, k, v, np.float64, mask=mask, sinks=sinks)
+    assert np.array_equal(np.isnan(naive), np.isnan(out))

@@ -37,7 +37,6 @@ import numpy as np
 from conformance.adapters.native import (
     FRAMEWORKS,
     LAYOUTS,
-    SPEC_OPTIONS,
     OptionMap,
     framework_of,
     make_framework,
@@ -53,6 +52,7 @@ from conformance.backends import (
     register_backend,
     registered_backends,
 )
+from conformance.vocabulary import option_is_set
 
 #: What a plain function can declare: everything but the module layers, which a single
 #: attention function does not provide.
@@ -162,7 +162,7 @@ class FunctionBackend(Backend):
             needs["softcap"] = "grad_softcap"
         for option, value in options.items():
             capability = needs.get(option)
-            if capability and value != SPEC_OPTIONS[option] and capability not in self.capabilities:
+            if capability and option_is_set(option, value) and capability not in self.capabilities:
                 raise NotImplementedError(
                     f"{self.name} does not declare {capability!r}: {option}={value!r} refused"
                 )
@@ -210,6 +210,7 @@ _CAPABILITY_OF = {
     "window": "window",
     "softcap": "softcap",
     "dropout_p": "dropout",
+    "sinks": "sinks",
 }
 
 #: The keyword arguments a function needs for each capability it declares.

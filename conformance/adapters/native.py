@@ -47,7 +47,7 @@ from conformance.backends.arrays import (  # noqa: F401  (re-exported: native's 
     TorchFramework,
     make_framework,
 )
-from conformance.vocabulary import OPTION_DEFAULTS
+from conformance.vocabulary import OPTION_DEFAULTS, option_is_set
 
 #: The options of ``Backend.attention``, with the value that means "not set".
 SPEC_OPTIONS = OPTION_DEFAULTS
@@ -133,7 +133,7 @@ class OptionMap:
         """The library's keywords for the spec options the caller set (step 4)."""
         found = dict(self.fixed)
         for option, value in options.items():
-            if option == "mask" or value == SPEC_OPTIONS.get(option, object()):
+            if option == "mask" or (option in SPEC_OPTIONS and not option_is_set(option, value)):
                 continue
             keyword = self.options.get(option)
             if keyword is None:

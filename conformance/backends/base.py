@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from conformance.vocabulary import OPTION_DEFAULTS
+from conformance.impls import contract
+from conformance.vocabulary import option_is_set
 
 
 class BackendUnavailable(LookupError):
@@ -64,8 +65,10 @@ class Backend:
         softcap: float | None = None,
         dropout_p: float = 0.0,
         seed: int | None = None,
+        sinks: np.ndarray | None = None,
     ) -> np.ndarray:
-        """out (B, H, T, E) for q (B, H, T, D), k (B, K, S, D), v (B, K, S, E), NumPy in and out."""
+        """out (B, H, T, E) for q (B, H, T, D), k (B, K, S, D), v (B, K, S, E), NumPy in and
+        out; ``sinks`` (H,) is one logit per query head (capability "sinks", SPEC §15)."""
         options = {"is_causal": is_causal, "scale": scale}
         for key, value in (
             ("causal_alignment", causal_alignment),
@@ -75,10 +78,12 @@ class Backend:
         ):
             # An option left at its default is not passed on, so an implementation
             # without that feature needs no parameter for it.
-            if value != OPTION_DEFAULTS[key]:
+            if option_is_set(key, value):
                 options[key] = value
         if dropout_p:
             options["seed"] = seed
+        if sinks is not None:
+            options["sinks"] = self._sinks(sinks, q)
         mask = None if mask is None else self.from_numpy(np.asarray(mask))
         out = self._attention(
             self.from_numpy(q), self.from_numpy(k), self.from_numpy(v), mask=mask, **options
@@ -87,6 +92,19 @@ class Backend:
 
     def _attention(self, q, k, v, **options):
         raise NotImplementedError
+
+    def _sinks(self, sinks: Any, q: Any) -> Any:
+        """The sink logits in the backend's framework; refused by name (SPEC §8.5) where
+        "sinks" is not declared, once they pass the checks every backend makes (§15.1)."""
+        if "sinks" not in self.capabilities:
+            sinks, q = np.asarray(sinks), np.asarray(q)
+            if q.ndim in (3, 4):  # a q of another rank is refused by the impl, as ever
+                contract.check_sinks(sinks, q)
+            raise NotImplementedError(
+                f"sinks is not supported: {self.name} does not declare the 'sinks' "
+                "capability (SPEC §15)"
+            )
+        return self.from_numpy(np.asarray(sinks))
 
     def prepare(
         self, q: np.ndarray, k: np.ndarray, v: np.ndarray, **options: Any
@@ -120,13 +138,15 @@ class Backend:
         causal_alignment: str = "top_left",
         window: tuple[int | None, int | None] | None = None,
         softcap: float | None = None,
+        sinks: np.ndarray | None = None,
     ) -> tuple[np.ndarray, ...]:
         """The backward pass (capability "grad"), NumPy in and out.
 
         For the loss L = Σ d_out · attention(q, k, v, ...), with d_out (B, H, T, E) like the
         output: (dq, dk, dv) = (∂L/∂q, ∂L/∂k, ∂L/∂v), shaped and typed like q, k, v; with a
         floating mask and capability "grad_mask", (dq, dk, dv, dmask), dmask shaped like
-        the mask. Options as for ``attention``; there is no dropout in the backward.
+        the mask; with ``sinks`` (capability "sinks"), dsinks (H,) last (SPEC §15.5).
+        Options as for ``attention``; there is no dropout in the backward.
         """
         options = {"is_causal": is_causal, "scale": scale}
         for key, value in (
@@ -134,8 +154,10 @@ class Backend:
             ("window", window),
             ("softcap", softcap),
         ):
-            if value != OPTION_DEFAULTS[key]:
+            if option_is_set(key, value):
                 options[key] = value
+        if sinks is not None:
+            options["sinks"] = self._sinks(sinks, q)
         mask = None if mask is None else self.from_numpy(np.asarray(mask))
         grads = self._attention_vjp(
             self.from_numpy(q),

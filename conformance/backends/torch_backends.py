@@ -36,11 +36,19 @@ class _TorchBackend(Backend):
         # k, v (and a float mask) become leaves, and the output's vector-Jacobian product
         # with d_out is read off them.
         primals = [q, k, v]
-        if mask is not None and mask.dtype.is_floating_point:
+        float_mask = mask is not None and mask.dtype.is_floating_point
+        if float_mask:
             primals.append(mask)
+        # Sinks (SPEC §15.5) are differentiated too, their gradient last.
+        sinks = options.pop("sinks", None)
+        if sinks is not None:
+            primals.append(sinks)
 
-        def call(q, k, v, *float_mask):
-            return self._attention(q, k, v, mask=float_mask[0] if float_mask else mask, **options)
+        def call(q, k, v, *rest):
+            rest = list(rest)
+            extra = {"sinks": rest.pop()} if sinks is not None else {}
+            given = rest.pop() if float_mask else mask
+            return self._attention(q, k, v, mask=given, **extra, **options)
 
         return self.arrays.vjp(call, primals, d_out, check=_check_d_out)
 
@@ -146,7 +154,9 @@ class TorchUlyssesBackend(TorchRingBackend):
 
 class TorchNaiveBackend(_TorchBackend):
     name = "torch-naive"
-    capabilities = (ALL_CAPABILITIES - {"module"}) | (GRAD_CAPABILITIES - {"module_grad"})
+    capabilities = (
+        (ALL_CAPABILITIES - {"module"}) | (GRAD_CAPABILITIES - {"module_grad"}) | {"sinks"}
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -162,7 +172,7 @@ class TorchModuleBackend(_TorchBackend):
     """The nn.Module backend: the core spec runs the module's own attention function."""
 
     name = "torch-module"
-    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES
+    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks"}
 
     def __init__(self) -> None:
         super().__init__()

@@ -201,6 +201,9 @@ def call_features(calls: list) -> list[str]:
     for name, value in kwargs.items():
         if name in ("mask", "scale", "seed"):
             continue
+        if isinstance(value, np.ndarray):  # an array option (sinks): used when given
+            found.append(name)
+            continue
         if value not in (None, False, 0.0, "top_left"):
             found.append(name if name != "causal_alignment" else str(value))
     return found

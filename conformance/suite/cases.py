@@ -110,6 +110,9 @@ class Case:
         opts = dict(self.meta["options"])
         if opts.get("window") is not None:
             opts["window"] = tuple(opts["window"])
+        if "sinks" in self.arrays:
+            # An array, stored with the inputs: in the case's dtype like q (SPEC §15.1).
+            opts["sinks"] = self.arrays["sinks"].astype(numpy_dtype(self.dtype))
         return opts
 
     def params(self) -> dict[str, np.ndarray]:
@@ -122,8 +125,9 @@ class Case:
 
     @property
     def expected_grads(self) -> dict[str, np.ndarray]:
-        """The oracle's gradients of a gradient case: "dq", "dk", "dv" and maybe "dmask"."""
-        names = ("dq", "dk", "dv", "dmask")
+        """The oracle's gradients of a gradient case: "dq", "dk", "dv", maybe "dmask" and
+        "dsinks", in the order ``attention_vjp`` returns them."""
+        names = ("dq", "dk", "dv", "dmask", "dsinks")
         return {n: self.arrays[f"expected.{n}"] for n in names if f"expected.{n}" in self.arrays}
 
     def grad_naive_error(self, name: str) -> float:

@@ -13,7 +13,10 @@ GRADS = ("dq", "dk", "dv", "dmask")
 
 
 def vjp(backend, q, k, v, d_out, **options) -> dict[str, np.ndarray]:
-    return dict(zip(GRADS, backend.attention_vjp(q, k, v, d_out, **options)))
+    grads = list(backend.attention_vjp(q, k, v, d_out, **options))
+    # With sinks, dsinks comes last, after dmask if there is one (SPEC §15.5).
+    last = {"dsinks": grads.pop()} if options.get("sinks") is not None else {}
+    return {**dict(zip(GRADS, grads)), **last}
 
 
 def random_d_out(seed: int, q: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -80,4 +83,5 @@ PAIR_SETUPS = {
         ("gqa", "causal_bottom_right", "window"),
     ),
     "gqa-softcap": ({"softcap": 3.0, "K": 1}, ("gqa", "softcap", "grad_softcap")),
+    "sinks-gqa-causal": ({"is_causal": True, "K": 2, "sinks": "random"}, ("gqa", "sinks")),
 }

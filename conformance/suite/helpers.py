@@ -68,7 +68,14 @@ def oracle_attention(q, k, v, *, mask=None, **options) -> np.ndarray:
     from conformance.fixtures import oracle
 
     arrays = (q, k, v) if mask is None else (q, k, v, mask)
-    key = (tuple((x.dtype.str, x.shape, x.tobytes()) for x in arrays), *sorted(options.items()))
+    # An array option (sinks) is keyed by its bytes, like the inputs.
+    key = (
+        tuple((x.dtype.str, x.shape, x.tobytes()) for x in arrays),
+        *sorted(
+            (name, (x.dtype.str, x.shape, x.tobytes()) if isinstance(x, np.ndarray) else x)
+            for name, x in options.items()
+        ),
+    )
     if key in _ORACLE_CACHE:
         _ORACLE_CACHE.move_to_end(key)
     else:

@@ -38,6 +38,7 @@ OPTION_CAPABILITIES = {
     "window": ("window", None),
     "softcap": ("softcap", None),
     "dropout_p": ("dropout", 0.0),
+    "sinks": ("sinks", None),
 }
 #: What a backward call needs beyond "grad", by option.
 GRAD_OPTION_CAPABILITIES = {"softcap": ("grad_softcap", None)}
@@ -191,6 +192,8 @@ def undeclared(backend: Any, method: str, args: tuple, kwargs: Mapping[str, Any]
 
 
 def _differs(value: Any, default: Any) -> bool:
+    if default is None:
+        return value is not None  # an array option (sinks) has no truth value of its own
     try:
         return bool(value != default)
     except (TypeError, ValueError):

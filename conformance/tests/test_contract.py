@@ -343,3 +343,23 @@ def _expect_refusal(backend, what: str, capability: str, *args, **options) -> No
         f"{backend.name}: {what} ran without declaring {capability}",
         f"accepts {what} though it does not declare {capability}",
     )
+
+
+@pytest.mark.clause("15.6", "8.5")
+@refuses("sinks")
+def test_undeclared_sinks_are_refused(backend, dtype):
+    """A backend without 'sinks' refuses a sinks array with NotImplementedError naming it."""
+    q, k, v = _qkv(backend, dtype)
+    try:
+        backend.attention(q, k, v, sinks=np.zeros(H, dtype=q.dtype))
+    except NotImplementedError as err:
+        expect(
+            "sinks" in str(err),
+            "refuses sinks without naming them",
+            f"{backend.name}: the refusal should name sinks: {err}",
+        )
+        return
+    raise Departure(
+        f"{backend.name}: accepted sinks without declaring 'sinks'",
+        "accepts sinks though it does not declare 'sinks'",
+    )

@@ -29,6 +29,7 @@ SETUPS = {
         },
         ("gqa", "causal_bottom_right", "window", "softcap"),
     ),
+    "sinks-gqa-causal": ({"is_causal": True, "K": 2, "sinks": "random"}, ("gqa", "sinks")),
 }
 
 
@@ -50,6 +51,8 @@ def test_backends_agree(backend_pair, dtype, setup, request):
         options["mask"] = np.where(
             rng.random((7, 13)) < 0.2, -np.inf, rng.standard_normal((7, 13))
         ).astype(q.dtype)
+    if options.get("sinks") == "random":
+        options["sinks"] = rng.uniform(-1.0, 2.0, 4).astype(q.dtype)  # (H,)
     out_a = a.attention(q, k, v, **options)
     out_b = b.attention(q, k, v, **options)
     tol = 2 * random_tolerance(q, k, v, dtype, **options)

@@ -48,7 +48,8 @@ def _grad_case_params():
 
 @pytest.mark.parametrize("case_id", _grad_case_params())
 def test_gradient_fixture(backend, case_id, request):
-    """dq, dk, dv (and dmask) match the 50-digit oracle within the gradient tolerance."""
+    """dq, dk, dv (and dmask, and dsinks) match the 50-digit oracle within the gradient
+    tolerance."""
     case = load_case(case_id)
     q, k, v = case.inputs()
     mask = case.mask()
@@ -60,8 +61,9 @@ def test_gradient_fixture(backend, case_id, request):
         "returns another set of gradients than the spec (dmask for a float mask)",
         f"{context}: got {len(grads)} gradients, expected {len(expected)} ({', '.join(expected)})",
     )
-    likes = {"dq": q, "dk": k, "dv": v, "dmask": mask}
-    for name, got in zip(GRADS, grads):
+    likes = {"dq": q, "dk": k, "dv": v, "dmask": mask, "dsinks": case.options().get("sinks")}
+    # In the order attention_vjp returns them: dq, dk, dv, then dmask and dsinks if any.
+    for name, got in zip(expected, grads):
         like = likes[name]
         expect(
             got.shape == like.shape and got.dtype == like.dtype,
@@ -381,6 +383,8 @@ def test_backends_agree_on_gradients(backend_pair, dtype, setup, request):
         options["mask"] = np.where(
             rng.random((7, 13)) < 0.2, -np.inf, rng.standard_normal((7, 13))
         ).astype(q.dtype)
+    if options.get("sinks") == "random":
+        options["sinks"] = rng.uniform(-1.0, 2.0, 4).astype(q.dtype)  # (H,)
     d_out = gradients.random_d_out(56, q, v)
     grads_a = gradients.vjp(a, q, k, v, d_out, **options)
     grads_b = gradients.vjp(b, q, k, v, d_out, **options)

@@ -3,7 +3,7 @@
 Each example draws a whole problem: sizes (B ≤ 2, H ≤ 4, T and S up to 17, D and E up
 to 8), a mask (none, bool, or float with -inf holes, in a shape that broadcasts), a scale,
 causality, and only the variants the backend declares (K < H for "gqa", E ≠ D for
-"value_dim", bottom-right alignment, a window, a softcap, unbatched inputs). The values come from a drawn seed, so
+"value_dim", bottom-right alignment, a window, a softcap, unbatched inputs, sinks). The values come from a drawn seed, so
 a failing example shrinks to small sizes and few options, and replays exactly.
 
 The reference is independent of every implementation (``fixtures/oracle.py``): for
@@ -112,6 +112,9 @@ def problems(draw, backend) -> Problem:
     scale = draw(st.none() | st.sampled_from([0.25, 1.0, 2.0]), label="scale / default")
     if scale is not None:
         options["scale"] = scale / np.sqrt(D)
+    # Drawn last, so that a backend without "sinks" draws exactly what it drew before.
+    if "sinks" in caps and draw(st.booleans(), label="sinks"):
+        options["sinks"] = rng.uniform(-2.0, 3.0, H).astype(dt)  # (H,)
     problem = Problem(q, k, v, dtype, unbatched, options)
     note(
         f"B={B} H={H} K={K} T={T} S={S} D={D} E={E} {dtype}"

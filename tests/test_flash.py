@@ -180,6 +180,7 @@ def test_jax_flash_backward_memory_is_linear_in_t():
         shape,
         shape,
         None,
+        None,
         shape,
         scale=0.125,
         is_causal=False,

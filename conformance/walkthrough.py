@@ -124,7 +124,9 @@ def markdown(pictures: dict[str, str] | None = None) -> str:
         4: "Without a mask every key is allowed. With `is_causal=True`, query t may attend "
         "only keys s ≤ t; the others become −∞, so that the softmax gives them weight 0.",
         5: "Each row becomes weights that are ≥ 0 and sum to 1: exp(score − row max) / "
-        "Σ exp(score − row max). A −∞ score gets weight exactly 0.",
+        "Σ exp(score − row max). A −∞ score gets weight exactly 0. (The `sinks` lines "
+        "are for attention sinks, SPEC §15, which these examples do not use: a sink takes "
+        "part of each row's weight, and the keys' weights then sum to less than 1.)",
         7: "Each output row is the weighted average of the value rows: out[t] = Σ_s w[t, s] · "
         "v[s].",
     }

@@ -10,7 +10,7 @@ import collections
 import numpy as np
 
 from conformance.backends import numpy_dtype
-from conformance.suite.tolerance import tolerance
+from conformance.suite.tolerance import expect, tolerance
 
 
 def random_qkv(
@@ -83,3 +83,14 @@ def oracle_attention(q, k, v, *, mask=None, **options) -> np.ndarray:
         if len(_ORACLE_CACHE) > _ORACLE_CACHE_SIZE:
             _ORACLE_CACHE.popitem(last=False)
     return _ORACLE_CACHE[key].copy()
+
+
+def expect_no_weight_on_future_keys(name: str, w: np.ndarray, T: int, S: int) -> None:
+    """Top-left causal weights (..., T, S): every key after its query's position has
+    weight exactly 0."""
+    future = np.triu(np.ones((T, S), dtype=bool), k=1)  # (T, S)
+    expect(
+        (w[..., future] == 0).all(),
+        "puts weight on a key that a causal mask blocks",
+        f"{name}: weight on a future key: {np.abs(w[..., future]).max()}",
+    )

@@ -12,7 +12,13 @@ from conformance.backends import numpy_dtype
 from conformance.fixtures import oracle
 from conformance.suite.cases import worked_example
 from conformance.suite.gradients import random_d_out
-from conformance.suite.helpers import SIZES, as64, oracle_attention, random_qkv
+from conformance.suite.helpers import (
+    SIZES,
+    as64,
+    expect_no_weight_on_future_keys,
+    oracle_attention,
+    random_qkv,
+)
 from conformance.suite.requirements import SuiteError, requires, value_dims
 from conformance.suite.tolerance import (
     Departure,
@@ -196,12 +202,7 @@ def test_sink_takes_weight(backend, size, dtype, causal):
         "the sinks of this test should take a visible share of every row",
     )
     if causal:
-        future = np.triu(np.ones((T, S), dtype=bool), k=1)
-        expect(
-            (w[..., future] == 0).all(),
-            "puts weight on a key that a causal mask blocks",
-            f"{backend.name}: weight on a future key: {np.abs(w[..., future]).max()}",
-        )
+        expect_no_weight_on_future_keys(backend.name, w, T, S)
 
 
 @pytest.mark.clause("15.3")

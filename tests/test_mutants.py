@@ -20,10 +20,12 @@ SUITE = Path(conformance.__file__).resolve().parent / "tests"
 
 
 class _Failures:
-    """A pytest plugin that records each failing test's node id and clauses."""
+    """A pytest plugin that records each failing test's node id and clauses; given
+    ``enough`` (a test that fails with what it must show), it ends the run there."""
 
-    def __init__(self) -> None:
+    def __init__(self, enough=None) -> None:
         self.failed: list[tuple[str, set[str]]] = []
+        self.enough = enough
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item, call):
@@ -32,13 +34,16 @@ class _Failures:
         if rep.failed:
             clauses = {str(a) for m in item.iter_markers("clause") for a in m.args}
             self.failed.append((item.nodeid, clauses))
+            if self.enough is not None and self.enough(item.nodeid, clauses):
+                item.session.shouldstop = "the mutant is killed"
 
 
-def _run_suite(registry, name, cls, repro):
+def _run_suite(registry, name, cls, repro, enough=None):
     """The suite on one backend; a failure's replay goes to ``repro`` (a test's tmp_path),
-    not to a fresh directory in the system's temp dir."""
+    not to a fresh directory in the system's temp dir. With ``enough``, the run ends at
+    the first failing test it accepts."""
     registry.register(name, cls)
-    failures = _Failures()
+    failures = _Failures(enough)
     code = pytest.main(
         [str(SUITE), "--backend", name, "-q", "--tb=no", "-p", "no:cacheprovider"]
         + ["--repro-dir", str(repro)],
@@ -62,9 +67,18 @@ def _params():
 @pytest.mark.parametrize("name", list(_params()))
 def test_mutant_is_killed(registry, name, tmp_path):
     cls, clauses, node_part = MUTANTS[name]
-    code, failed = _run_suite(registry, name, cls, tmp_path)
-    assert code == 1, f"{name} survived the suite (exit code {code})"
-    hits = [node for node, marks in failed if marks & clauses and node_part in node]
+
+    def shows_the_bug(node, marks):
+        return bool(marks & clauses) and node_part in node
+
+    # A forward mutant is killed by its first failure that shows the bug; a gradient
+    # mutant runs the whole suite, since every test it fails must be a gradient test.
+    enough = None if name in GRADIENT_MUTANTS else shows_the_bug
+    code, failed = _run_suite(registry, name, cls, tmp_path, enough)
+    # A run ended early exits as interrupted (2), with the failure that ended it recorded.
+    ended = enough is not None and code == pytest.ExitCode.INTERRUPTED
+    assert failed and (code == 1 or ended), f"{name} survived the suite (exit code {code})"
+    hits = [node for node, marks in failed if shows_the_bug(node, marks)]
     assert hits, (
         f"{name} failed, but no failing test carries clause {sorted(clauses)}"
         f"{f' with {node_part!r} in its id' if node_part else ''}; failures: {failed}"

@@ -38,7 +38,8 @@ One rule for numbers (``scale``, ``softcap``, ``dropout_p``, the window's sides;
 
 ``is_causal`` is a Python or NumPy bool (or a 0-d bool array); ``causal_alignment`` one of
 ``ALIGNMENTS``; ``sinks`` (SPEC §15) an array of shape (H,), one logit per query head, in
-q's dtype. An option the impl does not implement is refused with
+q's dtype; ``chunk_size`` (SPEC §16) None or an int >= 1 (the window's rule for ints:
+``bool`` and floats are refused). An option the impl does not implement is refused with
 ``NotImplementedError`` naming it, once its value has passed the checks above.
 """
 
@@ -80,6 +81,7 @@ class Checked:
     softcap: float | None
     dropout_p: float
     sinks: bool = False
+    chunk_size: int | None = None
 
 
 def check(
@@ -99,6 +101,7 @@ def check(
     tiles: dict[str, Any] | None = None,
     d_out: Any = None,
     sinks: Any = None,
+    chunk_size: Any = None,
 ) -> Checked:
     """Check one attention call; return its sizes and normalised options.
 
@@ -113,6 +116,7 @@ def check(
       tiles: {name: value} of tile sizes that must be positive ints (blockwise impls).
       d_out: for a backward pass, the upstream gradient, shaped and typed like the output.
       sinks: the sink logits (H,) in q's dtype, or None (SPEC §15).
+      chunk_size: the length of a local-attention chunk, an int >= 1, or None (SPEC §16).
 
     Raises:
       ValueError, TypeError: bad input, with a message naming the argument, the expected
@@ -130,6 +134,7 @@ def check(
             f"causal_alignment should be one of {ALIGNMENTS}, got {causal_alignment!r}"
         )
     window = _check_window(window)
+    chunk_size = check_chunk_size(chunk_size)
     softcap = None if softcap is None else _softcap(softcap, _dtype_name(q))
     dropout_p = _probability("dropout_p", dropout_p)
     scale = 1.0 / math.sqrt(D) if scale is None else _positive("scale", scale)
@@ -165,6 +170,7 @@ def check(
         softcap=softcap,
         dropout_p=dropout_p,
         sinks=sinks is not None,
+        chunk_size=chunk_size,
     )
     for option, why in (unsupported or {}).items():
         value, default = getattr(checked, option), _DEFAULTS[option]
@@ -186,6 +192,7 @@ _DEFAULTS = {
     "softcap": None,
     "dropout_p": 0.0,
     "sinks": False,
+    "chunk_size": None,
 }
 
 
@@ -283,6 +290,19 @@ def check_sinks(sinks: Any, q: Any) -> None:
         )
     if _dtype_name(sinks) != dtype:
         raise TypeError(f"sinks dtype should be {dtype} like q, got {_dtype_name(sinks)}")
+
+
+def check_chunk_size(chunk_size: Any) -> int | None:
+    """None, or the chunk length of chunked local attention as an int >= 1 (SPEC §16): a
+    Python or NumPy int (or 0-d integer array); bool and floats are not chunk lengths."""
+    if chunk_size is None:
+        return None
+    x = _scalar(chunk_size)
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"chunk_size should be an int >= 1 or None, got {chunk_size!r}")
+    if x < 1:
+        raise ValueError(f"chunk_size should be an int >= 1 or None, got {chunk_size!r}")
+    return int(x)
 
 
 def _check_d_out(d_out: Any, want: tuple[int, ...], dtype: str) -> None:

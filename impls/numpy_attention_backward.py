@@ -45,7 +45,7 @@ Shape legend (heads-first, as in PyTorch):
     q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    d_out, out (B, H, T, E)
 
 Supports every option of the forward but dropout (its gradient needs the forward's random
-draw): masks, both causal alignments, windows, softcap, sinks, GQA, unbatched inputs, float64,
+draw): masks, both causal alignments, windows, chunks, softcap, sinks, GQA, unbatched inputs, float64,
 float32, float16 and bfloat16 (computed in float32, each gradient rounded once). Also
 here: the parameter gradients of the multi-head layer and the pre-LN GPT block.
 
@@ -78,12 +78,13 @@ def attention_backward(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     sinks: np.ndarray | None = None,
+    chunk_size: int | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Gradients of ``attention`` with respect to q, k, v (and a float mask, and sinks).
 
     Args:
-      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks: as for
-        ``attention`` (no dropout: the backward of a random draw needs the draw itself).
+      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks,
+        chunk_size: as for ``attention`` (no dropout: the backward of a random draw needs the draw itself).
       d_out: ∂L/∂out, the gradient arriving from above, shaped like the output:
         (B, H, T, E) or unbatched (H, T, E), same dtype as q.
       dropout_p: must be 0.
@@ -112,6 +113,7 @@ def attention_backward(
         unsupported={"dropout_p": "the backward pass would need the forward's random draw"},
         d_out=d_out,
         sinks=sinks,
+        chunk_size=chunk_size,
     )
     B, K, G, S, D, E = call.B, call.K, call.G, call.S, call.D, call.E
     if call.unbatched:

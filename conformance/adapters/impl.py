@@ -211,6 +211,7 @@ _CAPABILITY_OF = {
     "softcap": "softcap",
     "dropout_p": "dropout",
     "sinks": "sinks",
+    "chunk_size": "chunked",
 }
 
 #: The keyword arguments a function needs for each capability it declares.

@@ -66,9 +66,11 @@ class Backend:
         dropout_p: float = 0.0,
         seed: int | None = None,
         sinks: np.ndarray | None = None,
+        chunk_size: int | None = None,
     ) -> np.ndarray:
         """out (B, H, T, E) for q (B, H, T, D), k (B, K, S, D), v (B, K, S, E), NumPy in and
-        out; ``sinks`` (H,) is one logit per query head (capability "sinks", SPEC §15)."""
+        out; ``sinks`` (H,) is one logit per query head (capability "sinks", SPEC §15);
+        ``chunk_size`` the length of a local-attention chunk (capability "chunked", §16)."""
         options = {"is_causal": is_causal, "scale": scale}
         for key, value in (
             ("causal_alignment", causal_alignment),
@@ -84,6 +86,8 @@ class Backend:
             options["seed"] = seed
         if sinks is not None:
             options["sinks"] = self._sinks(sinks, q)
+        if chunk_size is not None:
+            options["chunk_size"] = self._chunk_size(chunk_size)
         mask = None if mask is None else self.from_numpy(np.asarray(mask))
         out = self._attention(
             self.from_numpy(q), self.from_numpy(k), self.from_numpy(v), mask=mask, **options
@@ -105,6 +109,17 @@ class Backend:
                 "capability (SPEC §15)"
             )
         return self.from_numpy(np.asarray(sinks))
+
+    def _chunk_size(self, chunk_size: Any) -> Any:
+        """The chunk length as given; refused by name (SPEC §8.5) where "chunked" is not
+        declared, once it passes the check every backend makes (§16.1)."""
+        if "chunked" not in self.capabilities:
+            contract.check_chunk_size(chunk_size)
+            raise NotImplementedError(
+                f"chunk_size is not supported: {self.name} does not declare the 'chunked' "
+                "capability (SPEC §16)"
+            )
+        return chunk_size
 
     def prepare(
         self, q: np.ndarray, k: np.ndarray, v: np.ndarray, **options: Any
@@ -139,6 +154,7 @@ class Backend:
         window: tuple[int | None, int | None] | None = None,
         softcap: float | None = None,
         sinks: np.ndarray | None = None,
+        chunk_size: int | None = None,
     ) -> tuple[np.ndarray, ...]:
         """The backward pass (capability "grad"), NumPy in and out.
 
@@ -146,7 +162,7 @@ class Backend:
         output: (dq, dk, dv) = (∂L/∂q, ∂L/∂k, ∂L/∂v), shaped and typed like q, k, v; with a
         floating mask and capability "grad_mask", (dq, dk, dv, dmask), dmask shaped like
         the mask; with ``sinks`` (capability "sinks"), dsinks (H,) last (SPEC §15.5).
-        Options as for ``attention``; there is no dropout in the backward.
+        ``chunk_size`` (capability "chunked") adds no gradient (SPEC §16.3). Options as for ``attention``; there is no dropout in the backward.
         """
         options = {"is_causal": is_causal, "scale": scale}
         for key, value in (
@@ -158,6 +174,8 @@ class Backend:
                 options[key] = value
         if sinks is not None:
             options["sinks"] = self._sinks(sinks, q)
+        if chunk_size is not None:
+            options["chunk_size"] = self._chunk_size(chunk_size)
         mask = None if mask is None else self.from_numpy(np.asarray(mask))
         grads = self._attention_vjp(
             self.from_numpy(q),

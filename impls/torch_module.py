@@ -7,13 +7,16 @@ Step by step, for one query row t:
     score[s]  = scale · Σ_d q[t, d] · k[s, d]          scale defaults to 1/√D
     score[s]  = c · tanh(score[s] / c)                  only with softcap=c
     score[s]  = score[s] + mask[t, s]                   a float mask is added;
-    score[s]  = -inf where the key s is blocked         a bool mask, causal or window blocks
+    score[s]  = -inf where the key s is blocked         a bool mask, causal, window or chunk blocks
     w[s]      = exp(score[s] - max) / Σ exp(score - max)
     out[t, e] = Σ_s w[s] · v[s, e]
 
 With attention sinks (one logit sink[h] per query head), the sink joins the row's max and
 its sum, but has no value row: w[s] = exp(score[s] - max) / (exp(sink - max) + Σ exp(score
 - max)), so a row's weights sum to less than 1.
+
+With chunked local attention (Llama 4, ``chunk_size=c``), query t sees key s only if both
+lie in the same chunk of c positions: (t + offset) // c == s // c, offset as for causality.
 
 Shape legend (heads-first, as in PyTorch; PyTorch's own docs call T "L" and E "Ev"):
 
@@ -28,7 +31,7 @@ Shape legend (heads-first, as in PyTorch; PyTorch's own docs call T "L" and E "E
     sinks (H,): one logit per query head.
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, softcapping, attention sinks (in ``attention``; the modules have none),
+windows, chunked local attention, softcapping, attention sinks (in ``attention``; the modules have none),
 grouped-query and multi-query attention (K < H), dropout (through a
 callable such as ``nn.Dropout``, so that ``module.eval()`` turns it off), float64,
 float32, float16 and bfloat16, autograd. A query row with no key left to attend returns
@@ -68,6 +71,7 @@ def attention(
     softcap: float | None = None,
     dropout: Callable[[torch.Tensor], torch.Tensor] | None = None,
     sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention: the core of ``MultiHeadAttention``.
 
@@ -89,6 +93,8 @@ def attention(
         weight with probability p in training mode, does nothing in eval mode.
       sinks: (H,), same dtype as q: one logit per query head that joins every row's
         softmax and carries no value (gpt-oss); None for none.
+      chunk_size: query t attends only keys s in its own chunk, (t + offset) // chunk_size
+        == s // chunk_size, offset placed by causal_alignment (Llama 4); None for none.
 
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
@@ -114,6 +120,7 @@ def attention(
         dropout_p=getattr(dropout, "p", 0.0),
         random=("dropout", dropout, ok, "a callable such as nn.Dropout, or None"),
         sinks=sinks,
+        chunk_size=chunk_size,
     )
     H, S, G = call.H, call.S, call.G
     if call.unbatched:
@@ -199,8 +206,8 @@ def _allowed(
     mask: torch.Tensor | None, call: contract.Checked, device: torch.device
 ) -> torch.Tensor:
     """Which keys each query may see, (B|1, H|1, T, S) bool: those that a bool mask, the
-    causal triangle and the window allow and a float mask does not set to -inf."""
-    T, S, window = call.T, call.S, call.window
+    causal triangle, the window and the chunk allow and a float mask does not set to -inf."""
+    T, S, window, chunk = call.T, call.S, call.window, call.chunk_size
     # Query t's diagonal is key t (top-left) or key t + S - T (bottom-right, so that the
     # last query lines up with the last key).
     offset = 0 if call.causal_alignment == "top_left" else S - T
@@ -214,6 +221,9 @@ def _allowed(
         allowed = allowed & (distance >= -window[0])  # (1, 1, T, S)
     if window is not None and window[1] is not None:
         allowed = allowed & (distance <= window[1])  # (1, 1, T, S)
+    if chunk is not None:
+        # Same chunk only; floor division puts a negative position in a chunk of no key.
+        allowed = allowed & ((t + offset) // chunk == s // chunk)  # (1, 1, T, S)
     if mask is not None and call.mask_is_bool:
         allowed = allowed & mask  # (B|1, H|1, T, S)
     elif mask is not None:

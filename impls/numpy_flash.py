@@ -47,7 +47,9 @@ of 1e4 cannot overflow either. A row with no key keeps l = 0 and returns 0.
 Skipping tiles. Causal and window masks are bands around the diagonal. For a block of
 queries, the keys split into ranges: keys no row of the block may see are skipped, keys
 every row sees need no masking, and only the two diagonal strips between them (each as
-wide as the query block) are masked key by key. That is where fused kernels get their 2×
+wide as the query block) are masked key by key. Chunked local attention (Llama 4) cuts
+those ranges to the chunks the block's rows lie in: key tiles wholly outside them are
+skipped, and a block that spans a chunk boundary masks key by key. That is where fused kernels get their 2×
 causal speed-up. (A user-supplied mask is an input: its tiles are sliced, and a fully
 blocked tile is still computed.)
 
@@ -89,7 +91,7 @@ its G query heads, not G times, and no input is repeated or copied, which the
 memory-efficient impls must avoid (the teaching reference repeats k and v instead).
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, softcapping, attention sinks, grouped-query and multi-query attention (K < H), float64, float32,
+windows, chunked local attention, softcapping, attention sinks, grouped-query and multi-query attention (K < H), float64, float32,
 float16 and bfloat16 (``ml_dtypes``, computed in float32 and rounded once), and the
 backward pass of all of them with a float mask's gradient. A query row with no key left
 to attend returns exactly 0. Not supported: dropout (``dropout_p > 0`` raises
@@ -119,6 +121,7 @@ def attention(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     sinks: np.ndarray | None = None,
+    chunk_size: int | None = None,
     block_q: int = 256,
     block_k: int = 512,
 ) -> np.ndarray:
@@ -141,6 +144,8 @@ def attention(
       dropout_p: must be 0; dropout is not supported here.
       sinks: (H,), same dtype as q: one logit per query head that joins every row's
         softmax and carries no value; None for none.
+      chunk_size: query t attends only keys s in its own chunk, (t + offset) // chunk_size
+        == s // chunk_size, offset placed by causal_alignment (Llama 4); None for none.
       block_q: Tb, queries per tile (per query head).
       block_k: Sb, keys per tile.
 
@@ -151,6 +156,7 @@ def attention(
     # _prepare), and lay the inputs out by key/value head, as views.
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
+    options.update(chunk_size=chunk_size)
     call, q, tiles = _prepare(q, k, v, mask, options, block_q, block_k)
     B, H, K, G, T, E = call.B, call.H, call.K, call.G, call.T, call.E
     out = np.empty((B * K, G, T, E), dtype=q.dtype)  # (B·K, G, T, E)
@@ -195,6 +201,7 @@ def attention_vjp(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     sinks: np.ndarray | None = None,
+    chunk_size: int | None = None,
     block_q: int = 256,
     block_k: int = 512,
 ) -> tuple[np.ndarray, ...]:
@@ -256,8 +263,8 @@ def attention_vjp(
     own gradient is dsink = Σ_t p_sink[t] · (0 − Δ[t]) with p_sink = exp(sink − lse).
 
     Args:
-      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks, block_q,
-        block_k: as for ``attention`` (no dropout: its gradient needs the forward's
+      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks,
+        chunk_size, block_q, block_k: as for ``attention`` (no dropout: its gradient needs the forward's
         random draw).
       d_out: ∂L/∂out, shaped like the output, (B, H, T, E) or (H, T, E), in q's dtype.
       dropout_p: must be 0.
@@ -271,6 +278,7 @@ def attention_vjp(
     # 0. Validate as the forward does, and d_out against the output's shape and dtype.
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
+    options.update(chunk_size=chunk_size)
     d_out = np.asarray(d_out)
     call, q, tiles = _prepare(q, k, v, mask, options, block_q, block_k, d_out=d_out)
     B, H, K, G, T, S, D, E = call.B, call.H, call.K, call.G, call.T, call.S, call.D, call.E
@@ -491,7 +499,7 @@ def _prepare(
         k.reshape(B * K, S, D),  # (B·K, S, D)
         v.reshape(B * K, S, E),  # (B·K, S, E)
         mask,
-        _Band(offset, call.is_causal, call.window),
+        _Band(offset, call.is_causal, call.window, call.chunk_size),
         call.softcap,
         K,
         G,
@@ -644,13 +652,15 @@ class _KeyTiles:
 
 
 class _Band:
-    """The causal/window band: which keys s query t may see, as s - (t + offset)."""
+    """The causal/window band: which keys s query t may see, as s - (t + offset); and the
+    chunks, (t + offset) // chunk == s // chunk."""
 
     def __init__(
         self,
         offset: int,
         is_causal: bool,
         window: tuple[int | None, int | None] | None,
+        chunk: int | None = None,
     ) -> None:
         # Query t's diagonal is key t (top-left) or key t + S - T (bottom-right, so that
         # the last query lines up with the last key). Allowed: lo <= s - (t + offset) <= hi.
@@ -661,6 +671,7 @@ class _Band:
         if is_causal:
             self.hi = min(self.hi, 0)
         self.active = is_causal or window is not None
+        self.chunk = chunk
 
     def ranges(self, t0: int, t1: int, S: int) -> list[tuple[int, int, bool]]:
         """Key ranges (s0, s1, whole) that query rows [t0, t1) can see, in key order.
@@ -670,17 +681,25 @@ class _Band:
         that only the lower rows see, the keys every row sees (``whole``: no masking), and
         a strip Tb wide that only the upper rows see. Keys outside are never visited.
         """
-        if not self.active:
-            return [(0, S, True)]
         Tb = t1 - t0
         first = t0 + self.offset + self.lo  # row t0's first key (-inf: key 0)
         last = t0 + self.offset + self.hi  # row t0's last key (inf: key S - 1)
-        if first + Tb >= last:
+        if not self.active:
+            edges = [(0, S, True)]
+        elif first + Tb >= last:
             # A band narrower than the block: all of it is a diagonal strip.
             edges = [(first, last + Tb, False)]
         else:
             edges = [(first, first + Tb, False), (first + Tb, last, True), (last, last + Tb, False)]
-        clipped = [(max(a, 0), min(b, S), whole) for a, b, whole in edges]
+        lo, hi, single = 0, S, True
+        if self.chunk is not None:
+            # The rows' chunks run from that of row t0 to that of row t1 - 1: keys outside
+            # them are skipped, and a block in more than one chunk is masked key by key.
+            first_chunk = (t0 + self.offset) // self.chunk
+            last_chunk = (t1 - 1 + self.offset) // self.chunk
+            lo, hi = first_chunk * self.chunk, (last_chunk + 1) * self.chunk
+            single = first_chunk == last_chunk
+        clipped = [(max(a, lo, 0), min(b, hi, S), whole and single) for a, b, whole in edges]
         return [(int(a), int(b), whole) for a, b, whole in clipped if a < b]
 
     def allowed(self, t0: int, t1: int, s0: int, s1: int) -> np.ndarray:
@@ -688,7 +707,11 @@ class _Band:
         t = np.arange(t0, t1)[:, None]  # (Tb, 1)
         s = np.arange(s0, s1)[None, :]  # (1, Sb)
         distance = s - (t + self.offset)  # (Tb, Sb)
-        return (distance >= self.lo) & (distance <= self.hi)  # (Tb, Sb)
+        allowed = (distance >= self.lo) & (distance <= self.hi)  # (Tb, Sb)
+        if self.chunk is not None:
+            # Same chunk only; floor division puts a negative position in a chunk of no key.
+            allowed &= (t + self.offset) // self.chunk == s // self.chunk  # (Tb, Sb)
+        return allowed
 
 
 def _grouped(x: np.ndarray, K: int, G: int) -> np.ndarray:

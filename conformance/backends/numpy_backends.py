@@ -91,7 +91,7 @@ class NumpyFlashBackend(Backend):
 
     name = "numpy-flash"
     impl_module = "conformance.impls.numpy_flash"
-    capabilities = BLOCKWISE_CAPABILITIES | {"sinks"}
+    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked"}
     dtypes = DTYPES
     conformance_options = Blockwise.CONFORMANCE_OPTIONS
 

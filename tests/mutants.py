@@ -68,6 +68,14 @@ def band(T, S, is_causal, causal_alignment, window):
     return allowed
 
 
+def chunks(T, S, chunk_size, causal_alignment):
+    """Which keys each query may see under chunked local attention (SPEC §16.1): those in
+    the query's own chunk, pos(t) // chunk_size == s // chunk_size. (T, S) bool."""
+    offset = 0 if causal_alignment == "top_left" else S - T
+    position = np.arange(T)[:, None] + offset
+    return position // chunk_size == np.arange(S)[None, :] // chunk_size
+
+
 def softmax(scores, dtype):
     """Stable softmax over the keys; a row with every key at -inf gets weights 0."""
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
@@ -153,6 +161,14 @@ def band_always_bottom_right(T, S, is_causal, causal_alignment, window):
 def band_always_top_left(T, S, is_causal, causal_alignment, window):
     """BUG: top-left alignment even when bottom-right is asked."""
     return band(T, S, is_causal, "top_left", window)
+
+
+def chunks_off_by_one(T, S, chunk_size, causal_alignment):
+    """BUG: the chunk boundary off by one: the query's position counted from 1, so the
+    last query of each chunk lands in the next one."""
+    offset = 0 if causal_alignment == "top_left" else S - T
+    position = np.arange(T)[:, None] + offset + 1
+    return position // chunk_size == np.arange(S)[None, :] // chunk_size
 
 
 def expand_kv_tile(x, G):
@@ -363,6 +379,7 @@ class Steps:
     apply_float_mask = staticmethod(apply_float_mask)
     bool_allowed = staticmethod(bool_allowed)
     band = staticmethod(band)
+    chunks = staticmethod(chunks)
     hide_unused = staticmethod(hide_unused)
     softmax = staticmethod(softmax)
     sink_softmax = staticmethod(sink_softmax)
@@ -385,6 +402,7 @@ class Steps:
         dropout_p=0.0,
         rng=None,
         sinks=None,
+        chunk_size=None,
     ):
         q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
         mask = None if mask is None else np.asarray(mask)
@@ -402,6 +420,7 @@ class Steps:
             dropout_p=dropout_p,
             random=("rng", rng, isinstance(rng, np.random.Generator), "a numpy.random.Generator"),
             sinks=sinks,
+            chunk_size=chunk_size,
         )
         unbatched = call.unbatched
         if unbatched:
@@ -425,6 +444,8 @@ class Steps:
             allowed = allowed & (mask != -np.inf)
         if is_causal or window is not None:
             allowed = allowed & self.band(T, S, is_causal, causal_alignment, window)
+        if chunk_size is not None:
+            allowed = allowed & self.chunks(T, S, call.chunk_size, causal_alignment)
         k, v = self.hide_unused(k, v, allowed)  # (B, H, S, ·)
 
         scores = np.einsum("bhtd,bhsd->bhts", q, k) * work(scale)  # (B, H, T, S)
@@ -494,6 +515,7 @@ class BackwardSteps:
         window=None,
         softcap=None,
         sinks=None,
+        chunk_size=None,
     ):
         q, k, v, d_out = np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(d_out)
         mask = None if mask is None else np.asarray(mask)
@@ -510,6 +532,7 @@ class BackwardSteps:
             softcap=softcap,
             d_out=d_out,
             sinks=sinks,
+            chunk_size=chunk_size,
         )
         unbatched = call.unbatched
         if unbatched:
@@ -537,6 +560,8 @@ class BackwardSteps:
             allowed = allowed & (mask != -np.inf)
         if is_causal or window is not None:
             allowed = allowed & band(T, S, is_causal, causal_alignment, window)[None, None]
+        if chunk_size is not None:
+            allowed = allowed & chunks(T, S, call.chunk_size, causal_alignment)[None, None]
         used = np.broadcast_to(allowed, (*allowed.shape[:2], T, S))
         used = grouped(used, K, G).any(axis=(2, 3))[..., None]  # (B|1, K|1, S, 1)
         k, v = np.where(used, k, 0.0), np.where(used, v, 0.0)
@@ -612,6 +637,12 @@ class SinkMutantBackend(MutantBackend):
     capabilities = (ALL_CAPABILITIES - {"module"}) | {"sinks"}
 
 
+class ChunkMutantBackend(MutantBackend):
+    """A forward mutant that also declares "chunked" (SPEC §16)."""
+
+    capabilities = (ALL_CAPABILITIES - {"module"}) | {"chunked"}
+
+
 class ModuleMutantBackend(MutantBackend):
     capabilities = ALL_CAPABILITIES
 
@@ -646,7 +677,7 @@ def _gradient_mutant(name, step, broken):
 Control = type(
     "MutantControl",
     (ModuleMutantBackend,),
-    {"name": "mutant-control", "capabilities": ALL_CAPABILITIES | GRAD | {"sinks"}},
+    {"name": "mutant-control", "capabilities": ALL_CAPABILITIES | GRAD | {"sinks", "chunked"}},
 )
 
 #: name: (backend class, clauses that should catch it, substring the failing node id needs)
@@ -761,6 +792,17 @@ MUTANTS = {
             base=SinkMutantBackend,
         ),
         {"15.1"},
+        "",
+    ),
+    # Chunked local attention (SPEC §16).
+    "mutant-chunk-off-by-one": (
+        _mutant(
+            "mutant-chunk-off-by-one",
+            "chunks",
+            chunks_off_by_one,
+            base=ChunkMutantBackend,
+        ),
+        {"16.1"},
         "",
     ),
     # The backward pass (SPEC §12): the forward is correct, only the gradients are broken.

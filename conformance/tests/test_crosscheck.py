@@ -30,6 +30,10 @@ SETUPS = {
         ("gqa", "causal_bottom_right", "window", "softcap"),
     ),
     "sinks-gqa-causal": ({"is_causal": True, "K": 2, "sinks": "random"}, ("gqa", "sinks")),
+    "chunked-gqa-causal-bottom-right": (
+        {"is_causal": True, "causal_alignment": "bottom_right", "chunk_size": 5, "K": 2},
+        ("gqa", "causal_bottom_right", "chunked"),
+    ),
 }
 
 

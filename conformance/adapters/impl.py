@@ -212,6 +212,7 @@ _CAPABILITY_OF = {
     "dropout_p": "dropout",
     "sinks": "sinks",
     "chunk_size": "chunked",
+    "alibi_slopes": "alibi",
 }
 
 #: The keyword arguments a function needs for each capability it declares.

@@ -40,6 +40,7 @@ OPTION_CAPABILITIES = {
     "dropout_p": ("dropout", 0.0),
     "sinks": ("sinks", None),
     "chunk_size": ("chunked", None),
+    "alibi_slopes": ("alibi", None),
 }
 #: What a backward call needs beyond "grad", by option.
 GRAD_OPTION_CAPABILITIES = {"softcap": ("grad_softcap", None)}

@@ -157,7 +157,7 @@ class TorchNaiveBackend(_TorchBackend):
     capabilities = (
         (ALL_CAPABILITIES - {"module"})
         | (GRAD_CAPABILITIES - {"module_grad"})
-        | {"sinks", "chunked"}
+        | {"sinks", "chunked", "alibi"}
     )
 
     def __init__(self) -> None:
@@ -174,7 +174,7 @@ class TorchModuleBackend(_TorchBackend):
     """The nn.Module backend: the core spec runs the module's own attention function."""
 
     name = "torch-module"
-    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked"}
+    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi"}
 
     def __init__(self) -> None:
         super().__init__()
@@ -229,7 +229,7 @@ class TorchSdpaBackend(_TorchBackend):
     """SDPA's own backward; softcap goes through flex_attention, which has no CPU backward."""
 
     name = "torch-sdpa"
-    capabilities = (ALL_CAPABILITIES - {"module"}) | {"grad", "grad_mask", "chunked"}
+    capabilities = (ALL_CAPABILITIES - {"module"}) | {"grad", "grad_mask", "chunked", "alibi"}
 
     def __init__(self) -> None:
         super().__init__()

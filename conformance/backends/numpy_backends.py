@@ -91,7 +91,7 @@ class NumpyFlashBackend(Backend):
 
     name = "numpy-flash"
     impl_module = "conformance.impls.numpy_flash"
-    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked"}
+    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi"}
     dtypes = DTYPES
     conformance_options = Blockwise.CONFORMANCE_OPTIONS
 

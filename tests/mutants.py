@@ -76,6 +76,12 @@ def chunks(T, S, chunk_size, causal_alignment):
     return position // chunk_size == np.arange(S)[None, :] // chunk_size
 
 
+def alibi(slopes, T, S, H):
+    """ALiBi's bias (SPEC §17.1): −slope · |t + S − T − s|, (B|1, H, T, S)."""
+    distance = np.abs(np.arange(T)[:, None] + S - T - np.arange(S)[None, :])
+    return -slopes.reshape(-1, H, 1, 1) * distance.astype(slopes.dtype)
+
+
 def softmax(scores, dtype):
     """Stable softmax over the keys; a row with every key at -inf gets weights 0."""
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
@@ -169,6 +175,13 @@ def chunks_off_by_one(T, S, chunk_size, causal_alignment):
     offset = 0 if causal_alignment == "top_left" else S - T
     position = np.arange(T)[:, None] + offset + 1
     return position // chunk_size == np.arange(S)[None, :] // chunk_size
+
+
+def alibi_off_by_one(slopes, T, S, H):
+    """BUG: ALiBi's distance off by one, |t + S − T − s + 1|: the diagonal key is
+    penalised as if one step away, and the key after it not at all."""
+    distance = np.abs(np.arange(T)[:, None] + S - T - np.arange(S)[None, :] + 1)
+    return -slopes.reshape(-1, H, 1, 1) * distance.astype(slopes.dtype)
 
 
 def expand_kv_tile(x, G):
@@ -380,6 +393,7 @@ class Steps:
     bool_allowed = staticmethod(bool_allowed)
     band = staticmethod(band)
     chunks = staticmethod(chunks)
+    alibi = staticmethod(alibi)
     hide_unused = staticmethod(hide_unused)
     softmax = staticmethod(softmax)
     sink_softmax = staticmethod(sink_softmax)
@@ -403,6 +417,7 @@ class Steps:
         rng=None,
         sinks=None,
         chunk_size=None,
+        alibi_slopes=None,
     ):
         q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
         mask = None if mask is None else np.asarray(mask)
@@ -421,6 +436,7 @@ class Steps:
             random=("rng", rng, isinstance(rng, np.random.Generator), "a numpy.random.Generator"),
             sinks=sinks,
             chunk_size=chunk_size,
+            alibi_slopes=alibi_slopes,
         )
         unbatched = call.unbatched
         if unbatched:
@@ -451,6 +467,8 @@ class Steps:
         scores = np.einsum("bhtd,bhsd->bhts", q, k) * work(scale)  # (B, H, T, S)
         if softcap is not None:
             scores = softcap * np.tanh(scores / softcap)
+        if alibi_slopes is not None:
+            scores = scores + self.alibi(np.asarray(alibi_slopes).astype(work), T, S, H)
         if mask is not None and mask.dtype != np.bool_:
             scores = self.apply_float_mask(scores, mask.astype(work))
         scores = np.where(allowed, scores, -np.inf)  # (B, H, T, S)
@@ -516,6 +534,7 @@ class BackwardSteps:
         softcap=None,
         sinks=None,
         chunk_size=None,
+        alibi_slopes=None,
     ):
         q, k, v, d_out = np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(d_out)
         mask = None if mask is None else np.asarray(mask)
@@ -533,6 +552,7 @@ class BackwardSteps:
             d_out=d_out,
             sinks=sinks,
             chunk_size=chunk_size,
+            alibi_slopes=alibi_slopes,
         )
         unbatched = call.unbatched
         if unbatched:
@@ -568,6 +588,9 @@ class BackwardSteps:
         q = q.reshape(B, K, G, T, D)  # (B, K, G, T, D)
         raw = np.einsum("bkgtd,bksd->bkgts", q, k) * work(scale)  # (B, K, G, T, S)
         scores = softcap * np.tanh(raw / softcap) if softcap is not None else raw
+        if alibi_slopes is not None:
+            bias = alibi(np.asarray(alibi_slopes).astype(work), T, S, H)  # (B|1, H, T, S)
+            scores = scores + grouped(bias, K, G)
         if mask is not None and mask.dtype != np.bool_:
             scores = scores + grouped(mask.astype(work), K, G)
         scores = np.where(grouped(allowed, K, G), scores, -np.inf)  # (B, K, G, T, S)
@@ -643,6 +666,12 @@ class ChunkMutantBackend(MutantBackend):
     capabilities = (ALL_CAPABILITIES - {"module"}) | {"chunked"}
 
 
+class AlibiMutantBackend(MutantBackend):
+    """A forward mutant that also declares "alibi" (SPEC §17)."""
+
+    capabilities = (ALL_CAPABILITIES - {"module"}) | {"alibi"}
+
+
 class ModuleMutantBackend(MutantBackend):
     capabilities = ALL_CAPABILITIES
 
@@ -677,7 +706,10 @@ def _gradient_mutant(name, step, broken):
 Control = type(
     "MutantControl",
     (ModuleMutantBackend,),
-    {"name": "mutant-control", "capabilities": ALL_CAPABILITIES | GRAD | {"sinks", "chunked"}},
+    {
+        "name": "mutant-control",
+        "capabilities": ALL_CAPABILITIES | GRAD | {"sinks", "chunked", "alibi"},
+    },
 )
 
 #: name: (backend class, clauses that should catch it, substring the failing node id needs)
@@ -803,6 +835,12 @@ MUTANTS = {
             base=ChunkMutantBackend,
         ),
         {"16.1"},
+        "",
+    ),
+    # ALiBi (SPEC §17).
+    "mutant-alibi-off-by-one": (
+        _mutant("mutant-alibi-off-by-one", "alibi", alibi_off_by_one, base=AlibiMutantBackend),
+        {"17.1"},
         "",
     ),
     # The backward pass (SPEC §12): the forward is correct, only the gradients are broken.

@@ -56,7 +56,9 @@ speed-up. Of those blocks, the ones wholly inside the band need no masking at al
 the key loop is three loops: the blocks the band cuts on the left (a window), those
 inside it (no mask computed), those it cuts on the right (the causal diagonal). (A
 user-supplied mask is an input: its tiles are sliced, and a fully blocked tile is still
-computed.)
+computed.) Chunked local attention (Llama 4) narrows [first(i), last(i)) to the chunks
+the block's rows lie in, so key blocks wholly outside them are skipped; only a block
+within one chunk has tiles that need no masking.
 
 The backward pass. ``attention_vjp`` is FlashAttention-2's backward, the algorithm
 ``numpy_flash.attention_vjp`` derives: for each query block, the forward over its key
@@ -112,7 +114,7 @@ its G query heads, not G times, and no input is repeated or copied, which the
 memory-efficient impls must avoid (the teaching reference repeats k and v instead).
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, softcapping, attention sinks, grouped-query and multi-query attention (K < H), float64, float32,
+windows, chunked local attention, softcapping, attention sinks, grouped-query and multi-query attention (K < H), float64, float32,
 float16 and bfloat16 (computed in float32 and rounded once), and the backward pass of all
 of them with a float mask's gradient. A query row with no key left
 to attend returns exactly 0. Float64 needs ``jax.config.update("jax_enable_x64", True)``
@@ -148,6 +150,7 @@ def attention(
     dropout_p: float = 0.0,
     key: jax.Array | None = None,
     sinks: jax.Array | None = None,
+    chunk_size: int | None = None,
     block_q: int = 512,
     block_k: int = 256,
 ) -> jax.Array:
@@ -171,6 +174,8 @@ def attention(
       key: unused (dropout is not supported).
       sinks: (H,), same dtype as q: one logit per query head that joins every row's
         softmax and carries no value; None for none.
+      chunk_size: query t attends only keys s in its own chunk, (t + offset) // chunk_size
+        == s // chunk_size, offset placed by causal_alignment (Llama 4); None for none.
       block_q: Tb, queries per tile (per query head); shrunk to T when T is smaller.
       block_k: Sb, keys per tile; shrunk to S when S is smaller.
 
@@ -181,6 +186,7 @@ def attention(
     # dtypes and options, and names the argument, the expected shape and what was given.
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
+    options.update(chunk_size=chunk_size)
     call, (q, k, v, mask, sinks), static = _prepare(q, k, v, mask, options, block_q, block_k)
     if call.T == 0 or call.S == 0:
         # Nothing to tile: with T = 0 there is no query, and with S = 0 every query has
@@ -205,6 +211,7 @@ def attention_vjp(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     sinks: jax.Array | None = None,
+    chunk_size: int | None = None,
     block_q: int = 512,
     block_k: int = 256,
 ) -> tuple[jax.Array, ...]:
@@ -212,9 +219,9 @@ def attention_vjp(
     docstring; the derivation is ``numpy_flash.attention_vjp``'s).
 
     Args:
-      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks, block_q,
-        block_k: as for ``attention`` (no dropout: its gradient needs the forward's
-        random draw).
+      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks,
+        chunk_size, block_q, block_k: as for ``attention`` (no dropout: its gradient
+        needs the forward's random draw).
       d_out: ∂L/∂out, shaped like the output, (B, H, T, E) or (H, T, E), in q's dtype.
       dropout_p: must be 0.
 
@@ -227,6 +234,7 @@ def attention_vjp(
     # 0. Validate as the forward does, and d_out against the output's shape and dtype.
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
+    options.update(chunk_size=chunk_size)
     d_out = jnp.asarray(d_out)
     given = None if mask is None else jnp.shape(mask)  # dmask is shaped like this
     call, (q, k, v, mask, sinks), static = _prepare(
@@ -249,7 +257,7 @@ def attention_vjp(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "is_causal", "offset", "window", "softcap", "Tb", "Sb"),
+    static_argnames=("scale", "is_causal", "offset", "window", "softcap", "chunk", "Tb", "Sb"),
 )
 def _flash(
     q: jax.Array,
@@ -263,6 +271,7 @@ def _flash(
     offset: int,
     window: tuple[int | None, int | None] | None,
     softcap: float | None,
+    chunk: int | None,
     Tb: int,
     Sb: int,
 ) -> jax.Array:
@@ -270,7 +279,7 @@ def _flash(
     B, H, T, _ = q.shape
     E = v.shape[-1]
     out_dtype = q.dtype
-    tiles = _Tiles(q, k, v, mask, offset, is_causal, window, softcap, Tb, Sb)
+    tiles = _Tiles(q, k, v, mask, offset, is_causal, window, softcap, chunk, Tb, Sb)
 
     def query_block(i: jax.Array, out: jax.Array) -> jax.Array:
         # 1. Scores: every query of the block against every key, one key block at a time
@@ -294,7 +303,7 @@ def _flash(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "is_causal", "offset", "window", "softcap", "Tb", "Sb"),
+    static_argnames=("scale", "is_causal", "offset", "window", "softcap", "chunk", "Tb", "Sb"),
 )
 def _flash_vjp(
     q: jax.Array,
@@ -309,6 +318,7 @@ def _flash_vjp(
     offset: int,
     window: tuple[int | None, int | None] | None,
     softcap: float | None,
+    chunk: int | None,
     Tb: int,
     Sb: int,
 ) -> tuple[jax.Array, ...]:
@@ -318,7 +328,7 @@ def _flash_vjp(
     B, H, T, D = q.shape
     _, K, S, _ = k.shape
     E = v.shape[-1]
-    tiles = _Tiles(q, k, v, mask, offset, is_causal, window, softcap, Tb, Sb)
+    tiles = _Tiles(q, k, v, mask, offset, is_causal, window, softcap, chunk, Tb, Sb)
     work, G = tiles.work, tiles.G
     float_mask = mask is not None and mask.dtype != jnp.bool_
     d_out = jnp.pad(d_out, ((0, 0), (0, 0), (0, tiles.Tp - T), (0, 0)))  # (B, H, Tp, E)
@@ -445,7 +455,7 @@ class _Tiles:
     softmax of one query block (``online_softmax``). Built inside the jitted functions:
     the arrays are traced, the sizes and options static."""
 
-    def __init__(self, q, k, v, mask, offset, is_causal, window, softcap, Tb, Sb) -> None:
+    def __init__(self, q, k, v, mask, offset, is_causal, window, softcap, chunk, Tb, Sb) -> None:
         B, H, T, D = q.shape
         _, K, S, _ = k.shape
         self.B, self.K, self.G, self.T, self.S = B, K, H // K, T, S
@@ -480,6 +490,8 @@ class _Tiles:
         if is_causal:
             self.hi = min(self.hi, 0)
         self.banded = is_causal or window is not None
+        # Chunked local attention: t' // chunk == s // chunk as well.
+        self.chunk = chunk
 
     def queries(self, i: jax.Array, scale: float) -> jax.Array:
         """Query block i of every head, scaled, stacked by key/value head: query head
@@ -505,6 +517,18 @@ class _Tiles:
             last = (t0 + Tb - 1 + hi) // Sb + 1
             # Inside up to the last block whose last key is <= hi past the first query's.
             inner_last = (t0 + hi + 1) // Sb
+        if self.chunk is not None:
+            # The block's rows lie in chunks t0 // c … (t0 + Tb - 1) // c: key blocks outside
+            # keys [lo_key, hi_key) of those chunks are skipped, and only a block within one
+            # chunk has tiles that need no masking.
+            c = self.chunk
+            chunk_first, chunk_last = t0 // c, (t0 + Tb - 1) // c
+            lo_key, hi_key = chunk_first * c, (chunk_last + 1) * c
+            first = jnp.maximum(first, lo_key // Sb)
+            last = jnp.minimum(last, -(-hi_key // Sb))
+            inner_first = jnp.maximum(inner_first, -(-lo_key // Sb))
+            single = chunk_first == chunk_last
+            inner_last = jnp.where(single, jnp.minimum(inner_last, hi_key // Sb), 0)
         if self.Sp != self.S:
             inner_last = jnp.minimum(inner_last, nS - 1)  # the padded block is masked
         first = jnp.clip(first, 0, nS).astype(jnp.int32)
@@ -566,6 +590,11 @@ class _Tiles:
                 if self.hi != math.inf:
                     band &= distance <= self.hi
                 allowed = band if allowed is None else allowed & band
+            if self.chunk is not None:
+                t = i * Tb + jnp.arange(Tb, dtype=jnp.int32)[:, None]  # (Tb, 1)
+                # Same chunk only; floor division puts a negative position in a chunk of no key.
+                same = (t + self.offset) // self.chunk == s // self.chunk  # (Tb, Sb)
+                allowed = same if allowed is None else allowed & same
             if self.Sp != self.S:
                 allowed = s < self.S if allowed is None else allowed & (s < self.S)  # padding
         if self.Tp != self.T:
@@ -675,6 +704,7 @@ def _prepare(q, k, v, mask, options: dict, block_q: int, block_k: int, d_out=Non
         offset=0 if call.causal_alignment == "top_left" else call.S - call.T,
         window=call.window,
         softcap=call.softcap,
+        chunk=call.chunk_size,
         Tb=max(1, min(block_q, call.T)),
         Sb=max(1, min(block_k, call.S)),
     )

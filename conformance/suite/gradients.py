@@ -88,4 +88,8 @@ PAIR_SETUPS = {
         {"is_causal": True, "causal_alignment": "bottom_right", "chunk_size": 5, "K": 2},
         ("gqa", "causal_bottom_right", "chunked"),
     ),
+    "alibi-BH-gqa-causal": (
+        {"is_causal": True, "K": 2, "alibi_slopes": "random"},
+        ("gqa", "alibi"),
+    ),
 }

@@ -28,6 +28,12 @@ OPTIONS = {
         "causal_alignment": "bottom_right",
         "window": (300, None),
     },
+    # Chunks of 600 cut the default tiles (SPEC §16), with ALiBi's bias tile by tile (§17).
+    "chunked-alibi": {
+        "is_causal": True,
+        "chunk_size": 600,
+        "alibi_slopes": np.array([0.5, 0.0625, 0.25, 0.0078125], dtype=np.float32),
+    },
 }
 
 

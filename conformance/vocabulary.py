@@ -17,6 +17,10 @@ CAPABILITIES = {
     "dropout": "dropout on the weights with a seed (SPEC §5)",
     "sinks": "attention sinks: one learned logit per query head, sinks (H,), that takes "
     "softmax weight and carries no value (SPEC §15)",
+    "chunked": "chunked local attention (Llama 4): chunk_size, query and key attend only "
+    "within the same chunk (SPEC §16)",
+    "alibi": "ALiBi: alibi_slopes (H,) or (B, H), a linear bias -slope * |t + S - T - s| "
+    "added to the scores (SPEC §17)",
     "module": "the multi-head layer and GPT block from shared weights (SPEC §9)",
     "grad": "backward pass: attention_vjp (SPEC §12)",
     "grad_mask": "attention_vjp also returns the gradient of a float mask (SPEC §12.3)",
@@ -40,7 +44,7 @@ DTYPES = ("float64", "float32", "float16", "bfloat16")
 #: implements them: they are not part of ``ALL_CAPABILITIES`` either, so that a backend
 #: (or an ``--impl`` function) declaring ``ALL_CAPABILITIES`` promises only what it
 #: promised before they existed, and has their tests skipped by name.
-VARIANT_CAPABILITIES = frozenset({"sinks"})
+VARIANT_CAPABILITIES = frozenset({"sinks", "chunked", "alibi"})
 
 #: Every capability of the forward pass ("sharded" and "sharded_heads" describe how a
 #: backend runs, not a feature of the function: only the context-parallel backends
@@ -64,12 +68,15 @@ OPTION_DEFAULTS = {
     "dropout_p": 0.0,
     "seed": None,
     "sinks": None,
+    "chunk_size": None,
+    "alibi_slopes": None,
 }
 
 
 def option_is_set(name: str, value: object) -> bool:
     """Whether ``value`` is other than option ``name``'s default, for array options too
-    (``sinks``: an array is set, ``None`` is not; ``array != None`` has no truth value)."""
+    (``sinks``, ``alibi_slopes``: an array is set, ``None`` is not; ``array != None`` has
+    no truth value)."""
     default = OPTION_DEFAULTS[name]
     if default is None:
         return value is not None

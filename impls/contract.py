@@ -38,7 +38,9 @@ One rule for numbers (``scale``, ``softcap``, ``dropout_p``, the window's sides;
 
 ``is_causal`` is a Python or NumPy bool (or a 0-d bool array); ``causal_alignment`` one of
 ``ALIGNMENTS``; ``sinks`` (SPEC §15) an array of shape (H,), one logit per query head, in
-q's dtype. An option the impl does not implement is refused with
+q's dtype; ``chunk_size`` (SPEC §16) None or an int >= 1 (the window's rule for ints:
+``bool`` and floats are refused); ``alibi_slopes`` (SPEC §17) an array of shape (H,) or,
+for batched q, (B, H), in float32 or q's dtype. An option the impl does not implement is refused with
 ``NotImplementedError`` naming it, once its value has passed the checks above.
 """
 
@@ -80,6 +82,8 @@ class Checked:
     softcap: float | None
     dropout_p: float
     sinks: bool = False
+    chunk_size: int | None = None
+    alibi_slopes: bool = False
 
 
 def check(
@@ -99,6 +103,8 @@ def check(
     tiles: dict[str, Any] | None = None,
     d_out: Any = None,
     sinks: Any = None,
+    chunk_size: Any = None,
+    alibi_slopes: Any = None,
 ) -> Checked:
     """Check one attention call; return its sizes and normalised options.
 
@@ -113,6 +119,8 @@ def check(
       tiles: {name: value} of tile sizes that must be positive ints (blockwise impls).
       d_out: for a backward pass, the upstream gradient, shaped and typed like the output.
       sinks: the sink logits (H,) in q's dtype, or None (SPEC §15).
+      chunk_size: the length of a local-attention chunk, an int >= 1, or None (SPEC §16).
+      alibi_slopes: ALiBi's slopes (H,) or (B, H) in float32 or q's dtype, or None (§17).
 
     Raises:
       ValueError, TypeError: bad input, with a message naming the argument, the expected
@@ -130,6 +138,7 @@ def check(
             f"causal_alignment should be one of {ALIGNMENTS}, got {causal_alignment!r}"
         )
     window = _check_window(window)
+    chunk_size = check_chunk_size(chunk_size)
     softcap = None if softcap is None else _softcap(softcap, _dtype_name(q))
     dropout_p = _probability("dropout_p", dropout_p)
     scale = 1.0 / math.sqrt(D) if scale is None else _positive("scale", scale)
@@ -146,6 +155,8 @@ def check(
         _check_d_out(d_out, (H, T, E) if unbatched else (B, H, T, E), _dtype_name(q))
     if sinks is not None:
         check_sinks(sinks, q)
+    if alibi_slopes is not None:
+        check_alibi_slopes(alibi_slopes, q)
     checked = Checked(
         unbatched=unbatched,
         B=B,
@@ -165,12 +176,14 @@ def check(
         softcap=softcap,
         dropout_p=dropout_p,
         sinks=sinks is not None,
+        chunk_size=chunk_size,
+        alibi_slopes=alibi_slopes is not None,
     )
     for option, why in (unsupported or {}).items():
         value, default = getattr(checked, option), _DEFAULTS[option]
         if value != default:
-            # sinks is an array; Checked records only that it was given.
-            array = option == "sinks"
+            # sinks and alibi_slopes are arrays; Checked records only that they were given.
+            array = option in ("sinks", "alibi_slopes")
             given, unset = ("an array", "None") if array else (repr(value), repr(default))
             raise NotImplementedError(
                 f"{option}={given} is not supported ({why}); leave it at {unset}"
@@ -186,6 +199,8 @@ _DEFAULTS = {
     "softcap": None,
     "dropout_p": 0.0,
     "sinks": False,
+    "chunk_size": None,
+    "alibi_slopes": False,
 }
 
 
@@ -283,6 +298,47 @@ def check_sinks(sinks: Any, q: Any) -> None:
         )
     if _dtype_name(sinks) != dtype:
         raise TypeError(f"sinks dtype should be {dtype} like q, got {_dtype_name(sinks)}")
+
+
+def check_alibi_slopes(slopes: Any, q: Any) -> None:
+    """Check ALiBi's slopes against q: an array of shape (H,), one slope per query head,
+    or, for batched q, (B, H), one per batch element and query head; in float32 (as
+    FlashAttention takes them) or q's dtype (SPEC §17.1)."""
+    shape, dtype = tuple(q.shape), _dtype_name(q)
+    H = shape[-3]
+    shapes = [(H,)] if len(shape) == 3 else [(H,), (shape[0], H)]
+    letters = f"(H,) = {shapes[0]}"
+    if len(shapes) == 2:
+        letters += f" or (B, H) = {shapes[1]}"
+    dtypes = sorted({"float32", dtype})
+    if not (hasattr(slopes, "shape") and hasattr(slopes, "dtype")):
+        raise TypeError(
+            f"alibi_slopes should be an array of shape {letters} in {' or '.join(dtypes)}, "
+            f"got {type(slopes).__name__} {slopes!r}"
+        )
+    if tuple(slopes.shape) not in shapes:
+        raise ValueError(
+            f"alibi_slopes shape should be {letters}, one slope per query head, "
+            f"got {tuple(slopes.shape)}"
+        )
+    if _dtype_name(slopes) not in dtypes:
+        raise TypeError(
+            f"alibi_slopes dtype should be {' or '.join(dtypes)} (float32 or q's dtype), "
+            f"got {_dtype_name(slopes)}"
+        )
+
+
+def check_chunk_size(chunk_size: Any) -> int | None:
+    """None, or the chunk length of chunked local attention as an int >= 1 (SPEC §16): a
+    Python or NumPy int (or 0-d integer array); bool and floats are not chunk lengths."""
+    if chunk_size is None:
+        return None
+    x = _scalar(chunk_size)
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"chunk_size should be an int >= 1 or None, got {chunk_size!r}")
+    if x < 1:
+        raise ValueError(f"chunk_size should be an int >= 1 or None, got {chunk_size!r}")
+    return int(x)
 
 
 def _check_d_out(d_out: Any, want: tuple[int, ...], dtype: str) -> None:

@@ -7,14 +7,21 @@ Step by step, for one query row t:
 
     score[s]  = scale · Σ_d q[t, d] · k[s, d]          scale defaults to 1/√D
     score[s]  = c · tanh(score[s] / c)                  only with softcap=c
+    score[s]  = score[s] - slope · |t + S - T - s|      only with ALiBi's slopes
     score[s]  = score[s] + mask[t, s]                   a float mask is added;
-    score[s]  = -inf where the key s is blocked         a bool mask, causal or window blocks
+    score[s]  = -inf where the key s is blocked         a bool mask, causal, window or chunk blocks
     w[s]      = exp(score[s] - max) / Σ exp(score - max)
     out[t, e] = Σ_s w[s] · v[s, e]
 
 With attention sinks (one logit sink[h] per query head), the sink joins the row's max and
 its sum, but has no value row: w[s] = exp(score[s] - max) / (exp(sink - max) + Σ exp(score
 - max)), so a row's weights sum to less than 1.
+
+With chunked local attention (Llama 4, ``chunk_size=c``), query t sees key s only if both
+lie in the same chunk of c positions: (t + offset) // c == s // c, offset as for causality.
+
+With ALiBi (``alibi_slopes``, one slope per query head), a key is penalised linearly in its
+distance from the query, always measured from the bottom-right diagonal (as FlashAttention).
 
 Shape legend (heads-first, as in PyTorch; ``jax.nn`` writes N for H and H for D, E):
 
@@ -28,7 +35,7 @@ Shape legend (heads-first, as in PyTorch; ``jax.nn`` writes N for H and H for D,
     sinks (H,): one logit per query head.
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, softcapping, attention sinks, grouped-query and multi-query attention (K < H), dropout (with an
+windows, chunked local attention, ALiBi, softcapping, attention sinks, grouped-query and multi-query attention (K < H), dropout (with an
 explicit ``jax.random`` key), float64 (after ``jax.config.update("jax_enable_x64", True)``
 by the caller), float32, float16 and bfloat16, ``jax.grad``. A query row with no key left
 to attend returns exactly 0, and its gradient is 0, not NaN.
@@ -66,6 +73,8 @@ def attention(
     dropout_p: float = 0.0,
     key: jax.Array | None = None,
     sinks: jax.Array | None = None,
+    chunk_size: int | None = None,
+    alibi_slopes: jax.Array | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention.
 
@@ -87,6 +96,10 @@ def attention(
       key: the ``jax.random`` key that draws the dropout mask.
       sinks: (H,), same dtype as q: one logit per query head that joins every row's
         softmax and carries no value (gpt-oss); None for none.
+      chunk_size: query t attends only keys s in its own chunk, (t + offset) // chunk_size
+        == s // chunk_size, offset placed by causal_alignment (Llama 4); None for none.
+      alibi_slopes: (H,) or (B, H), float32 or q's dtype: ALiBi adds -slope · |t + S - T -
+        s| to the scores after the softcap, whatever causal_alignment says; None for none.
 
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
@@ -96,6 +109,7 @@ def attention(
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     mask = None if mask is None else jnp.asarray(mask)
     sinks = None if sinks is None else jnp.asarray(sinks)
+    alibi_slopes = None if alibi_slopes is None else jnp.asarray(alibi_slopes)
     call = contract.check(
         q,
         k,
@@ -109,6 +123,8 @@ def attention(
         dropout_p=dropout_p,
         random=("key", key, _is_key(key), "a jax.random key"),
         sinks=sinks,
+        chunk_size=chunk_size,
+        alibi_slopes=alibi_slopes,
     )
     if call.unbatched:
         q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
@@ -127,13 +143,22 @@ def attention(
         window=call.window,
         softcap=call.softcap,
         dropout_p=call.dropout_p,
+        chunk_size=call.chunk_size,
+        alibi_slopes=alibi_slopes,
     )  # (B, H, T, E)
     return out[0] if call.unbatched else out
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("is_causal", "causal_alignment", "window", "softcap", "dropout_p"),
+    static_argnames=(
+        "is_causal",
+        "causal_alignment",
+        "window",
+        "softcap",
+        "dropout_p",
+        "chunk_size",
+    ),
 )
 def _attend(
     q: jax.Array,
@@ -149,6 +174,8 @@ def _attend(
     window: tuple[int | None, int | None] | None,
     softcap: float | None,
     dropout_p: float,
+    chunk_size: int | None = None,
+    alibi_slopes: jax.Array | None = None,
 ) -> jax.Array:
     """Steps 1-7 on checked, batched inputs; compiled once per shape, dtype and options."""
     B, H, T, D = q.shape
@@ -166,7 +193,8 @@ def _attend(
 
     # Which keys each query may see; a key/value slot that no query sees is replaced by 0,
     # so that whatever it holds has no effect (see Notes: blocked keys).
-    allowed = _allowed(mask, T, S, is_causal, causal_alignment, window)  # (B|1, H|1, T, S)
+    band = (is_causal, causal_alignment, window, chunk_size)
+    allowed = _allowed(mask, T, S, *band)  # (B|1, H|1, T, S)
     used = allowed.any(axis=2)[..., None]  # (B|1, H|1, S, 1)
     k = jnp.where(used, k, 0.0)  # (B, H, S, D)
     v = jnp.where(used, v, 0.0)  # (B, H, S, E)
@@ -181,7 +209,10 @@ def _attend(
     if softcap is not None:
         scores = softcap * jnp.tanh(scores / softcap)  # (B, H, T, S)
 
-    # 4. Mask: a float mask is added, then every key a query may not see gets -inf.
+    # 4. Mask: ALiBi's linear bias and a float mask are added, then every key a query may
+    # not see gets -inf.
+    if alibi_slopes is not None:
+        scores = scores + _alibi_bias(alibi_slopes.astype(work), T, S, H)  # (B, H, T, S)
     if mask is not None and mask.dtype != jnp.bool_:
         scores = scores + mask.astype(work)  # (B, H, T, S)
     scores = jnp.where(allowed, scores, -jnp.inf)  # (B, H, T, S)
@@ -226,6 +257,16 @@ def _attend(
     return out
 
 
+def _alibi_bias(slopes: jax.Array, T: int, S: int, H: int) -> jax.Array:
+    """ALiBi's bias, (B|1, H, T, S): −slope · |t + S − T − s|, so that a key weighs less
+    the farther it lies from the query. The distance is from the bottom-right diagonal
+    whatever the causal alignment: the last query sits at the last key (see Notes: ALiBi)."""
+    t = jnp.arange(T)[:, None]  # (T, 1)
+    s = jnp.arange(S)[None, :]  # (1, S)
+    distance = jnp.abs(t + S - T - s).astype(slopes.dtype)  # (T, S)
+    return -slopes.reshape(-1, H, 1, 1) * distance  # (B|1, H, T, S)
+
+
 def _sink_logits(sinks: jax.Array, row_max: jax.Array, H: int) -> jax.Array:
     """Each row's sink logit, (B, H, T, 1): sinks[h] in the rows of head h that have a key,
     and -inf (no sink) in a row with none, which stays exactly 0 whatever its sink holds."""
@@ -240,9 +281,10 @@ def _allowed(
     is_causal: bool,
     causal_alignment: str,
     window: tuple[int | None, int | None] | None,
+    chunk: int | None,
 ) -> jax.Array:
     """Which keys each query may see, (B|1, H|1, T, S) bool: those that a bool mask, the
-    causal triangle and the window allow and a float mask does not set to -inf."""
+    causal triangle, the window and the chunk allow and a float mask does not set to -inf."""
     # Query t's diagonal is key t (top-left) or key t + S - T (bottom-right, so that the
     # last query lines up with the last key).
     offset = 0 if causal_alignment == "top_left" else S - T
@@ -256,6 +298,9 @@ def _allowed(
         allowed = allowed & (distance >= -window[0])  # (1, 1, T, S)
     if window is not None and window[1] is not None:
         allowed = allowed & (distance <= window[1])  # (1, 1, T, S)
+    if chunk is not None:
+        # Same chunk only; floor division puts a negative position in a chunk of no key.
+        allowed = allowed & ((t + offset) // chunk == s // chunk)  # (1, 1, T, S)
     if mask is not None and mask.dtype == jnp.bool_:
         allowed = allowed & mask  # (B|1, H|1, T, S)
     elif mask is not None:
@@ -395,12 +440,15 @@ def attention_vjp(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     sinks: jax.Array | None = None,
+    chunk_size: int | None = None,
+    alibi_slopes: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """Gradients of ``attention`` by ``jax.vjp``: JAX differentiates the jitted steps 1-7.
 
     Args:
-      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks: as for
-        ``attention`` (no dropout: its gradient needs the forward's random draw).
+      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks,
+        chunk_size, alibi_slopes: as for ``attention`` (no dropout: its gradient needs
+        the forward's random draw).
       d_out: ∂L/∂out, shaped like the output, (B, H, T, E) or (H, T, E), in q's dtype.
 
     Returns:
@@ -414,6 +462,7 @@ def attention_vjp(
     q, k, v, d_out = (jnp.asarray(x) for x in (q, k, v, d_out))
     mask = None if mask is None else jnp.asarray(mask)
     sinks = None if sinks is None else jnp.asarray(sinks)
+    alibi_slopes = None if alibi_slopes is None else jnp.asarray(alibi_slopes)
     call = contract.check(
         q,
         k,
@@ -428,6 +477,8 @@ def attention_vjp(
         unsupported={"dropout_p": "the backward pass would need the forward's random draw"},
         d_out=d_out,
         sinks=sinks,
+        chunk_size=chunk_size,
+        alibi_slopes=alibi_slopes,
     )
     return _attend_vjp(
         q,
@@ -443,6 +494,8 @@ def attention_vjp(
         causal_alignment=call.causal_alignment,
         window=call.window,
         softcap=call.softcap,
+        chunk_size=call.chunk_size,
+        alibi_slopes=alibi_slopes,
     )
 
 
@@ -455,6 +508,7 @@ def attention_vjp(
         "causal_alignment",
         "window",
         "softcap",
+        "chunk_size",
     ),
 )
 def _attend_vjp(
@@ -470,7 +524,8 @@ def _attend_vjp(
     **options,
 ) -> tuple[jax.Array, ...]:
     """jax.vjp of the mask's reshape and steps 1-7, compiled once per shape and options;
-    the sinks, when given, are differentiated last."""
+    the sinks, when given, are differentiated last; ALiBi's slopes, in ``options``, are
+    traced but not differentiated."""
 
     def forward(q, k, v, mask, sinks):
         if unbatched:
@@ -566,6 +621,14 @@ def _is_key(key: object) -> bool:
 # exp() stays <= 1 even for a sink of 1e4, and the sum, not the numerator: the keys' weights
 # then add up to 1 - p_sink. It is not scaled, softcapped, masked or dropped. A row with no
 # key has no softmax at all and stays 0 (SPEC §15.3), so its sink is left out.
+#
+# ALiBi (step 4). Press et al.'s attention with linear biases replaces position embeddings
+# by a penalty −slope · distance on every score, one slope per query head (the usual slopes
+# are 2^(-8 (h + 1) / H)). The distance is |t + S − T − s|, from the bottom-right diagonal,
+# as FlashAttention's alibi_slopes define it: with a KV cache the T queries are the last T
+# of the S positions, so that is where each query really sits. It is computed in the
+# working precision and added like a float mask, after the softcap; the slopes are
+# constants, with no gradient.
 #
 # Gradients through empty rows (step 5). Both guards of step 5 are jnp.where on the value
 # that would be bad (the "double where"): the branch not taken gets a zero cotangent, so

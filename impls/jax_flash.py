@@ -56,7 +56,13 @@ speed-up. Of those blocks, the ones wholly inside the band need no masking at al
 the key loop is three loops: the blocks the band cuts on the left (a window), those
 inside it (no mask computed), those it cuts on the right (the causal diagonal). (A
 user-supplied mask is an input: its tiles are sliced, and a fully blocked tile is still
-computed.)
+computed.) Chunked local attention (Llama 4) narrows [first(i), last(i)) to the chunks
+the block's rows lie in, so key blocks wholly outside them are skipped; only a block
+within one chunk has tiles that need no masking.
+
+ALiBi. Its bias −slope · |t + S − T − s| depends only on the query's and the key's
+positions, so each score tile adds its own slice of it, computed there from the tile's
+row and column indices: no (T, S) bias is ever built.
 
 The backward pass. ``attention_vjp`` is FlashAttention-2's backward, the algorithm
 ``numpy_flash.attention_vjp`` derives: for each query block, the forward over its key
@@ -112,7 +118,7 @@ its G query heads, not G times, and no input is repeated or copied, which the
 memory-efficient impls must avoid (the teaching reference repeats k and v instead).
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, softcapping, attention sinks, grouped-query and multi-query attention (K < H), float64, float32,
+windows, chunked local attention, ALiBi, softcapping, attention sinks, grouped-query and multi-query attention (K < H), float64, float32,
 float16 and bfloat16 (computed in float32 and rounded once), and the backward pass of all
 of them with a float mask's gradient. A query row with no key left
 to attend returns exactly 0. Float64 needs ``jax.config.update("jax_enable_x64", True)``
@@ -148,6 +154,8 @@ def attention(
     dropout_p: float = 0.0,
     key: jax.Array | None = None,
     sinks: jax.Array | None = None,
+    chunk_size: int | None = None,
+    alibi_slopes: jax.Array | None = None,
     block_q: int = 512,
     block_k: int = 256,
 ) -> jax.Array:
@@ -171,6 +179,10 @@ def attention(
       key: unused (dropout is not supported).
       sinks: (H,), same dtype as q: one logit per query head that joins every row's
         softmax and carries no value; None for none.
+      chunk_size: query t attends only keys s in its own chunk, (t + offset) // chunk_size
+        == s // chunk_size, offset placed by causal_alignment (Llama 4); None for none.
+      alibi_slopes: (H,) or (B, H), float32 or q's dtype: ALiBi adds -slope · |t + S - T -
+        s| to the scores after the softcap, whatever causal_alignment says; None for none.
       block_q: Tb, queries per tile (per query head); shrunk to T when T is smaller.
       block_k: Sb, keys per tile; shrunk to S when S is smaller.
 
@@ -181,13 +193,14 @@ def attention(
     # dtypes and options, and names the argument, the expected shape and what was given.
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
-    call, (q, k, v, mask, sinks), static = _prepare(q, k, v, mask, options, block_q, block_k)
+    options.update(chunk_size=chunk_size, alibi_slopes=alibi_slopes)
+    call, (q, k, v, mask, sinks, alibi), static = _prepare(q, k, v, mask, options, block_q, block_k)
     if call.T == 0 or call.S == 0:
         # Nothing to tile: with T = 0 there is no query, and with S = 0 every query has
         # no key, so every output row is exactly 0, whatever q holds.
         out = jnp.zeros((call.B, call.H, call.T, call.E), dtype=q.dtype)  # (B, H, T, E)
     else:
-        out = _flash(q, k, v, mask, sinks, **static)  # (B, H, T, E)
+        out = _flash(q, k, v, mask, sinks, alibi=alibi, **static)  # (B, H, T, E)
     return out[0] if call.unbatched else out
 
 
@@ -205,6 +218,8 @@ def attention_vjp(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     sinks: jax.Array | None = None,
+    chunk_size: int | None = None,
+    alibi_slopes: jax.Array | None = None,
     block_q: int = 512,
     block_k: int = 256,
 ) -> tuple[jax.Array, ...]:
@@ -212,9 +227,9 @@ def attention_vjp(
     docstring; the derivation is ``numpy_flash.attention_vjp``'s).
 
     Args:
-      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks, block_q,
-        block_k: as for ``attention`` (no dropout: its gradient needs the forward's
-        random draw).
+      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks,
+        chunk_size, alibi_slopes, block_q, block_k: as for ``attention`` (no dropout:
+        its gradient needs the forward's random draw).
       d_out: ∂L/∂out, shaped like the output, (B, H, T, E) or (H, T, E), in q's dtype.
       dropout_p: must be 0.
 
@@ -227,9 +242,10 @@ def attention_vjp(
     # 0. Validate as the forward does, and d_out against the output's shape and dtype.
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
+    options.update(chunk_size=chunk_size, alibi_slopes=alibi_slopes)
     d_out = jnp.asarray(d_out)
     given = None if mask is None else jnp.shape(mask)  # dmask is shaped like this
-    call, (q, k, v, mask, sinks), static = _prepare(
+    call, (q, k, v, mask, sinks, alibi), static = _prepare(
         q, k, v, mask, options, block_q, block_k, d_out=d_out
     )
     float_mask = mask is not None and not call.mask_is_bool
@@ -240,7 +256,7 @@ def attention_vjp(
         grads += (None if sinks is None else jnp.zeros_like(sinks),)  # (H,)
     else:
         d_out = d_out[None] if call.unbatched else d_out  # (B, H, T, E)
-        grads = _flash_vjp(q, k, v, mask, sinks, d_out, **static)
+        grads = _flash_vjp(q, k, v, mask, sinks, d_out, alibi=alibi, **static)
     dq, dk, dv = (g[0] if call.unbatched else g for g in grads[:3])
     extra = (grads[3].reshape(given),) if float_mask else ()  # the mask's shape
     extra += (grads[4],) if sinks is not None else ()  # (H,)
@@ -249,7 +265,7 @@ def attention_vjp(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "is_causal", "offset", "window", "softcap", "Tb", "Sb"),
+    static_argnames=("scale", "is_causal", "offset", "window", "softcap", "chunk", "Tb", "Sb"),
 )
 def _flash(
     q: jax.Array,
@@ -263,14 +279,16 @@ def _flash(
     offset: int,
     window: tuple[int | None, int | None] | None,
     softcap: float | None,
+    chunk: int | None,
     Tb: int,
     Sb: int,
+    alibi: jax.Array | None = None,
 ) -> jax.Array:
     """Steps 1-7 on checked, batched inputs; compiled once per shape, dtype and options."""
     B, H, T, _ = q.shape
     E = v.shape[-1]
     out_dtype = q.dtype
-    tiles = _Tiles(q, k, v, mask, offset, is_causal, window, softcap, Tb, Sb)
+    tiles = _Tiles(q, k, v, mask, offset, is_causal, window, softcap, chunk, Tb, Sb, alibi)
 
     def query_block(i: jax.Array, out: jax.Array) -> jax.Array:
         # 1. Scores: every query of the block against every key, one key block at a time
@@ -294,7 +312,7 @@ def _flash(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "is_causal", "offset", "window", "softcap", "Tb", "Sb"),
+    static_argnames=("scale", "is_causal", "offset", "window", "softcap", "chunk", "Tb", "Sb"),
 )
 def _flash_vjp(
     q: jax.Array,
@@ -309,8 +327,10 @@ def _flash_vjp(
     offset: int,
     window: tuple[int | None, int | None] | None,
     softcap: float | None,
+    chunk: int | None,
     Tb: int,
     Sb: int,
+    alibi: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """The backward on checked, batched inputs: (dq, dk, dv, dmask, dsinks), dmask shaped
     (B|1, H|1, T|1, S|1) with a float mask and dsinks (H,) with sinks, else None;
@@ -318,7 +338,7 @@ def _flash_vjp(
     B, H, T, D = q.shape
     _, K, S, _ = k.shape
     E = v.shape[-1]
-    tiles = _Tiles(q, k, v, mask, offset, is_causal, window, softcap, Tb, Sb)
+    tiles = _Tiles(q, k, v, mask, offset, is_causal, window, softcap, chunk, Tb, Sb, alibi)
     work, G = tiles.work, tiles.G
     float_mask = mask is not None and mask.dtype != jnp.bool_
     d_out = jnp.pad(d_out, ((0, 0), (0, 0), (0, tiles.Tp - T), (0, 0)))  # (B, H, Tp, E)
@@ -445,7 +465,9 @@ class _Tiles:
     softmax of one query block (``online_softmax``). Built inside the jitted functions:
     the arrays are traced, the sizes and options static."""
 
-    def __init__(self, q, k, v, mask, offset, is_causal, window, softcap, Tb, Sb) -> None:
+    def __init__(
+        self, q, k, v, mask, offset, is_causal, window, softcap, chunk, Tb, Sb, alibi=None
+    ) -> None:
         B, H, T, D = q.shape
         _, K, S, _ = k.shape
         self.B, self.K, self.G, self.T, self.S = B, K, H // K, T, S
@@ -480,6 +502,12 @@ class _Tiles:
         if is_causal:
             self.hi = min(self.hi, 0)
         self.banded = is_causal or window is not None
+        # Chunked local attention: t' // chunk == s // chunk as well.
+        self.chunk = chunk
+        # ALiBi's slopes in the grouped layout of the score tiles, or None.
+        self.alibi = None
+        if alibi is not None:
+            self.alibi = alibi.astype(self.work).reshape(-1, K, H // K, 1, 1)  # (B|1, K, G, 1, 1)
 
     def queries(self, i: jax.Array, scale: float) -> jax.Array:
         """Query block i of every head, scaled, stacked by key/value head: query head
@@ -505,6 +533,18 @@ class _Tiles:
             last = (t0 + Tb - 1 + hi) // Sb + 1
             # Inside up to the last block whose last key is <= hi past the first query's.
             inner_last = (t0 + hi + 1) // Sb
+        if self.chunk is not None:
+            # The block's rows lie in chunks t0 // c … (t0 + Tb - 1) // c: key blocks outside
+            # keys [lo_key, hi_key) of those chunks are skipped, and only a block within one
+            # chunk has tiles that need no masking.
+            c = self.chunk
+            chunk_first, chunk_last = t0 // c, (t0 + Tb - 1) // c
+            lo_key, hi_key = chunk_first * c, (chunk_last + 1) * c
+            first = jnp.maximum(first, lo_key // Sb)
+            last = jnp.minimum(last, -(-hi_key // Sb))
+            inner_first = jnp.maximum(inner_first, -(-lo_key // Sb))
+            single = chunk_first == chunk_last
+            inner_last = jnp.where(single, jnp.minimum(inner_last, hi_key // Sb), 0)
         if self.Sp != self.S:
             inner_last = jnp.minimum(inner_last, nS - 1)  # the padded block is masked
         first = jnp.clip(first, 0, nS).astype(jnp.int32)
@@ -542,11 +582,13 @@ class _Tiles:
             tanh = jnp.tanh(x / self.softcap)  # (B, K, G·Tb, Sb)
             x = self.softcap * tanh  # (B, K, G·Tb, Sb)
 
-        # 4. Mask: a float mask is added; a bool mask, the causal triangle and the window
-        # decide which keys each query may see at all, and so does a float mask's -inf:
-        # blocked scores are replaced, not only pushed down by adding -inf, since
-        # NaN + -inf is NaN.
+        # 4. Mask: ALiBi's linear bias and a float mask are added; a bool mask, the causal
+        # triangle, the window and the chunks decide which keys each query may see at all,
+        # and so does a float mask's -inf: blocked scores are replaced, not only pushed
+        # down by adding -inf, since NaN + -inf is NaN.
         x = x.reshape(B, K, G, Tb, Sb)  # (B, K, G, Tb, Sb)
+        if self.alibi is not None:
+            x = x + self.alibi_bias(i, j)  # (B, K, G, Tb, Sb)
         allowed = None
         if self.mask is not None:
             m = _grouped(_mask_tile(self.mask, i, j, Tb, Sb), K, G)  # (B|1, K|1, G|1, Tb|1, Sb|1)
@@ -566,6 +608,11 @@ class _Tiles:
                 if self.hi != math.inf:
                     band &= distance <= self.hi
                 allowed = band if allowed is None else allowed & band
+            if self.chunk is not None:
+                t = i * Tb + jnp.arange(Tb, dtype=jnp.int32)[:, None]  # (Tb, 1)
+                # Same chunk only; floor division puts a negative position in a chunk of no key.
+                same = (t + self.offset) // self.chunk == s // self.chunk  # (Tb, Sb)
+                allowed = same if allowed is None else allowed & same
             if self.Sp != self.S:
                 allowed = s < self.S if allowed is None else allowed & (s < self.S)  # padding
         if self.Tp != self.T:
@@ -580,6 +627,15 @@ class _Tiles:
         # written) must have no effect whatever it holds.
         used = jnp.broadcast_to(allowed, x.shape).any(axis=(2, 3))  # (B, K, Sb)
         return x.reshape(B, K, G * Tb, Sb), tanh, used
+
+    def alibi_bias(self, i: jax.Array, j: jax.Array) -> jax.Array:
+        """ALiBi's bias on tile (i, j), (B|1, K, G, Tb, Sb): −slope · |t + S − T − s| with
+        the real (unpadded) T and S, the distance from the bottom-right diagonal whatever
+        the causal alignment; computed from the tile's indices, no (T, S) array."""
+        t = i * self.Tb + jnp.arange(self.Tb, dtype=jnp.int32)[:, None]  # (Tb, 1)
+        s = j * self.Sb + jnp.arange(self.Sb, dtype=jnp.int32)[None, :]  # (1, Sb)
+        distance = jnp.abs(t + self.S - self.T - s).astype(self.work)  # (Tb, Sb)
+        return -self.alibi * distance  # (B|1, K, G, Tb, Sb)
 
     def keys(self, j: jax.Array, used: jax.Array | None) -> jax.Array:
         """Key block j in the working precision, (B, K, Sb, D); a key no query of the
@@ -647,11 +703,14 @@ class _Tiles:
 
 def _prepare(q, k, v, mask, options: dict, block_q: int, block_k: int, d_out=None):
     """Step 0 and the static options: (the checked call, the batched q, k, v, the mask as
-    (B|1, H|1, T|1, S|1) and the sinks (H,), the keyword arguments of ``_flash``)."""
+    (B|1, H|1, T|1, S|1), the sinks (H,) and ALiBi's slopes (H,) or (B, H), the keyword
+    arguments of ``_flash``)."""
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     mask = None if mask is None else jnp.asarray(mask)
     sinks = options.pop("sinks")
     sinks = None if sinks is None else jnp.asarray(sinks)
+    alibi = options.pop("alibi_slopes")
+    alibi = None if alibi is None else jnp.asarray(alibi)
     call = contract.check(
         q,
         k,
@@ -662,6 +721,7 @@ def _prepare(q, k, v, mask, options: dict, block_q: int, block_k: int, d_out=Non
         tiles={"block_q": block_q, "block_k": block_k},
         d_out=d_out,
         sinks=sinks,
+        alibi_slopes=alibi,
     )
     if call.unbatched:
         q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
@@ -675,10 +735,11 @@ def _prepare(q, k, v, mask, options: dict, block_q: int, block_k: int, d_out=Non
         offset=0 if call.causal_alignment == "top_left" else call.S - call.T,
         window=call.window,
         softcap=call.softcap,
+        chunk=call.chunk_size,
         Tb=max(1, min(block_q, call.T)),
         Sb=max(1, min(block_k, call.S)),
     )
-    return call, (q, k, v, mask, sinks), static
+    return call, (q, k, v, mask, sinks, alibi), static
 
 
 def _mask_tile(mask: jax.Array, i: jax.Array, j: jax.Array, Tb: int, Sb: int):

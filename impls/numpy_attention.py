@@ -6,14 +6,21 @@ Step by step, for one query row t:
 
     score[s]  = scale · Σ_d q[t, d] · k[s, d]          scale defaults to 1/√D
     score[s]  = c · tanh(score[s] / c)                  only with softcap=c
+    score[s]  = score[s] - slope · |t + S - T - s|      only with ALiBi's slopes
     score[s]  = score[s] + mask[t, s]                   a float mask is added;
-    score[s]  = -inf where the key s is blocked         a bool mask, causal or window blocks
+    score[s]  = -inf where the key s is blocked         a bool mask, causal, window or chunk blocks
     w[s]      = exp(score[s] - max) / Σ exp(score - max)
     out[t, e] = Σ_s w[s] · v[s, e]
 
 With attention sinks (one logit sink[h] per query head), the sink joins the row's max and
 its sum, but has no value row: w[s] = exp(score[s] - max) / (exp(sink - max) + Σ exp(score
 - max)), so a row's weights sum to less than 1.
+
+With chunked local attention (Llama 4, ``chunk_size=c``), query t sees key s only if both
+lie in the same chunk of c positions: (t + offset) // c == s // c, offset as for causality.
+
+With ALiBi (``alibi_slopes``, one slope per query head), a key is penalised linearly in its
+distance from the query, always measured from the bottom-right diagonal (as FlashAttention).
 
 Shape legend (heads-first, as in PyTorch):
 
@@ -27,7 +34,7 @@ Shape legend (heads-first, as in PyTorch):
     sinks (H,): one logit per query head.
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, softcapping, attention sinks, grouped-query and multi-query attention (K < H), dropout (with an
+windows, chunked local attention, ALiBi, softcapping, attention sinks, grouped-query and multi-query attention (K < H), dropout (with an
 explicit ``numpy.random.Generator``), float64, float32, float16 and bfloat16
 (``ml_dtypes``). A query row with no key left to attend returns exactly 0.
 
@@ -61,6 +68,8 @@ def attention(
     dropout_p: float = 0.0,
     rng: np.random.Generator | None = None,
     sinks: np.ndarray | None = None,
+    chunk_size: int | None = None,
+    alibi_slopes: np.ndarray | None = None,
 ) -> np.ndarray:
     """Scaled dot-product attention.
 
@@ -82,6 +91,10 @@ def attention(
       rng: the random generator that draws the dropout mask.
       sinks: (H,), same dtype as q: one logit per query head that joins every row's
         softmax and carries no value (gpt-oss); None for none.
+      chunk_size: query t attends only keys s in its own chunk, (t + offset) // chunk_size
+        == s // chunk_size, offset placed by causal_alignment (Llama 4); None for none.
+      alibi_slopes: (H,) or (B, H), float32 or q's dtype: ALiBi adds -slope · |t + S - T -
+        s| to the scores after the softcap, whatever causal_alignment says; None for none.
 
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
@@ -91,6 +104,7 @@ def attention(
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     mask = None if mask is None else np.asarray(mask)
     sinks = None if sinks is None else np.asarray(sinks)
+    alibi_slopes = None if alibi_slopes is None else np.asarray(alibi_slopes)
     call = contract.check(
         q,
         k,
@@ -104,6 +118,8 @@ def attention(
         dropout_p=dropout_p,
         random=("rng", rng, isinstance(rng, np.random.Generator), "a numpy.random.Generator"),
         sinks=sinks,
+        chunk_size=chunk_size,
+        alibi_slopes=alibi_slopes,
     )
     B, H, T, S, G = call.B, call.H, call.T, call.S, call.G
     if call.unbatched:
@@ -139,7 +155,10 @@ def attention(
         with np.errstate(over="ignore"):
             scores = call.softcap * np.tanh(scores / call.softcap)  # (B, H, T, S)
 
-    # 4. Mask: a float mask is added, then every key a query may not see gets -inf.
+    # 4. Mask: ALiBi's linear bias and a float mask are added, then every key a query may
+    # not see gets -inf.
+    if alibi_slopes is not None:
+        scores = scores + _alibi_bias(alibi_slopes.astype(work), T, S, H)  # (B, H, T, S)
     if mask is not None and not call.mask_is_bool:
         scores = scores + mask.astype(work)  # (B, H, T, S)
     scores = np.where(allowed, scores, -np.inf)  # (B, H, T, S)
@@ -179,6 +198,16 @@ def attention(
     return out[0] if call.unbatched else out
 
 
+def _alibi_bias(slopes: np.ndarray, T: int, S: int, H: int) -> np.ndarray:
+    """ALiBi's bias, (B|1, H, T, S): −slope · |t + S − T − s|, so that a key weighs less
+    the farther it lies from the query. The distance is from the bottom-right diagonal
+    whatever the causal alignment: the last query sits at the last key (see Notes: ALiBi)."""
+    t = np.arange(T)[:, None]  # (T, 1)
+    s = np.arange(S)[None, :]  # (1, S)
+    distance = np.abs(t + S - T - s).astype(slopes.dtype)  # (T, S)
+    return -slopes.reshape(-1, H, 1, 1) * distance  # (B|1, H, T, S)
+
+
 def _sink_logits(sinks: np.ndarray, row_max: np.ndarray, H: int) -> np.ndarray:
     """Each row's sink logit, (B, H, T, 1): sinks[h] in the rows of head h that have a key,
     and -inf (no sink) in a row with none, which stays exactly 0 whatever its sink holds."""
@@ -188,8 +217,8 @@ def _sink_logits(sinks: np.ndarray, row_max: np.ndarray, H: int) -> np.ndarray:
 
 def _allowed(mask: np.ndarray | None, call: contract.Checked) -> np.ndarray:
     """Which keys each query may see, (B|1, H|1, T, S) bool: those that a bool mask, the
-    causal triangle and the window allow and a float mask does not set to -inf."""
-    T, S, window = call.T, call.S, call.window
+    causal triangle, the window and the chunk allow and a float mask does not set to -inf."""
+    T, S, window, chunk = call.T, call.S, call.window, call.chunk_size
     # Query t's diagonal is key t (top-left) or key t + S - T (bottom-right, so that the
     # last query lines up with the last key).
     offset = 0 if call.causal_alignment == "top_left" else S - T
@@ -203,6 +232,9 @@ def _allowed(mask: np.ndarray | None, call: contract.Checked) -> np.ndarray:
         allowed = allowed & (distance >= -window[0])  # (1, 1, T, S)
     if window is not None and window[1] is not None:
         allowed = allowed & (distance <= window[1])  # (1, 1, T, S)
+    if chunk is not None:
+        # Same chunk only; floor division puts a negative position in a chunk of no key.
+        allowed = allowed & ((t + offset) // chunk == s // chunk)  # (1, 1, T, S)
     if mask is not None and call.mask_is_bool:
         allowed = allowed & mask  # (B|1, H|1, T, S)
     elif mask is not None:
@@ -359,6 +391,14 @@ def gpt_block(params: dict[str, np.ndarray], x: np.ndarray, *, n_heads: int) -> 
 # exp() stays <= 1 even for a sink of 1e4, and the sum, not the numerator: the keys' weights
 # then add up to 1 - p_sink. It is not scaled, softcapped, masked or dropped. A row with no
 # key has no softmax at all and stays 0 (SPEC §15.3), so its sink is left out.
+#
+# ALiBi (step 4). Press et al.'s attention with linear biases replaces position embeddings
+# by a penalty −slope · distance on every score, one slope per query head (the usual slopes
+# are 2^(-8 (h + 1) / H)). The distance is |t + S − T − s|, from the bottom-right diagonal,
+# as FlashAttention's alibi_slopes define it: with a KV cache the T queries are the last T
+# of the S positions, so that is where each query really sits. It is computed in the
+# working precision and added like a float mask, after the softcap; the slopes are
+# constants, with no gradient.
 #
 # NumPy's warnings (step 5). A row that reads +inf (a +inf float mask entry, a score that
 # overflowed) or NaN has a row sum of inf or NaN, and its weights come out NaN: the answer

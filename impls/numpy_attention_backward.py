@@ -28,6 +28,9 @@ batch and the queries of its head:
 
     dsink = − Σ_t p_sink[t] · Σ_s' P[t,s'] dP[t,s'] = − Σ_t p_sink[t] · (dO[t]·O[t])
 
+ALiBi's bias is added to the scores like a float mask, but it is a constant: its slopes
+get no gradient, and dZ flows on to the softcap and the scores unchanged.
+
 Blocked keys need no step of their own: their weight P is exactly 0, so dZ = 0 there and
 nothing flows to their keys, values or mask entries. A row with no key at all has P = 0
 and O = 0 and so gets zero gradients, never NaN.
@@ -45,7 +48,7 @@ Shape legend (heads-first, as in PyTorch):
     q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    d_out, out (B, H, T, E)
 
 Supports every option of the forward but dropout (its gradient needs the forward's random
-draw): masks, both causal alignments, windows, softcap, sinks, GQA, unbatched inputs, float64,
+draw): masks, both causal alignments, windows, chunks, ALiBi, softcap, sinks, GQA, unbatched inputs, float64,
 float32, float16 and bfloat16 (computed in float32, each gradient rounded once). Also
 here: the parameter gradients of the multi-head layer and the pre-LN GPT block.
 
@@ -78,12 +81,15 @@ def attention_backward(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     sinks: np.ndarray | None = None,
+    chunk_size: int | None = None,
+    alibi_slopes: np.ndarray | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Gradients of ``attention`` with respect to q, k, v (and a float mask, and sinks).
 
     Args:
-      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks: as for
-        ``attention`` (no dropout: the backward of a random draw needs the draw itself).
+      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks,
+        chunk_size, alibi_slopes: as for ``attention`` (no dropout: the backward of a
+        random draw needs the draw itself).
       d_out: ∂L/∂out, the gradient arriving from above, shaped like the output:
         (B, H, T, E) or unbatched (H, T, E), same dtype as q.
       dropout_p: must be 0.
@@ -98,6 +104,7 @@ def attention_backward(
     q, k, v, d_out = np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(d_out)
     mask = None if mask is None else np.asarray(mask)
     sinks = None if sinks is None else np.asarray(sinks)
+    alibi_slopes = None if alibi_slopes is None else np.asarray(alibi_slopes)
     call = contract.check(
         q,
         k,
@@ -112,6 +119,8 @@ def attention_backward(
         unsupported={"dropout_p": "the backward pass would need the forward's random draw"},
         d_out=d_out,
         sinks=sinks,
+        chunk_size=chunk_size,
+        alibi_slopes=alibi_slopes,
     )
     B, K, G, S, D, E = call.B, call.K, call.G, call.S, call.D, call.E
     if call.unbatched:
@@ -129,7 +138,9 @@ def attention_backward(
     # Forward steps 1-5 and 7 again, keeping the raw scores R, the weights P, the sinks'
     # weights and the output O, with the key and value rows that no query of their head
     # sees replaced by 0.
-    k, v, used, raw, weights, sink_weights, out = _forward(q, k, v, mask, sinks, call, work)
+    k, v, used, raw, weights, sink_weights, out = _forward(
+        q, k, v, mask, sinks, alibi_slopes, call, work
+    )
 
     # 7'. Weighted sum, out = P·V. Each value row s was used by every query t with weight
     # P[t, s], so dV = Pᵀ·dO ...
@@ -195,6 +206,7 @@ def _forward(
     v: np.ndarray,
     mask: np.ndarray | None,
     sinks: np.ndarray | None,
+    alibi_slopes: np.ndarray | None,
     call: contract.Checked,
     work: type,
 ) -> tuple[np.ndarray, ...]:
@@ -212,6 +224,9 @@ def _forward(
         # A score far above the softcap overflows to ±inf here, whose tanh is exactly ±1.
         with np.errstate(over="ignore"):
             scores = call.softcap * np.tanh(raw / call.softcap)  # (B, H, T, S)
+    if alibi_slopes is not None:
+        alibi = forward._alibi_bias(alibi_slopes.astype(work), call.T, call.S, call.H)
+        scores = scores + alibi  # (B, H, T, S)
     if mask is not None and not call.mask_is_bool:
         scores = scores + mask.astype(work)  # (B, H, T, S)
     scores = np.where(allowed, scores, -np.inf)  # (B, H, T, S)

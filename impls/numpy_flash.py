@@ -44,10 +44,16 @@ sum l with no value row: after the last key tile it is folded in like one more b
 m' = max(m, sink), l' = exp(m - m') · l + exp(sink - m'), a' = exp(m - m') · a, so a sink
 of 1e4 cannot overflow either. A row with no key keeps l = 0 and returns 0.
 
+ALiBi. Its bias −slope · |t + S − T − s| depends only on the query's and the key's
+positions, so each score tile adds its own slice of it, computed there from the tile's
+row and column indices: no (T, S) bias is ever built.
+
 Skipping tiles. Causal and window masks are bands around the diagonal. For a block of
 queries, the keys split into ranges: keys no row of the block may see are skipped, keys
 every row sees need no masking, and only the two diagonal strips between them (each as
-wide as the query block) are masked key by key. That is where fused kernels get their 2×
+wide as the query block) are masked key by key. Chunked local attention (Llama 4) cuts
+those ranges to the chunks the block's rows lie in: key tiles wholly outside them are
+skipped, and a block that spans a chunk boundary masks key by key. That is where fused kernels get their 2×
 causal speed-up. (A user-supplied mask is an input: its tiles are sliced, and a fully
 blocked tile is still computed.)
 
@@ -89,7 +95,7 @@ its G query heads, not G times, and no input is repeated or copied, which the
 memory-efficient impls must avoid (the teaching reference repeats k and v instead).
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, softcapping, attention sinks, grouped-query and multi-query attention (K < H), float64, float32,
+windows, chunked local attention, ALiBi, softcapping, attention sinks, grouped-query and multi-query attention (K < H), float64, float32,
 float16 and bfloat16 (``ml_dtypes``, computed in float32 and rounded once), and the
 backward pass of all of them with a float mask's gradient. A query row with no key left
 to attend returns exactly 0. Not supported: dropout (``dropout_p > 0`` raises
@@ -119,6 +125,8 @@ def attention(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     sinks: np.ndarray | None = None,
+    chunk_size: int | None = None,
+    alibi_slopes: np.ndarray | None = None,
     block_q: int = 256,
     block_k: int = 512,
 ) -> np.ndarray:
@@ -141,6 +149,10 @@ def attention(
       dropout_p: must be 0; dropout is not supported here.
       sinks: (H,), same dtype as q: one logit per query head that joins every row's
         softmax and carries no value; None for none.
+      chunk_size: query t attends only keys s in its own chunk, (t + offset) // chunk_size
+        == s // chunk_size, offset placed by causal_alignment (Llama 4); None for none.
+      alibi_slopes: (H,) or (B, H), float32 or q's dtype: ALiBi adds -slope · |t + S - T -
+        s| to the scores after the softcap, whatever causal_alignment says; None for none.
       block_q: Tb, queries per tile (per query head).
       block_k: Sb, keys per tile.
 
@@ -151,6 +163,7 @@ def attention(
     # _prepare), and lay the inputs out by key/value head, as views.
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
+    options.update(chunk_size=chunk_size, alibi_slopes=alibi_slopes)
     call, q, tiles = _prepare(q, k, v, mask, options, block_q, block_k)
     B, H, K, G, T, E = call.B, call.H, call.K, call.G, call.T, call.E
     out = np.empty((B * K, G, T, E), dtype=q.dtype)  # (B·K, G, T, E)
@@ -195,6 +208,8 @@ def attention_vjp(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     sinks: np.ndarray | None = None,
+    chunk_size: int | None = None,
+    alibi_slopes: np.ndarray | None = None,
     block_q: int = 256,
     block_k: int = 512,
 ) -> tuple[np.ndarray, ...]:
@@ -256,9 +271,9 @@ def attention_vjp(
     own gradient is dsink = Σ_t p_sink[t] · (0 − Δ[t]) with p_sink = exp(sink − lse).
 
     Args:
-      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks, block_q,
-        block_k: as for ``attention`` (no dropout: its gradient needs the forward's
-        random draw).
+      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks,
+        chunk_size, alibi_slopes, block_q, block_k: as for ``attention`` (no dropout:
+        its gradient needs the forward's random draw).
       d_out: ∂L/∂out, shaped like the output, (B, H, T, E) or (H, T, E), in q's dtype.
       dropout_p: must be 0.
 
@@ -271,6 +286,7 @@ def attention_vjp(
     # 0. Validate as the forward does, and d_out against the output's shape and dtype.
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
+    options.update(chunk_size=chunk_size, alibi_slopes=alibi_slopes)
     d_out = np.asarray(d_out)
     call, q, tiles = _prepare(q, k, v, mask, options, block_q, block_k, d_out=d_out)
     B, H, K, G, T, S, D, E = call.B, call.H, call.K, call.G, call.T, call.S, call.D, call.E
@@ -466,6 +482,8 @@ def _prepare(
     """Step 0 and the layout: the checked call, q as (B·K, G, T, D) and the key tiles."""
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     mask = None if mask is None else np.asarray(mask)
+    if options["alibi_slopes"] is not None:
+        options["alibi_slopes"] = np.asarray(options["alibi_slopes"])
     call = contract.check(
         q,
         k,
@@ -487,12 +505,18 @@ def _prepare(
     # past 11.09, and summing many weights in float16 loses the small ones.
     work = np.float64 if q.dtype == np.float64 else np.float32
     offset = 0 if call.causal_alignment == "top_left" else S - T
+    slopes = options["alibi_slopes"]
+    if slopes is not None:
+        # One slope per query head, in the grouped layout the score tiles have.
+        slopes = slopes.astype(work).reshape(-1, K, G, 1, 1)  # (B|1, K, G, 1, 1)
     tiles = _KeyTiles(
         k.reshape(B * K, S, D),  # (B·K, S, D)
         v.reshape(B * K, S, E),  # (B·K, S, E)
         mask,
-        _Band(offset, call.is_causal, call.window),
+        _Band(offset, call.is_causal, call.window, call.chunk_size),
         call.softcap,
+        slopes,
+        T,
         K,
         G,
         block_k,
@@ -529,6 +553,8 @@ class _KeyTiles:
         mask: np.ndarray | None,
         band: _Band,
         softcap: float | None,
+        alibi: np.ndarray | None,
+        T: int,
         K: int,
         G: int,
         block_k: int,
@@ -539,6 +565,7 @@ class _KeyTiles:
         self.float_mask = mask if mask is not None and mask.dtype != np.bool_ else None
         self.bool_mask = mask if mask is not None and mask.dtype == np.bool_ else None
         self.band, self.softcap = band, softcap
+        self.alibi, self.T = alibi, T  # ALiBi's slopes (B|1, K, G, 1, 1), or None
         self.K, self.G, self.block_k, self.work = K, G, block_k, work
         self.ones = np.ones(block_k, dtype=work)  # (Sb,): row sums as a matrix-vector product
         self.buffer = np.empty(0, dtype=work)  # the score tile, reused
@@ -591,11 +618,14 @@ class _KeyTiles:
                 self.tanh = x.copy()  # (B·K, G·Tb, Sb)
             x *= self.work(self.softcap)  # (B·K, G·Tb, Sb)
 
-        # 4. Mask: a float mask is added; a bool mask, the causal triangle and the
-        # window decide which keys each query may see at all, and so does a float mask's
-        # -inf: blocked scores are replaced, not only pushed down by adding -inf, since
-        # NaN + -inf is NaN.
+        # 4. Mask: ALiBi's linear bias and a float mask are added; a bool mask, the causal
+        # triangle, the window and the chunks decide which keys each query may see at all,
+        # and so does a float mask's -inf: blocked scores are replaced, not only pushed
+        # down by adding -inf, since NaN + -inf is NaN.
         x5 = x.reshape(BK // self.K, self.K, self.G, Tb, Sb)  # (B, K, G, Tb, Sb), a view
+        if self.alibi is not None:
+            with np.errstate(invalid="ignore"):
+                x5 += self.alibi_bias(t0, t1, s0, s1)  # (B, K, G, Tb, Sb)
         allowed = True
         if self.float_mask is not None:
             tile = self.float_mask[:, :, t0:t1, s0:s1]  # (B|1, H|1, Tb, Sb)
@@ -615,6 +645,14 @@ class _KeyTiles:
         used = allowed.any(axis=(2, 3))  # (B|1, K|1, Sb)
         used = np.broadcast_to(used, (BK // self.K, self.K, Sb))  # (B, K, Sb)
         return x, used.reshape(BK, Sb, 1)  # (B·K, Sb, 1)
+
+    def alibi_bias(self, t0: int, t1: int, s0: int, s1: int) -> np.ndarray:
+        """ALiBi's bias on tile (t0:t1, s0:s1), (B|1, K, G, Tb, Sb): −slope · |t + S − T −
+        s|, the distance from the bottom-right diagonal whatever the causal alignment."""
+        t = np.arange(t0, t1)[:, None]  # (Tb, 1)
+        s = np.arange(s0, s1)[None, :]  # (1, Sb)
+        distance = np.abs(t + self.S - self.T - s).astype(self.work)  # (Tb, Sb)
+        return -self.alibi * distance  # (B|1, K, G, Tb, Sb)
 
     def keys(self, s0: int, s1: int, used: np.ndarray | None) -> np.ndarray:
         """Key rows [s0, s1) in the working precision, (B·K, Sb, D); a key that no query
@@ -644,13 +682,15 @@ class _KeyTiles:
 
 
 class _Band:
-    """The causal/window band: which keys s query t may see, as s - (t + offset)."""
+    """The causal/window band: which keys s query t may see, as s - (t + offset); and the
+    chunks, (t + offset) // chunk == s // chunk."""
 
     def __init__(
         self,
         offset: int,
         is_causal: bool,
         window: tuple[int | None, int | None] | None,
+        chunk: int | None = None,
     ) -> None:
         # Query t's diagonal is key t (top-left) or key t + S - T (bottom-right, so that
         # the last query lines up with the last key). Allowed: lo <= s - (t + offset) <= hi.
@@ -661,6 +701,7 @@ class _Band:
         if is_causal:
             self.hi = min(self.hi, 0)
         self.active = is_causal or window is not None
+        self.chunk = chunk
 
     def ranges(self, t0: int, t1: int, S: int) -> list[tuple[int, int, bool]]:
         """Key ranges (s0, s1, whole) that query rows [t0, t1) can see, in key order.
@@ -670,17 +711,25 @@ class _Band:
         that only the lower rows see, the keys every row sees (``whole``: no masking), and
         a strip Tb wide that only the upper rows see. Keys outside are never visited.
         """
-        if not self.active:
-            return [(0, S, True)]
         Tb = t1 - t0
         first = t0 + self.offset + self.lo  # row t0's first key (-inf: key 0)
         last = t0 + self.offset + self.hi  # row t0's last key (inf: key S - 1)
-        if first + Tb >= last:
+        if not self.active:
+            edges = [(0, S, True)]
+        elif first + Tb >= last:
             # A band narrower than the block: all of it is a diagonal strip.
             edges = [(first, last + Tb, False)]
         else:
             edges = [(first, first + Tb, False), (first + Tb, last, True), (last, last + Tb, False)]
-        clipped = [(max(a, 0), min(b, S), whole) for a, b, whole in edges]
+        lo, hi, single = 0, S, True
+        if self.chunk is not None:
+            # The rows' chunks run from that of row t0 to that of row t1 - 1: keys outside
+            # them are skipped, and a block in more than one chunk is masked key by key.
+            first_chunk = (t0 + self.offset) // self.chunk
+            last_chunk = (t1 - 1 + self.offset) // self.chunk
+            lo, hi = first_chunk * self.chunk, (last_chunk + 1) * self.chunk
+            single = first_chunk == last_chunk
+        clipped = [(max(a, lo, 0), min(b, hi, S), whole and single) for a, b, whole in edges]
         return [(int(a), int(b), whole) for a, b, whole in clipped if a < b]
 
     def allowed(self, t0: int, t1: int, s0: int, s1: int) -> np.ndarray:
@@ -688,7 +737,11 @@ class _Band:
         t = np.arange(t0, t1)[:, None]  # (Tb, 1)
         s = np.arange(s0, s1)[None, :]  # (1, Sb)
         distance = s - (t + self.offset)  # (Tb, Sb)
-        return (distance >= self.lo) & (distance <= self.hi)  # (Tb, Sb)
+        allowed = (distance >= self.lo) & (distance <= self.hi)  # (Tb, Sb)
+        if self.chunk is not None:
+            # Same chunk only; floor division puts a negative position in a chunk of no key.
+            allowed &= (t + self.offset) // self.chunk == s // self.chunk  # (Tb, Sb)
+        return allowed
 
 
 def _grouped(x: np.ndarray, K: int, G: int) -> np.ndarray:

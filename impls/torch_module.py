@@ -6,14 +6,21 @@ Step by step, for one query row t:
 
     score[s]  = scale · Σ_d q[t, d] · k[s, d]          scale defaults to 1/√D
     score[s]  = c · tanh(score[s] / c)                  only with softcap=c
+    score[s]  = score[s] - slope · |t + S - T - s|      only with ALiBi's slopes
     score[s]  = score[s] + mask[t, s]                   a float mask is added;
-    score[s]  = -inf where the key s is blocked         a bool mask, causal or window blocks
+    score[s]  = -inf where the key s is blocked         a bool mask, causal, window or chunk blocks
     w[s]      = exp(score[s] - max) / Σ exp(score - max)
     out[t, e] = Σ_s w[s] · v[s, e]
 
 With attention sinks (one logit sink[h] per query head), the sink joins the row's max and
 its sum, but has no value row: w[s] = exp(score[s] - max) / (exp(sink - max) + Σ exp(score
 - max)), so a row's weights sum to less than 1.
+
+With chunked local attention (Llama 4, ``chunk_size=c``), query t sees key s only if both
+lie in the same chunk of c positions: (t + offset) // c == s // c, offset as for causality.
+
+With ALiBi (``alibi_slopes``, one slope per query head), a key is penalised linearly in its
+distance from the query, always measured from the bottom-right diagonal (as FlashAttention).
 
 Shape legend (heads-first, as in PyTorch; PyTorch's own docs call T "L" and E "Ev"):
 
@@ -28,7 +35,7 @@ Shape legend (heads-first, as in PyTorch; PyTorch's own docs call T "L" and E "E
     sinks (H,): one logit per query head.
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, softcapping, attention sinks (in ``attention``; the modules have none),
+windows, chunked local attention, ALiBi, softcapping, attention sinks (in ``attention``; the modules have none),
 grouped-query and multi-query attention (K < H), dropout (through a
 callable such as ``nn.Dropout``, so that ``module.eval()`` turns it off), float64,
 float32, float16 and bfloat16, autograd. A query row with no key left to attend returns
@@ -68,6 +75,8 @@ def attention(
     softcap: float | None = None,
     dropout: Callable[[torch.Tensor], torch.Tensor] | None = None,
     sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention: the core of ``MultiHeadAttention``.
 
@@ -89,6 +98,10 @@ def attention(
         weight with probability p in training mode, does nothing in eval mode.
       sinks: (H,), same dtype as q: one logit per query head that joins every row's
         softmax and carries no value (gpt-oss); None for none.
+      chunk_size: query t attends only keys s in its own chunk, (t + offset) // chunk_size
+        == s // chunk_size, offset placed by causal_alignment (Llama 4); None for none.
+      alibi_slopes: (H,) or (B, H), float32 or q's dtype: ALiBi adds -slope · |t + S - T -
+        s| to the scores after the softcap, whatever causal_alignment says; None for none.
 
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
@@ -98,6 +111,7 @@ def attention(
     q, k, v = torch.as_tensor(q), torch.as_tensor(k), torch.as_tensor(v)
     mask = None if mask is None else torch.as_tensor(mask)
     sinks = None if sinks is None else torch.as_tensor(sinks)
+    alibi_slopes = None if alibi_slopes is None else torch.as_tensor(alibi_slopes)
     ok = dropout is None or callable(dropout)
     call = contract.check(
         q,
@@ -114,8 +128,10 @@ def attention(
         dropout_p=getattr(dropout, "p", 0.0),
         random=("dropout", dropout, ok, "a callable such as nn.Dropout, or None"),
         sinks=sinks,
+        chunk_size=chunk_size,
+        alibi_slopes=alibi_slopes,
     )
-    H, S, G = call.H, call.S, call.G
+    H, T, S, G = call.H, call.T, call.S, call.G
     if call.unbatched:
         q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
     if mask is not None:
@@ -147,7 +163,10 @@ def attention(
     if call.softcap is not None:
         scores = call.softcap * torch.tanh(scores / call.softcap)  # (B, H, T, S)
 
-    # 4. Mask: a float mask is added, then every key a query may not see gets -inf.
+    # 4. Mask: ALiBi's linear bias and a float mask are added, then every key a query may
+    # not see gets -inf.
+    if alibi_slopes is not None:
+        scores = scores + _alibi_bias(alibi_slopes.to(work), T, S, H)  # (B, H, T, S)
     if mask is not None and not call.mask_is_bool:
         scores = scores + mask.to(work)  # (B, H, T, S)
     scores = torch.where(allowed, scores, -math.inf)  # (B, H, T, S)
@@ -188,6 +207,16 @@ def attention(
     return out[0] if call.unbatched else out
 
 
+def _alibi_bias(slopes: torch.Tensor, T: int, S: int, H: int) -> torch.Tensor:
+    """ALiBi's bias, (B|1, H, T, S): −slope · |t + S − T − s|, so that a key weighs less
+    the farther it lies from the query. The distance is from the bottom-right diagonal
+    whatever the causal alignment: the last query sits at the last key (see Notes: ALiBi)."""
+    t = torch.arange(T, device=slopes.device)[:, None]  # (T, 1)
+    s = torch.arange(S, device=slopes.device)[None, :]  # (1, S)
+    distance = (t + S - T - s).abs().to(slopes.dtype)  # (T, S)
+    return -slopes.reshape(-1, H, 1, 1) * distance  # (B|1, H, T, S)
+
+
 def _sink_logits(sinks: torch.Tensor, row_max: torch.Tensor, H: int) -> torch.Tensor:
     """Each row's sink logit, (B, H, T, 1): sinks[h] in the rows of head h that have a key,
     and -inf (no sink) in a row with none, which stays exactly 0 whatever its sink holds."""
@@ -199,8 +228,8 @@ def _allowed(
     mask: torch.Tensor | None, call: contract.Checked, device: torch.device
 ) -> torch.Tensor:
     """Which keys each query may see, (B|1, H|1, T, S) bool: those that a bool mask, the
-    causal triangle and the window allow and a float mask does not set to -inf."""
-    T, S, window = call.T, call.S, call.window
+    causal triangle, the window and the chunk allow and a float mask does not set to -inf."""
+    T, S, window, chunk = call.T, call.S, call.window, call.chunk_size
     # Query t's diagonal is key t (top-left) or key t + S - T (bottom-right, so that the
     # last query lines up with the last key).
     offset = 0 if call.causal_alignment == "top_left" else S - T
@@ -214,6 +243,9 @@ def _allowed(
         allowed = allowed & (distance >= -window[0])  # (1, 1, T, S)
     if window is not None and window[1] is not None:
         allowed = allowed & (distance <= window[1])  # (1, 1, T, S)
+    if chunk is not None:
+        # Same chunk only; floor division puts a negative position in a chunk of no key.
+        allowed = allowed & ((t + offset) // chunk == s // chunk)  # (1, 1, T, S)
     if mask is not None and call.mask_is_bool:
         allowed = allowed & mask  # (B|1, H|1, T, S)
     elif mask is not None:
@@ -332,6 +364,14 @@ class SelfAttentionBlock(nn.Module):
 # exp() stays <= 1 even for a sink of 1e4, and the sum, not the numerator: the keys' weights
 # then add up to 1 - p_sink. It is not scaled, softcapped, masked or dropped. A row with no
 # key has no softmax at all and stays 0 (SPEC §15.3), so its sink is left out.
+#
+# ALiBi (step 4). Press et al.'s attention with linear biases replaces position embeddings
+# by a penalty −slope · distance on every score, one slope per query head (the usual slopes
+# are 2^(-8 (h + 1) / H)). The distance is |t + S − T − s|, from the bottom-right diagonal,
+# as FlashAttention's alibi_slopes define it: with a KV cache the T queries are the last T
+# of the S positions, so that is where each query really sits. It is computed in the
+# working precision and added like a float mask, after the softcap; the slopes are
+# constants, with no gradient.
 #
 # An empty key axis (step 5). torch's amax refuses an axis of length 0, so with S = 0 the
 # row maximum is made -inf explicitly, as NumPy's max(initial=-inf) makes it.

@@ -6,10 +6,17 @@ Step by step, for one query row t:
 
     score[s]  = scale · Σ_d q[t, d] · k[s, d]          scale defaults to 1/√D
     score[s]  = c · tanh(score[s] / c)                  only with softcap=c
+    score[s]  = score[s] - slope · |t + S - T - s|      only with ALiBi's slopes
     score[s]  = score[s] + mask[t, s]                   a float mask is added;
-    score[s]  = -inf where the key s is blocked         a bool mask, causal or window blocks
+    score[s]  = -inf where the key s is blocked         a bool mask, causal, window or chunk blocks
     w[s]      = exp(score[s] - max) / Σ exp(score - max)
     out[t, e] = Σ_s w[s] · v[s, e]
+
+With chunked local attention (Llama 4, ``chunk_size=c``), query t sees key s only if both
+lie in the same chunk of c positions: (t + offset) // c == s // c, offset as for causality.
+
+With ALiBi (``alibi_slopes``, one slope per query head), a key is penalised linearly in its
+distance from the query, always measured from the bottom-right diagonal (as FlashAttention).
 
 Shape legend (heads-first, as in PyTorch; PyTorch's own docs call T "L" and E "Ev"):
 
@@ -22,13 +29,14 @@ Shape legend (heads-first, as in PyTorch; PyTorch's own docs call T "L" and E "E
     (B, H, T, S). Unbatched q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, softcapping (through ``flex_attention``, forward only on the CPU), grouped-query
+windows, chunked local attention, ALiBi, softcapping (through ``flex_attention``, forward only on the CPU), grouped-query
 and multi-query attention (K < H), dropout on the weights (seeded by ``torch.manual_seed``),
 float64, float32, float16 and bfloat16, autograd (SDPA's own backward). A query row with
 no key left to attend returns exactly 0.
 
 Imports: the standard library, PyTorch and ``contract.py``, the input contract all impls
-share (step 0); the band of causality and the window, ``_band``, is this file's own. What
+share (step 0); the band of causality, the window and the chunks, ``_band``, is this file's
+own. What
 this adapter hands to SDPA and what it builds itself, and SDPA's behaviour on the CPU that
 it relies on: the Notes at the end of this file.
 """
@@ -57,6 +65,8 @@ def attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     dropout_p: float = 0.0,
+    chunk_size: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention through ``F.scaled_dot_product_attention``.
 
@@ -77,6 +87,10 @@ def attention(
         flex_attention; not with dropout_p > 0, nor with gradients on the CPU).
       dropout_p: probability of zeroing each attention weight; the mask is drawn from
         PyTorch's global generator.
+      chunk_size: query t attends only keys s in its own chunk, (t + offset) // chunk_size
+        == s // chunk_size, offset placed by causal_alignment (Llama 4); None for none.
+      alibi_slopes: (H,) or (B, H), float32 or q's dtype: ALiBi adds -slope · |t + S - T -
+        s| to the scores after the softcap, whatever causal_alignment says; None for none.
 
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
@@ -85,6 +99,7 @@ def attention(
     # argument, the expected shape and what was given.
     q, k, v = torch.as_tensor(q), torch.as_tensor(k), torch.as_tensor(v)
     mask = None if mask is None else torch.as_tensor(mask)
+    alibi_slopes = None if alibi_slopes is None else torch.as_tensor(alibi_slopes)
     call = contract.check(
         q,
         k,
@@ -96,6 +111,8 @@ def attention(
         window=window,
         softcap=softcap,
         dropout_p=dropout_p,
+        chunk_size=chunk_size,
+        alibi_slopes=alibi_slopes,
     )
     H, K, T, S = call.H, call.K, call.T, call.S
     if call.unbatched:
@@ -110,12 +127,14 @@ def attention(
 
     # 1.-3. Scores, scale and softcap happen inside SDPA (or flex_attention, for softcap).
 
-    # 4. Mask: a float mask is added; a bool mask, the causal triangle and the window
-    # decide which keys each query may see at all.
+    # 4. Mask: a float mask is added; a bool mask, the causal triangle, the window and the
+    # chunks decide which keys each query may see at all.
     sdpa_causal = (
         call.is_causal
         and mask is None
         and call.window is None
+        and call.chunk_size is None
+        and alibi_slopes is None
         and call.softcap is None
         and (call.causal_alignment == "top_left" or T == S)
     )
@@ -124,8 +143,14 @@ def attention(
         allowed = mask  # (B|1, H|1, T, S)
     elif mask is not None:
         additive = mask.to(work)  # (B|1, H|1, T, S)
-    if (call.is_causal and not sdpa_causal) or call.window is not None:
-        band = _band(T, S, call.is_causal, call.causal_alignment, call.window, q.device)
+    if alibi_slopes is not None:
+        # ALiBi's bias joins the float mask SDPA adds (after its scale; flex_attention adds
+        # it after the softcap), in the precision the scores are computed in.
+        bias = _alibi_bias(alibi_slopes.to(work), T, S, H)  # (B|1, H, T, S)
+        additive = bias if additive is None else additive + bias  # (B|1, H, T, S)
+    chunked = call.chunk_size is not None
+    if (call.is_causal and not sdpa_causal) or call.window is not None or chunked:
+        band = _band(T, S, call, q.device)  # (1, 1, T, S)
         allowed = band if allowed is None else allowed & band  # (B|1, H|1, T, S)
 
     # A slot that no query of its key/value head may see (padding, a KV-cache slot not
@@ -289,18 +314,22 @@ def _flex_attention(
         )  # (B, H, T, E)
 
 
-def _band(
-    T: int,
-    S: int,
-    is_causal: bool,
-    causal_alignment: str,
-    window: tuple[int | None, int | None] | None,
-    device: torch.device,
-) -> torch.Tensor:
-    """Which keys each query may see under causality and the window: (1, 1, T, S) bool."""
+def _alibi_bias(slopes: torch.Tensor, T: int, S: int, H: int) -> torch.Tensor:
+    """ALiBi's bias, (B|1, H, T, S): −slope · |t + S − T − s|, the distance from the
+    bottom-right diagonal whatever the causal alignment, as FlashAttention defines it."""
+    t = torch.arange(T, device=slopes.device)[:, None]  # (T, 1)
+    s = torch.arange(S, device=slopes.device)[None, :]  # (1, S)
+    distance = (t + S - T - s).abs().to(slopes.dtype)  # (T, S)
+    return -slopes.reshape(-1, H, 1, 1) * distance  # (B|1, H, T, S)
+
+
+def _band(T: int, S: int, call: contract.Checked, device: torch.device) -> torch.Tensor:
+    """Which keys each query may see under causality, the window and the chunks:
+    (1, 1, T, S) bool."""
+    is_causal, window, chunk = call.is_causal, call.window, call.chunk_size
     # Query t's diagonal is key t (top-left) or key t + S - T (bottom-right, so that the
     # last query lines up with the last key).
-    offset = 0 if causal_alignment == "top_left" else S - T
+    offset = 0 if call.causal_alignment == "top_left" else S - T
     t = torch.arange(T, device=device)[:, None]  # (T, 1)
     s = torch.arange(S, device=device)[None, :]  # (1, S)
     distance = s - (t + offset)  # (T, S)
@@ -313,6 +342,9 @@ def _band(
             allowed &= distance >= -left
         if right is not None:
             allowed &= distance <= right
+    if chunk is not None:
+        # Same chunk only; floor division puts a negative position in a chunk of no key.
+        allowed &= (t + offset) // chunk == s // chunk
     return allowed[None, None]  # (1, 1, T, S)
 
 
@@ -342,6 +374,11 @@ def _band(
 #                                     backend chosen. The band is ANDed into a bool mask, or
 #                                     written as -inf into a float mask.
 #     window                          built here the same way; SDPA has no window
+#     chunk_size                      built here the same way; SDPA has no chunks (Llama 4's
+#                                     chunked attention is a mask in transformers too)
+#     alibi_slopes                    attn_mask=, float: −slope · |t + S − T − s| built here
+#                                     in the compute dtype and added to the float mask (or
+#                                     given alone); the blocked keys then go in as -inf
 #     K < H (GQA, MQA)                enable_gqa=True (repeat_interleave semantics)
 #     dropout_p                       dropout_p=, passed through; the keep mask comes from
 #                                     PyTorch's global generator (``torch.manual_seed``)

@@ -68,6 +68,20 @@ def band(T, S, is_causal, causal_alignment, window):
     return allowed
 
 
+def chunks(T, S, chunk_size, causal_alignment):
+    """Which keys each query may see under chunked local attention (SPEC §16.1): those in
+    the query's own chunk, pos(t) // chunk_size == s // chunk_size. (T, S) bool."""
+    offset = 0 if causal_alignment == "top_left" else S - T
+    position = np.arange(T)[:, None] + offset
+    return position // chunk_size == np.arange(S)[None, :] // chunk_size
+
+
+def alibi(slopes, T, S, H):
+    """ALiBi's bias (SPEC §17.1): −slope · |t + S − T − s|, (B|1, H, T, S)."""
+    distance = np.abs(np.arange(T)[:, None] + S - T - np.arange(S)[None, :])
+    return -slopes.reshape(-1, H, 1, 1) * distance.astype(slopes.dtype)
+
+
 def softmax(scores, dtype):
     """Stable softmax over the keys; a row with every key at -inf gets weights 0."""
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
@@ -153,6 +167,21 @@ def band_always_bottom_right(T, S, is_causal, causal_alignment, window):
 def band_always_top_left(T, S, is_causal, causal_alignment, window):
     """BUG: top-left alignment even when bottom-right is asked."""
     return band(T, S, is_causal, "top_left", window)
+
+
+def chunks_off_by_one(T, S, chunk_size, causal_alignment):
+    """BUG: the chunk boundary off by one: the query's position counted from 1, so the
+    last query of each chunk lands in the next one."""
+    offset = 0 if causal_alignment == "top_left" else S - T
+    position = np.arange(T)[:, None] + offset + 1
+    return position // chunk_size == np.arange(S)[None, :] // chunk_size
+
+
+def alibi_off_by_one(slopes, T, S, H):
+    """BUG: ALiBi's distance off by one, |t + S − T − s + 1|: the diagonal key is
+    penalised as if one step away, and the key after it not at all."""
+    distance = np.abs(np.arange(T)[:, None] + S - T - np.arange(S)[None, :] + 1)
+    return -slopes.reshape(-1, H, 1, 1) * distance.astype(slopes.dtype)
 
 
 def expand_kv_tile(x, G):
@@ -363,6 +392,8 @@ class Steps:
     apply_float_mask = staticmethod(apply_float_mask)
     bool_allowed = staticmethod(bool_allowed)
     band = staticmethod(band)
+    chunks = staticmethod(chunks)
+    alibi = staticmethod(alibi)
     hide_unused = staticmethod(hide_unused)
     softmax = staticmethod(softmax)
     sink_softmax = staticmethod(sink_softmax)
@@ -385,6 +416,8 @@ class Steps:
         dropout_p=0.0,
         rng=None,
         sinks=None,
+        chunk_size=None,
+        alibi_slopes=None,
     ):
         q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
         mask = None if mask is None else np.asarray(mask)
@@ -402,6 +435,8 @@ class Steps:
             dropout_p=dropout_p,
             random=("rng", rng, isinstance(rng, np.random.Generator), "a numpy.random.Generator"),
             sinks=sinks,
+            chunk_size=chunk_size,
+            alibi_slopes=alibi_slopes,
         )
         unbatched = call.unbatched
         if unbatched:
@@ -425,11 +460,15 @@ class Steps:
             allowed = allowed & (mask != -np.inf)
         if is_causal or window is not None:
             allowed = allowed & self.band(T, S, is_causal, causal_alignment, window)
+        if chunk_size is not None:
+            allowed = allowed & self.chunks(T, S, call.chunk_size, causal_alignment)
         k, v = self.hide_unused(k, v, allowed)  # (B, H, S, ·)
 
         scores = np.einsum("bhtd,bhsd->bhts", q, k) * work(scale)  # (B, H, T, S)
         if softcap is not None:
             scores = softcap * np.tanh(scores / softcap)
+        if alibi_slopes is not None:
+            scores = scores + self.alibi(np.asarray(alibi_slopes).astype(work), T, S, H)
         if mask is not None and mask.dtype != np.bool_:
             scores = self.apply_float_mask(scores, mask.astype(work))
         scores = np.where(allowed, scores, -np.inf)  # (B, H, T, S)
@@ -494,6 +533,8 @@ class BackwardSteps:
         window=None,
         softcap=None,
         sinks=None,
+        chunk_size=None,
+        alibi_slopes=None,
     ):
         q, k, v, d_out = np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(d_out)
         mask = None if mask is None else np.asarray(mask)
@@ -510,6 +551,8 @@ class BackwardSteps:
             softcap=softcap,
             d_out=d_out,
             sinks=sinks,
+            chunk_size=chunk_size,
+            alibi_slopes=alibi_slopes,
         )
         unbatched = call.unbatched
         if unbatched:
@@ -537,12 +580,17 @@ class BackwardSteps:
             allowed = allowed & (mask != -np.inf)
         if is_causal or window is not None:
             allowed = allowed & band(T, S, is_causal, causal_alignment, window)[None, None]
+        if chunk_size is not None:
+            allowed = allowed & chunks(T, S, call.chunk_size, causal_alignment)[None, None]
         used = np.broadcast_to(allowed, (*allowed.shape[:2], T, S))
         used = grouped(used, K, G).any(axis=(2, 3))[..., None]  # (B|1, K|1, S, 1)
         k, v = np.where(used, k, 0.0), np.where(used, v, 0.0)
         q = q.reshape(B, K, G, T, D)  # (B, K, G, T, D)
         raw = np.einsum("bkgtd,bksd->bkgts", q, k) * work(scale)  # (B, K, G, T, S)
         scores = softcap * np.tanh(raw / softcap) if softcap is not None else raw
+        if alibi_slopes is not None:
+            bias = alibi(np.asarray(alibi_slopes).astype(work), T, S, H)  # (B|1, H, T, S)
+            scores = scores + grouped(bias, K, G)
         if mask is not None and mask.dtype != np.bool_:
             scores = scores + grouped(mask.astype(work), K, G)
         scores = np.where(grouped(allowed, K, G), scores, -np.inf)  # (B, K, G, T, S)
@@ -612,6 +660,18 @@ class SinkMutantBackend(MutantBackend):
     capabilities = (ALL_CAPABILITIES - {"module"}) | {"sinks"}
 
 
+class ChunkMutantBackend(MutantBackend):
+    """A forward mutant that also declares "chunked" (SPEC §16)."""
+
+    capabilities = (ALL_CAPABILITIES - {"module"}) | {"chunked"}
+
+
+class AlibiMutantBackend(MutantBackend):
+    """A forward mutant that also declares "alibi" (SPEC §17)."""
+
+    capabilities = (ALL_CAPABILITIES - {"module"}) | {"alibi"}
+
+
 class ModuleMutantBackend(MutantBackend):
     capabilities = ALL_CAPABILITIES
 
@@ -646,7 +706,10 @@ def _gradient_mutant(name, step, broken):
 Control = type(
     "MutantControl",
     (ModuleMutantBackend,),
-    {"name": "mutant-control", "capabilities": ALL_CAPABILITIES | GRAD | {"sinks"}},
+    {
+        "name": "mutant-control",
+        "capabilities": ALL_CAPABILITIES | GRAD | {"sinks", "chunked", "alibi"},
+    },
 )
 
 #: name: (backend class, clauses that should catch it, substring the failing node id needs)
@@ -761,6 +824,23 @@ MUTANTS = {
             base=SinkMutantBackend,
         ),
         {"15.1"},
+        "",
+    ),
+    # Chunked local attention (SPEC §16).
+    "mutant-chunk-off-by-one": (
+        _mutant(
+            "mutant-chunk-off-by-one",
+            "chunks",
+            chunks_off_by_one,
+            base=ChunkMutantBackend,
+        ),
+        {"16.1"},
+        "",
+    ),
+    # ALiBi (SPEC §17).
+    "mutant-alibi-off-by-one": (
+        _mutant("mutant-alibi-off-by-one", "alibi", alibi_off_by_one, base=AlibiMutantBackend),
+        {"17.1"},
         "",
     ),
     # The backward pass (SPEC §12): the forward is correct, only the gradients are broken.

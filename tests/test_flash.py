@@ -28,6 +28,12 @@ OPTIONS = {
         "causal_alignment": "bottom_right",
         "window": (300, None),
     },
+    # Chunks of 600 cut the default tiles (SPEC §16), with ALiBi's bias tile by tile (§17).
+    "chunked-alibi": {
+        "is_causal": True,
+        "chunk_size": 600,
+        "alibi_slopes": np.array([0.5, 0.0625, 0.25, 0.0078125], dtype=np.float32),
+    },
 }
 
 
@@ -218,3 +224,29 @@ def test_numpy_flash_backward_skips_fully_masked_tiles(monkeypatch):
     assert len(calls) == 7 * n * (n + 1) // 2, (
         f"{len(calls)} matmuls under causal, expected {7 * n * (n + 1) // 2}"
     )
+
+
+@pytest.mark.parametrize("chunk", [512, 1024, 768])
+def test_numpy_flash_skips_tiles_outside_the_chunks(monkeypatch, chunk):
+    """Chunked attention (SPEC §16) on n × n tiles of 512 visits only the key tiles that
+    share a chunk with some row of the query tile: with chunks of 512, the n diagonal
+    tiles; of 1024, 2 × 2 per chunk; of 768, whose boundaries cut tiles, 8 key ranges of
+    at most 512 (query rows 0-511 see keys 0-767, rows 512-1023 keys 0-1535, rows
+    1024-1535 keys 768-1535, rows 1536-2047 keys 1536-2047). Forward: 2 products per
+    tile; backward: 7."""
+    calls = []
+    real = np.matmul
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    q, k, v = random_qkv(62, B=1, H=1, T=2048, S=2048, D=8, dtype="float32")
+    d_out = np.random.default_rng(63).standard_normal(q.shape).astype(np.float32)
+    monkeypatch.setattr(numpy_flash.np, "matmul", counting)
+    tiles = {512: 4, 1024: 8, 768: 8}[chunk]
+    numpy_flash.attention(q, k, v, chunk_size=chunk, block_q=512, block_k=512)
+    assert len(calls) == 2 * tiles, f"{len(calls)} matmuls, expected {2 * tiles}"
+    calls.clear()
+    numpy_flash.attention_vjp(q, k, v, d_out, chunk_size=chunk, block_q=512, block_k=512)
+    assert len(calls) == 7 * tiles, f"{len(calls)} backward matmuls, expected {7 * tiles}"

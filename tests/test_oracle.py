@@ -172,3 +172,75 @@ def test_sinks_oracle_edges():
     assert np.isnan(out[:, 1:3][:, :, rows]).all()
     naive = oracle.naive_same_precision(q, k, v, np.float64, mask=mask, sinks=sinks)
     assert np.array_equal(np.isnan(naive), np.isnan(out))
+
+
+# --- Chunked local attention (SPEC §16) and ALiBi (SPEC §17) ---------------------------------
+
+
+@pytest.mark.clause("16.1")
+@pytest.mark.parametrize("key", ["non_causal", "causal", "bottom_right_last_two"])
+def test_chunked_worked_example_by_hand(key):
+    """The hand computation in fixtures/worked_example.json ("chunked"): every score 0, so
+    each row averages the values of its chunk that it may see."""
+    from conformance.fixtures import generate
+
+    ex = generate.WORKED_EXAMPLE["chunked"]
+    q, k, v = (np.array(ex[n], dtype=np.float64)[None, None] for n in "qkv")
+    options = {"is_causal": key != "non_causal", "chunk_size": ex["chunk_size"]}
+    if key == "bottom_right_last_two":
+        q, options["causal_alignment"] = q[:, :, 2:], "bottom_right"
+    out = oracle.attention(q, k, v, **options)[0, 0]
+    assert out.tolist() == ex[key]["hand"]
+
+
+@pytest.mark.clause("16.1", "16.2")
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("T, S", [(5, 11), (11, 5), (8, 8)])
+def test_chunks_are_a_mask_in_the_oracle(alignment, T, S):
+    """chunk_size is the bool mask pos(t) // c == s // c (pos(t) = t, or t + S - T), ANDed
+    with causality: in the oracle and in the naive run."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((1, 2, n, 3)) for n in (T, S, S))
+    position = np.arange(T)[:, None] + (0 if alignment == "top_left" else S - T)
+    mask = position // 3 == np.arange(S)[None, :] // 3  # (T, S)
+    options = {"is_causal": True, "causal_alignment": alignment}
+    chunked = oracle.attention(q, k, v, chunk_size=3, **options)
+    masked = oracle.attention(q, k, v, mask=mask, **options)
+    assert np.array_equal(chunked, masked)
+    naive = oracle.naive_same_precision(q, k, v, np.float64, chunk_size=3, **options)
+    assert np.max(np.abs(naive - chunked)) < 1e-14
+
+
+@pytest.mark.clause("17.1")
+@pytest.mark.parametrize("key", ["non_causal", "causal", "one_query_top_left"])
+def test_alibi_worked_example_by_hand(key):
+    """The hand computation in fixtures/worked_example.json ("alibi"): every score 0 and
+    the slope ln 2, so each key weighs 2^(-distance)."""
+    from conformance.fixtures import generate
+
+    ex = generate.WORKED_EXAMPLE["alibi"]
+    q, k, v = (np.array(ex[n], dtype=np.float64)[None, None] for n in "qkv")
+    if key == "one_query_top_left":
+        q = q[:, :, 1:]
+    slopes = np.array(ex["alibi_slopes"])
+    out = oracle.attention(q, k, v, is_causal=key == "causal", alibi_slopes=slopes)[0, 0]
+    assert np.max(np.abs(out - np.array(ex[key]["hand"]))) < 1e-14
+
+
+@pytest.mark.clause("17.1")
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("T, S", [(5, 11), (11, 5)])
+def test_alibi_is_a_float_mask_in_the_oracle(alignment, T, S):
+    """ALiBi's slopes (H,) and (B, H) are the float mask −slope · |t + S − T − s| in either
+    alignment (FlashAttention's attn_bias): in the oracle and in the naive run."""
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal((2, 3, n, 4)) for n in (T, S, S))
+    distance = np.abs(np.arange(T)[:, None] + S - T - np.arange(S)[None, :])  # (T, S)
+    options = {"is_causal": True, "causal_alignment": alignment}
+    for slopes in (rng.uniform(0, 1, 3), rng.uniform(0, 1, (2, 3))):
+        bias = -slopes.reshape(-1, 3, 1, 1) * distance  # (B|1, H, T, S)
+        alibi = oracle.attention(q, k, v, alibi_slopes=slopes, **options)
+        masked = oracle.attention(q, k, v, mask=bias, **options)
+        assert np.max(np.abs(alibi - masked)) < 1e-15
+        naive = oracle.naive_same_precision(q, k, v, np.float64, alibi_slopes=slopes, **options)
+        assert np.max(np.abs(naive - alibi)) < 1e-14

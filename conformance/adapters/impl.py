@@ -211,6 +211,8 @@ _CAPABILITY_OF = {
     "softcap": "softcap",
     "dropout_p": "dropout",
     "sinks": "sinks",
+    "chunk_size": "chunked",
+    "alibi_slopes": "alibi",
 }
 
 #: The keyword arguments a function needs for each capability it declares.

@@ -66,9 +66,13 @@ class Backend:
         dropout_p: float = 0.0,
         seed: int | None = None,
         sinks: np.ndarray | None = None,
+        chunk_size: int | None = None,
+        alibi_slopes: np.ndarray | None = None,
     ) -> np.ndarray:
         """out (B, H, T, E) for q (B, H, T, D), k (B, K, S, D), v (B, K, S, E), NumPy in and
-        out; ``sinks`` (H,) is one logit per query head (capability "sinks", SPEC §15)."""
+        out; ``sinks`` (H,) is one logit per query head (capability "sinks", SPEC §15);
+        ``chunk_size`` the length of a local-attention chunk (capability "chunked", §16);
+        ``alibi_slopes`` (H,) or (B, H), ALiBi's slopes (capability "alibi", §17)."""
         options = {"is_causal": is_causal, "scale": scale}
         for key, value in (
             ("causal_alignment", causal_alignment),
@@ -84,6 +88,10 @@ class Backend:
             options["seed"] = seed
         if sinks is not None:
             options["sinks"] = self._sinks(sinks, q)
+        if chunk_size is not None:
+            options["chunk_size"] = self._chunk_size(chunk_size)
+        if alibi_slopes is not None:
+            options["alibi_slopes"] = self._alibi_slopes(alibi_slopes, q)
         mask = None if mask is None else self.from_numpy(np.asarray(mask))
         out = self._attention(
             self.from_numpy(q), self.from_numpy(k), self.from_numpy(v), mask=mask, **options
@@ -105,6 +113,30 @@ class Backend:
                 "capability (SPEC §15)"
             )
         return self.from_numpy(np.asarray(sinks))
+
+    def _alibi_slopes(self, slopes: Any, q: Any) -> Any:
+        """ALiBi's slopes in the backend's framework; refused by name (SPEC §8.5) where
+        "alibi" is not declared, once they pass the checks every backend makes (§17.1)."""
+        if "alibi" not in self.capabilities:
+            slopes, q = np.asarray(slopes), np.asarray(q)
+            if q.ndim in (3, 4):  # a q of another rank is refused by the impl, as ever
+                contract.check_alibi_slopes(slopes, q)
+            raise NotImplementedError(
+                f"alibi_slopes is not supported: {self.name} does not declare the 'alibi' "
+                "capability (SPEC §17)"
+            )
+        return self.from_numpy(np.asarray(slopes))
+
+    def _chunk_size(self, chunk_size: Any) -> Any:
+        """The chunk length as given; refused by name (SPEC §8.5) where "chunked" is not
+        declared, once it passes the check every backend makes (§16.1)."""
+        if "chunked" not in self.capabilities:
+            contract.check_chunk_size(chunk_size)
+            raise NotImplementedError(
+                f"chunk_size is not supported: {self.name} does not declare the 'chunked' "
+                "capability (SPEC §16)"
+            )
+        return chunk_size
 
     def prepare(
         self, q: np.ndarray, k: np.ndarray, v: np.ndarray, **options: Any
@@ -139,6 +171,8 @@ class Backend:
         window: tuple[int | None, int | None] | None = None,
         softcap: float | None = None,
         sinks: np.ndarray | None = None,
+        chunk_size: int | None = None,
+        alibi_slopes: np.ndarray | None = None,
     ) -> tuple[np.ndarray, ...]:
         """The backward pass (capability "grad"), NumPy in and out.
 
@@ -146,7 +180,8 @@ class Backend:
         output: (dq, dk, dv) = (∂L/∂q, ∂L/∂k, ∂L/∂v), shaped and typed like q, k, v; with a
         floating mask and capability "grad_mask", (dq, dk, dv, dmask), dmask shaped like
         the mask; with ``sinks`` (capability "sinks"), dsinks (H,) last (SPEC §15.5).
-        Options as for ``attention``; there is no dropout in the backward.
+        ``chunk_size`` (capability "chunked") and ``alibi_slopes`` (capability "alibi") add
+        no gradient (SPEC §16.3, §17.3). Options as for ``attention``; there is no dropout in the backward.
         """
         options = {"is_causal": is_causal, "scale": scale}
         for key, value in (
@@ -158,6 +193,10 @@ class Backend:
                 options[key] = value
         if sinks is not None:
             options["sinks"] = self._sinks(sinks, q)
+        if chunk_size is not None:
+            options["chunk_size"] = self._chunk_size(chunk_size)
+        if alibi_slopes is not None:
+            options["alibi_slopes"] = self._alibi_slopes(alibi_slopes, q)
         mask = None if mask is None else self.from_numpy(np.asarray(mask))
         grads = self._attention_vjp(
             self.from_numpy(q),

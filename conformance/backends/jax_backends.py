@@ -17,7 +17,7 @@ from conformance.vocabulary import ALL_CAPABILITIES, DTYPES, GRAD_CAPABILITIES
 class JaxBackend(Backend):
     name = "jax"
     framework = "jax"
-    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks"}
+    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi"}
     dtypes = DTYPES
     impl_module = "conformance.impls.jax_attention"
 
@@ -71,7 +71,7 @@ class JaxFlashBackend(Backend):
     name = "jax-flash"
     framework = "jax"
     impl_module = "conformance.impls.jax_flash"
-    capabilities = BLOCKWISE_CAPABILITIES | {"sinks"}
+    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi"}
     dtypes = DTYPES
     conformance_options = Blockwise.CONFORMANCE_OPTIONS
 

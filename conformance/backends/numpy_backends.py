@@ -13,7 +13,7 @@ from conformance.vocabulary import ALL_CAPABILITIES, DTYPES, GRAD_CAPABILITIES
 
 class NumpyBackend(Backend):
     name = "numpy"
-    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks"}
+    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi"}
     dtypes = DTYPES
 
     impl_module = "conformance.impls.numpy_attention"
@@ -91,7 +91,7 @@ class NumpyFlashBackend(Backend):
 
     name = "numpy-flash"
     impl_module = "conformance.impls.numpy_flash"
-    capabilities = BLOCKWISE_CAPABILITIES | {"sinks"}
+    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi"}
     dtypes = DTYPES
     conformance_options = Blockwise.CONFORMANCE_OPTIONS
 

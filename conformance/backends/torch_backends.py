@@ -155,7 +155,9 @@ class TorchUlyssesBackend(TorchRingBackend):
 class TorchNaiveBackend(_TorchBackend):
     name = "torch-naive"
     capabilities = (
-        (ALL_CAPABILITIES - {"module"}) | (GRAD_CAPABILITIES - {"module_grad"}) | {"sinks"}
+        (ALL_CAPABILITIES - {"module"})
+        | (GRAD_CAPABILITIES - {"module_grad"})
+        | {"sinks", "chunked", "alibi"}
     )
 
     def __init__(self) -> None:
@@ -172,7 +174,7 @@ class TorchModuleBackend(_TorchBackend):
     """The nn.Module backend: the core spec runs the module's own attention function."""
 
     name = "torch-module"
-    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks"}
+    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi"}
 
     def __init__(self) -> None:
         super().__init__()
@@ -227,7 +229,7 @@ class TorchSdpaBackend(_TorchBackend):
     """SDPA's own backward; softcap goes through flex_attention, which has no CPU backward."""
 
     name = "torch-sdpa"
-    capabilities = (ALL_CAPABILITIES - {"module"}) | {"grad", "grad_mask"}
+    capabilities = (ALL_CAPABILITIES - {"module"}) | {"grad", "grad_mask", "chunked", "alibi"}
 
     def __init__(self) -> None:
         super().__init__()

@@ -113,6 +113,10 @@ class Case:
         if "sinks" in self.arrays:
             # An array, stored with the inputs: in the case's dtype like q (SPEC §15.1).
             opts["sinks"] = self.arrays["sinks"].astype(numpy_dtype(self.dtype))
+        if "alibi_slopes" in self.arrays:
+            # ALiBi's slopes, stored with the inputs: float32, as FlashAttention takes
+            # them, for every dtype of q (SPEC §17.1).
+            opts["alibi_slopes"] = self.arrays["alibi_slopes"].astype(np.float32)
         return opts
 
     def params(self) -> dict[str, np.ndarray]:

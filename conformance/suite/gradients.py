@@ -84,4 +84,12 @@ PAIR_SETUPS = {
     ),
     "gqa-softcap": ({"softcap": 3.0, "K": 1}, ("gqa", "softcap", "grad_softcap")),
     "sinks-gqa-causal": ({"is_causal": True, "K": 2, "sinks": "random"}, ("gqa", "sinks")),
+    "chunked-gqa-causal-bottom-right": (
+        {"is_causal": True, "causal_alignment": "bottom_right", "chunk_size": 5, "K": 2},
+        ("gqa", "causal_bottom_right", "chunked"),
+    ),
+    "alibi-BH-gqa-causal": (
+        {"is_causal": True, "K": 2, "alibi_slopes": "random"},
+        ("gqa", "alibi"),
+    ),
 }

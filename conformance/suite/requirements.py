@@ -39,6 +39,8 @@ OPTION_CAPABILITIES = {
     "softcap": ("softcap", None),
     "dropout_p": ("dropout", 0.0),
     "sinks": ("sinks", None),
+    "chunk_size": ("chunked", None),
+    "alibi_slopes": ("alibi", None),
 }
 #: What a backward call needs beyond "grad", by option.
 GRAD_OPTION_CAPABILITIES = {"softcap": ("grad_softcap", None)}

@@ -363,3 +363,56 @@ def test_undeclared_sinks_are_refused(backend, dtype):
         f"{backend.name}: accepted sinks without declaring 'sinks'",
         "accepts sinks though it does not declare 'sinks'",
     )
+
+
+@pytest.mark.clause("16.4", "8.5")
+@refuses("chunked")
+def test_undeclared_chunk_size_is_refused(backend, dtype):
+    """A backend without 'chunked' refuses a chunk_size with NotImplementedError naming it,
+    in attention and, where it has one, in attention_vjp."""
+    q, k, v = _qkv(backend, dtype)
+    calls = {"attention": lambda: backend.attention(q, k, v, chunk_size=2)}
+    if "grad" in backend.capabilities:
+        d_out = np.ones((B, H, T, v.shape[-1]), dtype=q.dtype)
+        calls["attention_vjp"] = lambda: backend.attention_vjp(q, k, v, d_out, chunk_size=2)
+    for method, call in calls.items():
+        try:
+            call()
+        except NotImplementedError as err:
+            expect(
+                "chunk_size" in str(err),
+                "refuses chunk_size without naming it",
+                f"{backend.name}: the refusal in {method} should name chunk_size: {err}",
+            )
+            continue
+        raise Departure(
+            f"{backend.name}: {method} accepted chunk_size without declaring 'chunked'",
+            "accepts chunk_size though it does not declare 'chunked'",
+        )
+
+
+@pytest.mark.clause("17.4", "8.5")
+@refuses("alibi")
+def test_undeclared_alibi_slopes_are_refused(backend, dtype):
+    """A backend without 'alibi' refuses alibi_slopes with NotImplementedError naming them,
+    in attention and, where it has one, in attention_vjp."""
+    q, k, v = _qkv(backend, dtype)
+    slopes = np.full(H, 0.5, dtype=np.float32)
+    calls = {"attention": lambda: backend.attention(q, k, v, alibi_slopes=slopes)}
+    if "grad" in backend.capabilities:
+        d_out = np.ones((B, H, T, v.shape[-1]), dtype=q.dtype)
+        calls["attention_vjp"] = lambda: backend.attention_vjp(q, k, v, d_out, alibi_slopes=slopes)
+    for method, call in calls.items():
+        try:
+            call()
+        except NotImplementedError as err:
+            expect(
+                "alibi_slopes" in str(err),
+                "refuses alibi_slopes without naming them",
+                f"{backend.name}: the refusal in {method} should name alibi_slopes: {err}",
+            )
+            continue
+        raise Departure(
+            f"{backend.name}: {method} accepted alibi_slopes without declaring 'alibi'",
+            "accepts alibi_slopes though it does not declare 'alibi'",
+        )

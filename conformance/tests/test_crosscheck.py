@@ -30,6 +30,14 @@ SETUPS = {
         ("gqa", "causal_bottom_right", "window", "softcap"),
     ),
     "sinks-gqa-causal": ({"is_causal": True, "K": 2, "sinks": "random"}, ("gqa", "sinks")),
+    "chunked-gqa-causal-bottom-right": (
+        {"is_causal": True, "causal_alignment": "bottom_right", "chunk_size": 5, "K": 2},
+        ("gqa", "causal_bottom_right", "chunked"),
+    ),
+    "alibi-BH-gqa-causal": (
+        {"is_causal": True, "K": 2, "alibi_slopes": "random"},
+        ("gqa", "alibi"),
+    ),
 }
 
 
@@ -53,6 +61,8 @@ def test_backends_agree(backend_pair, dtype, setup, request):
         ).astype(q.dtype)
     if options.get("sinks") == "random":
         options["sinks"] = rng.uniform(-1.0, 2.0, 4).astype(q.dtype)  # (H,)
+    if options.get("alibi_slopes") == "random":
+        options["alibi_slopes"] = rng.uniform(0.0, 1.0, (2, 4)).astype(np.float32)  # (B, H)
     out_a = a.attention(q, k, v, **options)
     out_b = b.attention(q, k, v, **options)
     tol = 2 * random_tolerance(q, k, v, dtype, **options)

@@ -385,6 +385,8 @@ def test_backends_agree_on_gradients(backend_pair, dtype, setup, request):
         ).astype(q.dtype)
     if options.get("sinks") == "random":
         options["sinks"] = rng.uniform(-1.0, 2.0, 4).astype(q.dtype)  # (H,)
+    if options.get("alibi_slopes") == "random":
+        options["alibi_slopes"] = rng.uniform(0.0, 1.0, (2, 4)).astype(np.float32)  # (B, H)
     d_out = gradients.random_d_out(56, q, v)
     grads_a = gradients.vjp(a, q, k, v, d_out, **options)
     grads_b = gradients.vjp(b, q, k, v, d_out, **options)

@@ -3,7 +3,7 @@
 Each example draws a whole problem: sizes (B ≤ 2, H ≤ 4, T and S up to 17, D and E up
 to 8), a mask (none, bool, or float with -inf holes, in a shape that broadcasts), a scale,
 causality, and only the variants the backend declares (K < H for "gqa", E ≠ D for
-"value_dim", bottom-right alignment, a window, a softcap, unbatched inputs, sinks). The values come from a drawn seed, so
+"value_dim", bottom-right alignment, a window, a softcap, unbatched inputs, sinks, chunks, ALiBi). The values come from a drawn seed, so
 a failing example shrinks to small sizes and few options, and replays exactly.
 
 The reference is independent of every implementation (``fixtures/oracle.py``): for
@@ -65,6 +65,7 @@ class Problem:
                 is_causal=self.options.get("is_causal", False),
                 causal_alignment=self.options.get("causal_alignment", "top_left"),
                 window=self.options.get("window"),
+                chunk_size=self.options.get("chunk_size"),
             )
             row = np.zeros(S, dtype=bool)
             row[keys] = True
@@ -115,6 +116,12 @@ def problems(draw, backend) -> Problem:
     # Drawn last, so that a backend without "sinks" draws exactly what it drew before.
     if "sinks" in caps and draw(st.booleans(), label="sinks"):
         options["sinks"] = rng.uniform(-2.0, 3.0, H).astype(dt)  # (H,)
+    # After sinks, for the same reason: a backend without "chunked" draws what it drew.
+    if "chunked" in caps and draw(st.booleans(), label="chunked"):
+        options["chunk_size"] = draw(st.integers(1, 8), label="chunk_size")
+    # And ALiBi after that.
+    if "alibi" in caps and draw(st.booleans(), label="alibi"):
+        options["alibi_slopes"] = rng.uniform(0.0, 1.0, H).astype(np.float32)  # (H,)
     problem = Problem(q, k, v, dtype, unbatched, options)
     note(
         f"B={B} H={H} K={K} T={T} S={S} D={D} E={E} {dtype}"

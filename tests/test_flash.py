@@ -193,6 +193,7 @@ def test_jax_flash_backward_memory_is_linear_in_t():
         offset=0,
         window=None,
         softcap=None,
+        chunk=None,
         Tb=512,
         Sb=256,
     )

@@ -13,7 +13,7 @@ from conformance.vocabulary import ALL_CAPABILITIES, DTYPES, GRAD_CAPABILITIES
 
 class NumpyBackend(Backend):
     name = "numpy"
-    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi"}
+    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi", "paged"}
     dtypes = DTYPES
 
     impl_module = "conformance.impls.numpy_attention"
@@ -39,6 +39,14 @@ class NumpyBackend(Backend):
 
     def _attention_vjp(self, q, k, v, d_out, **options):
         return self.backward.attention_backward(q, k, v, d_out, **options)
+
+    def _attention_paged(self, q, k_pages, v_pages, block_table, seq_lens, **options):
+        return self.impl.attention_paged(q, k_pages, v_pages, block_table, seq_lens, **options)
+
+    def _attention_paged_vjp(self, q, k_pages, v_pages, block_table, seq_lens, d_out, **options):
+        return self.backward.attention_paged_backward(
+            q, k_pages, v_pages, block_table, seq_lens, d_out, **options
+        )
 
     def module_param_grads(self, kind, params, x, d_out, *, n_heads, is_causal=False):
         if kind == "mha":

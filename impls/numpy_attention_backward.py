@@ -433,7 +433,7 @@ def attention_paged_backward(
         softcap=softcap,
         d_out=d_out,
     )
-    B, K, L, M = call.B, call.K, call.L, call.M
+    L, M = call.L, call.M
 
     # 1'-3'. The forward's gather and mask, and the backward of attention under them.
     k, v = forward._gather_pages(k_pages, v_pages, block_table, call)  # (B, K, S, ·)

@@ -87,6 +87,16 @@ class Blockwise:
         # The impl's own blockwise backward, on the same tiles as the forward.
         return self.impl.attention_vjp(q, k, v, d_out, **self.options, **options)
 
+    def attention_paged(self, *arrays, **options):
+        # A page is a key tile (SPEC §19.6): only the query tile is the backend's option.
+        return self.impl.attention_paged(*arrays, **self._query_tiles(), **options)
+
+    def attention_paged_vjp(self, *arrays, **options):
+        return self.impl.attention_paged_vjp(*arrays, **self._query_tiles(), **options)
+
+    def _query_tiles(self) -> dict:
+        return {n: b for n, b in self.options.items() if n == "block_q"}
+
 
 #: What a blockwise backend implements: no dropout, no module layers.
 BLOCKWISE_CAPABILITIES = (ALL_CAPABILITIES - {"dropout", "module"}) | (
@@ -99,7 +109,7 @@ class NumpyFlashBackend(Backend):
 
     name = "numpy-flash"
     impl_module = "conformance.impls.numpy_flash"
-    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi"}
+    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi", "paged"}
     dtypes = DTYPES
     conformance_options = Blockwise.CONFORMANCE_OPTIONS
 
@@ -113,3 +123,9 @@ class NumpyFlashBackend(Backend):
 
     def _attention_vjp(self, q, k, v, d_out, **options):
         return self.tiles.attention_vjp(q, k, v, d_out, **options)
+
+    def _attention_paged(self, *arrays, **options):
+        return self.tiles.attention_paged(*arrays, **options)
+
+    def _attention_paged_vjp(self, *arrays, **options):
+        return self.tiles.attention_paged_vjp(*arrays, **options)

@@ -79,7 +79,7 @@ class JaxFlashBackend(Backend):
     name = "jax-flash"
     framework = "jax"
     impl_module = "conformance.impls.jax_flash"
-    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi"}
+    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi", "paged"}
     dtypes = DTYPES
     conformance_options = Blockwise.CONFORMANCE_OPTIONS
 
@@ -98,6 +98,12 @@ class JaxFlashBackend(Backend):
 
     def _attention_vjp(self, q, k, v, d_out, **options):
         return self.tiles.attention_vjp(q, k, v, d_out, **options)
+
+    def _attention_paged(self, *arrays, **options):
+        return self.tiles.attention_paged(*arrays, **options)
+
+    def _attention_paged_vjp(self, *arrays, **options):
+        return self.tiles.attention_paged_vjp(*arrays, **options)
 
     def versions(self):
         return {**super().versions(), "jax": self.jax.__version__}

@@ -40,7 +40,7 @@ explicit ``numpy.random.Generator``), float64, float32, float16 and bfloat16
 
 Imports: the standard library, NumPy and ``contract.py``, the input contract all impls
 share (step 0); the math, ``_band`` included, is this file's own. Also here: a KV cache,
-and the multi-head layer and pre-LN GPT block as functions of a PyTorch-style
+attention over a paged KV cache (``attention_paged``), and the multi-head layer and pre-LN GPT block as functions of a PyTorch-style
 ``state_dict``. The backward pass is its own page, ``numpy_attention_backward.py``. Why
 each step is written as it is: the Notes at the end of this file.
 """
@@ -273,6 +273,110 @@ class KVCache:
             causal_alignment="bottom_right",
             **options,
         )  # (B, H, T, E)
+
+
+def attention_paged(
+    q: np.ndarray,
+    k_pages: np.ndarray,
+    v_pages: np.ndarray,
+    block_table: np.ndarray,
+    seq_lens: np.ndarray,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+) -> np.ndarray:
+    """Attention over a paged KV cache (vLLM, FlashInfer, FlashAttention's
+    ``flash_attn_with_kvcache`` with ``block_table`` and ``cache_seqlens``).
+
+    A server decoding many sequences keeps their keys and values in one pool of pages of
+    L slots each; sequence b's key s lives in page block_table[b, s // L], slot s % L, and
+    sequence b has seq_lens[b] keys. Its T queries are its last T positions (a decode step,
+    or a chunk of prefill), so causality and the window are counted from the bottom-right
+    diagonal of its own length: query t sees key s <= t + seq_lens[b] - T.
+
+    Shape legend: the spec's letters, and N pages, L slots per page, M table entries per
+    sequence (so a sequence holds at most M·L keys).
+
+    Args:
+      q: queries, (B, H, T, D).
+      k_pages: (N, K, L, D), the pool of key pages; K must divide H.
+      v_pages: (N, K, L, E), the value pages, laid out alike.
+      block_table: (B, M) integer: the pages of sequence b, in order. Entries past
+        ⌈seq_lens[b] / L⌉ are never read and may hold anything (-1 is common).
+      seq_lens: (B,) integer: the number of keys of each sequence, 0 to M·L.
+      is_causal: query t attends only keys s <= t + seq_lens[b] - T (T <= seq_lens[b]).
+      scale, window, softcap: as for ``attention``, the window's diagonal placed
+        bottom-right as causality's.
+
+    Returns:
+      out: (B, H, T, E), same dtype as q; a sequence with no key gives rows of 0.
+    """
+    # 0. Validate with the input contract all impls share (contract.py): an error names the
+    # argument, what was expected and what was given.
+    q, k_pages, v_pages = np.asarray(q), np.asarray(k_pages), np.asarray(v_pages)
+    block_table, seq_lens = np.asarray(block_table), np.asarray(seq_lens)
+    call = contract.check_paged(
+        q,
+        k_pages,
+        v_pages,
+        block_table,
+        seq_lens,
+        is_causal=is_causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+    )
+
+    # 1. Gather each sequence's keys and values from its pages, in table order.
+    k, v = _gather_pages(k_pages, v_pages, block_table, call)  # (B, K, S, D), (B, K, S, E)
+
+    # 2. Which keys each query may see: its sequence's first seq_lens[b] keys, and the
+    # causal triangle and the window from the bottom-right diagonal of that length.
+    allowed = _paged_allowed(seq_lens, call)  # (B, 1, T, S)
+
+    # 3. Attention on the gathered keys under that mask. A slot no query may see (past a
+    # sequence's length, or read through a clamped table entry) is replaced by 0 there
+    # before it is used, so whatever it holds, NaN included, changes nothing.
+    return attention(q, k, v, mask=allowed, scale=call.scale, softcap=call.softcap)
+
+
+def _gather_pages(
+    k_pages: np.ndarray, v_pages: np.ndarray, block_table: np.ndarray, call: contract.PagedChecked
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sequence b's key s = j·L + i from slot i of page block_table[b, j]: (B, K, M·L, D)
+    and (B, K, M·L, E). Table entries a sequence does not read may hold anything, -1 or
+    N + 5 included: they are clamped into [0, N) first, so the gather never indexes out of
+    range, and what they point at is masked away."""
+    B, K, L, M, D, E = call.B, call.K, call.L, call.M, call.D, call.E
+    if call.N == 0:  # no pages at all: every sequence is empty (the contract checked it)
+        return np.zeros((B, K, M * L, D), k_pages.dtype), np.zeros((B, K, M * L, E), v_pages.dtype)
+    pages = np.clip(block_table.astype(np.int64), 0, call.N - 1)  # (B, M)
+    k = k_pages[pages]  # (B, M, K, L, D)
+    v = v_pages[pages]  # (B, M, K, L, E)
+    k = k.transpose(0, 2, 1, 3, 4).reshape(B, K, M * L, D)  # (B, K, S, D), S = M·L
+    v = v.transpose(0, 2, 1, 3, 4).reshape(B, K, M * L, E)  # (B, K, S, E)
+    return k, v
+
+
+def _paged_allowed(seq_lens: np.ndarray, call: contract.PagedChecked) -> np.ndarray:
+    """Which gathered keys each query may see, (B, 1, T, S) bool: key s of sequence b if
+    s < seq_lens[b], and causality and the window allow it from query t's diagonal t +
+    seq_lens[b] - T (the queries are the sequence's last T positions)."""
+    T, S, window = call.T, call.M * call.L, call.window
+    n = seq_lens.astype(np.int64).reshape(-1, 1, 1, 1)  # (B, 1, 1, 1)
+    t = np.arange(T)[:, None]  # (T, 1)
+    s = np.arange(S)[None, :]  # (1, S)
+    distance = s - (t + n - T)  # (B, 1, T, S)
+    allowed = s < n  # (B, 1, 1, S)
+    if call.is_causal:
+        allowed = allowed & (distance <= 0)  # (B, 1, T, S)
+    if window is not None and window[0] is not None:
+        allowed = allowed & (distance >= -window[0])  # (B, 1, T, S)
+    if window is not None and window[1] is not None:
+        allowed = allowed & (distance <= window[1])  # (B, 1, T, S)
+    return np.broadcast_to(allowed, (call.B, 1, T, S))  # (B, 1, T, S)
 
 
 def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:

@@ -387,3 +387,73 @@ def gpt_block_backward(
         "mlp.2.weight": d_w2,
         "mlp.2.bias": d_b2,
     }
+
+
+def attention_paged_backward(
+    q: np.ndarray,
+    k_pages: np.ndarray,
+    v_pages: np.ndarray,
+    block_table: np.ndarray,
+    seq_lens: np.ndarray,
+    d_out: np.ndarray,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients of ``attention_paged`` with respect to q and the pages (SPEC §19.4).
+
+    The forward gathers each sequence's keys from its pages and attends them; so the
+    backward attends back (``attention_backward`` on the gathered keys, under the same
+    mask), and scatters each gathered key's gradient to the slot it was read from. A gather
+    is a copy, and the transpose of a copy is a sum: a page that two sequences share (a
+    common prefix) collects both gradients, and a slot no sequence reads gets exactly 0.
+
+    Args:
+      q, k_pages, v_pages, block_table, seq_lens, is_causal, scale, window, softcap: as
+        for ``attention_paged``.
+      d_out: ∂L/∂out, (B, H, T, E), same dtype as q.
+
+    Returns:
+      (dq, dk_pages, dv_pages): (B, H, T, D), (N, K, L, D), (N, K, L, E), same dtype as q.
+    """
+    # 0. Validate with the forward's contract, and d_out against the output's shape.
+    q, k_pages, v_pages = np.asarray(q), np.asarray(k_pages), np.asarray(v_pages)
+    block_table, seq_lens, d_out = np.asarray(block_table), np.asarray(seq_lens), np.asarray(d_out)
+    call = contract.check_paged(
+        q,
+        k_pages,
+        v_pages,
+        block_table,
+        seq_lens,
+        is_causal=is_causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        d_out=d_out,
+    )
+    L, M = call.L, call.M
+
+    # 1'-3'. The forward's gather and mask, and the backward of attention under them.
+    k, v = forward._gather_pages(k_pages, v_pages, block_table, call)  # (B, K, S, ·)
+    allowed = forward._paged_allowed(seq_lens, call)  # (B, 1, T, S)
+    dq, dk, dv = attention_backward(
+        q, k, v, d_out, mask=allowed, scale=call.scale, softcap=call.softcap
+    )  # (B, H, T, D), (B, K, S, D), (B, K, S, E)
+
+    # 1'. The gather's transpose: each read slot's gradient added to the slot it came
+    # from, in the working precision and rounded once; slots no sequence reads stay 0.
+    work = np.float64 if q.dtype == np.float64 else np.float32
+    s = np.arange(M * L)  # (S,)
+    read = s[None, :] < seq_lens.astype(np.int64)[:, None]  # (B, S)
+    b_idx, s_idx = np.nonzero(read)  # (R,), (R,): every slot some sequence reads
+    page = block_table.astype(np.int64)[b_idx, s_idx // L]  # (R,)
+    slot = s_idx % L  # (R,)
+    grads = [dq]
+    for pages, d in ((k_pages, dk), (v_pages, dv)):
+        total = np.zeros(pages.shape, dtype=work)  # (N, K, L, ·)
+        rows = d.transpose(0, 2, 1, 3)[b_idx, s_idx].astype(work)  # (R, K, ·)
+        np.add.at(total, (page, slice(None), slot), rows)  # (N, K, L, ·)
+        grads.append(total.astype(q.dtype))
+    return tuple(grads)

@@ -82,6 +82,11 @@ def alibi(slopes, T, S, H):
     return -slopes.reshape(-1, H, 1, 1) * distance.astype(slopes.dtype)
 
 
+def page_of(table_row, s, L):
+    """The page holding a sequence's key s (SPEC §19.1): block_table[b, s // L]."""
+    return table_row[s // L]
+
+
 def softmax(scores, dtype):
     """Stable softmax over the keys; a row with every key at -inf gets weights 0."""
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
@@ -182,6 +187,13 @@ def alibi_off_by_one(slopes, T, S, H):
     penalised as if one step away, and the key after it not at all."""
     distance = np.abs(np.arange(T)[:, None] + S - T - np.arange(S)[None, :] + 1)
     return -slopes.reshape(-1, H, 1, 1) * distance.astype(slopes.dtype)
+
+
+def page_of_off_by_one(table_row, s, L):
+    """BUG: a page table read off by one: key s is read from the next table entry,
+    block_table[b, s // L + 1] (the last entry for the last page), as if the table
+    started one page late."""
+    return table_row[min(s // L + 1, len(table_row) - 1)]
 
 
 def expand_kv_tile(x, G):
@@ -394,6 +406,7 @@ class Steps:
     band = staticmethod(band)
     chunks = staticmethod(chunks)
     alibi = staticmethod(alibi)
+    page_of = staticmethod(page_of)
     hide_unused = staticmethod(hide_unused)
     softmax = staticmethod(softmax)
     sink_softmax = staticmethod(sink_softmax)
@@ -647,6 +660,43 @@ class MutantBackend(Backend):
         # Reached only by backends declaring "grad" (the gradient mutants, the control).
         return self.backward().run(q, k, v, d_out, **options)
 
+    # Paged KV caches (SPEC §19), reached only by backends declaring "paged": each
+    # sequence's keys gathered through ``Steps.page_of``, then the steps above, aligned
+    # bottom-right; the gradients added back into the slots read.
+
+    def _sequences(self, k_pages, v_pages, block_table, seq_lens):
+        L = k_pages.shape[2]
+        for b, n in enumerate(np.asarray(seq_lens).tolist()):
+            slots = [(int(self.steps.page_of(block_table[b], s, L)), s % L) for s in range(n)]
+            k = np.stack([k_pages[p, :, i] for p, i in slots], axis=1) if slots else None
+            v = np.stack([v_pages[p, :, i] for p, i in slots], axis=1) if slots else None
+            empty = k_pages.shape[1], 0
+            k = np.zeros((*empty, k_pages.shape[3]), k_pages.dtype) if k is None else k
+            v = np.zeros((*empty, v_pages.shape[3]), v_pages.dtype) if v is None else v
+            yield b, k[None], v[None], slots  # (1, K, n, D), (1, K, n, E)
+
+    def _attention_paged(self, q, k_pages, v_pages, block_table, seq_lens, **options):
+        contract.check_paged(q, k_pages, v_pages, block_table, seq_lens, **options)
+        out = np.zeros((*q.shape[:3], v_pages.shape[-1]), dtype=q.dtype)
+        for b, k, v, _ in self._sequences(k_pages, v_pages, block_table, seq_lens):
+            run = self.steps().run(q[b : b + 1], k, v, causal_alignment="bottom_right", **options)
+            out[b] = run[0]
+        return out
+
+    def _attention_paged_vjp(self, q, k_pages, v_pages, block_table, seq_lens, d_out, **options):
+        contract.check_paged(q, k_pages, v_pages, block_table, seq_lens, d_out=d_out, **options)
+        dq = np.zeros(q.shape, dtype=q.dtype)
+        dk_pages = np.zeros(k_pages.shape)
+        dv_pages = np.zeros(v_pages.shape)
+        for b, k, v, slots in self._sequences(k_pages, v_pages, block_table, seq_lens):
+            args = (q[b : b + 1], k, v, d_out[b : b + 1])
+            dq_b, dk, dv = self.backward().run(*args, causal_alignment="bottom_right", **options)
+            dq[b] = dq_b[0]
+            for s, (p, i) in enumerate(slots):
+                dk_pages[p, :, i] += dk[0, :, s]
+                dv_pages[p, :, i] += dv[0, :, s]
+        return dq, dk_pages.astype(q.dtype), dv_pages.astype(q.dtype)
+
 
 class GradientMutantBackend(MutantBackend):
     """The unbroken forward with a backward running ``backward``."""
@@ -670,6 +720,12 @@ class AlibiMutantBackend(MutantBackend):
     """A forward mutant that also declares "alibi" (SPEC §17)."""
 
     capabilities = (ALL_CAPABILITIES - {"module"}) | {"alibi"}
+
+
+class PagedMutantBackend(MutantBackend):
+    """A forward mutant that also declares "paged" (SPEC §19)."""
+
+    capabilities = (ALL_CAPABILITIES - {"module"}) | {"paged"}
 
 
 class ModuleMutantBackend(MutantBackend):
@@ -708,7 +764,7 @@ Control = type(
     (ModuleMutantBackend,),
     {
         "name": "mutant-control",
-        "capabilities": ALL_CAPABILITIES | GRAD | {"sinks", "chunked", "alibi"},
+        "capabilities": ALL_CAPABILITIES | GRAD | {"sinks", "chunked", "alibi", "paged"},
     },
 )
 
@@ -841,6 +897,17 @@ MUTANTS = {
     "mutant-alibi-off-by-one": (
         _mutant("mutant-alibi-off-by-one", "alibi", alibi_off_by_one, base=AlibiMutantBackend),
         {"17.1"},
+        "",
+    ),
+    # Paged KV caches (SPEC §19).
+    "mutant-page-table-off-by-one": (
+        _mutant(
+            "mutant-page-table-off-by-one",
+            "page_of",
+            page_of_off_by_one,
+            base=PagedMutantBackend,
+        ),
+        {"19.1"},
         "",
     ),
     # The backward pass (SPEC §12): the forward is correct, only the gradients are broken.

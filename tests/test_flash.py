@@ -251,3 +251,46 @@ def test_numpy_flash_skips_tiles_outside_the_chunks(monkeypatch, chunk):
     calls.clear()
     numpy_flash.attention_vjp(q, k, v, d_out, chunk_size=chunk, block_q=512, block_k=512)
     assert len(calls) == 7 * tiles, f"{len(calls)} backward matmuls, expected {7 * tiles}"
+
+
+@pytest.mark.parametrize(
+    "window, pages", [(None, [6, 2, 5]), ((300, 0), [2, 5])], ids=["whole-length", "window-300"]
+)
+def test_numpy_flash_paged_reads_only_the_pages_it_needs(monkeypatch, window, pages):
+    """A paged decode step (SPEC §19) with pages of 512 slots, a table 8 pages wide and
+    lengths 1100 and 0: numpy-flash reads the 3 pages sequence 0 holds keys in (⌈1100 /
+    512⌉: table entries 6, 2, 5), and with a window of 300 only the 2 that hold keys
+    799-1099; none for the empty sequence (its table is all -1), none past a length.
+    Forward and backward. Without a window each page is one tile: 2 products per page
+    forward, 7 backward."""
+    calls, read = [], []
+    real, real_rows = np.matmul, numpy_flash._PageRows.__getitem__
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    def reading(self, index):
+        read.append(self.table[index[1].start // self.L])
+        return real_rows(self, index)
+
+    rng = np.random.default_rng(64)
+    q = rng.standard_normal((2, 1, 1, 8)).astype(np.float32)
+    k_pages = rng.standard_normal((8, 1, 512, 8)).astype(np.float32)
+    v_pages = rng.standard_normal((8, 1, 512, 8)).astype(np.float32)
+    table = np.array([[6, 2, 5, 0, 1, 3, 4, 7], [-1] * 8])
+    lens = np.array([1100, 0])
+    d_out = rng.standard_normal(q.shape).astype(np.float32)
+    monkeypatch.setattr(numpy_flash.np, "matmul", counting)
+    monkeypatch.setattr(numpy_flash._PageRows, "__getitem__", reading)
+    numpy_flash.attention_paged(q, k_pages, v_pages, table, lens, window=window)
+    assert sorted(set(read)) == sorted(pages), f"read pages {sorted(set(read))}, expected {pages}"
+    if window is None:
+        assert len(calls) == 2 * 3, f"{len(calls)} matmuls, expected {2 * 3}"
+    calls.clear(), read.clear()
+    numpy_flash.attention_paged_vjp(q, k_pages, v_pages, table, lens, d_out, window=window)
+    assert sorted(set(read)) == sorted(pages), (
+        f"backward read {sorted(set(read))}, expected {pages}"
+    )
+    if window is None:
+        assert len(calls) == 7 * 3, f"{len(calls)} backward matmuls, expected {7 * 3}"

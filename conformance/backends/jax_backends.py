@@ -17,7 +17,7 @@ from conformance.vocabulary import ALL_CAPABILITIES, DTYPES, GRAD_CAPABILITIES
 class JaxBackend(Backend):
     name = "jax"
     framework = "jax"
-    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi"}
+    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi", "paged"}
     dtypes = DTYPES
     impl_module = "conformance.impls.jax_attention"
 
@@ -48,6 +48,14 @@ class JaxBackend(Backend):
 
     def _attention_vjp(self, q, k, v, d_out, **options):
         return self.impl.attention_vjp(q, k, v, d_out, **options)
+
+    def _attention_paged(self, q, k_pages, v_pages, block_table, seq_lens, **options):
+        return self.impl.attention_paged(q, k_pages, v_pages, block_table, seq_lens, **options)
+
+    def _attention_paged_vjp(self, q, k_pages, v_pages, block_table, seq_lens, d_out, **options):
+        return self.impl.attention_paged_vjp(
+            q, k_pages, v_pages, block_table, seq_lens, d_out, **options
+        )
 
     def module_param_grads(self, kind, params, x, d_out, *, n_heads, is_causal=False):
         params = {n: self.from_numpy(p) for n, p in params.items()}
@@ -81,7 +89,7 @@ class JaxFlashBackend(Backend):
     name = "jax-flash"
     framework = "jax"
     impl_module = "conformance.impls.jax_flash"
-    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi"}
+    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi", "paged"}
     dtypes = DTYPES
     conformance_options = Blockwise.CONFORMANCE_OPTIONS
 
@@ -100,6 +108,12 @@ class JaxFlashBackend(Backend):
 
     def _attention_vjp(self, q, k, v, d_out, **options):
         return self.tiles.attention_vjp(q, k, v, d_out, **options)
+
+    def _attention_paged(self, *arrays, **options):
+        return self.tiles.attention_paged(*arrays, **options)
+
+    def _attention_paged_vjp(self, *arrays, **options):
+        return self.tiles.attention_paged_vjp(*arrays, **options)
 
     def versions(self):
         return {**super().versions(), "jax": self.jax.__version__}

@@ -13,7 +13,7 @@ from conformance.vocabulary import ALL_CAPABILITIES, DTYPES, GRAD_CAPABILITIES
 
 class NumpyBackend(Backend):
     name = "numpy"
-    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi"}
+    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi", "packed"}
     dtypes = DTYPES
 
     impl_module = "conformance.impls.numpy_attention"
@@ -39,6 +39,14 @@ class NumpyBackend(Backend):
 
     def _attention_vjp(self, q, k, v, d_out, **options):
         return self.backward.attention_backward(q, k, v, d_out, **options)
+
+    def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+        return self.impl.attention_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+
+    def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
+        return self.backward.attention_packed_backward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options
+        )
 
     def module_param_grads(self, kind, params, x, d_out, *, n_heads, is_causal=False):
         if kind == "mha":

@@ -240,7 +240,7 @@ def attention_packed(
         softcap=softcap,
     )
     call, cu_q, cu_k = contract.check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
-    H, K, G, E = call.H, call.K, call.G, call.E
+    H, G, E = call.H, call.G, call.E
     N = len(cu_q) - 1
     jagged = not call.is_causal and call.window is None and call.softcap is None and N > 0
 
@@ -258,7 +258,11 @@ def attention_packed(
             for x, o in ((q, offsets_q), (k, offsets_k), (v, offsets_k))
         ]  # (N, j, H, ·) each
         q_n, k_n, v_n = (x.transpose(1, 2) for x in nested)  # (N, H, j, ·)
-        out = F.scaled_dot_product_attention(q_n, k_n, v_n, scale=call.scale)  # (N, H, j, E)
+        with warnings.catch_warnings():
+            # Raised from inside SDPA's nested path (torch 2.13), which builds a strided
+            # nested tensor of its own; nothing the caller can change.
+            warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors")
+            out = F.scaled_dot_product_attention(q_n, k_n, v_n, scale=call.scale)  # (N, H, j, E)
         return out.transpose(1, 2).values().transpose(0, 1)  # (H, T, E)
 
     # Otherwise each document goes to ``attention`` above alone: SDPA's nested path refuses

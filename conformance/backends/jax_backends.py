@@ -17,7 +17,7 @@ from conformance.vocabulary import ALL_CAPABILITIES, DTYPES, GRAD_CAPABILITIES
 class JaxBackend(Backend):
     name = "jax"
     framework = "jax"
-    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi"}
+    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi", "packed"}
     dtypes = DTYPES
     impl_module = "conformance.impls.jax_attention"
 
@@ -48,6 +48,12 @@ class JaxBackend(Backend):
 
     def _attention_vjp(self, q, k, v, d_out, **options):
         return self.impl.attention_vjp(q, k, v, d_out, **options)
+
+    def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+        return self.impl.attention_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+
+    def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
+        return self.impl.attention_packed_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options)
 
     def module_param_grads(self, kind, params, x, d_out, *, n_heads, is_causal=False):
         params = {n: self.from_numpy(p) for n, p in params.items()}

@@ -251,3 +251,31 @@ def test_numpy_flash_skips_tiles_outside_the_chunks(monkeypatch, chunk):
     calls.clear()
     numpy_flash.attention_vjp(q, k, v, d_out, chunk_size=chunk, block_q=512, block_k=512)
     assert len(calls) == 7 * tiles, f"{len(calls)} backward matmuls, expected {7 * tiles}"
+
+
+@pytest.mark.parametrize(
+    "cu_seqlens, tiles",
+    [([0, 512, 1024, 1536, 2048], 4), ([0, 700, 2048], 4 + 9), ([0, 0, 2048, 2048], 16)],
+    ids=["four-of-512", "700-and-1348", "one-document"],
+)
+def test_numpy_flash_skips_tiles_across_documents(monkeypatch, cu_seqlens, tiles):
+    """Packed attention (SPEC §18.4) on tiles of 512 visits only the tiles inside each
+    document: four documents of 512, one tile each (of the 16 of T = S = 2048); 700 and
+    1348 tokens, 2 × 2 and 3 × 3 tiles; one document, all 16. Forward: 2 products per
+    tile; backward: 7."""
+    calls = []
+    real = np.matmul
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    q, k, v = (x[0] for x in random_qkv(64, B=1, H=1, T=2048, S=2048, D=8, dtype="float32"))
+    d_out = np.random.default_rng(65).standard_normal(q.shape).astype(np.float32)
+    cu = np.array(cu_seqlens)
+    monkeypatch.setattr(numpy_flash.np, "matmul", counting)
+    numpy_flash.attention_packed(q, k, v, cu, cu, is_causal=False, block_q=512, block_k=512)
+    assert len(calls) == 2 * tiles, f"{len(calls)} matmuls, expected {2 * tiles}"
+    calls.clear()
+    numpy_flash.attention_packed_vjp(q, k, v, cu, cu, d_out, block_q=512, block_k=512)
+    assert len(calls) == 7 * tiles, f"{len(calls)} backward matmuls, expected {7 * tiles}"

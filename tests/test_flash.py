@@ -253,6 +253,7 @@ def test_numpy_flash_skips_tiles_outside_the_chunks(monkeypatch, chunk):
     assert len(calls) == 7 * tiles, f"{len(calls)} backward matmuls, expected {7 * tiles}"
 
 
+@pytest.mark.clause("18.4")
 @pytest.mark.parametrize(
     "cu_seqlens, tiles",
     [([0, 512, 1024, 1536, 2048], 4), ([0, 700, 2048], 4 + 9), ([0, 0, 2048, 2048], 16)],

@@ -158,7 +158,7 @@ def test_packed_worked_example(backend, key, dtype):
     )
 
 
-@pytest.mark.clause("18.1", "18.2")
+@pytest.mark.clause("18.1", "18.2", "18.4")
 @dtypes
 @pytest.mark.parametrize("packing", list(PACKINGS))
 @pytest.mark.parametrize("setup", _setup_params())

@@ -77,7 +77,7 @@ class JaxFlashBackend(Backend):
     name = "jax-flash"
     framework = "jax"
     impl_module = "conformance.impls.jax_flash"
-    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi"}
+    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi", "packed"}
     dtypes = DTYPES
     conformance_options = Blockwise.CONFORMANCE_OPTIONS
 
@@ -96,6 +96,16 @@ class JaxFlashBackend(Backend):
 
     def _attention_vjp(self, q, k, v, d_out, **options):
         return self.tiles.attention_vjp(q, k, v, d_out, **options)
+
+    def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+        return self.impl.attention_packed(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, **self.tiles.options, **options
+        )
+
+    def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
+        return self.impl.attention_packed_vjp(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **self.tiles.options, **options
+        )
 
     def versions(self):
         return {**super().versions(), "jax": self.jax.__version__}

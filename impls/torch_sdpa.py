@@ -168,9 +168,11 @@ def attention(
     if has_key is not None and not bool(has_key.all()):
         q = torch.where(has_key, q, 0.0)  # (B, H, T, D)
 
-    if call.softcap is not None:
+    if call.softcap is not None and T > 0 and S > 0:
         out = _flex_attention(q, k, v, allowed, additive, call.scale, call.softcap, call.dropout_p)
         return out[0] if call.unbatched else out
+    # With T = 0 or S = 0 there is no score to softcap: SDPA below gives §2.5's empty
+    # output or rows of 0, where flex_attention raises IndexError (torch 2.13, CPU).
 
     # A float mask carries the blocked keys as -inf. SDPA on the CPU turns a row of -inf
     # into weights of exactly 0 (checked above for torch 2.13), so no fix-up is needed.
@@ -273,11 +275,6 @@ def attention_packed(
         t0, t1, s0, s1 = cu_q[n], cu_q[n + 1], cu_k[n], cu_k[n + 1]
         if t0 == t1:
             continue  # no queries, no rows
-        if s0 == s1:
-            # No key: rows of exactly 0 (SPEC §4.3). Not asked of flex_attention (softcap),
-            # which raises IndexError for S = 0 (torch 2.13, CPU).
-            rows.append(q.new_zeros((H, t1 - t0, E)))  # (H, T_n, E)
-            continue
         rows.append(attention(q[:, t0:t1], k[:, s0:s1], v[:, s0:s1], **options))  # (H, T_n, E)
     return torch.cat(rows, dim=1)  # (H, T, E)
 

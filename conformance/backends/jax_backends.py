@@ -28,7 +28,9 @@ def _share_of_mappings_in_use() -> float:
 class JaxBackend(Backend):
     name = "jax"
     framework = "jax"
-    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi", "paged"}
+    capabilities = (
+        ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged"}
+    )
     dtypes = DTYPES
     impl_module = "conformance.impls.jax_attention"
 
@@ -59,6 +61,12 @@ class JaxBackend(Backend):
 
     def _attention_vjp(self, q, k, v, d_out, **options):
         return self.impl.attention_vjp(q, k, v, d_out, **options)
+
+    def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+        return self.impl.attention_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+
+    def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
+        return self.impl.attention_packed_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options)
 
     def _attention_paged(self, q, k_pages, v_pages, block_table, seq_lens, **options):
         return self.impl.attention_paged(q, k_pages, v_pages, block_table, seq_lens, **options)
@@ -101,7 +109,7 @@ class JaxFlashBackend(Backend):
     name = "jax-flash"
     framework = "jax"
     impl_module = "conformance.impls.jax_flash"
-    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi", "paged"}
+    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged"}
     dtypes = DTYPES
     conformance_options = Blockwise.CONFORMANCE_OPTIONS
 
@@ -120,6 +128,16 @@ class JaxFlashBackend(Backend):
 
     def _attention_vjp(self, q, k, v, d_out, **options):
         return self.tiles.attention_vjp(q, k, v, d_out, **options)
+
+    def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+        return self.impl.attention_packed(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, **self.tiles.options, **options
+        )
+
+    def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
+        return self.impl.attention_packed_vjp(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **self.tiles.options, **options
+        )
 
     def _attention_paged(self, *arrays, **options):
         return self.tiles.attention_paged(*arrays, **options)

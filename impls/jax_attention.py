@@ -208,7 +208,11 @@ def _attend(
 
     # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
     if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)  # (B, H, T, S)
+        # Where score / softcap is subnormal, XLA may flush it to 0, and the score with it;
+        # tanh(x) = x there far below rounding, so the score is kept (see Notes: huge softcaps).
+        ratio = scores / softcap  # (B, H, T, S)
+        capped = softcap * jnp.tanh(ratio)  # (B, H, T, S)
+        scores = jnp.where(jnp.abs(ratio) < jnp.finfo(work).tiny, scores, capped)  # (B, H, T, S)
 
     # 4. Mask: ALiBi's linear bias and a float mask are added, then every key a query may
     # not see gets -inf.
@@ -1015,6 +1019,15 @@ def _is_key(key: object) -> bool:
 # exp() receives makes the largest exactly 0; without such fusion that second shift is 0 and
 # changes nothing. Whether XLA fuses depends on the processor, so a machine without FMA
 # passes either way: the test that catches it (SPEC §8.4, scale 1e30) needs one that has it.
+
+# Huge softcaps (step 3). softcap · tanh(score / softcap) is the score itself, to far below
+# rounding, once |score / softcap| < 2^-27 (float64; 2^-12 in float32): tanh(x) = x − x³/3 + …
+# But for a softcap near the largest float (1e308, or 1e38 in float32) the ratio falls below
+# the smallest normal number, and XLA on a CPU flushes such subnormals to 0: every score
+# became softcap · tanh(0) = 0, and the weights uniform (SPEC §4.2). Where the ratio is below
+# that smallest normal number the score is therefore kept as it is, the correctly rounded
+# value of softcap · tanh(score / softcap) there; elsewhere nothing changes. The selection
+# also gives jax.grad the exact derivative 1 there, which 1 − tanh²(ratio) rounds to anyway.
 
 # Sinks (step 5). An attention sink (gpt-oss; StreamingLLM's sink tokens in masking form) is
 # one more logit per query head in every row's softmax, with no value row: its weight goes

@@ -77,6 +77,14 @@ not T·S. Each row keeps (m, l, acc) from its own document's walk, selected with
 within a tile another document's row has weights 0, but 0 · NaN is NaN, so a NaN in one
 document would otherwise reach the others through the products.
 
+Huge softcaps. c · tanh(x / c) is x itself, to far below rounding, once |x / c| < 2^-27
+(float64; 2^-12 in float32), as tanh(y) = y − y³/3 + …. For a softcap near the largest
+float (1e308; 1e38 in float32) the ratio falls below the smallest normal number, and XLA
+on a CPU flushes such subnormals to 0: every score became c · tanh(0) = 0 and the weights
+uniform (SPEC §4.2). Where the ratio is below that smallest normal number the score is kept
+as it is, the correctly rounded value of c · tanh(x / c) there; elsewhere nothing changes.
+The backward's 1 − tanh² is then exactly 1 there, the right derivative.
+
 The backward pass. ``attention_vjp`` is FlashAttention-2's backward, the algorithm
 ``numpy_flash.attention_vjp`` derives: for each query block, the forward over its key
 blocks gives each row's log-sum-exp lse = m + log l and its output O, hence
@@ -799,8 +807,12 @@ def _flash_paged(
             x = jnp.einsum("krd,kld->krl", qi, kj, precision=_HIGHEST)  # (K, G·Tb, L)
             tanh = None
             if softcap is not None:
-                tanh = jnp.tanh(x / softcap)  # (K, G·Tb, L)
-                x = softcap * tanh  # (K, G·Tb, L)
+                # A subnormal x / softcap keeps the score (see Notes: huge softcaps).
+                ratio = x / softcap  # (K, G·Tb, L)
+                tanh = jnp.tanh(ratio)  # (K, G·Tb, L)
+                x = jnp.where(
+                    jnp.abs(ratio) < jnp.finfo(work).tiny, x, softcap * tanh
+                )  # (K, G·Tb, L)
             x = jnp.where(allowed, x, -jnp.inf)  # (K, G·Tb, L)
             return page, x, tanh, kj, vj, used
 
@@ -1062,8 +1074,12 @@ class _Tiles:
         # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
         tanh = None
         if self.softcap is not None:
-            tanh = jnp.tanh(x / self.softcap)  # (B, K, G·Tb, Sb)
-            x = self.softcap * tanh  # (B, K, G·Tb, Sb)
+            # A subnormal x / softcap keeps the score (see Notes: huge softcaps).
+            ratio = x / self.softcap  # (B, K, G·Tb, Sb)
+            tanh = jnp.tanh(ratio)  # (B, K, G·Tb, Sb)
+            x = jnp.where(
+                jnp.abs(ratio) < jnp.finfo(work).tiny, x, self.softcap * tanh
+            )  # (B, K, G·Tb, Sb)
 
         # 4. Mask: ALiBi's linear bias and a float mask are added; a bool mask, the causal
         # triangle, the window and the chunks decide which keys each query may see at all,

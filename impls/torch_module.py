@@ -162,7 +162,7 @@ def attention(
 
     # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
     if call.softcap is not None:
-        scores = call.softcap * torch.tanh(scores / call.softcap)  # (B, H, T, S)
+        scores = _Softcap.apply(scores, call.softcap)  # (B, H, T, S)
 
     # 4. Mask: ALiBi's linear bias and a float mask are added, then every key a query may
     # not see gets -inf.
@@ -206,6 +206,22 @@ def attention(
     out = torch.einsum("bhts,bhse->bhte", weights, v)  # (B, H, T, E)
     out = out.to(out_dtype)  # (B, H, T, E)
     return out[0] if call.unbatched else out
+
+
+class _Softcap(torch.autograd.Function):
+    """softcap · tanh(scores / softcap), whose derivative 1 − tanh²(scores / softcap) is
+    taken as it is (see Notes: huge softcaps)."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, softcap: float) -> torch.Tensor:
+        tanh = torch.tanh(scores / softcap)  # (B, H, T, S)
+        ctx.save_for_backward(tanh)
+        return softcap * tanh  # (B, H, T, S)
+
+    @staticmethod
+    def backward(ctx, d_capped: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (tanh,) = ctx.saved_tensors
+        return d_capped * (1.0 - tanh * tanh), None  # (B, H, T, S)
 
 
 def _alibi_bias(slopes: torch.Tensor, T: int, S: int, H: int) -> torch.Tensor:
@@ -547,3 +563,9 @@ class SelfAttentionBlock(nn.Module):
 # dtype, the tensor SDPA's math backend hands to at::dropout. An nn.Dropout in training
 # mode runs at::dropout itself, so after torch.manual_seed(s) it drops the same positions
 # as F.scaled_dot_product_attention(..., dropout_p=p) with the same seed.
+#
+# Huge softcaps (step 3). Autograd would differentiate softcap · tanh(scores / softcap) as
+# ((d · softcap) · (1 − tanh²)) / softcap, and d · softcap overflows for a softcap near the
+# largest float (3e38 in float32, 1e308 in float64): the gradient became ±inf (SPEC §4.2).
+# The derivative 1 − tanh²(scores / softcap) is therefore applied as it is, as the
+# hand-written backward passes of the other impls do; the forward is unchanged.

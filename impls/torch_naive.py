@@ -160,7 +160,7 @@ def attention(
 
     # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
     if call.softcap is not None:
-        scores = call.softcap * torch.tanh(scores / call.softcap)  # (B, H, T, S)
+        scores = _Softcap.apply(scores, call.softcap)  # (B, H, T, S)
 
     # 4. Mask: ALiBi's linear bias and a float mask are added, then every key a query may
     # not see gets -inf.
@@ -216,6 +216,22 @@ def attention(
 #: mask)``, so a reader coming from them finds it here. The same function as ``attention``
 #: (its options keyword-only, its mask True = may attend, or added to the scores).
 scaled_dot_product_attention = attention
+
+
+class _Softcap(torch.autograd.Function):
+    """softcap · tanh(scores / softcap), whose derivative 1 − tanh²(scores / softcap) is
+    taken as it is (see Notes: huge softcaps)."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, softcap: float) -> torch.Tensor:
+        tanh = torch.tanh(scores / softcap)  # (B, H, T, S)
+        ctx.save_for_backward(tanh)
+        return softcap * tanh  # (B, H, T, S)
+
+    @staticmethod
+    def backward(ctx, d_capped: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (tanh,) = ctx.saved_tensors
+        return d_capped * (1.0 - tanh * tanh), None  # (B, H, T, S)
 
 
 def _alibi_bias(slopes: torch.Tensor, T: int, S: int, H: int) -> torch.Tensor:
@@ -512,3 +528,9 @@ def _paged_allowed(seq_lens: torch.Tensor, call: contract.PagedChecked) -> torch
 # (B, H, T, S) tensor in the compute dtype, divided by 1 - p before it multiplies the
 # weights (the order matters to the last bit). So after torch.manual_seed(s), with the
 # global generator, the same positions are dropped as in SDPA called with the same seed.
+#
+# Huge softcaps (step 3). Autograd would differentiate softcap · tanh(scores / softcap) as
+# ((d · softcap) · (1 − tanh²)) / softcap, and d · softcap overflows for a softcap near the
+# largest float (3e38 in float32, 1e308 in float64): the gradient became ±inf (SPEC §4.2).
+# The derivative 1 − tanh²(scores / softcap) is therefore applied as it is, as the
+# hand-written backward passes of the other impls do; the forward is unchanged.

@@ -15,10 +15,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conformance.backends import numpy_dtype
+from conformance.fixtures import oracle
 from conformance.suite import edges
+from conformance.suite.gradients import random_d_out
 from conformance.suite.helpers import as64, oracle_attention, random_qkv, random_tolerance
 from conformance.suite.requirements import requires, value_dims
-from conformance.suite.tolerance import assert_identical, assert_rows_zero, assert_within, expect
+from conformance.suite.tolerance import (
+    assert_identical,
+    assert_rows_zero,
+    assert_within,
+    expect,
+    finite_error,
+    tolerance,
+)
 
 DTYPES = ["float64", "float32", "float16", "bfloat16"]
 dtypes = pytest.mark.parametrize("dtype", DTYPES)
@@ -436,4 +446,55 @@ def test_float_mask_nan_and_inf(backend, causal, dtype):
             tol,
             f"{context}: rows the entries do not reach",
             behaviour="NaN or +inf in a float mask changes rows it does not reach",
+        )
+
+
+# --- §4.2 and §12.2: a softcap so large that score / softcap is subnormal -------------------
+
+
+def _huge_softcap(dtype: str) -> float:
+    """A softcap near the largest number of the working precision (float64 for float64
+    inputs, float32 for the others, SPEC §4.5): an ordinary score over it is subnormal."""
+    return 1e308 if dtype == "float64" else 3e38
+
+
+@pytest.mark.clause("4.2")
+@dtypes
+@requires("softcap")
+def test_huge_softcap_is_no_softcap(backend, dtype):
+    """softcap · tanh(score / softcap) is the score itself for a softcap of 1e308 (3e38 in
+    float32): the output is the oracle's, within §7, not the uniform weights that a ratio
+    flushed to 0 (XLA on a CPU) would give."""
+    cap = _huge_softcap(dtype)
+    q, k, v = random_qkv(140, B=1, H=2, T=5, S=7, D=4, E=value_dims(backend, 4, 3)[1], dtype=dtype)
+    out = backend.attention(q, k, v, softcap=cap)
+    assert_within(
+        out,
+        oracle_attention(as64(q), as64(k), as64(v), softcap=cap),
+        random_tolerance(q, k, v, dtype, softcap=cap),
+        f"{backend.name}: softcap={cap:g} ({dtype}) against the oracle",
+        behaviour="a softcap so large that score / softcap is subnormal changes the output",
+    )
+
+
+@pytest.mark.clause("4.2", "12.2")
+@dtypes
+@requires("grad_softcap")
+def test_huge_softcap_gradients(backend, dtype):
+    """dq, dk, dv with a softcap of 1e308 (3e38 in float32) against the 50-digit oracle,
+    within §12.9: the softcap's derivative 1 − tanh²(score / softcap) is 1 there."""
+    cap = _huge_softcap(dtype)
+    q, k, v = random_qkv(141, B=1, H=2, T=5, S=7, D=4, E=value_dims(backend, 4, 3)[1], dtype=dtype)
+    d_out = random_d_out(142, q, v)
+    got = dict(zip(GRADS, backend.attention_vjp(q, k, v, d_out, softcap=cap)))
+    args = (as64(q), as64(k), as64(v), as64(d_out))
+    expected = oracle.attention_vjp(*args, softcap=cap)
+    naive = oracle.naive_vjp_same_precision(*args, numpy_dtype(dtype), softcap=cap)
+    for name, want in expected.items():
+        assert_within(
+            got[name],
+            want,
+            tolerance(dtype, finite_error(naive[name], want), want),
+            f"{backend.name}: {name} with softcap={cap:g} ({dtype}) against the oracle",
+            behaviour="a softcap so large that score / softcap is subnormal changes the gradients",
         )

@@ -15,6 +15,12 @@ backends declaring "packed" only, so ``problems`` draws what it drew before: N =
 documents of random lengths (0 included) summing to one of two fixed totals, so that a
 backend that compiles builds a program per option set, not per packing.
 
+Paged KV caches (SPEC §19) have theirs too, ``paged_caches``, for backends declaring
+"paged": B = 2 sequences over N = 5 pages of L = 4 slots with M = 3 table entries each,
+T = 1 (a decode step) or 3, tables of shuffled and shared pages, lengths from 0 to M·L
+(mid-page included), garbage (NaN, ±inf) in every slot no sequence reads and junk table
+entries past each sequence's pages.
+
 Profiles (``conformance/conftest.py``): "quick", the default, 25 derandomized examples per
 test; ``--hypothesis-profile deep`` for 500 random ones.
 """
@@ -311,4 +317,137 @@ def test_packings_match_the_oracle(backend, data):
         tol,
         context,
         behaviour="packed attention differs from the oracle on packings Hypothesis draws",
+    )
+
+
+#: The fixed sizes of a drawn paged cache: N pages of L slots, M table entries per
+#: sequence, B sequences, and T = 1 (a decode step) or a few queries, so that a compiling
+#: backend, which traces the table and the lengths (§19.2), compiles few programs.
+PAGED_N, PAGED_L, PAGED_M, PAGED_B = 5, 4, 3, 2
+PAGED_T = [1, 3]
+
+
+@dataclass
+class PagedCache:
+    """One drawn paged call: q (B, H, T, D), pages (N, K, L, D) and (N, K, L, E), the block
+    table (B, M) and the lengths (B,)."""
+
+    q: np.ndarray  # (B, H, T, D)
+    k_pages: np.ndarray  # (N, K, L, D)
+    v_pages: np.ndarray  # (N, K, L, E)
+    block_table: np.ndarray  # (B, M)
+    seq_lens: np.ndarray  # (B,)
+    dtype: str
+    options: dict = field(default_factory=dict)
+
+    def keyless(self) -> np.ndarray:
+        """(B, 1, T) bool: the queries with no key to attend, from the oracle's
+        ``allowed_keys`` on each sequence's own length, bottom-right (SPEC §19.1)."""
+        T = self.q.shape[2]
+        rows = np.zeros((len(self.seq_lens), 1, T), dtype=bool)
+        for b, n in enumerate(self.seq_lens.tolist()):
+            for t in range(T):
+                keys = oracle.allowed_keys(
+                    t,
+                    T,
+                    n,
+                    bool_row=None,
+                    is_causal=self.options.get("is_causal", False),
+                    causal_alignment="bottom_right",
+                    window=self.options.get("window"),
+                )
+                rows[b, 0, t] = len(keys) == 0
+        return rows
+
+
+@st.composite
+def paged_caches(draw, backend) -> PagedCache:
+    """A paged problem using only what ``backend`` declares, on few shapes: H = 2, D = 4,
+    K and E drawn from two values each, T one of ``PAGED_T``. Each sequence's pages are a
+    drawn permutation of the pool (so pages come in any order, and two sequences may share
+    one); its length is drawn from 0 to M·L (at least T with causality, §19.1)."""
+    caps = backend.capabilities
+    dtype = draw(st.sampled_from([d for d in DTYPES if d in backend.dtypes]))
+    N, L, M, B, H, D = PAGED_N, PAGED_L, PAGED_M, PAGED_B, 2, 4
+    K = draw(st.sampled_from([1, 2]), label="K") if "gqa" in caps else H
+    E = draw(st.sampled_from([3, 4]), label="E") if "value_dim" in caps else D
+    T = draw(st.sampled_from(PAGED_T), label="T")
+    options: dict = {}
+    if draw(st.booleans(), label="is_causal"):
+        options["is_causal"] = True
+    shortest = T if options.get("is_causal") else 0
+    seq_lens = np.array(
+        [draw(st.integers(shortest, M * L), label=f"seq_lens[{b}]") for b in range(B)],
+        dtype=np.int32,
+    )  # (B,)
+    table = np.zeros((B, M), dtype=np.int32)  # (B, M)
+    for b in range(B):
+        pages = draw(st.permutations(range(N)), label=f"pages of sequence {b}")[:M]
+        read = -(-int(seq_lens[b]) // L)  # ⌈seq_lens[b] / L⌉ entries are read
+        junk = st.sampled_from([-1, N + 5, 0])
+        table[b] = [
+            p if j < read else draw(junk, label="unread entry") for j, p in enumerate(pages)
+        ]
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1), label="seed"))
+    dt = numpy_dtype(dtype)
+    q = rng.standard_normal((B, H, T, D)).astype(dt)
+    k_pages = rng.standard_normal((N, K, L, D)).astype(dt)
+    v_pages = rng.standard_normal((N, K, L, E)).astype(dt)
+    # Every slot no sequence reads holds garbage (SPEC §19.3): it must change nothing.
+    unread = np.ones((N, L), dtype=bool)  # (N, L)
+    for b, n in enumerate(seq_lens.tolist()):
+        for s in range(n):
+            unread[table[b, s // L], s % L] = False
+    garbage = draw(st.sampled_from([np.nan, np.inf, -np.inf]), label="garbage")
+    pages, slots = np.nonzero(unread)
+    k_pages[pages, :, slots] = garbage  # (N, K, L, D) at every unread (page, slot)
+    v_pages[pages, :, slots] = garbage  # (N, K, L, E)
+    if "window" in caps and draw(st.booleans(), label="window"):
+        side = st.sampled_from([None, 0, 2])
+        options["window"] = (draw(side, label="left"), draw(side, label="right"))
+    if "softcap" in caps and draw(st.booleans(), label="softcap"):
+        options["softcap"] = 2.0
+    if draw(st.booleans(), label="scale"):
+        options["scale"] = 0.5
+    note(
+        f"H={H} K={K} T={T} D={D} E={E} N={N} L={L} M={M} {dtype}; block_table="
+        f"{table.tolist()} seq_lens={seq_lens.tolist()} garbage={garbage}; "
+        + ", ".join(f"{name}={value}" for name, value in options.items())
+    )
+    return PagedCache(q, k_pages, v_pages, table, seq_lens, dtype, options)
+
+
+@pytest.mark.clause("19.1", "19.2", "19.3", "7.1")
+@requires("paged")
+@given(data=st.data())
+def test_paged_caches_match_the_oracle(backend, data):
+    """On any drawn paged cache, ``attention_paged`` is the oracle's sequence by sequence
+    within SPEC §7, shaped (B, H, T, E) in q's dtype and finite whatever the unread slots
+    hold, and a query with no key (a sequence of length 0, or a window leaving none)
+    returns exactly 0."""
+    c = data.draw(paged_caches(backend), label="paged cache")
+    args = (c.q, c.k_pages, c.v_pages, c.block_table, c.seq_lens)
+    out = backend.attention_paged(*args, **c.options)
+    wide = (as64(c.q), as64(c.k_pages), as64(c.v_pages), c.block_table, c.seq_lens)
+    expected = oracle.attention_paged(*wide, **c.options)
+    naive = oracle.attention_paged(*wide, naive_dtype=numpy_dtype(c.dtype), **c.options)
+    tol = tolerance(c.dtype, finite_error(naive, expected), expected)
+    expect(
+        out.shape == expected.shape and out.dtype == c.q.dtype,
+        "attention_paged returns the wrong shape or dtype",
+        f"{backend.name}: got {out.dtype} {out.shape}, expected {c.q.dtype} {expected.shape}",
+    )
+    context = f"{backend.name}: attention_paged on the drawn cache"
+    expect(
+        bool(np.isfinite(as64(out)).all()),
+        "a page slot that no sequence reads reaches the output",
+        f"{context}: non-finite output at {np.argwhere(~np.isfinite(as64(out)))[:1].tolist()}",
+    )
+    assert_rows_zero(out, c.keyless(), context)
+    assert_within(
+        out,
+        expected,
+        tol,
+        context,
+        behaviour="paged attention differs from the oracle on caches Hypothesis draws",
     )

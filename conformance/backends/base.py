@@ -23,6 +23,14 @@ class BackendUnavailable(LookupError):
     """A backend was asked for that is unknown or cannot be imported."""
 
 
+def _check_per_head(check: Callable[..., object], values: Any, q: Any) -> None:
+    """``check(values, q)`` for a per-head option (sinks, ALiBi's slopes), as NumPy; a q of
+    a rank other than 3 or 4 is left to the impl, which refuses it as ever."""
+    values, q = np.asarray(values), np.asarray(q)
+    if q.ndim in (3, 4):
+        check(values, q)
+
+
 class Backend:
     """The interface the suite tests. Subclass it to plug in your own implementation.
 
@@ -104,39 +112,43 @@ class Backend:
     def _sinks(self, sinks: Any, q: Any) -> Any:
         """The sink logits in the backend's framework; refused by name (SPEC §8.5) where
         "sinks" is not declared, once they pass the checks every backend makes (§15.1)."""
-        if "sinks" not in self.capabilities:
-            sinks, q = np.asarray(sinks), np.asarray(q)
-            if q.ndim in (3, 4):  # a q of another rank is refused by the impl, as ever
-                contract.check_sinks(sinks, q)
-            raise NotImplementedError(
-                f"sinks is not supported: {self.name} does not declare the 'sinks' "
-                "capability (SPEC §15)"
-            )
+        self._refuse_unless_declared(
+            "sinks", "sinks", "§15", lambda: _check_per_head(contract.check_sinks, sinks, q)
+        )
         return self.from_numpy(np.asarray(sinks))
 
     def _alibi_slopes(self, slopes: Any, q: Any) -> Any:
         """ALiBi's slopes in the backend's framework; refused by name (SPEC §8.5) where
         "alibi" is not declared, once they pass the checks every backend makes (§17.1)."""
-        if "alibi" not in self.capabilities:
-            slopes, q = np.asarray(slopes), np.asarray(q)
-            if q.ndim in (3, 4):  # a q of another rank is refused by the impl, as ever
-                contract.check_alibi_slopes(slopes, q)
-            raise NotImplementedError(
-                f"alibi_slopes is not supported: {self.name} does not declare the 'alibi' "
-                "capability (SPEC §17)"
-            )
+        self._refuse_unless_declared(
+            "alibi",
+            "alibi_slopes",
+            "§17",
+            lambda: _check_per_head(contract.check_alibi_slopes, slopes, q),
+        )
         return self.from_numpy(np.asarray(slopes))
 
     def _chunk_size(self, chunk_size: Any) -> Any:
         """The chunk length as given; refused by name (SPEC §8.5) where "chunked" is not
         declared, once it passes the check every backend makes (§16.1)."""
-        if "chunked" not in self.capabilities:
-            contract.check_chunk_size(chunk_size)
-            raise NotImplementedError(
-                f"chunk_size is not supported: {self.name} does not declare the 'chunked' "
-                "capability (SPEC §16)"
-            )
+        self._refuse_unless_declared(
+            "chunked", "chunk_size", "§16", lambda: contract.check_chunk_size(chunk_size)
+        )
         return chunk_size
+
+    def _refuse_unless_declared(
+        self, capability: str, what: str, section: str, check: Callable[[], object]
+    ) -> None:
+        """Where ``capability`` is not declared: ``check()``, the checks every backend
+        makes on the call (so bad input gets its usual error first), then
+        ``NotImplementedError`` naming ``what`` (SPEC §8.5)."""
+        if capability in self.capabilities:
+            return
+        check()
+        raise NotImplementedError(
+            f"{what} is not supported: {self.name} does not declare the '{capability}' "
+            f"capability (SPEC {section})"
+        )
 
     # --- Paged KV caches (SPEC §19) ---------------------------------------------------------
 
@@ -205,14 +217,10 @@ class Backend:
         """The options set, as the impl takes them; where "paged" is not declared, a
         refusal by name (SPEC §8.5, §19.6), once the call passes the checks every backend
         makes (§19.5)."""
-        if "paged" not in self.capabilities:
-            contract.check_paged(
-                *arrays, is_causal=is_causal, scale=scale, window=window, softcap=softcap
-            )
-            raise NotImplementedError(
-                f"attention_paged is not supported: {self.name} does not declare the 'paged' "
-                "capability (SPEC §19)"
-            )
+        checked = {"is_causal": is_causal, "scale": scale, "window": window, "softcap": softcap}
+        self._refuse_unless_declared(
+            "paged", "attention_paged", "§19", lambda: contract.check_paged(*arrays, **checked)
+        )
         options = {"is_causal": is_causal, "scale": scale}
         for key, value in (("window", window), ("softcap", softcap)):
             if option_is_set(key, value):
@@ -389,12 +397,12 @@ class Backend:
         §8.5) where "packed" is not declared, once they pass the checks every backend
         makes (§18.1)."""
         q, k, v, cu_q, cu_k = (np.asarray(x) for x in (q, k, v, cu_seqlens_q, cu_seqlens_k))
-        if "packed" not in self.capabilities:
-            contract.check_packed(q, k, v, cu_q, cu_k, **options)
-            raise NotImplementedError(
-                f"attention_packed is not supported: {self.name} does not declare the "
-                "'packed' capability (SPEC §18)"
-            )
+        self._refuse_unless_declared(
+            "packed",
+            "attention_packed",
+            "§18",
+            lambda: contract.check_packed(q, k, v, cu_q, cu_k, **options),
+        )
         return tuple(self.from_numpy(x) for x in (q, k, v, cu_q, cu_k))
 
     def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conformance.backends import numpy_dtype
+from conformance.suite.requirements import requires
 from conformance.suite.tolerance import expect, tolerance
 
 
@@ -93,6 +94,23 @@ def all_pairs(axes: dict[str, dict[str, object]]) -> list[tuple[dict[str, str], 
         )
         for row in sorted(chosen)
     ]
+
+
+def setup_params(setups: dict[str, tuple[dict, tuple[str, ...]]], grad: bool = False) -> list:
+    """pytest parameters, one per named setup ``{name: (options, capabilities)}``, each
+    marked with the capabilities it needs; with ``grad``, also those of its backward:
+    "grad", "grad_softcap" with a softcap, "grad_mask" with a float mask (SPEC §12.2-§12.3)."""
+    params = []
+    for name, (options, caps) in setups.items():
+        needs = list(caps)
+        if grad:
+            needs.append("grad")
+            if "softcap" in options:
+                needs.append("grad_softcap")
+            if options.get("mask") == "float":
+                needs.append("grad_mask")
+        params.append(pytest.param(name, marks=requires(*needs), id=name))
+    return params
 
 
 def pairwise_params(setups: list, **axes: dict[str, object]) -> list:

@@ -20,6 +20,7 @@ from conformance.suite.helpers import (
     oracle_attention,
     pairwise_params,
     random_qkv,
+    setup_params,
 )
 from conformance.suite.requirements import SuiteError, requires
 from conformance.suite.tolerance import (
@@ -105,20 +106,6 @@ def _setup(name: str, size: dict, dtype: str, seed: int):
     return q, k, v, options
 
 
-def _setup_params(grad: bool = False):
-    params = []
-    for name, (options, caps) in SETUPS.items():
-        needs = list(caps)
-        if grad:
-            needs.append("grad")
-            if "softcap" in options:
-                needs.append("grad_softcap")
-            if options.get("mask") == "float":
-                needs.append("grad_mask")
-        params.append(pytest.param(name, marks=requires(*needs), id=name))
-    return params
-
-
 @pytest.mark.clause("17.1", "11.1")
 @pytest.mark.parametrize("key", ["non_causal", "causal", "one_query_top_left"])
 def test_alibi_worked_example(backend, key, dtype):
@@ -144,7 +131,7 @@ def test_alibi_worked_example(backend, key, dtype):
 
 @pytest.mark.clause("17.1", "17.2")
 @pytest.mark.parametrize(
-    ("setup", "size", "dtype"), pairwise_params(_setup_params(), size=SIZES, dtype=DTYPE_AXIS)
+    ("setup", "size", "dtype"), pairwise_params(setup_params(SETUPS), size=SIZES, dtype=DTYPE_AXIS)
 )
 def test_alibi_matches_the_oracle(backend, setup, size, dtype):
     """ALiBi alone, with (B, H) slopes, causality in both alignments, GQA, masks, a scale,
@@ -286,7 +273,7 @@ def _vjp(backend, q, k, v, d_out, **options) -> dict[str, np.ndarray]:
 
 @pytest.mark.clause("17.3", "12.9")
 @dtypes
-@pytest.mark.parametrize("setup", _setup_params(grad=True))
+@pytest.mark.parametrize("setup", setup_params(SETUPS, grad=True))
 def test_alibi_gradients_match_the_oracle(backend, dtype, setup):
     """dq, dk, dv (dmask, dsinks) with ALiBi against the 50-digit oracle, within SPEC §12.9
     (the naive backward in the dtype against the oracle); no gradient for the slopes."""

@@ -15,7 +15,7 @@ import pytest
 from conformance.backends import numpy_dtype
 from conformance.fixtures import oracle
 from conformance.suite.cases import case_entries, case_marks, load_case, worked_example
-from conformance.suite.helpers import as64
+from conformance.suite.helpers import as64, setup_params
 from conformance.suite.requirements import SuiteError, requires, uses_dtype
 from conformance.suite.tolerance import (
     Departure,
@@ -78,18 +78,6 @@ def _setup(name: str, dtype: str, seed: int):
     options = dict(options)
     q, k, v = _inputs(seed, dtype, K=options.pop("K", None), E=options.pop("E", None))
     return q, k, v, options
-
-
-def _setup_params(grad: bool = False):
-    params = []
-    for name, (options, caps) in SETUPS.items():
-        needs = list(caps)
-        if grad:
-            needs.append("grad")
-            if "softcap" in options:
-                needs.append("grad_softcap")
-        params.append(pytest.param(name, marks=requires(*needs), id=name))
-    return params
 
 
 def _bounds(packing: str) -> tuple[np.ndarray, np.ndarray]:
@@ -161,7 +149,7 @@ def test_packed_worked_example(backend, key, dtype):
 @pytest.mark.clause("18.1", "18.2", "18.4")
 @dtypes
 @pytest.mark.parametrize("packing", list(PACKINGS))
-@pytest.mark.parametrize("setup", _setup_params())
+@pytest.mark.parametrize("setup", setup_params(SETUPS))
 def test_packed_matches_the_oracle(backend, dtype, packing, setup):
     """Each packing with causality in both alignments, a window, softcap and a scale, GQA
     and E != D: the output is the oracle's within SPEC §7, shaped (H, T, E) in q's dtype,
@@ -335,7 +323,7 @@ def test_packed_gradient_fixture(backend, case_id):
 @pytest.mark.clause("18.5", "12.9")
 @dtypes
 @pytest.mark.parametrize("packing", ["empty-and-keyless", "queryless-T-above-S"])
-@pytest.mark.parametrize("setup", _setup_params(grad=True))
+@pytest.mark.parametrize("setup", setup_params(SETUPS, grad=True))
 def test_packed_gradients_match_the_oracle(backend, dtype, packing, setup):
     """dq, dk, dv of attention_packed against the oracle (each document's gradients),
     within SPEC §12.9, shaped and typed like q, k, v; a key of a document with no query

@@ -43,6 +43,11 @@ q's dtype; ``chunk_size`` (SPEC §16) None or an int >= 1 (the window's rule for
 for batched q, (B, H), in float32 or q's dtype. An option the impl does not implement is refused with
 ``NotImplementedError`` naming it, once its value has passed the checks above.
 
+Packed variable-length sequences (SPEC §18, ``check_packed``): q (H, T, D), k (K, S, D),
+v (K, S, E) hold N documents one after another; ``cu_seqlens_q`` and ``cu_seqlens_k`` are
+1-D integer arrays (N + 1,) of cumulative lengths, starting at 0, nondecreasing, ending at
+T and S, with the same N.
+
 Paged KV caches (SPEC §19, ``check_paged``): q (B, H, T, D), k_pages (N, K, L, D), v_pages
 (N, K, L, E), N pages of L slots; block_table (B, M) and seq_lens (B,) of an integer
 dtype; 0 <= seq_lens[b] <= M·L, every table entry a sequence reads (j < ⌈seq_lens[b] /
@@ -345,6 +350,64 @@ def check_chunk_size(chunk_size: Any) -> int | None:
     if x < 1:
         raise ValueError(f"chunk_size should be an int >= 1 or None, got {chunk_size!r}")
     return int(x)
+
+
+def check_packed(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    **options: Any,
+) -> tuple[Checked, list[int], list[int]]:
+    """Check one packed call (SPEC §18): q (H, T, D), k (K, S, D), v (K, S, E) in the
+    unbatched layout, the documents' cumulative lengths, and the options of ``check``
+    (no mask, no dropout: the documents are the mask). Returns the checked call and the
+    two boundary lists as Python ints, [0, ..., T] and [0, ..., S], both N + 1 long."""
+    for name, x, letters in (("q", q, "(H, T, D)"), ("k", k, "(K, S, D)"), ("v", v, "(K, S, E)")):
+        shape = tuple(x.shape)
+        if len(shape) != 3:
+            raise ValueError(
+                f"{name} should have rank 3 {letters} (packed: every document's tokens one "
+                f"after another), got rank {len(shape)} with shape {shape}"
+            )
+    call = check(q, k, v, **options)
+    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, call.T, "T")
+    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, call.S, "S")
+    if len(cu_q) != len(cu_k):
+        raise ValueError(
+            f"cu_seqlens_k should have the same number of documents N as cu_seqlens_q, "
+            f"shape (N + 1,) = ({len(cu_q)},), got shape ({len(cu_k)},)"
+        )
+    return call, cu_q, cu_k
+
+
+def check_cu_seqlens(name: str, cu_seqlens: Any, total: int, letter: str) -> list[int]:
+    """The boundaries of packed documents as Python ints: a 1-D integer array (N + 1,),
+    starting at 0, nondecreasing, ending at ``total`` (T for queries, S for keys)."""
+    expected = f"a 1-D integer array (N + 1,) from 0 to {letter} = {total}, nondecreasing"
+    if not (hasattr(cu_seqlens, "shape") and hasattr(cu_seqlens, "dtype")):
+        raise TypeError(
+            f"{name} should be {expected}, got {type(cu_seqlens).__name__} {cu_seqlens!r}"
+        )
+    dtype = _dtype_name(cu_seqlens)
+    if "int" not in dtype:  # int8 ... int64 and uint*; bool and floats are not lengths
+        raise TypeError(f"{name} dtype should be an integer dtype, got {dtype}")
+    shape = tuple(cu_seqlens.shape)
+    if len(shape) != 1 or shape[0] < 1:
+        raise ValueError(f"{name} shape should be (N + 1,) with N >= 0, got {shape}")
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    if bounds[0] != 0:
+        raise ValueError(f"{name} should start at 0, got {bounds[0]} in {bounds}")
+    for n in range(len(bounds) - 1):
+        if bounds[n + 1] < bounds[n]:
+            raise ValueError(
+                f"{name} should be nondecreasing (document lengths >= 0), got "
+                f"{bounds[n + 1]} after {bounds[n]} at index {n + 1} in {bounds}"
+            )
+    if bounds[-1] != total:
+        raise ValueError(f"{name} should end at {letter} = {total}, got {bounds[-1]} in {bounds}")
+    return bounds
 
 
 def _check_d_out(d_out: Any, want: tuple[int, ...], dtype: str) -> None:

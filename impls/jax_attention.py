@@ -43,7 +43,8 @@ to attend returns exactly 0, and its gradient is 0, not NaN.
 Imports: the standard library, JAX and ``contract.py``, the input contract all impls
 share (step 0, checked in Python); the math, ``_allowed`` included, is this file's own.
 Steps 1-7 run under ``jax.jit`` in ``_attend``, with the options as static arguments. Also
-here: a KV cache, the multi-head layer and pre-LN GPT block as functions of a
+here: a KV cache, packed variable-length sequences (``attention_packed``, SPEC §18, the
+boundaries traced), the multi-head layer and pre-LN GPT block as functions of a
 PyTorch-style ``state_dict``, and their gradients by ``jax.vjp``. Why each step is
 written as it is: the Notes at the end of this file.
 """
@@ -343,6 +344,187 @@ class KVCache:
             causal_alignment="bottom_right",
             **options,
         )  # (B, H, T, E)
+
+
+def attention_packed(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+) -> jax.Array:
+    """Attention over packed variable-length sequences (FlashAttention's varlen API).
+
+    N documents lie one after another on the token axis; document n is queries
+    cu_seqlens_q[n]:cu_seqlens_q[n + 1] and keys cu_seqlens_k[n]:cu_seqlens_k[n + 1], and
+    its rows are ``attention`` on that document alone: no query sees another document,
+    and causality and windows are counted inside each document. The boundaries are traced
+    under ``jax.jit``: one compiled program serves every packing of the same T, S and N.
+
+    Args:
+      q: queries of every document, (H, T, D), T = cu_seqlens_q[-1].
+      k: keys, (K, S, D), S = cu_seqlens_k[-1]; K must divide H.
+      v: values, (K, S, E).
+      cu_seqlens_q, cu_seqlens_k: (N + 1,) integer cumulative lengths from 0.
+      is_causal, scale, causal_alignment, window, softcap: as for ``attention``, applied
+        within each document (bottom-right puts document n's diagonal at S_n - T_n).
+
+    Returns:
+      out: (H, T, E), same dtype as q.
+    """
+    # 0. Validate with the input contract all impls share (contract.py), eagerly, so the
+    # boundaries' values are checked before they become tracers.
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    cu_seqlens_q, cu_seqlens_k = jnp.asarray(cu_seqlens_q), jnp.asarray(cu_seqlens_k)
+    options = dict(
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+    )
+    call, _, _ = contract.check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+    return _attend_packed(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        scale=call.scale,
+        is_causal=call.is_causal,
+        causal_alignment=call.causal_alignment,
+        window=call.window,
+        softcap=call.softcap,
+    )  # (H, T, E)
+
+
+@functools.partial(jax.jit, static_argnames=("is_causal", "causal_alignment", "window", "softcap"))
+def _attend_packed(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    *,
+    scale: float,
+    is_causal: bool,
+    causal_alignment: str,
+    window: tuple[int | None, int | None] | None,
+    softcap: float | None,
+) -> jax.Array:
+    """Steps 1-7 of ``_attend``, once per document, on the packed inputs; the boundaries
+    are traced, so the program depends on T, S and N only."""
+    H, T, _ = q.shape
+    S, E = v.shape[1], v.shape[2]
+    N = cu_seqlens_q.shape[0] - 1
+
+    # Each token's document and its position within it, from the boundaries: token t
+    # lies in the last document n with cu_seqlens[n] <= t (empty documents are skipped).
+    doc_q = jnp.searchsorted(cu_seqlens_q, jnp.arange(T), side="right") - 1  # (T,)
+    doc_k = jnp.searchsorted(cu_seqlens_k, jnp.arange(S), side="right") - 1  # (S,)
+    pos_q = jnp.arange(T) - cu_seqlens_q[doc_q]  # (T,)
+    pos_k = jnp.arange(S) - cu_seqlens_k[doc_k]  # (S,)
+
+    # Query t's diagonal is key t of its document (top-left), or key t + S_n - T_n
+    # (bottom-right: the document's last query lines up with its last key).
+    lengths_q = jnp.diff(cu_seqlens_q)[doc_q]  # (T,)
+    lengths_k = jnp.diff(cu_seqlens_k)[doc_q]  # (T,): the keys of query t's document
+    offset = 0 if causal_alignment == "top_left" else lengths_k - lengths_q  # (T,)
+    distance = pos_k[None, :] - (pos_q + offset)[:, None]  # (T, S)
+    allowed = doc_q[:, None] == doc_k[None, :]  # (T, S)
+    if is_causal:
+        allowed = allowed & (distance <= 0)  # (T, S)
+    if window is not None and window[0] is not None:
+        allowed = allowed & (distance >= -window[0])  # (T, S)
+    if window is not None and window[1] is not None:
+        allowed = allowed & (distance <= window[1])  # (T, S)
+
+    # 1.-7. Each document alone (see Notes: packed documents): its queries, keys and values
+    # selected, every other token replaced by 0, so that nothing another document holds
+    # (not even a NaN) reaches its rows or its gradients; its rows kept.
+    def document(n, out):
+        rows, keys = doc_q == n, doc_k == n  # (T,), (S,)
+        q_n = jnp.where(rows[None, :, None], q, 0.0)  # (H, T, D)
+        k_n = jnp.where(keys[None, :, None], k, 0.0)  # (K, S, D)
+        v_n = jnp.where(keys[None, :, None], v, 0.0)  # (K, S, E)
+        mask_n = (allowed & rows[:, None])[None, None]  # (1, 1, T, S)
+        out_n = _attend(
+            q_n[None],
+            k_n[None],
+            v_n[None],
+            mask_n,
+            None,
+            None,
+            scale=scale,
+            is_causal=False,
+            causal_alignment="top_left",
+            window=None,
+            softcap=softcap,
+            dropout_p=0.0,
+        )[0]  # (H, T, E)
+        return jnp.where(rows[None, :, None], out_n, out)  # (H, T, E)
+
+    out = jnp.zeros((H, T, E), dtype=q.dtype)  # (H, T, E)
+    return jax.lax.fori_loop(0, N, document, out)  # (H, T, E)
+
+
+def attention_packed_vjp(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    d_out: jax.Array,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gradients of ``attention_packed`` by ``jax.vjp``: (dq, dk, dv) shaped like q, k, v,
+    for the loss L = Σ d_out · attention_packed(...), d_out (H, T, E) in q's dtype. The
+    boundaries are integers, traced and not differentiated."""
+    q, k, v, d_out = (jnp.asarray(x) for x in (q, k, v, d_out))
+    cu_seqlens_q, cu_seqlens_k = jnp.asarray(cu_seqlens_q), jnp.asarray(cu_seqlens_k)
+    options = dict(
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+    )
+    call, _, _ = contract.check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out=d_out, **options)
+    return _attend_packed_vjp(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        d_out,
+        scale=call.scale,
+        is_causal=call.is_causal,
+        causal_alignment=call.causal_alignment,
+        window=call.window,
+        softcap=call.softcap,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("is_causal", "causal_alignment", "window", "softcap"))
+def _attend_packed_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
+    """jax.vjp of ``_attend_packed`` in q, k and v, compiled once per shape and options."""
+
+    def forward(q, k, v):
+        return _attend_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+
+    _, pullback = jax.vjp(forward, q, k, v)
+    return pullback(d_out)
 
 
 def attention_paged(
@@ -795,6 +977,16 @@ def _is_key(key: object) -> bool:
 
 
 # --- Notes -----------------------------------------------------------------------------------
+#
+# Packed documents (attention_packed). Packing N documents into one array saves the padding
+# a batch of unequal lengths would need; the price is that every query must be kept away
+# from the other documents' keys. Under jax.jit the boundaries are traced, so documents
+# cannot be sliced out by their lengths; each token's document comes from the boundaries
+# (searchsorted), and steps 1-7 run once per document (a fori_loop over the N
+# documents) on that document's tokens selected by `where`, every other token 0. A
+# block-diagonal mask alone would compute the same weights, but the product P·V would
+# still multiply a weight of 0 by every other document's values, and 0 · NaN = NaN: one
+# document's NaN would reach the rest (and through dS·K and dSᵀ·Q, their gradients).
 #
 # Why 1/√D (step 2). If the entries of q and k have unit variance, q·k sums D such products
 # and has variance D; dividing by √D keeps the scores near unit variance whatever the head

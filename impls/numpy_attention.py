@@ -34,15 +34,17 @@ Shape legend (heads-first, as in PyTorch):
     sinks (H,): one logit per query head.
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, chunked local attention, ALiBi, softcapping, attention sinks, grouped-query and multi-query attention (K < H), dropout (with an
-explicit ``numpy.random.Generator``), float64, float32, float16 and bfloat16
+windows, chunked local attention, ALiBi, softcapping, attention sinks, grouped-query and
+multi-query attention (K < H), dropout (with an explicit ``numpy.random.Generator``), float64, float32, float16 and bfloat16
 (``ml_dtypes``). A query row with no key left to attend returns exactly 0.
 
 Imports: the standard library, NumPy and ``contract.py``, the input contract all impls
 share (step 0); the math, ``_band`` included, is this file's own. Also here: a KV cache,
-attention over a paged KV cache (``attention_paged``), and the multi-head layer and pre-LN GPT block as functions of a PyTorch-style
-``state_dict``. The backward pass is its own page, ``numpy_attention_backward.py``. Why
-each step is written as it is: the Notes at the end of this file.
+attention over packed variable-length sequences (``attention_packed``, SPEC §18) and over
+a paged KV cache (``attention_paged``, §19), and the multi-head layer and pre-LN GPT block
+as functions of a PyTorch-style ``state_dict``. The backward pass is its own page,
+``numpy_attention_backward.py``. Why each step is written as it is: the Notes at the end
+of this file.
 """
 
 from __future__ import annotations
@@ -275,6 +277,59 @@ class KVCache:
         )  # (B, H, T, E)
 
 
+def attention_packed(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    cu_seqlens_q: np.ndarray,
+    cu_seqlens_k: np.ndarray,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+) -> np.ndarray:
+    """Attention over packed variable-length sequences (FlashAttention's varlen API).
+
+    N documents lie one after another on the token axis; document n is queries
+    cu_seqlens_q[n]:cu_seqlens_q[n + 1] and keys cu_seqlens_k[n]:cu_seqlens_k[n + 1], and
+    its rows are ``attention`` on that document alone: no query sees another document,
+    and causality and windows are counted inside each document.
+
+    Args:
+      q: queries of every document, (H, T, D), T = cu_seqlens_q[-1].
+      k: keys, (K, S, D), S = cu_seqlens_k[-1]; K must divide H.
+      v: values, (K, S, E).
+      cu_seqlens_q, cu_seqlens_k: (N + 1,) integer cumulative lengths from 0.
+      is_causal, scale, causal_alignment, window, softcap: as for ``attention``, applied
+        within each document (bottom-right puts document n's diagonal at S_n - T_n).
+
+    Returns:
+      out: (H, T, E), same dtype as q.
+    """
+    # 0. Validate with the input contract all impls share (contract.py): an error names the
+    # argument, the expected shape and what was given.
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    options = dict(
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+    )
+    call, cu_q, cu_k = contract.check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+    H, T, E = call.H, call.T, call.E
+
+    # 1. Each document alone: its queries against its own keys only, so nothing another
+    # document holds (not even a NaN) is ever read (see Notes: packed documents).
+    out = np.zeros((H, T, E), dtype=q.dtype)  # (H, T, E)
+    for n in range(len(cu_q) - 1):
+        t0, t1, s0, s1 = cu_q[n], cu_q[n + 1], cu_k[n], cu_k[n + 1]
+        out[:, t0:t1] = attention(q[:, t0:t1], k[:, s0:s1], v[:, s0:s1], **options)  # (H, T_n, E)
+    return out
+
+
 def attention_paged(
     q: np.ndarray,
     k_pages: np.ndarray,
@@ -503,6 +558,13 @@ def gpt_block(params: dict[str, np.ndarray], x: np.ndarray, *, n_heads: int) -> 
 # of the S positions, so that is where each query really sits. It is computed in the
 # working precision and added like a float mask, after the softcap; the slopes are
 # constants, with no gradient.
+#
+# Packed documents (attention_packed). Packing N documents into one array saves the padding
+# a batch of unequal lengths would need; the price is that every query must be kept away
+# from the other documents' keys. Here each document is sliced out and attended alone, the
+# literal meaning of SPEC §18. A block-diagonal mask would compute the same weights, but the
+# product P·V would still multiply a weight of 0 by every other document's values, and
+# 0 · NaN = NaN: one document's NaN would reach the rest.
 #
 # NumPy's warnings (step 5). A row that reads +inf (a +inf float mask entry, a score that
 # overflowed) or NaN has a row sum of inf or NaN, and its weights come out NaN: the answer

@@ -50,7 +50,8 @@ Shape legend (heads-first, as in PyTorch):
 Supports every option of the forward but dropout (its gradient needs the forward's random
 draw): masks, both causal alignments, windows, chunks, ALiBi, softcap, sinks, GQA, unbatched inputs, float64,
 float32, float16 and bfloat16 (computed in float32, each gradient rounded once). Also
-here: the parameter gradients of the multi-head layer and the pre-LN GPT block.
+here: the gradients of packed variable-length sequences (``attention_packed_backward``,
+SPEC §18), and the parameter gradients of the multi-head layer and the pre-LN GPT block.
 
 Imports: the standard library, NumPy, ``contract.py`` (the input contract all impls share,
 step 0) and ``numpy_attention.py``, the page this one differentiates (its forward
@@ -198,6 +199,57 @@ def attention_backward(
     if d_sinks is not None:
         grads.append(d_sinks.astype(out_dtype))
     return tuple(grads)
+
+
+def attention_packed_backward(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    cu_seqlens_q: np.ndarray,
+    cu_seqlens_k: np.ndarray,
+    d_out: np.ndarray,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients of ``attention_packed`` with respect to q, k, v (SPEC §18.5).
+
+    Args:
+      q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale, causal_alignment, window,
+        softcap: as for ``attention_packed``.
+      d_out: ∂L/∂out, (H, T, E), same dtype as q.
+
+    Returns:
+      (dq, dk, dv): (H, T, D), (K, S, D), (K, S, E), same dtype as q. The boundaries are
+      integers and get no gradient.
+    """
+    # 0. Validate with the forward's contract, and d_out against the output's shape.
+    q, k, v, d_out = np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(d_out)
+    options = dict(
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+    )
+    _, cu_q, cu_k = contract.check_packed(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, d_out=d_out, **options
+    )
+
+    # 1'. Each document alone, as in the forward: a document's loss reaches only its own
+    # queries, keys and values, and a key of a document with no query gets 0.
+    d_q = np.zeros(q.shape, dtype=q.dtype)  # (H, T, D)
+    d_k = np.zeros(k.shape, dtype=q.dtype)  # (K, S, D)
+    d_v = np.zeros(v.shape, dtype=q.dtype)  # (K, S, E)
+    for n in range(len(cu_q) - 1):
+        t0, t1, s0, s1 = cu_q[n], cu_q[n + 1], cu_k[n], cu_k[n + 1]
+        d_q[:, t0:t1], d_k[:, s0:s1], d_v[:, s0:s1] = attention_backward(
+            q[:, t0:t1], k[:, s0:s1], v[:, s0:s1], d_out[:, t0:t1], **options
+        )  # (H, T_n, D), (K, S_n, D), (K, S_n, E)
+    return d_q, d_k, d_v
 
 
 def _forward(

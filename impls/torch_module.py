@@ -44,7 +44,8 @@ exactly 0, and its gradients are 0, not NaN.
 The modules are the seed tutorial's ``MultiHeadAttention`` (one fused ``qkv`` Linear,
 ``out_proj``, ``dropout``) and pre-LN ``SelfAttentionBlock``; their ``state_dict`` names
 are the parameter names of the NumPy reference's ``multi_head_attention`` and
-``gpt_block``. Their core, ``attention``, comes first. Imports: the standard library,
+``gpt_block``. Their core, ``attention``, comes first, then packed variable-length
+sequences (``attention_packed``, SPEC §18). Imports: the standard library,
 PyTorch and ``contract.py``, the input contract all impls share (step 0); the math,
 ``_allowed`` included, is this file's own, not ``torch_naive``'s, so that the suite checks
 two independent copies of the steps. Why each step is written as it is: the Notes at the
@@ -269,6 +270,59 @@ def _allowed(
     return allowed
 
 
+def attention_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention over packed variable-length sequences (FlashAttention's varlen API).
+
+    N documents lie one after another on the token axis; document n is queries
+    cu_seqlens_q[n]:cu_seqlens_q[n + 1] and keys cu_seqlens_k[n]:cu_seqlens_k[n + 1], and
+    its rows are ``attention`` on that document alone: no query sees another document,
+    and causality and windows are counted inside each document.
+
+    Args:
+      q: queries of every document, (H, T, D), T = cu_seqlens_q[-1].
+      k: keys, (K, S, D), S = cu_seqlens_k[-1]; K must divide H.
+      v: values, (K, S, E).
+      cu_seqlens_q, cu_seqlens_k: (N + 1,) integer cumulative lengths from 0.
+      is_causal, scale, causal_alignment, window, softcap: as for ``attention``, applied
+        within each document (bottom-right puts document n's diagonal at S_n - T_n).
+
+    Returns:
+      out: (H, T, E), same dtype as q.
+    """
+    # 0. Validate with the input contract all impls share (contract.py): an error names the
+    # argument, the expected shape and what was given.
+    q, k, v = torch.as_tensor(q), torch.as_tensor(k), torch.as_tensor(v)
+    options = dict(
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+    )
+    call, cu_q, cu_k = contract.check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+    H, E = call.H, call.E
+
+    # 1. Each document alone: its queries against its own keys only, so nothing another
+    # document holds (not even a NaN) is ever read (see Notes: packed documents).
+    rows = [q.new_zeros((H, 0, E))]  # (H, 0, E)
+    for n in range(len(cu_q) - 1):
+        t0, t1, s0, s1 = cu_q[n], cu_q[n + 1], cu_k[n], cu_k[n + 1]
+        rows.append(attention(q[:, t0:t1], k[:, s0:s1], v[:, s0:s1], **options))  # (H, T_n, E)
+    return torch.cat(rows, dim=1)  # (H, T, E)
+
+
 def attention_paged(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -454,6 +508,14 @@ class SelfAttentionBlock(nn.Module):
 
 
 # --- Notes -----------------------------------------------------------------------------------
+#
+# Packed documents (attention_packed). Packing N documents into one array saves the padding
+# a batch of unequal lengths would need; the price is that every query must be kept away
+# from the other documents' keys. Here each document is sliced out and attended alone, the
+# literal meaning of SPEC §18; autograd differentiates through the slices and the
+# concatenation. A block-diagonal mask would compute the same weights, but the product
+# P·V would still multiply a weight of 0 by every other document's values, and
+# 0 · NaN = NaN: one document's NaN would reach the rest.
 #
 # Why 1/√D (step 2). If the entries of q and k have unit variance, q·k sums D such products
 # and has variance D; dividing by √D keeps the scores near unit variance whatever the head

@@ -174,6 +174,21 @@ def band_always_top_left(T, S, is_causal, causal_alignment, window):
     return band(T, S, is_causal, "top_left", window)
 
 
+def documents(cu_seqlens_q, cu_seqlens_k):
+    """Packed documents (SPEC §18.1): (t0, t1, s0, s1) of each, its queries t0:t1 and its
+    keys s0:s1."""
+    cq, ck = [int(x) for x in cu_seqlens_q], [int(x) for x in cu_seqlens_k]
+    return [(cq[n], cq[n + 1], ck[n], ck[n + 1]) for n in range(len(cq) - 1)]
+
+
+def documents_leaking(cu_seqlens_q, cu_seqlens_k):
+    """BUG: documents leak across a boundary: each document's keys start one early, so its
+    queries also see the last key of the document before it."""
+    return [
+        (t0, t1, max(s0 - 1, 0), s1) for t0, t1, s0, s1 in documents(cu_seqlens_q, cu_seqlens_k)
+    ]
+
+
 def chunks_off_by_one(T, S, chunk_size, causal_alignment):
     """BUG: the chunk boundary off by one: the query's position counted from 1, so the
     last query of each chunk lands in the next one."""
@@ -405,6 +420,7 @@ class Steps:
     bool_allowed = staticmethod(bool_allowed)
     band = staticmethod(band)
     chunks = staticmethod(chunks)
+    documents = staticmethod(documents)
     alibi = staticmethod(alibi)
     page_of = staticmethod(page_of)
     hide_unused = staticmethod(hide_unused)
@@ -656,6 +672,31 @@ class MutantBackend(Backend):
             options["rng"] = np.random.default_rng(seed)
         return self.steps().run(q, k, v, **options)
 
+    def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+        # Reached only by backends declaring "packed" (the packed mutant, the control).
+        steps = self.steps()
+        contract.check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+        out = np.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
+        for t0, t1, s0, s1 in steps.documents(cu_seqlens_q, cu_seqlens_k):
+            out[:, t0:t1] = steps.run(
+                q[None, :, t0:t1], k[None, :, s0:s1], v[None, :, s0:s1], **options
+            )[0]
+        return out
+
+    def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
+        contract.check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out=d_out, **options)
+        grads = [np.zeros(x.shape, dtype=q.dtype) for x in (q, k, v)]
+        for t0, t1, s0, s1 in self.steps().documents(cu_seqlens_q, cu_seqlens_k):
+            doc = self.backward().run(
+                q[None, :, t0:t1],
+                k[None, :, s0:s1],
+                v[None, :, s0:s1],
+                d_out[None, :, t0:t1],
+                **options,
+            )
+            grads[0][:, t0:t1], grads[1][:, s0:s1], grads[2][:, s0:s1] = (g[0] for g in doc[:3])
+        return tuple(grads)
+
     def _attention_vjp(self, q, k, v, d_out, **options):
         # Reached only by backends declaring "grad" (the gradient mutants, the control).
         return self.backward().run(q, k, v, d_out, **options)
@@ -716,6 +757,12 @@ class ChunkMutantBackend(MutantBackend):
     capabilities = (ALL_CAPABILITIES - {"module"}) | {"chunked"}
 
 
+class PackedMutantBackend(MutantBackend):
+    """A forward mutant that also declares "packed" (SPEC §18)."""
+
+    capabilities = (ALL_CAPABILITIES - {"module"}) | {"packed"}
+
+
 class AlibiMutantBackend(MutantBackend):
     """A forward mutant that also declares "alibi" (SPEC §17)."""
 
@@ -764,7 +811,7 @@ Control = type(
     (ModuleMutantBackend,),
     {
         "name": "mutant-control",
-        "capabilities": ALL_CAPABILITIES | GRAD | {"sinks", "chunked", "alibi", "paged"},
+        "capabilities": ALL_CAPABILITIES | GRAD | {"sinks", "chunked", "alibi", "packed", "paged"},
     },
 )
 
@@ -897,6 +944,17 @@ MUTANTS = {
     "mutant-alibi-off-by-one": (
         _mutant("mutant-alibi-off-by-one", "alibi", alibi_off_by_one, base=AlibiMutantBackend),
         {"17.1"},
+        "",
+    ),
+    # Packed variable-length sequences (SPEC §18).
+    "mutant-packed-documents-leak": (
+        _mutant(
+            "mutant-packed-documents-leak",
+            "documents",
+            documents_leaking,
+            base=PackedMutantBackend,
+        ),
+        {"18.1"},
         "",
     ),
     # Paged KV caches (SPEC §19).

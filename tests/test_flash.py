@@ -201,6 +201,30 @@ def test_jax_flash_backward_memory_is_linear_in_t():
     assert temp < 96 * 2**20, f"backward temporaries {temp / 2**20:.1f} MiB"
 
 
+def test_jax_flash_packed_backward_memory_is_linear_in_t():
+    """The same account for the packed backward (SPEC §18.4) at T = S = 16384 in N = 8
+    documents: the boundaries add a few (T,) vectors, never a (T, S) array."""
+    shape = jax.ShapeDtypeStruct((8, 16384, 64), jax.numpy.float32)
+    bounds = jax.ShapeDtypeStruct((9,), jax.numpy.int32)
+    lowered = jax_flash._flash_packed_vjp.lower(
+        shape,
+        shape,
+        shape,
+        bounds,
+        bounds,
+        shape,
+        scale=0.125,
+        is_causal=True,
+        bottom_right=False,
+        window=None,
+        softcap=None,
+        Tb=512,
+        Sb=256,
+    )
+    temp = lowered.compile().memory_analysis().temp_size_in_bytes
+    assert temp < 96 * 2**20, f"packed backward temporaries {temp / 2**20:.1f} MiB"
+
+
 def test_numpy_flash_backward_skips_fully_masked_tiles(monkeypatch):
     """The backward visits the same tiles as the forward: under causal attention on
     n × n tiles, the n(n+1)/2 on or below the diagonal. Each visited tile costs 7
@@ -251,6 +275,67 @@ def test_numpy_flash_skips_tiles_outside_the_chunks(monkeypatch, chunk):
     calls.clear()
     numpy_flash.attention_vjp(q, k, v, d_out, chunk_size=chunk, block_q=512, block_k=512)
     assert len(calls) == 7 * tiles, f"{len(calls)} backward matmuls, expected {7 * tiles}"
+
+
+@pytest.mark.clause("18.4")
+@pytest.mark.parametrize(
+    "cu_seqlens, tiles",
+    [([0, 512, 1024, 1536, 2048], 4), ([0, 700, 2048], 4 + 9), ([0, 0, 2048, 2048], 16)],
+    ids=["four-of-512", "700-and-1348", "one-document"],
+)
+def test_numpy_flash_skips_tiles_across_documents(monkeypatch, cu_seqlens, tiles):
+    """Packed attention (SPEC §18.4) on tiles of 512 visits only the tiles inside each
+    document: four documents of 512, one tile each (of the 16 of T = S = 2048); 700 and
+    1348 tokens, 2 × 2 and 3 × 3 tiles; one document, all 16. Forward: 2 products per
+    tile; backward: 7."""
+    calls = []
+    real = np.matmul
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    q, k, v = (x[0] for x in random_qkv(64, B=1, H=1, T=2048, S=2048, D=8, dtype="float32"))
+    d_out = np.random.default_rng(65).standard_normal(q.shape).astype(np.float32)
+    cu = np.array(cu_seqlens)
+    monkeypatch.setattr(numpy_flash.np, "matmul", counting)
+    numpy_flash.attention_packed(q, k, v, cu, cu, is_causal=False, block_q=512, block_k=512)
+    assert len(calls) == 2 * tiles, f"{len(calls)} matmuls, expected {2 * tiles}"
+    calls.clear()
+    numpy_flash.attention_packed_vjp(q, k, v, cu, cu, d_out, block_q=512, block_k=512)
+    assert len(calls) == 7 * tiles, f"{len(calls)} backward matmuls, expected {7 * tiles}"
+
+
+@pytest.mark.clause("18.4")
+@pytest.mark.parametrize(
+    "cu_seqlens, tiles",
+    [([0, 512, 1024, 1536, 2048], 4), ([0, 700, 2048], 4 + 9), ([0, 0, 2048, 2048], 16)],
+    ids=["four-of-512", "700-and-1348", "one-document"],
+)
+def test_jax_flash_skips_tiles_across_documents(monkeypatch, cu_seqlens, tiles):
+    """jax-flash's packed walk (SPEC §18.4) visits the tiles numpy-flash does, on tiles
+    of 512, though its query blocks are not aligned to the documents: with 700 and 1348
+    tokens, the query block of rows 512-1023 walks the first document's 2 key blocks and
+    the second's 3 (2 + 5 + 3 + 3 = 13). Counted as calls of ``_Tiles.scores`` with
+    ``jax.disable_jit()``, where the loops run in Python: one per tile forward, two in
+    the backward (its forward, then the gradients)."""
+    calls = []
+    real = jax_flash._Tiles.scores
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    q, k, v = (x[0] for x in random_qkv(64, B=1, H=1, T=2048, S=2048, D=8, dtype="float32"))
+    d_out = np.random.default_rng(65).standard_normal(q.shape).astype(np.float32)
+    cu = np.array(cu_seqlens)
+    monkeypatch.setattr(jax_flash._Tiles, "scores", counting)
+    with jax.disable_jit():
+        jax_flash.attention_packed(q, k, v, cu, cu, block_q=512, block_k=512)
+        assert len(calls) == tiles, f"{len(calls)} tiles, expected {tiles}"
+        calls.clear()
+        jax_flash.attention_packed_vjp(q, k, v, cu, cu, d_out, block_q=512, block_k=512)
+    assert len(calls) == 2 * tiles, f"{len(calls)} backward tiles, expected {2 * tiles}"
 
 
 @pytest.mark.parametrize(

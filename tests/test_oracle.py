@@ -246,6 +246,70 @@ def test_alibi_is_a_float_mask_in_the_oracle(alignment, T, S):
         assert np.max(np.abs(naive - alibi)) < 1e-14
 
 
+# --- Packed variable-length sequences (SPEC §18) ---------------------------------------------
+
+
+@pytest.mark.clause("18.1")
+@pytest.mark.parametrize(
+    "key", ["non_causal", "causal", "unequal_top_left", "unequal_bottom_right"]
+)
+def test_packed_worked_example_by_hand(key):
+    """The hand computation in fixtures/worked_example.json ("packed"): every score 0, so
+    each row averages the values of its own document that it may see."""
+    from conformance.fixtures import generate
+
+    ex = generate.WORKED_EXAMPLE["packed"]
+    q, k, v = (np.array(ex[n], dtype=np.float64)[None] for n in "qkv")
+    cu_q = cu_k = np.array(ex["cu_seqlens"])
+    options = {"is_causal": key != "non_causal"}
+    if key.startswith("unequal"):
+        cu_q, cu_k = (np.array(ex["unequal"][n]) for n in ("cu_seqlens_q", "cu_seqlens_k"))
+        q = q[:, :2]
+        options["causal_alignment"] = key.removeprefix("unequal_")
+    out = oracle.attention_packed(q, k, v, cu_q, cu_k, **options)[0]
+    assert out.tolist() == ex[key]["hand"]
+
+
+def _document_mask(cu_q, cu_k, alignment, window=None):
+    """The packed documents as one dense bool mask (T, S), written out by hand from SPEC
+    §18.1-§18.2: same document, and causal (with the window) within it."""
+    T, S = cu_q[-1], cu_k[-1]
+    mask = np.zeros((T, S), dtype=bool)
+    for n in range(len(cu_q) - 1):
+        Tn, Sn = cu_q[n + 1] - cu_q[n], cu_k[n + 1] - cu_k[n]
+        i = np.arange(Tn)[:, None] + (0 if alignment == "top_left" else Sn - Tn)
+        j = np.arange(Sn)[None, :]
+        allowed = j <= i
+        if window is not None:
+            allowed &= j >= i - window
+        mask[cu_q[n] : cu_q[n + 1], cu_k[n] : cu_k[n + 1]] = allowed
+    return mask
+
+
+@pytest.mark.clause("18.1", "18.2")
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("window", [None, 1])
+def test_packed_is_the_document_mask_in_the_oracle(alignment, window):
+    """Slicing documents (the packed oracle) gives the whole sequence under the documents'
+    block-diagonal causal mask, built by hand: an empty document, one with no key, and
+    unequal T_n, S_n; in the oracle and in the naive run."""
+    rng = np.random.default_rng(7)
+    cu_q, cu_k = [0, 3, 3, 5, 9], [0, 4, 4, 4, 11]
+    q, k, v = (rng.standard_normal((2, n, 3)) for n in (9, 11, 11))
+    options = {"is_causal": True, "causal_alignment": alignment}
+    if window is not None:
+        options["window"] = (window, None)
+    packed = oracle.attention_packed(q, k, v, np.array(cu_q), np.array(cu_k), **options)
+    mask = _document_mask(cu_q, cu_k, alignment, window)
+    masked = oracle.attention(q[None], k[None], v[None], mask=mask)[0]
+    assert np.array_equal(packed, masked)
+    assert (packed[:, 3:5] == 0).all()  # the document with no key
+    naive = oracle.naive_packed_same_precision(
+        q, k, v, np.array(cu_q), np.array(cu_k), np.float64, **options
+    )
+    assert np.max(np.abs(naive - packed)) < 1e-14
+
+
 # --- Paged KV caches (SPEC §19) --------------------------------------------------------------
 
 

@@ -315,6 +315,94 @@ class Backend:
 
         return call
 
+    def attention_packed(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        cu_seqlens_q: np.ndarray,
+        cu_seqlens_k: np.ndarray,
+        *,
+        is_causal: bool = False,
+        scale: float | None = None,
+        causal_alignment: str = "top_left",
+        window: tuple[int | None, int | None] | None = None,
+        softcap: float | None = None,
+    ) -> np.ndarray:
+        """Packed variable-length sequences (capability "packed", SPEC §18), NumPy in and
+        out: out (H, T, E) for q (H, T, D), k (K, S, D), v (K, S, E) holding N documents one
+        after another, document n being queries cu_seqlens_q[n]:cu_seqlens_q[n + 1] and
+        keys cu_seqlens_k[n]:cu_seqlens_k[n + 1]; each document's rows are ``attention`` on
+        that document alone with the same options."""
+        options = self._packed_options(
+            is_causal=is_causal,
+            scale=scale,
+            causal_alignment=causal_alignment,
+            window=window,
+            softcap=softcap,
+        )
+        args = self._packed_args(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
+        return self.to_numpy(self._attention_packed(*args, **options))
+
+    def attention_packed_vjp(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        cu_seqlens_q: np.ndarray,
+        cu_seqlens_k: np.ndarray,
+        d_out: np.ndarray,
+        *,
+        is_causal: bool = False,
+        scale: float | None = None,
+        causal_alignment: str = "top_left",
+        window: tuple[int | None, int | None] | None = None,
+        softcap: float | None = None,
+    ) -> tuple[np.ndarray, ...]:
+        """The backward pass of ``attention_packed`` (capabilities "packed" and "grad",
+        SPEC §18.5): (dq, dk, dv) for the loss L = Σ d_out · out, d_out (H, T, E); the
+        boundaries get no gradient."""
+        options = self._packed_options(
+            is_causal=is_causal,
+            scale=scale,
+            causal_alignment=causal_alignment,
+            window=window,
+            softcap=softcap,
+        )
+        args = self._packed_args(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
+        if "grad" not in self.capabilities:
+            raise NotImplementedError(f"{self.name} does not declare the 'grad' capability")
+        grads = self._attention_packed_vjp(*args, self.from_numpy(np.asarray(d_out)), **options)
+        return tuple(np.ascontiguousarray(self.to_numpy(g)) for g in grads)
+
+    @staticmethod
+    def _packed_options(**given: Any) -> dict[str, Any]:
+        options = {"is_causal": given.pop("is_causal"), "scale": given.pop("scale")}
+        for key, value in given.items():
+            # As in ``attention``: an option left at its default is not passed on.
+            if option_is_set(key, value):
+                options[key] = value
+        return options
+
+    def _packed_args(self, q, k, v, cu_seqlens_q, cu_seqlens_k, options) -> tuple:
+        """q, k, v and the boundaries in the backend's framework; refused by name (SPEC
+        §8.5) where "packed" is not declared, once they pass the checks every backend
+        makes (§18.1)."""
+        q, k, v, cu_q, cu_k = (np.asarray(x) for x in (q, k, v, cu_seqlens_q, cu_seqlens_k))
+        if "packed" not in self.capabilities:
+            contract.check_packed(q, k, v, cu_q, cu_k, **options)
+            raise NotImplementedError(
+                f"attention_packed is not supported: {self.name} does not declare the "
+                "'packed' capability (SPEC §18)"
+            )
+        return tuple(self.from_numpy(x) for x in (q, k, v, cu_q, cu_k))
+
+    def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+        raise NotImplementedError(f"{self.name} does not declare the 'packed' capability")
+
+    def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
+        raise NotImplementedError(f"{self.name} does not declare the 'grad' capability")
+
     def module_param_grads(
         self,
         kind: str,

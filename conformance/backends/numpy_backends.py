@@ -13,7 +13,9 @@ from conformance.vocabulary import ALL_CAPABILITIES, DTYPES, GRAD_CAPABILITIES
 
 class NumpyBackend(Backend):
     name = "numpy"
-    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi", "paged"}
+    capabilities = (
+        ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged"}
+    )
     dtypes = DTYPES
 
     impl_module = "conformance.impls.numpy_attention"
@@ -39,6 +41,14 @@ class NumpyBackend(Backend):
 
     def _attention_vjp(self, q, k, v, d_out, **options):
         return self.backward.attention_backward(q, k, v, d_out, **options)
+
+    def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+        return self.impl.attention_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+
+    def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
+        return self.backward.attention_packed_backward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options
+        )
 
     def _attention_paged(self, q, k_pages, v_pages, block_table, seq_lens, **options):
         return self.impl.attention_paged(q, k_pages, v_pages, block_table, seq_lens, **options)
@@ -109,7 +119,7 @@ class NumpyFlashBackend(Backend):
 
     name = "numpy-flash"
     impl_module = "conformance.impls.numpy_flash"
-    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi", "paged"}
+    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged"}
     dtypes = DTYPES
     conformance_options = Blockwise.CONFORMANCE_OPTIONS
 
@@ -123,6 +133,16 @@ class NumpyFlashBackend(Backend):
 
     def _attention_vjp(self, q, k, v, d_out, **options):
         return self.tiles.attention_vjp(q, k, v, d_out, **options)
+
+    def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+        return self.impl.attention_packed(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, **self.tiles.options, **options
+        )
+
+    def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
+        return self.impl.attention_packed_vjp(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **self.tiles.options, **options
+        )
 
     def _attention_paged(self, *arrays, **options):
         return self.tiles.attention_paged(*arrays, **options)

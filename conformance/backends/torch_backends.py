@@ -52,6 +52,16 @@ class _TorchBackend(Backend):
 
         return self.arrays.vjp(call, primals, d_out, check=_check_d_out)
 
+    def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+        return self.impl.attention_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+
+    def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
+        # Autograd through the packed forward; the boundaries are integers, not leaves.
+        def call(q, k, v):
+            return self._attention_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+
+        return self.arrays.vjp(call, [q, k, v], d_out, check=_check_d_out)
+
     def _attention_paged(self, q, k_pages, v_pages, block_table, seq_lens, **options):
         return self.impl.attention_paged(q, k_pages, v_pages, block_table, seq_lens, **options)
 
@@ -169,7 +179,7 @@ class TorchNaiveBackend(_TorchBackend):
     capabilities = (
         (ALL_CAPABILITIES - {"module"})
         | (GRAD_CAPABILITIES - {"module_grad"})
-        | {"sinks", "chunked", "alibi", "paged"}
+        | {"sinks", "chunked", "alibi", "packed", "paged"}
     )
 
     def __init__(self) -> None:
@@ -186,7 +196,9 @@ class TorchModuleBackend(_TorchBackend):
     """The nn.Module backend: the core spec runs the module's own attention function."""
 
     name = "torch-module"
-    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi", "paged"}
+    capabilities = (
+        ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged"}
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -246,6 +258,7 @@ class TorchSdpaBackend(_TorchBackend):
         "grad_mask",
         "chunked",
         "alibi",
+        "packed",
         "paged",
     }
 

@@ -32,11 +32,13 @@ from conformance.suite.requirements import SuiteError, undeclared
 RECORDED = (
     "attention",
     "attention_vjp",
+    "attention_packed",
+    "attention_packed_vjp",
+    "attention_paged",
+    "attention_paged_vjp",
     "multi_head_attention",
     "gpt_block",
     "module_param_grads",
-    "attention_paged",
-    "attention_paged_vjp",
 )
 
 _CLOCK = itertools.count()

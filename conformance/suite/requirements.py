@@ -159,10 +159,13 @@ def undeclared(backend: Any, method: str, args: tuple, kwargs: Mapping[str, Any]
     here: refusing them is the backend's part (SPEC §8.1)."""
     if method in ("attention_paged", "attention_paged_vjp"):
         return _undeclared_paged(backend, method, args, kwargs)
-    if method not in ("attention", "attention_vjp"):
+    packed = method in ("attention_packed", "attention_packed_vjp")
+    if method not in ("attention", "attention_vjp") and not packed:
         return []
     caps, dtypes = backend.capabilities, backend.dtypes
     found: list[str] = []
+    if packed and "packed" not in caps:
+        found.append(f"{method} (capability 'packed')")
     q, k, v = (np.asarray(x) if isinstance(x, np.ndarray) else x for x in args[:3])
     dtype = _float_dtype(q)
     if dtype is not None and dtype not in dtypes:
@@ -177,7 +180,8 @@ def undeclared(backend: Any, method: str, args: tuple, kwargs: Mapping[str, Any]
         if len(qs) == len(ks) == len(vs) and qs[-1] == ks[-1] and vs[-1] != qs[-1]:
             if "value_dim" not in caps:
                 found.append(f"E = {vs[-1]} ≠ D = {qs[-1]} (capability 'value_dim')")
-        if len(qs) == 3 and len(ks) == len(vs) == 3 and "unbatched" not in caps:
+        # Packed calls have the unbatched layout by definition (SPEC §18.1).
+        if len(qs) == 3 and len(ks) == len(vs) == 3 and "unbatched" not in caps and not packed:
             found.append("unbatched inputs (capability 'unbatched')")
         if len(qs) >= 3 and len(ks) == len(qs) and len(vs) == len(qs):
             H, K = qs[-3], ks[-3]
@@ -186,9 +190,9 @@ def undeclared(backend: Any, method: str, args: tuple, kwargs: Mapping[str, Any]
     for option, (cap, default) in OPTION_CAPABILITIES.items():
         if option in kwargs and _differs(kwargs[option], default) and cap not in caps:
             found.append(f"{option}={kwargs[option]!r} (capability {cap!r})")
-    if method == "attention_vjp":
+    if method in ("attention_vjp", "attention_packed_vjp"):
         if "grad" not in caps:
-            found.append("attention_vjp (capability 'grad')")
+            found.append(f"{method} (capability 'grad')")
         for option, (cap, default) in GRAD_OPTION_CAPABILITIES.items():
             if option in kwargs and _differs(kwargs[option], default) and cap not in caps:
                 found.append(f"{option} in attention_vjp (capability {cap!r})")

@@ -13,7 +13,14 @@ from conformance.backends import numpy_dtype
 from conformance.fixtures import oracle
 from conformance.suite.cases import worked_example
 from conformance.suite.gradients import random_d_out
-from conformance.suite.helpers import SIZES, as64, oracle_attention, random_qkv
+from conformance.suite.helpers import (
+    DTYPE_AXIS,
+    SIZES,
+    as64,
+    oracle_attention,
+    pairwise_params,
+    random_qkv,
+)
 from conformance.suite.requirements import SuiteError, requires
 from conformance.suite.tolerance import (
     Departure,
@@ -136,12 +143,13 @@ def test_alibi_worked_example(backend, key, dtype):
 
 
 @pytest.mark.clause("17.1", "17.2")
-@sizes
-@dtypes
-@pytest.mark.parametrize("setup", _setup_params())
-def test_alibi_matches_the_oracle(backend, size, dtype, setup):
+@pytest.mark.parametrize(
+    ("setup", "size", "dtype"), pairwise_params(_setup_params(), size=SIZES, dtype=DTYPE_AXIS)
+)
+def test_alibi_matches_the_oracle(backend, setup, size, dtype):
     """ALiBi alone, with (B, H) slopes, causality in both alignments, GQA, masks, a scale,
-    a window and a softcap, sinks and chunks: the output is the oracle's within SPEC §7."""
+    a window and a softcap, sinks and chunks: the output is the oracle's within SPEC §7.
+    Every setup runs at every size and in both dtypes (all pairs, not their product)."""
     q, k, v, options = _setup(setup, size, dtype, 110)
     expected, tol = _oracle(q, k, v, dtype, **options)
     out = backend.attention(q, k, v, **options)

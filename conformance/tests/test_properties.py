@@ -10,6 +10,11 @@ The reference is independent of every implementation (``fixtures/oracle.py``): f
 float64 the 50-digit oracle with SPEC §7.1's rule; for the other dtypes the textbook
 algorithm in float64 stands in for it (SPEC §7.2).
 
+Packed documents (SPEC §18) are drawn by a strategy of their own, ``packings``, for
+backends declaring "packed" only, so ``problems`` draws what it drew before: N = 4
+documents of random lengths (0 included) summing to one of two fixed totals, so that a
+backend that compiles builds a program per option set, not per packing.
+
 Profiles (``conformance/conftest.py``): "quick", the default, 25 derandomized examples per
 test; ``--hypothesis-profile deep`` for 500 random ones.
 """
@@ -26,7 +31,14 @@ from hypothesis import strategies as st
 from conformance.backends import DTYPES, numpy_dtype
 from conformance.fixtures import oracle
 from conformance.suite.helpers import as64, oracle_attention, random_tolerance
-from conformance.suite.tolerance import assert_rows_zero, assert_within, expect, tolerance
+from conformance.suite.requirements import requires
+from conformance.suite.tolerance import (
+    assert_rows_zero,
+    assert_within,
+    expect,
+    finite_error,
+    tolerance,
+)
 
 
 @dataclass
@@ -181,4 +193,122 @@ def test_outputs_are_finite_and_empty_rows_zero(backend, data):
         np.isfinite(out).all(),
         "returns a non-finite output on a drawn problem",
         f"{backend.name}: non-finite output at {np.argwhere(~np.isfinite(out))[:1].tolist()}",
+    )
+
+
+#: (T, S) of a drawn packing: two fixed totals, so that a compiling backend, which traces
+#: the boundaries (§18.4), compiles one program per option set and total.
+PACKED_TOTALS = [(9, 11), (16, 12)]
+PACKED_DOCUMENTS = 4
+
+
+@dataclass
+class Packing:
+    """One drawn packed call: q (H, T, D), k (K, S, D), v (K, S, E) and the boundaries."""
+
+    q: np.ndarray  # (H, T, D)
+    k: np.ndarray  # (K, S, D)
+    v: np.ndarray  # (K, S, E)
+    cu_q: np.ndarray  # (N + 1,)
+    cu_k: np.ndarray  # (N + 1,)
+    dtype: str
+    options: dict = field(default_factory=dict)
+
+    def keyless(self) -> np.ndarray:
+        """(T,) bool: the queries with no key in their document to attend, from the
+        oracle's ``allowed_keys`` on each document alone (SPEC §18.2)."""
+        rows = np.zeros(self.q.shape[1], dtype=bool)
+        for n in range(len(self.cu_q) - 1):
+            t0, t1 = int(self.cu_q[n]), int(self.cu_q[n + 1])
+            S_n = int(self.cu_k[n + 1] - self.cu_k[n])
+            for i in range(t1 - t0):
+                keys = oracle.allowed_keys(
+                    i,
+                    t1 - t0,
+                    S_n,
+                    bool_row=None,
+                    is_causal=self.options.get("is_causal", False),
+                    causal_alignment=self.options.get("causal_alignment", "top_left"),
+                    window=self.options.get("window"),
+                )
+                rows[t0 + i] = len(keys) == 0
+        return rows
+
+
+def _boundaries(draw, total: int, label: str) -> np.ndarray:
+    """(N + 1,) int32 cumulative lengths from 0 to ``total``: N - 1 drawn cuts, so that
+    documents of length 0 (equal cuts) come up as often as any other."""
+    cuts = draw(
+        st.lists(
+            st.integers(0, total), min_size=PACKED_DOCUMENTS - 1, max_size=PACKED_DOCUMENTS - 1
+        ),
+        label=label,
+    )
+    return np.array([0, *sorted(cuts), total], dtype=np.int32)
+
+
+@st.composite
+def packings(draw, backend) -> Packing:
+    """A packed problem using only what ``backend`` declares, on few shapes: H = 2, D = 4,
+    K and E drawn only from two values each, T and S one of ``PACKED_TOTALS``."""
+    caps = backend.capabilities
+    dtype = draw(st.sampled_from([d for d in DTYPES if d in backend.dtypes]))
+    H, D = 2, 4
+    K = draw(st.sampled_from([1, 2]), label="K") if "gqa" in caps else H
+    E = draw(st.sampled_from([3, 4]), label="E") if "value_dim" in caps else D
+    T, S = draw(st.sampled_from(PACKED_TOTALS), label="T, S")
+    cu_q = _boundaries(draw, T, "cu_seqlens_q")
+    cu_k = _boundaries(draw, S, "cu_seqlens_k")
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1), label="seed"))
+    dt = numpy_dtype(dtype)
+    q = rng.standard_normal((H, T, D)).astype(dt)
+    k = rng.standard_normal((K, S, D)).astype(dt)
+    v = rng.standard_normal((K, S, E)).astype(dt)
+
+    options: dict = {}
+    if draw(st.booleans(), label="is_causal"):
+        options["is_causal"] = True
+    if "causal_bottom_right" in caps and draw(st.booleans(), label="bottom_right"):
+        options["causal_alignment"] = "bottom_right"
+    if "window" in caps and draw(st.booleans(), label="window"):
+        side = st.sampled_from([None, 0, 2])
+        options["window"] = (draw(side, label="left"), draw(side, label="right"))
+    if "softcap" in caps and draw(st.booleans(), label="softcap"):
+        options["softcap"] = 2.0
+    if draw(st.booleans(), label="scale"):
+        options["scale"] = 0.5
+    note(
+        f"H={H} K={K} T={T} S={S} D={D} E={E} {dtype}; cu_seqlens_q={cu_q.tolist()} "
+        f"cu_seqlens_k={cu_k.tolist()}; "
+        + ", ".join(f"{name}={value}" for name, value in options.items())
+    )
+    return Packing(q, k, v, cu_q, cu_k, dtype, options)
+
+
+@pytest.mark.clause("18.1", "18.2", "7.1")
+@requires("packed")
+@given(data=st.data())
+def test_packings_match_the_oracle(backend, data):
+    """On any drawn packing, ``attention_packed`` is the oracle's document by document
+    within SPEC §7, shaped (H, T, E) in q's dtype, and a query with no key in its
+    document returns exactly 0."""
+    p = data.draw(packings(backend), label="packing")
+    out = backend.attention_packed(p.q, p.k, p.v, p.cu_q, p.cu_k, **p.options)
+    args = (as64(p.q), as64(p.k), as64(p.v), p.cu_q, p.cu_k)
+    expected = oracle.attention_packed(*args, **p.options)
+    naive = oracle.naive_packed_same_precision(*args, numpy_dtype(p.dtype), **p.options)
+    tol = tolerance(p.dtype, finite_error(naive, expected), expected)
+    expect(
+        out.shape == expected.shape and out.dtype == p.q.dtype,
+        "attention_packed returns the wrong shape or dtype",
+        f"{backend.name}: got {out.dtype} {out.shape}, expected {p.q.dtype} {expected.shape}",
+    )
+    context = f"{backend.name}: attention_packed on the drawn packing"
+    assert_rows_zero(out, p.keyless()[None, :], context)
+    assert_within(
+        out,
+        expected,
+        tol,
+        context,
+        behaviour="packed attention differs from the oracle on packings Hypothesis draws",
     )

@@ -498,3 +498,34 @@ def test_huge_softcap_gradients(backend, dtype):
             f"{backend.name}: {name} with softcap={cap:g} ({dtype}) against the oracle",
             behaviour="a softcap so large that score / softcap is subnormal changes the gradients",
         )
+
+
+# --- §4.1: scores large but finite -----------------------------------------------------------
+
+#: A scale that makes ordinary scores huge but finite: |q·k| · scale < 1e302 (float64),
+#: < 1e32 (float32), far below the largest numbers.
+_HUGE_SCALE = {"float64": 1e300, "float32": 1e30}
+
+
+@pytest.mark.clause("4.1")
+@pytest.mark.parametrize("D", [1, 4], ids=["D1", "D4"])
+@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_large_finite_scores(backend, causal, D, dtype):
+    """A scale of 1e300 (1e30 in float32) makes the scores huge but finite: the softmax
+    puts all the weight on each row's largest score, and the output is the oracle's
+    (that key's value row), within §7. Measured: with D = 1, jax-flash's weights were
+    0 (output 0) or the row NaN, as exp() saw the product's rounding error instead of 0."""
+    scale = _HUGE_SCALE[dtype]
+    D, E = value_dims(backend, D, 2, keep="D")
+    q, k, v = random_qkv(150, B=1, H=2, T=3, S=5, D=D, E=E, dtype=dtype)
+    options = {"scale": scale, "is_causal": causal}
+    out = backend.attention(q, k, v, **options)
+    assert_within(
+        out,
+        oracle_attention(as64(q), as64(k), as64(v), **options),
+        random_tolerance(q, k, v, dtype, **options),
+        f"{backend.name}: scale={scale:g}, D={D} ({dtype}, {'causal' if causal else 'plain'}) "
+        f"against the oracle",
+        behaviour="huge but finite scores (a huge scale) give a wrong output",
+    )

@@ -480,6 +480,7 @@ def _flash_packed_vjp(
         o = acc / jnp.where(some, l, 1.0)[..., None]  # (B, K, G·Tb, E)
         m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # (B, K, G·Tb)
         lse = jnp.where(some, m_safe + jnp.log(jnp.where(some, l, 1.0)), jnp.inf)
+        lse = jnp.where(l == jnp.inf, jnp.nan, lse)  # (B, K, G·Tb): NaN after a +inf
 
         # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O).
         do = lax.dynamic_slice_in_dim(d_out, i * Tb, Tb, axis=2).astype(work)
@@ -604,7 +605,9 @@ def _flash_vjp(
         dq, dk, dv, dm, ds = grads
         # Forward steps 1-5 and 7 for this block, as in ``attention``: its rows' output
         # O and log-sum-exp, the one number per row the backward needs. A row with no key
-        # has l = 0: its lse is +inf, so that its weights exp(Z − lse) are all 0.
+        # has l = 0: its lse is +inf, so that its weights exp(Z − lse) are all 0. A row
+        # that read a +inf score has l = +inf: its lse is NaN, so that every weight of it
+        # is NaN, as in the forward (SPEC §4.1), not only its +inf ones.
         qi = tiles.queries(i, scale)  # (B, K, G·Tb, D)
         m, l, acc = tiles.online_softmax(qi, i)
         if sinks is not None:
@@ -614,6 +617,7 @@ def _flash_vjp(
         o = acc / jnp.where(some, l, 1.0)[..., None]  # (B, K, G·Tb, E)
         m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # (B, K, G·Tb)
         lse = jnp.where(some, m_safe + jnp.log(jnp.where(some, l, 1.0)), jnp.inf)
+        lse = jnp.where(l == jnp.inf, jnp.nan, lse)  # (B, K, G·Tb): NaN after a +inf
 
         # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O): one dot product per row.
         do = lax.dynamic_slice_in_dim(d_out, i * Tb, Tb, axis=2).astype(work)
@@ -856,6 +860,7 @@ def _flash_paged(
         # Δ = rowsum(dO ⊙ O), then page by page dV, dK into the pages, dQ here.
         m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # (K, G·Tb)
         lse = jnp.where(some, m_safe + jnp.log(jnp.where(some, l, 1.0)), jnp.inf)
+        lse = jnp.where(l == jnp.inf, jnp.nan, lse)  # (K, G·Tb): NaN after a +inf
         do = d_out[b, :, t0:t1].astype(work).reshape(K, R, E)  # (K, G·Tb, E)
         delta = (do * o).sum(axis=-1)  # (K, G·Tb)
 

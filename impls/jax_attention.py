@@ -243,7 +243,11 @@ def _attend(
     if sinks is not None:
         # The sink takes its share of the sum, and has no value row to give anything back.
         row_sum = row_sum + jnp.exp(sink - row_max - shift)  # (B, H, T, 1)
-    weights = p / jnp.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
+    # A row that reads +inf has row sum +inf: every weight of it is NaN, not only those of
+    # its +inf scores (SPEC §4.1), so that its gradients reach every key it attends.
+    divisor = jnp.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, 1)
+    divisor = jnp.where(row_sum == jnp.inf, jnp.nan, divisor)  # (B, H, T, 1)
+    weights = p / divisor  # (B, H, T, S)
     if sinks is not None:
         # A NaN or +inf sink makes its row NaN, as +inf - +inf does in the softmax (SPEC
         # §15.4); the shift by a finite row maximum above cannot show it, so it is selected.

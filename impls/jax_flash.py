@@ -85,6 +85,17 @@ uniform (SPEC §4.2). Where the ratio is below that smallest normal number the s
 as it is, the correctly rounded value of c · tanh(x / c) there; elsewhere nothing changes.
 The backward's 1 − tanh² is then exactly 1 there, the right derivative.
 
+Head size 1. With D = 1 XLA rewrites the tile's product q·kᵀ as an elementwise multiply
+and, the multiply being cheap, recomputes it inside both of its consumers: the row
+maximum m and exp(x − m). In the second, LLVM contracts the multiply and the subtraction
+into one fused multiply-add, which subtracts m from the exact product, not from the
+rounded score the maximum saw: exp() got the product's rounding error, up to half an ulp
+of the score, where it should get 0. That is nothing for ordinary scores, but at large
+ones (3e10 in float32: an exponent of −1024) the row's largest weight became 0 and its
+output 0, or its exponent went positive and the output NaN (SPEC §4.1). A zero column
+appended to q and k keeps the product a dot, computed once, whose rounded result both
+consumers read; for D > 1 nothing changes.
+
 The backward pass. ``attention_vjp`` is FlashAttention-2's backward, the algorithm
 ``numpy_flash.attention_vjp`` derives: for each query block, the forward over its key
 blocks gives each row's log-sum-exp lse = m + log l and its output O, hence
@@ -469,6 +480,7 @@ def _flash_packed_vjp(
         o = acc / jnp.where(some, l, 1.0)[..., None]  # (B, K, G·Tb, E)
         m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # (B, K, G·Tb)
         lse = jnp.where(some, m_safe + jnp.log(jnp.where(some, l, 1.0)), jnp.inf)
+        lse = jnp.where(l == jnp.inf, jnp.nan, lse)  # (B, K, G·Tb): NaN after a +inf
 
         # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O).
         do = lax.dynamic_slice_in_dim(d_out, i * Tb, Tb, axis=2).astype(work)
@@ -593,7 +605,9 @@ def _flash_vjp(
         dq, dk, dv, dm, ds = grads
         # Forward steps 1-5 and 7 for this block, as in ``attention``: its rows' output
         # O and log-sum-exp, the one number per row the backward needs. A row with no key
-        # has l = 0: its lse is +inf, so that its weights exp(Z − lse) are all 0.
+        # has l = 0: its lse is +inf, so that its weights exp(Z − lse) are all 0. A row
+        # that read a +inf score has l = +inf: its lse is NaN, so that every weight of it
+        # is NaN, as in the forward (SPEC §4.1), not only its +inf ones.
         qi = tiles.queries(i, scale)  # (B, K, G·Tb, D)
         m, l, acc = tiles.online_softmax(qi, i)
         if sinks is not None:
@@ -603,6 +617,7 @@ def _flash_vjp(
         o = acc / jnp.where(some, l, 1.0)[..., None]  # (B, K, G·Tb, E)
         m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # (B, K, G·Tb)
         lse = jnp.where(some, m_safe + jnp.log(jnp.where(some, l, 1.0)), jnp.inf)
+        lse = jnp.where(l == jnp.inf, jnp.nan, lse)  # (B, K, G·Tb): NaN after a +inf
 
         # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O): one dot product per row.
         do = lax.dynamic_slice_in_dim(d_out, i * Tb, Tb, axis=2).astype(work)
@@ -804,7 +819,7 @@ def _flash_paged(
             used = allowed.any(axis=0)[None, :, None]  # (1, L, 1)
             kj = jnp.where(used, k_pages[page].astype(work), 0.0)  # (K, L, D)
             vj = jnp.where(used, v_pages[page].astype(work), 0.0)  # (K, L, E)
-            x = jnp.einsum("krd,kld->krl", qi, kj, precision=_HIGHEST)  # (K, G·Tb, L)
+            x = _score_product("krd,kld->krl", qi, kj)  # (K, G·Tb, L)
             tanh = None
             if softcap is not None:
                 # A subnormal x / softcap keeps the score (see Notes: huge softcaps).
@@ -845,6 +860,7 @@ def _flash_paged(
         # Δ = rowsum(dO ⊙ O), then page by page dV, dK into the pages, dQ here.
         m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # (K, G·Tb)
         lse = jnp.where(some, m_safe + jnp.log(jnp.where(some, l, 1.0)), jnp.inf)
+        lse = jnp.where(l == jnp.inf, jnp.nan, lse)  # (K, G·Tb): NaN after a +inf
         do = d_out[b, :, t0:t1].astype(work).reshape(K, R, E)  # (K, G·Tb, E)
         delta = (do * o).sum(axis=-1)  # (K, G·Tb)
 
@@ -1069,7 +1085,7 @@ class _Tiles:
         B, K, G, Tb, Sb, work = self.B, self.K, self.G, self.Tb, self.Sb, self.work
         # 1. Scores: every query of the block against every key of the block.
         kj = lax.dynamic_slice_in_dim(self.k, j * Sb, Sb, axis=2).astype(work)  # (B, K, Sb, D)
-        x = jnp.einsum("bkrd,bksd->bkrs", qi, kj, precision=_HIGHEST)  # (B, K, G·Tb, Sb)
+        x = _score_product("bkrd,bksd->bkrs", qi, kj)  # (B, K, G·Tb, Sb)
 
         # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
         tanh = None
@@ -1337,6 +1353,15 @@ def _prepare(q, k, v, mask, options: dict, block_q: int, block_k: int, d_out=Non
         Sb=max(1, min(block_k, call.S)),
     )
     return call, (q, k, v, mask, sinks, alibi), static
+
+
+def _score_product(spec: str, qi: jax.Array, kj: jax.Array) -> jax.Array:
+    """Step 1's q·kᵀ of one tile, ``spec`` naming the axes, D last. With D = 1 the
+    product gets a zero column (see Notes: head size 1), so that XLA keeps it a dot."""
+    if qi.shape[-1] == 1:
+        pad = [(0, 0)] * (qi.ndim - 1) + [(0, 1)]
+        qi, kj = jnp.pad(qi, pad), jnp.pad(kj, pad)  # (..., 2): q·k + 0·0, the same sum
+    return jnp.einsum(spec, qi, kj, precision=_HIGHEST)
 
 
 def _mask_tile(mask: jax.Array, i: jax.Array, j: jax.Array, Tb: int, Sb: int):

@@ -148,8 +148,10 @@ def attention(
     # 1. Scores: every query against every key of its head.
     scores = np.einsum("bhtd,bhsd->bhts", q, k)  # (B, H, T, S)
 
-    # 2. Scale, so that the scores' spread does not grow with the head size D.
-    scores = scores * work(call.scale)  # (B, H, T, S)
+    # 2. Scale, so that the scores' spread does not grow with the head size D. A score
+    # that overflows is ±inf, as SPEC §4.1 defines: the answer, not an error.
+    with np.errstate(over="ignore"):
+        scores = scores * work(call.scale)  # (B, H, T, S)
 
     # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
     if call.softcap is not None:

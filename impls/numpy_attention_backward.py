@@ -270,7 +270,8 @@ def _forward(
     used = allowed.any(axis=2)[..., None]  # (B|1, H|1, S, 1)
     k = np.where(used, k, 0.0)  # (B, H, S, D)
     v = np.where(used, v, 0.0)  # (B, H, S, E)
-    raw = np.einsum("bhtd,bhsd->bhts", q, k) * work(call.scale)  # (B, H, T, S)
+    with np.errstate(over="ignore"):  # a score that overflows is ±inf (SPEC §4.1)
+        raw = np.einsum("bhtd,bhsd->bhts", q, k) * work(call.scale)  # (B, H, T, S)
     scores = raw  # (B, H, T, S)
     if call.softcap is not None:
         # A score far above the softcap overflows to ±inf here, whose tanh is exactly ±1.
@@ -294,11 +295,14 @@ def _forward(
         with np.errstate(over="ignore", invalid="ignore"):
             p_sink = np.exp(sink - row_max)  # (B, H, T, 1)
         row_sum = row_sum + p_sink  # (B, H, T, 1)
-    # A row that reads +inf or NaN becomes NaN here (inf / inf), as in the forward.
+    # A row that reads +inf or NaN becomes NaN here (inf / inf), as in the forward; one
+    # that reads +inf, every weight of it (SPEC §4.1).
+    divisor = np.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, 1)
+    divisor = np.where(row_sum == np.inf, np.nan, divisor)  # (B, H, T, 1)
     with np.errstate(invalid="ignore"):
-        weights = p / np.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
+        weights = p / divisor  # (B, H, T, S)
         if sinks is not None:
-            sink_weights = p_sink / np.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, 1)
+            sink_weights = p_sink / divisor  # (B, H, T, 1)
     if sinks is not None:
         bad = np.isnan(sink) | (sink == np.inf)  # (B, H, T, 1): NaN rows, as in the forward
         weights = np.where(bad, np.nan, weights)  # (B, H, T, S)

@@ -312,6 +312,7 @@ def attention_vjp(
         o = _normalise(acc, l)  # (B·K, G·Tb, E)
         some = l > 0  # (B·K, G·Tb, 1)
         lse = np.where(some, m + np.log(np.where(some, l, 1.0)), np.inf)  # (B·K, G·Tb, 1)
+        lse = np.where(l == np.inf, np.nan, lse)  # (B·K, G·Tb, 1): see _backward_block
 
         # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O): one dot product per row.
         do = d_out[:, :, t0:t1].astype(work).reshape(B * K, G * Tb, E)  # (B·K, G·Tb, E)
@@ -535,8 +536,9 @@ def _backward_block(
         # Forward steps 1, 3 and 4 again: the tile's masked scores Z.
         z, used = tiles.scores(qs, t0, t1, s0, s1, whole, keep_tanh=True)  # (B·K, G·Tb, Sb)
         # 5. The weights, recomputed from the row's log-sum-exp: P = exp(Z − lse). A row
-        # with no key has lse = +inf and so P = 0; a +inf score (q·k overflowed) makes
-        # its row NaN, as in the forward.
+        # with no key has lse = +inf and so P = 0; a row that read a +inf score (q·k
+        # overflowed) has l = +inf and lse = NaN, so that every weight of it is NaN, as
+        # in the forward (SPEC §4.1), not only its +inf ones (exp(Z − inf) would be 0).
         with np.errstate(invalid="ignore"):
             z -= lse  # (B·K, G·Tb, Sb)
         p = np.exp(z, out=z)  # (B·K, G·Tb, Sb)
@@ -964,6 +966,7 @@ def attention_paged_vjp(
             o = _normalise(acc, l)  # (K, G·Tb, E)
             some = l > 0  # (K, G·Tb, 1)
             lse = np.where(some, m + np.log(np.where(some, l, 1.0)), np.inf)  # (K, G·Tb, 1)
+            lse = np.where(l == np.inf, np.nan, lse)  # (K, G·Tb, 1): see _backward_block
 
             # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O).
             do = d_out[b, :, :, t0:t1].astype(work).reshape(K, G * Tb, E)  # (K, G·Tb, E)

@@ -323,12 +323,15 @@ def grouped(x, K, G):
 
 
 def backward_weights(scores):
-    """The forward's weights again; a row with every key at -inf gets weights 0."""
+    """The forward's weights again; a row with every key at -inf gets weights 0, and one
+    that read a +inf score (row sum +inf) NaN weights throughout (SPEC §4.1)."""
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
     p = np.exp(scores - row_max)
     row_sum = p.sum(axis=-1, keepdims=True)
-    return p / np.where(row_sum > 0, row_sum, 1.0)
+    divisor = np.where(row_sum > 0, row_sum, 1.0)
+    with np.errstate(invalid="ignore"):
+        return p / np.where(row_sum == np.inf, np.nan, divisor)
 
 
 def backward_sink_weights(scores, sinks):

@@ -165,5 +165,5 @@ class JaxUlyssesBackend(JaxRingBackend):
 
     name = "jax-ulysses"
     impl_module = "conformance.impls.jax_ulysses"
-    capabilities = JaxRingBackend.capabilities | {"sharded_heads"}
+    capabilities = JaxRingBackend.capabilities | {"sharded_heads", "sinks", "alibi"}
     conformance_options = MappingProxyType({"shards": 3, "layout": "zigzag"})

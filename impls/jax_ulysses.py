@@ -174,6 +174,7 @@ def _run(q, k, v, d_out, mask, shards, layout, *, sinks, alibi_slopes, **options
         offset=0 if call.causal_alignment == "top_left" else call.S - call.T,
         window=call.window, softcap=call.softcap,
         mask=None if mask is None else mask.reshape(call.mask_shape),
+        sinks=None, slopes=None,  # sharded with the heads below, not as the ring does
     )  # fmt: skip
     ring = _Ring(run, shards, layout)  # the sequence layout and the mesh, as jax_ring's
     P, mesh = ring.P, ring.mesh

@@ -113,6 +113,8 @@ class JaxRingBackend(JaxBackend):
         "grad_mask",
         "grad_softcap",
         "sharded",
+        "sinks",
+        "alibi",
     }
     default_shards: int | None = None
     conformance_options = MappingProxyType({"shards": 4, "layout": "zigzag"})
@@ -165,5 +167,5 @@ class JaxUlyssesBackend(JaxRingBackend):
 
     name = "jax-ulysses"
     impl_module = "conformance.impls.jax_ulysses"
-    capabilities = JaxRingBackend.capabilities | {"sharded_heads", "sinks", "alibi"}
+    capabilities = JaxRingBackend.capabilities | {"sharded_heads"}
     conformance_options = MappingProxyType({"shards": 3, "layout": "zigzag"})

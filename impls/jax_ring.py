@@ -92,7 +92,10 @@ Supports: bool and float masks, causal masking aligned top-left or bottom-right,
 windows, softcapping, attention sinks, ALiBi, grouped-query and multi-query attention
 (K < H, no repeated heads built), float64, float32, float16 and bfloat16 (computed in
 float32 and rounded once), unbatched inputs, and the backward pass with a float mask's
-and the sinks' gradients. Not supported: dropout, chunked local attention. On a CPU-only machine, P devices need ``jax.config.update("jax_num_cpu_devices",
+and the sinks' gradients. Chunked local attention (Llama 4) is one more test on the
+tokens' positions, like the window, so a block none of whose keys shares a chunk with
+the query block's rows is skipped like one above the causal diagonal. Not supported:
+dropout. On a CPU-only machine, P devices need ``jax.config.update("jax_num_cpu_devices",
 P)`` before JAX's first computation (``host_devices`` does it, or says why it cannot).
 The same code runs unchanged over real devices, and over hosts after
 ``jax.distributed.initialize()``.
@@ -130,6 +133,7 @@ def attention(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     sinks=None,
+    chunk_size: int | None = None,
     alibi_slopes=None,
     shards: int | None = None,
     layout: str = "zigzag",
@@ -152,6 +156,8 @@ def attention(
       dropout_p: must be 0; dropout is not supported here.
       sinks: (H,), same dtype as q: one logit per query head that joins every row's
         softmax and carries no value (SPEC §15), or None.
+      chunk_size: query t and key s attend each other only within one chunk of that many
+        positions, ⌊(t + offset) / chunk_size⌋ == ⌊s / chunk_size⌋ (SPEC §16), or None.
       alibi_slopes: (H,) or (B, H), float32 or q's dtype: ALiBi adds -slope · |t + S - T -
         s| to the scores, t and s the global positions (SPEC §17), or None.
       shards: P, the number of devices in the ring (default: every device JAX sees).
@@ -174,6 +180,7 @@ def attention(
         softcap=softcap,
         dropout_p=dropout_p,
         sinks=sinks,
+        chunk_size=chunk_size,
         alibi_slopes=alibi_slopes,
     )
     ring = _Ring(run, shards, layout)
@@ -197,6 +204,7 @@ def attention_vjp(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     sinks=None,
+    chunk_size: int | None = None,
     alibi_slopes=None,
     shards: int | None = None,
     layout: str = "zigzag",
@@ -204,8 +212,8 @@ def attention_vjp(
     """Gradients of ``attention`` by a second ring (see the module docstring).
 
     Args:
-      q, k, v, mask, options, sinks, alibi_slopes, shards, layout: as for ``attention``
-        (no dropout).
+      q, k, v, mask, options, sinks, chunk_size, alibi_slopes, shards, layout: as for
+        ``attention`` (no dropout).
       d_out: ∂L/∂out, shaped like the output, in q's dtype.
 
     Returns:
@@ -226,6 +234,7 @@ def attention_vjp(
         softcap=softcap,
         dropout_p=dropout_p,
         sinks=sinks,
+        chunk_size=chunk_size,
         alibi_slopes=alibi_slopes,
     )
     ring = _Ring(run, shards, layout)
@@ -597,15 +606,21 @@ def _add_key_piece(x, update, b, Sc: int):
 
 
 def _allowed_keys(tp, sp, opts):
-    """(Tc, Sc): causality, the window and padding, from the tokens' original positions.
+    """(Tc, Sc): causality, the window, local-attention chunks and padding, from the
+    tokens' original positions.
 
-    Query t' = t + offset (its aligned diagonal) sees keys s with lo <= s - t' <= hi.
-    Padding (a key at position >= S, a query at >= T) attends and is attended by nothing,
-    so that it cannot make a key look used.
+    Query t' = t + offset (its aligned diagonal) sees keys s with lo <= s - t' <= hi and,
+    with chunks, ⌊t' / chunk⌋ == ⌊s / chunk⌋ (floor division: a query at a negative
+    position lies in a chunk of no key). Padding (a key at position >= S, a query at
+    >= T) attends and is attended by nothing, so that it cannot make a key look used.
     """
-    distance = sp[None, :] - (tp[:, None] + opts["offset"])  # (Tc, Sc)
+    t = tp[:, None] + opts["offset"]  # (Tc, 1)
+    distance = sp[None, :] - t  # (Tc, Sc)
     padding = (tp < opts["T"])[:, None] & (sp < opts["S"])[None, :]  # (Tc, Sc)
-    return padding & (distance >= opts["lo"]) & (distance <= opts["hi"])  # (Tc, Sc)
+    chunk = jnp.maximum(opts["chunk"], 1)
+    same_chunk = (opts["chunk"] == 0) | (t // chunk == sp[None, :] // chunk)  # (Tc, Sc)
+    band = (distance >= opts["lo"]) & (distance <= opts["hi"])  # (Tc, Sc)
+    return padding & band & same_chunk  # (Tc, Sc)
 
 
 def _mask_block(mask, a, b, src, Tc: int, Sc: int, Sl: int):
@@ -724,6 +739,7 @@ def _prepare(q, k, v, mask, d_out=None, **options) -> _Run:
         offset=0 if call.causal_alignment == "top_left" else call.S - call.T,
         window=call.window,
         softcap=call.softcap,
+        chunk=call.chunk_size,
     )
 
 
@@ -784,6 +800,8 @@ class _Ring:
             hi=np.int32(min(hi, 0) if run.is_causal else hi),
             T=np.int32(run.T),
             S=np.int32(run.S),
+            # 0: no local-attention chunks; one wider than every position is one chunk.
+            chunk=np.int32(0 if run.chunk is None else min(run.chunk, _FAR)),
         )
 
     def _perm(self, n: int) -> np.ndarray:

@@ -60,8 +60,8 @@ Shape legend (heads-first, as in PyTorch):
     Hl = Hp / P query heads and Kl key/value head slots per device
 
 Supports what ``jax_ring`` does (masks, both causal alignments, windows, softcap, GQA,
-attention sinks, ALiBi, every dtype, unbatched inputs, gradients by ``jax.vjp``, dsinks
-included), batch > 1; not dropout or chunked attention.
+attention sinks, chunked local attention, ALiBi, every dtype, unbatched inputs, gradients
+by ``jax.vjp``, dsinks included), batch > 1; not dropout.
 """
 
 from __future__ import annotations
@@ -113,6 +113,7 @@ def attention(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     sinks=None,
+    chunk_size: int | None = None,
     alibi_slopes=None,
     shards: int | None = None,
     layout: str = "contiguous",
@@ -120,7 +121,8 @@ def attention(
     """Scaled dot-product attention over P devices by two all-to-alls (args as jax_ring)."""
     return _run(q, k, v, None, mask, shards, layout, is_causal=is_causal, scale=scale,
                 causal_alignment=causal_alignment, window=window, softcap=softcap,
-                dropout_p=dropout_p, sinks=sinks, alibi_slopes=alibi_slopes)  # fmt: skip
+                dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size,
+                alibi_slopes=alibi_slopes)  # fmt: skip
 
 
 def attention_vjp(
@@ -137,6 +139,7 @@ def attention_vjp(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     sinks=None,
+    chunk_size: int | None = None,
     alibi_slopes=None,
     shards: int | None = None,
     layout: str = "contiguous",
@@ -144,7 +147,8 @@ def attention_vjp(
     """Gradients by ``jax.vjp`` through both all-to-alls: (dq, dk, dv[, dmask][, dsinks])."""
     return _run(q, k, v, d_out, mask, shards, layout, is_causal=is_causal, scale=scale,
                 causal_alignment=causal_alignment, window=window, softcap=softcap,
-                dropout_p=dropout_p, sinks=sinks, alibi_slopes=alibi_slopes)  # fmt: skip
+                dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size,
+                alibi_slopes=alibi_slopes)  # fmt: skip
 
 
 def _run(q, k, v, d_out, mask, shards, layout, *, sinks, alibi_slopes, **options):
@@ -172,7 +176,7 @@ def _run(q, k, v, d_out, mask, shards, layout, *, sinks, alibi_slopes, **options
     run.__dict__.update(
         T=call.T, S=call.S, scale=call.scale, is_causal=call.is_causal,
         offset=0 if call.causal_alignment == "top_left" else call.S - call.T,
-        window=call.window, softcap=call.softcap,
+        window=call.window, softcap=call.softcap, chunk=call.chunk_size,
         mask=None if mask is None else mask.reshape(call.mask_shape),
         sinks=None, slopes=None,  # sharded with the heads below, not as the ring does
     )  # fmt: skip
@@ -281,11 +285,16 @@ def _ulysses_body(q, k, v, kv_slot, tpos, spos, mask, sinks, slopes, opts, *, so
     k = jnp.take(k, slot, axis=1)  # (B, Hl, Sp, D)
     v = jnp.take(v, slot, axis=1)  # (B, Hl, Sp, E)
 
-    # Which keys each query may see: causality, the window and padding (from the tokens'
-    # original positions), a real head, a bool mask, a float mask's -inf entries.
-    distance = spos[None, :] - (tpos[:, None] + opts["offset"])  # (Tp, Sp)
+    # Which keys each query may see: causality, the window, local-attention chunks and
+    # padding (from the tokens' original positions), a real head, a bool mask, a float
+    # mask's -inf entries. Chunks use floor division: a query at a negative position lies
+    # in a chunk of no key.
+    t = tpos[:, None] + opts["offset"]  # (Tp, 1)
+    distance = spos[None, :] - t  # (Tp, Sp)
     allowed = (tpos < opts["T"])[:, None] & (spos < opts["S"])[None, :]  # (Tp, Sp)
     allowed = allowed & (distance >= opts["lo"]) & (distance <= opts["hi"])
+    chunk = jnp.maximum(opts["chunk"], 1)
+    allowed = allowed & ((opts["chunk"] == 0) | (t // chunk == spos[None, :] // chunk))
     allowed = allowed[None] & (kv_slot >= 0)[:, None, None]  # (Hl, Tp, Sp)
     if mask is not None:
         allowed = allowed & (mask if mask.dtype == jnp.bool_ else mask != -jnp.inf)

@@ -45,10 +45,12 @@ ranks (``dist.all_reduce``); ALiBi's bias −slope·|t + S − T − s| is compu
 the tokens' global positions, which travel with them, so it holds in both layouts and
 with padding. Sinks (H,) and slopes (B, H) are small: every rank gets all of them.
 
-Supports: bool and float masks, causal (both alignments), windows, softcap, attention
-sinks, ALiBi, GQA (no repeated heads built), every dtype (computed in float32 or float64,
-rounded once), unbatched inputs, and the backward pass (dsinks included). Not supported:
-dropout, chunked local attention.
+Supports: bool and float masks, causal (both alignments), windows, chunked local
+attention, softcap, attention sinks, ALiBi, GQA (no repeated heads built), every dtype (computed in float32 or float64,
+rounded once), unbatched inputs, and the backward pass (dsinks included). Chunked local
+attention is one more test on the tokens' positions, like the window, so a block with no
+key in its queries' chunks is skipped like one above the causal diagonal. Not supported:
+dropout.
 
 The backward (``ring_attention_backward``) is a second ring, written by hand because
 autograd does not differentiate point-to-point communication. The forward's per-row
@@ -346,10 +348,16 @@ def _pass_on(tensors, me: int, P: int):
 
 
 def _allowed_keys(tp, sp, opts: dict):
-    """(Tc, Sc): causality, the window and padding, from the tokens' original positions."""
-    distance = sp[None, :] - (tp[:, None] + opts["offset"])  # (Tc, Sc)
+    """(Tc, Sc): causality, the window, local-attention chunks and padding, from the
+    tokens' original positions. Chunks use floor division: a query at a negative position
+    lies in a chunk of no key."""
+    t = tp[:, None] + opts["offset"]  # (Tc, 1)
+    distance = sp[None, :] - t  # (Tc, Sc)
     padding = (tp < opts["T"])[:, None] & (sp < opts["S"])[None, :]  # (Tc, Sc)
-    return padding & (distance >= opts["lo"]) & (distance <= opts["hi"])
+    allowed = padding & (distance >= opts["lo"]) & (distance <= opts["hi"])  # (Tc, Sc)
+    if opts["chunk"] is not None:
+        allowed = allowed & (t // opts["chunk"] == sp[None, :] // opts["chunk"])
+    return allowed
 
 
 def _mask_block(mask, a: int, b: int, src: int, Tc: int, Sc: int, Sl: int):
@@ -397,12 +405,13 @@ def attention(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     sinks=None,
+    chunk_size: int | None = None,
     alibi_slopes=None,
     world_size: int = 2,
     layout: str = "zigzag",
 ) -> np.ndarray:
     """Ring attention on a pool of ``world_size`` worker processes; NumPy in and out.
-    ``sinks`` (H,) and ``alibi_slopes`` (H,) or (B, H) as in SPEC §15 and §17."""
+    ``sinks`` (H,), ``chunk_size`` and ``alibi_slopes`` (H,) or (B, H) as in SPEC §15-§17."""
     # 0. Validate: the input contract every impl shares (contract.py).
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     mask = None if mask is None else np.asarray(mask)
@@ -412,7 +421,7 @@ def attention(
         q, k, v, mask=mask, is_causal=is_causal, scale=scale,
         causal_alignment=causal_alignment, window=window, softcap=softcap,
         dropout_p=dropout_p, unsupported={"dropout_p": "torch-ring has no dropout"},
-        sinks=sinks, alibi_slopes=slopes,
+        sinks=sinks, chunk_size=chunk_size, alibi_slopes=slopes,
     )  # fmt: skip
     ring = _Layout(call, q, k, v, mask, None, world_size, layout, sinks, slopes)
     outs = run_on_ranks(ring.P, _forward_rank, ring.shards, opts=ring.opts, pieces=ring.pieces)
@@ -433,6 +442,7 @@ def attention_vjp(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     sinks=None,
+    chunk_size: int | None = None,
     alibi_slopes=None,
     world_size: int = 2,
     layout: str = "zigzag",
@@ -447,7 +457,7 @@ def attention_vjp(
     call = contract.check(
         q, k, v, mask=mask, is_causal=is_causal, scale=scale,
         causal_alignment=causal_alignment, window=window, softcap=softcap, d_out=d_out,
-        sinks=sinks, alibi_slopes=slopes,
+        sinks=sinks, chunk_size=chunk_size, alibi_slopes=slopes,
     )  # fmt: skip
     ring = _Layout(call, q, k, v, mask, d_out, world_size, layout, sinks, slopes)
     parts = run_on_ranks(ring.P, _backward_rank, ring.shards, opts=ring.opts, pieces=ring.pieces)
@@ -505,6 +515,7 @@ class _Layout:
             hi=min(hi, 0) if call.is_causal else hi,
             T=call.T,
             S=call.S,
+            chunk=None if call.chunk_size is None else min(call.chunk_size, _FAR),
         )
         # Sinks (H,) and slopes (B, H), in the working dtype, go to every rank whole.
         sinks = None if sinks is None else sinks.astype(work)  # (H,)

@@ -40,11 +40,10 @@ Hr the query heads and Kr the key/value heads on this rank.
 
     q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
 
-Supports: bool and float masks, causal (both alignments), windows, softcap, attention
-sinks, ALiBi, GQA, every dtype (computed in float32 or float64, rounded once), unbatched
+Supports: bool and float masks, causal (both alignments), windows, chunked local
+attention, softcap, attention sinks, ALiBi, GQA, every dtype (computed in float32 or float64, rounded once), unbatched
 inputs, and the backward pass (autograd on each rank's attention, dsinks included; the
-all-to-alls' adjoints are the reverse all-to-alls). Not supported: dropout, chunked local
-attention.
+all-to-alls' adjoints are the reverse all-to-alls). Not supported: dropout.
 """
 
 from __future__ import annotations
@@ -138,11 +137,16 @@ def _attention_on_heads(q, k, v, tpos, spos, mask, sinks, slopes, opts: dict, he
     k = k[:, slot]  # (B, Hr, Sp, D)
     v = v[:, slot]  # (B, Hr, Sp, E)
 
-    # Which keys each query may see: causality, the window and padding (from the tokens'
-    # original positions), a bool mask, a float mask's -inf entries.
-    distance = spos[None, :] - (tpos[:, None] + opts["offset"])  # (Tp, Sp)
+    # Which keys each query may see: causality, the window, local-attention chunks and
+    # padding (from the tokens' original positions), a bool mask, a float mask's -inf
+    # entries. Chunks use floor division: a query at a negative position lies in a chunk
+    # of no key.
+    t = tpos[:, None] + opts["offset"]  # (Tp, 1)
+    distance = spos[None, :] - t  # (Tp, Sp)
     allowed = (tpos < opts["T"])[:, None] & (spos < opts["S"])[None, :]  # (Tp, Sp)
     allowed = allowed & (distance >= opts["lo"]) & (distance <= opts["hi"])
+    if opts["chunk"] is not None:
+        allowed = allowed & (t // opts["chunk"] == spos[None, :] // opts["chunk"])
     if mask is not None:
         allowed = allowed & (mask if mask.dtype == torch.bool else mask != -torch.inf)
     # A key no query of its head may see must have no effect whatever it holds (0 · NaN
@@ -273,13 +277,14 @@ def attention(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     sinks=None,
+    chunk_size: int | None = None,
     alibi_slopes=None,
     world_size: int = 2,
     layout: str = "zigzag",
     run: Runner,
 ) -> np.ndarray:
     """Ulysses attention on ``world_size`` ranks run by ``run``; NumPy in and out.
-    ``sinks`` (H,) and ``alibi_slopes`` (H,) or (B, H) as in SPEC §15 and §17."""
+    ``sinks`` (H,), ``chunk_size`` and ``alibi_slopes`` (H,) or (B, H) as in SPEC §15-§17."""
     # 0. Validate: the input contract every impl shares (contract.py).
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     mask = None if mask is None else np.asarray(mask)
@@ -289,7 +294,7 @@ def attention(
         q, k, v, mask=mask, is_causal=is_causal, scale=scale,
         causal_alignment=causal_alignment, window=window, softcap=softcap,
         dropout_p=dropout_p, unsupported={"dropout_p": "torch-ulysses has no dropout"},
-        sinks=sinks, alibi_slopes=slopes,
+        sinks=sinks, chunk_size=chunk_size, alibi_slopes=slopes,
     )  # fmt: skip
     lay = _Layout(call, q, k, v, mask, None, world_size, layout, sinks, slopes)
     outs = run(ulysses_attention, lay.shards, opts=lay.opts, heads=lay.heads)  # P × (B, H, Tl, E)
@@ -310,6 +315,7 @@ def attention_vjp(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     sinks=None,
+    chunk_size: int | None = None,
     alibi_slopes=None,
     world_size: int = 2,
     layout: str = "zigzag",
@@ -325,7 +331,7 @@ def attention_vjp(
     call = contract.check(
         q, k, v, mask=mask, is_causal=is_causal, scale=scale,
         causal_alignment=causal_alignment, window=window, softcap=softcap, d_out=d_out,
-        sinks=sinks, alibi_slopes=slopes,
+        sinks=sinks, chunk_size=chunk_size, alibi_slopes=slopes,
     )  # fmt: skip
     lay = _Layout(call, q, k, v, mask, d_out, world_size, layout, sinks, slopes)
     parts = run(ulysses_attention_backward, lay.shards, opts=lay.opts, heads=lay.heads)
@@ -397,6 +403,7 @@ class _Layout:
             T=call.T,
             S=call.S,
             G=call.H // call.K,
+            chunk=None if call.chunk_size is None else min(call.chunk_size, _FAR),
         )
         # Sinks (H,) and slopes (B, H) in the working dtype, split with the query heads.
         sinks = None if sinks is None else sinks.astype(work)  # (H,)

@@ -114,6 +114,7 @@ class JaxRingBackend(JaxBackend):
         "grad_softcap",
         "sharded",
         "sinks",
+        "chunked",
         "alibi",
     }
     default_shards: int | None = None

@@ -92,13 +92,13 @@ def test_unknown_layout_raises(backend):
 @requires(*VARIANTS["all"][0])
 @uses_dtype("float64")
 def test_eight_shards(backend, P, layout):
-    """P = 8, every declared variant at once, forward and (with "grad") backward: sinks
-    and ALiBi (§14.9) too where declared, dsinks included."""
+    """P = 8, every declared variant at once, forward and (with "grad") backward: sinks,
+    chunks and ALiBi (§14.9) too where declared, dsinks included."""
     at = _sharded(backend, P, layout)
     options = dict(VARIANTS["all"][1])
     q, k, v = random_qkv(80, **_shape(backend, H=8, K=2, T=13, S=11))
     mask = np.random.default_rng(81).random((1, 1, 13, 11)) > 0.2  # (1, 1, T, S)
-    options.update(_sinks_and_slopes(backend, 83, B=2, H=8))
+    options.update(_positional_variants(backend, 83, B=2, H=8, chunk_size=4))
     out = at.attention(q, k, v, mask=mask, **options)
     ref = naive(q, k, v, mask=mask, **options)
     tol = random_tolerance(q, k, v, "float64", mask=mask, **options)
@@ -112,15 +112,17 @@ def test_eight_shards(backend, P, layout):
         _check_grads(grads, ref_g, tols, f"{at.name} P={P} {layout} {list(options)}", names)
 
 
-def _sinks_and_slopes(backend, seed: int, *, B: int, H: int) -> dict:
-    """The sinks (H,) and ALiBi's slopes (B, H) a backend declares (§14.9), comparable to
-    the scores so that both weigh; {} for a backend that declares neither."""
+def _positional_variants(backend, seed: int, *, B: int, H: int, chunk_size: int) -> dict:
+    """Of sinks (H,), ALiBi's slopes (B, H) and chunks, those the backend declares (§14.9):
+    sinks and slopes comparable to the scores, so that they weigh."""
     rng = np.random.default_rng(seed)
     options = {}
     if "sinks" in backend.capabilities:
         options["sinks"] = rng.uniform(-1.0, 2.0, H)  # (H,)
     if "alibi" in backend.capabilities:
         options["alibi_slopes"] = rng.uniform(0.05, 0.5, (B, H)).astype(np.float32)  # (B, H)
+    if "chunked" in backend.capabilities:
+        options["chunk_size"] = chunk_size
     return options
 
 
@@ -166,15 +168,15 @@ def test_shard_count_invariance(backend, P, dtype, variant, request):
 @requires("sinks", "alibi", "gqa", "causal_bottom_right")
 @uses_dtype("float64")
 def test_sinks_and_alibi_at_every_shard_count(backend, P, layout):
-    """Sinks and per-batch ALiBi slopes, causal bottom-right with T < S, on sequences long
-    enough that every device holds real tokens in both layouts (zigzag's second chunks
-    included): the oracle's output within §7's tolerance, and P = 1's within twice that.
-    A sink merged on every device counts P times; a bias from local slots is wrong off
-    device 0."""
+    """Sinks and per-batch ALiBi slopes (and chunks of 16, where declared), causal
+    bottom-right with T < S, on sequences long enough that every device holds real tokens
+    in both layouts (zigzag's second chunks included): the oracle's output within §7's
+    tolerance, and P = 1's within twice that. A sink merged on every device counts P
+    times; a bias or a chunk from local slots is wrong off device 0."""
     shape = _shape(backend, H=6, K=2, T=37, S=67)
     q, k, v = random_qkv(158, **shape)
     options = {"is_causal": True, "causal_alignment": "bottom_right"}
-    options.update(_sinks_and_slopes(backend, 159, B=shape["B"], H=shape["H"]))
+    options.update(_positional_variants(backend, 159, B=shape["B"], H=shape["H"], chunk_size=16))
     ref = naive(q, k, v, **options)
     tol = random_tolerance(q, k, v, "float64", **options)
     out = _sharded(backend, P, layout).attention(q, k, v, **options)

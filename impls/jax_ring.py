@@ -617,10 +617,10 @@ def _allowed_keys(tp, sp, opts):
     t = tp[:, None] + opts["offset"]  # (Tc, 1)
     distance = sp[None, :] - t  # (Tc, Sc)
     padding = (tp < opts["T"])[:, None] & (sp < opts["S"])[None, :]  # (Tc, Sc)
-    chunk = jnp.maximum(opts["chunk"], 1)
-    same_chunk = (opts["chunk"] == 0) | (t // chunk == sp[None, :] // chunk)  # (Tc, Sc)
-    band = (distance >= opts["lo"]) & (distance <= opts["hi"])  # (Tc, Sc)
-    return padding & band & same_chunk  # (Tc, Sc)
+    allowed = padding & (distance >= opts["lo"]) & (distance <= opts["hi"])  # (Tc, Sc)
+    if "chunk" in opts:
+        allowed = allowed & (t // opts["chunk"] == sp[None, :] // opts["chunk"])  # (Tc, Sc)
+    return allowed
 
 
 def _mask_block(mask, a, b, src, Tc: int, Sc: int, Sl: int):
@@ -800,9 +800,11 @@ class _Ring:
             hi=np.int32(min(hi, 0) if run.is_causal else hi),
             T=np.int32(run.T),
             S=np.int32(run.S),
-            # 0: no local-attention chunks; one wider than every position is one chunk.
-            chunk=np.int32(0 if run.chunk is None else min(run.chunk, _FAR)),
         )
+        if run.chunk is not None:
+            # Only with chunks: a call without them compiles no chunk test at all. One
+            # chunk wider than every position holds them all.
+            self.opts["chunk"] = np.int32(min(run.chunk, _FAR))
 
     def _perm(self, n: int) -> np.ndarray:
         chunks = self.P * self.pieces  # P slices, or 2P zigzag chunks

@@ -293,8 +293,8 @@ def _ulysses_body(q, k, v, kv_slot, tpos, spos, mask, sinks, slopes, opts, *, so
     distance = spos[None, :] - t  # (Tp, Sp)
     allowed = (tpos < opts["T"])[:, None] & (spos < opts["S"])[None, :]  # (Tp, Sp)
     allowed = allowed & (distance >= opts["lo"]) & (distance <= opts["hi"])
-    chunk = jnp.maximum(opts["chunk"], 1)
-    allowed = allowed & ((opts["chunk"] == 0) | (t // chunk == spos[None, :] // chunk))
+    if "chunk" in opts:
+        allowed = allowed & (t // opts["chunk"] == spos[None, :] // opts["chunk"])
     allowed = allowed[None] & (kv_slot >= 0)[:, None, None]  # (Hl, Tp, Sp)
     if mask is not None:
         allowed = allowed & (mask if mask.dtype == jnp.bool_ else mask != -jnp.inf)

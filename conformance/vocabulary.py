@@ -21,6 +21,11 @@ CAPABILITIES = {
     "within the same chunk (SPEC §16)",
     "alibi": "ALiBi: alibi_slopes (H,) or (B, H), a linear bias -slope * |t + S - T - s| "
     "added to the scores (SPEC §17)",
+    "packed": "packed variable-length sequences: attention_packed(q, k, v, cu_seqlens_q, "
+    "cu_seqlens_k), documents one after another, no query sees another document "
+    "(SPEC §18)",
+    "paged": "paged KV caches: attention_paged(q, k_pages, v_pages, block_table, seq_lens), "
+    "keys and values in pages of L slots addressed by a block table (SPEC §19)",
     "module": "the multi-head layer and GPT block from shared weights (SPEC §9)",
     "grad": "backward pass: attention_vjp (SPEC §12)",
     "grad_mask": "attention_vjp also returns the gradient of a float mask (SPEC §12.3)",
@@ -44,7 +49,7 @@ DTYPES = ("float64", "float32", "float16", "bfloat16")
 #: implements them: they are not part of ``ALL_CAPABILITIES`` either, so that a backend
 #: (or an ``--impl`` function) declaring ``ALL_CAPABILITIES`` promises only what it
 #: promised before they existed, and has their tests skipped by name.
-VARIANT_CAPABILITIES = frozenset({"sinks", "chunked", "alibi"})
+VARIANT_CAPABILITIES = frozenset({"sinks", "chunked", "alibi", "packed", "paged"})
 
 #: Every capability of the forward pass ("sharded" and "sharded_heads" describe how a
 #: backend runs, not a feature of the function: only the context-parallel backends

@@ -1,7 +1,9 @@
 """``python -m conformance walkthrough --out docs/walkthrough``: the worked example, step by step.
 
 Writes ``walkthrough.md``, ``backward.md`` (the same example through the blockwise
-backward of ``impls/numpy_flash.py``, tile by tile) and one picture per case: the seed notes' three tokens
+backward of ``impls/numpy_flash.py``, tile by tile), ``sinks.md`` and ``paged.md`` (the
+worked examples of attention sinks, SPEC §15, and of a paged KV cache, §19, through the
+impl's own sink lines and ``attention_paged``) and one picture per case: the seed notes' three tokens
 (``fixtures/worked_example.json``) taken through the numbered steps of
 ``impls/numpy_attention.py`` — 1 scores, 2 scale, 4 mask, 5 softmax, 7 weighted sum — with
 the numbers each step produces, causal and not. Each step quotes the impl's own lines, and
@@ -16,11 +18,12 @@ from __future__ import annotations
 import argparse
 import inspect
 import math
+import textwrap
 from pathlib import Path
 
 import numpy as np
 
-from conformance.impls import numpy_attention, numpy_attention_backward, numpy_flash
+from conformance.impls import contract, numpy_attention, numpy_attention_backward, numpy_flash
 from conformance.suite.cases import worked_example
 
 #: The steps the example shows (3 softcap and 6 dropout are off here), as (number, title).
@@ -300,6 +303,386 @@ def backward_markdown() -> str:
     return "\n".join(lines)
 
 
+def _source(func, marker: str | None = None) -> str:
+    """``func``'s source as written, dedented: whole, or the block of lines from the one
+    starting ``marker`` to the next blank line."""
+    lines = textwrap.dedent(inspect.getsource(func)).splitlines()
+    if marker is None:
+        return "\n".join(lines)
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith(marker))
+    block = []
+    for line in lines[start:]:
+        if not line.strip():
+            break
+        block.append(line)
+    return textwrap.dedent("\n".join(block))
+
+
+def _check(name: str, mine: np.ndarray, hand, what: str) -> None:
+    """Refuse to write a page whose numbers are not the worked example's hand values."""
+    if not np.allclose(mine, np.array(hand, dtype=np.float64), rtol=0, atol=1e-12):
+        raise AssertionError(f"{what}: {name} is {mine.tolist()}, the hand value {hand}")
+
+
+def sinks_steps(is_causal: bool, mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The sinks example's numbers for one head, from the impl: the scores, the key weights
+    (read off with V = identity, SPEC §6.2), the sink's weight 1 − Σ_s w[s], and the output
+    with the example's v. ``mask`` (T, S) bool, if given, replaces nothing else."""
+    ex = worked_example()["sinks"]
+    q, k, v = (np.array(ex[n], dtype=np.float64) for n in "qkv")
+    sinks = np.array(ex["sinks"], dtype=np.float64)  # (H,) = (1,)
+    T, S = q.shape[0], k.shape[0]
+    options = dict(is_causal=is_causal, sinks=sinks, mask=None if mask is None else mask[None])
+    weights = numpy_attention.attention(q[None], k[None], np.eye(S)[None], **options)[0]  # (T, S)
+    out = numpy_attention.attention(q[None], k[None], v[None], **options)[0]  # (T, E)
+    scores = q @ k.T / math.sqrt(q.shape[1])  # (T, S)
+    allowed = np.tril(np.ones((T, S), dtype=bool)) if is_causal else np.ones((T, S), bool)
+    if mask is not None:
+        allowed = allowed & mask
+    masked = np.where(allowed, scores, -np.inf)  # (T, S)
+    # By hand, SPEC §15.1: the sink is one more column of every row that has a key.
+    with_sink = np.concatenate([masked, np.full((T, 1), sinks[0])], axis=1)  # (T, S + 1)
+    has_key = allowed.any(axis=1)  # (T,)
+    m = np.where(has_key, with_sink.max(axis=1), 0.0)  # (T,)
+    e = np.where(has_key[:, None], np.exp(with_sink - m[:, None]), 0.0)  # (T, S + 1)
+    den = e.sum(axis=1)  # (T,)
+    hand = e / np.where(den > 0, den, 1.0)[:, None]  # (T, S + 1)
+    if not np.allclose(hand[:, :S], weights, rtol=0, atol=1e-12):
+        raise AssertionError("sinks walkthrough weights differ from impls/numpy_attention.py")
+    if not np.allclose(hand[:, :S] @ v, out, rtol=0, atol=1e-12):
+        raise AssertionError("sinks walkthrough output differs from impls/numpy_attention.py")
+    p_sink = 1.0 - weights.sum(axis=1)  # (T,)
+    return {
+        "q": q,
+        "k": k,
+        "v": v,
+        "sinks": sinks,
+        "scores": scores,
+        "with_sink": with_sink,
+        "weights": np.concatenate([weights, p_sink[:, None]], axis=1),
+        "out": out,
+    }
+
+
+def _sink_table(a: np.ndarray) -> str:
+    """A (T, S + 1) array as a table whose last column is the sink."""
+    S = a.shape[1] - 1
+    head = "| t \\ s | " + " | ".join(str(j) for j in range(S)) + " | sink |"
+    rule = "|---" * (S + 2) + "|"
+    body = [f"| {i} | " + " | ".join(_fmt(x) for x in row) + " |" for i, row in enumerate(a)]
+    return "\n".join([head, rule, *body])
+
+
+def sinks_markdown() -> str:
+    """The sinks page: the worked example of SPEC §15 through the impl's sink lines."""
+    ex = worked_example()["sinks"]
+    first = sinks_steps(False)
+    q, k, v, sinks = first["q"], first["k"], first["v"], first["sinks"]
+    T, D = q.shape
+    S = k.shape[0]
+    lines = [
+        "# Attention sinks, step by step: the worked example",
+        "",
+        "<!-- Generated by `python -m conformance walkthrough --out docs/walkthrough` from",
+        "impls/numpy_attention.py; do not edit by hand. -->",
+        "",
+        "gpt-oss gives each query head one learned logit, `sinks` (H,), that joins every",
+        "row's softmax (SPEC §15): it takes weight but carries no value, so a row may put part",
+        "of its weight *nowhere*. transformers' eager path writes it as one more column of the",
+        "scores, takes the softmax and drops the column; this page does the same by hand and",
+        "checks every number against",
+        "[`impls/numpy_attention.py`](../../impls/numpy_attention.py), which never builds",
+        "the column. The example is `fixtures/worked_example.json`'s `sinks`: one head,",
+        f"T = S = {T}, D = {D} (so the scale is 1), every score q·k = 0 and the sink logit",
+        f"{_fmt(sinks[0])}, so each attended key and the sink start from exp(0) = 1.",
+        "",
+        _table(q, "t", "d") + "\n\nq (T, D)",
+        "",
+        _table(k, "s", "d") + "\n\nk (S, D)",
+        "",
+        _table(v, "s", "e") + "\n\nv (S, E)",
+        "",
+        "## The impl's sink lines",
+        "",
+        "Step 5 of `attention`, the softmax, as written. The sink joins the row maximum (so",
+        "exp() stays ≤ 1 even for a sink of 1e4) and the row sum, but not the numerator `p`:",
+        "no key gets its weight, and step 7 has no value row to multiply it by.",
+        "",
+        "```python",
+        _source(numpy_attention.attention, "# 5. "),
+        "```",
+        "",
+        "A row with no key left has no softmax at all: the impl gives it no sink logit, its",
+        "key weights are 0 and it returns 0. Read as SPEC §15.3 reads it, all of that row's",
+        "weight is on the sink (p_sink = 1 − Σ_s w[s] = 1).",
+        "",
+        "```python",
+        _source(numpy_attention._sink_logits),
+        "```",
+        "",
+    ]
+    cases = [
+        ("Non-causal", False, ex["non_causal"]["hand"], ex["non_causal"]["dsinks_hand"]),
+        ("Causal", True, ex["causal"]["hand"], ex["causal"]["dsinks_hand"]),
+    ]
+    d_out = np.array(ex["d_out"], dtype=np.float64)  # (T, E)
+    for title, is_causal, hand, dsinks_hand in cases:
+        n = sinks_steps(is_causal)
+        _check(f"{title} output", n["out"], hand, "sinks walkthrough")
+        grads = numpy_attention_backward.attention_backward(
+            q[None], k[None], v[None], d_out[None], is_causal=is_causal, sinks=sinks
+        )
+        dsinks = grads[-1]  # (H,)
+        _check(f"{title} dsinks", dsinks, dsinks_hand, "sinks walkthrough")
+        p_sink = n["weights"][:, S]  # (T,)
+        per_row = -p_sink * (d_out * n["out"]).sum(axis=1)  # (T,)
+        lines += [
+            f"## {title} (`is_causal={is_causal}`)",
+            "",
+            "Steps 1-4: the scores q·k (scale 1), blocked keys at −∞"
+            + (" (query t sees keys s ≤ t)" if is_causal else "")
+            + ", and the sink as one more column, never masked:",
+            "",
+            _sink_table(n["with_sink"]),
+            "",
+            "Step 5: exp(x − row max) / Σ over the row, sink included. The keys' weights now",
+            "sum to 1 − p_sink, the sink's share (last column):",
+            "",
+            _sink_table(n["weights"]),
+            "",
+            "Step 7: out[t] = Σ_s w[t, s] · v[s]; the sink's weight multiplies nothing.",
+            "",
+            _table(n["out"], "t", "e"),
+            "",
+            "The sink's gradient (SPEC §15.5), with dO = 1 everywhere: each row adds",
+            "−p_sink[t] · (dO[t] · out[t]), "
+            + " + ".join(f"({_fmt(x)})" for x in per_row)
+            + f" = {_fmt(dsinks[0])} (`impls/numpy_attention_backward.py`, and the example's"
+            " hand value).",
+            "",
+        ]
+    blocked = np.array([[True, False], [False, False]])  # (T, S): row 1 has no key
+    n = sinks_steps(True, mask=blocked)
+    if not (n["out"][1] == 0).all() or n["weights"][1, S] != 1.0:
+        raise AssertionError("sinks walkthrough: a row with no key is not 0 with p_sink = 1")
+    lines += [
+        "## A row with no key",
+        "",
+        "Causal again, with a bool mask that leaves query 1 no key at all. Its whole weight",
+        "goes to the sink (p_sink = 1), and it returns exactly 0: SPEC §15.3, §4.3's rule",
+        "unchanged by the sink. Query 0 is as before.",
+        "",
+        _sink_table(n["weights"]),
+        "",
+        _table(n["out"], "t", "e"),
+        "",
+        "With a sink of −∞ the head has no sink at all: the causal rows are then plain",
+        "attention's, " + _fmt_rows(ex["no_sink_causal"]["hand"]) + ".",
+        "",
+    ]
+    no_sink = numpy_attention.attention(
+        q[None], k[None], v[None], is_causal=True, sinks=np.array([-np.inf])
+    )[0]
+    _check("the output without a sink", no_sink, ex["no_sink_causal"]["hand"], "sinks walkthrough")
+    return "\n".join(lines)
+
+
+def _fmt_rows(rows) -> str:
+    return ", ".join("(" + ", ".join(_fmt(x) for x in row) + ")" for row in rows)
+
+
+def _paged_inputs() -> dict[str, np.ndarray]:
+    ex = worked_example()["paged"]
+    q = np.array(ex["q"], dtype=np.float64)  # (T, D)
+    return {
+        "q": q[None, None],  # (1, 1, T, D)
+        "k_pages": np.array(ex["k_pages"], dtype=np.float64),  # (N, K, L, D)
+        "v_pages": np.array(ex["v_pages"], dtype=np.float64),  # (N, K, L, E)
+        "block_table": np.array(ex["block_table"], dtype=np.int64),  # (B, M)
+        "seq_lens": np.array(ex["seq_lens"], dtype=np.int64),  # (B,)
+    }
+
+
+def paged_steps(T: int, is_causal: bool) -> dict[str, np.ndarray]:
+    """The paged example with its last T queries, from the impl: the gathered keys and
+    values, the allowed keys, each page slot's weight (read off ``attention_paged`` with
+    one-hot value pages, SPEC §6.2) and the output."""
+    x = _paged_inputs()
+    q = x["q"][:, :, -T:]  # (1, 1, T, D)
+    k_pages, v_pages, table, lens = x["k_pages"], x["v_pages"], x["block_table"], x["seq_lens"]
+    N, K, L, _ = v_pages.shape
+    call = contract.check_paged(q, k_pages, v_pages, table, lens, is_causal=is_causal)
+    k, v = numpy_attention._gather_pages(k_pages, v_pages, table, call)  # (B, K, S, ·)
+    allowed = numpy_attention._paged_allowed(lens, call)  # (B, 1, T, S)
+    out = numpy_attention.attention_paged(q, k_pages, v_pages, table, lens, is_causal=is_causal)
+    one_hot = np.eye(N * L).reshape(N, K, L, N * L)  # (N, K, L, N·L): slot (n, i) -> n·L + i
+    weights = numpy_attention.attention_paged(
+        q, k_pages, one_hot, table, lens, is_causal=is_causal
+    )  # (B, H, T, N·L)
+    garbage = v_pages.copy()
+    garbage[0, :, 1] = np.nan  # page 0's slot 1 lies past the length: never read
+    with_nan = numpy_attention.attention_paged(
+        q, k_pages, garbage, table, lens, is_causal=is_causal
+    )
+    if not np.array_equal(with_nan, out):
+        raise AssertionError("paged walkthrough: a NaN past the length changed the output")
+    return {
+        "k": k[0, 0],
+        "v": v[0, 0],
+        "allowed": allowed[0, 0],
+        "weights": weights[0, 0],
+        "out": out[0, 0],
+    }
+
+
+def paged_markdown() -> str:
+    """The paged page: the worked example of SPEC §19 through ``attention_paged``."""
+    ex = worked_example()["paged"]
+    x = _paged_inputs()
+    v_pages, table, lens = x["v_pages"], x["block_table"], x["seq_lens"]
+    N, K, L, E = v_pages.shape
+    M = table.shape[1]
+    n_keys = int(lens[0])
+    decode = paged_steps(1, False)
+    causal = paged_steps(2, True)
+    _check("the decode output", decode["out"], ex["decode"]["hand"], "paged walkthrough")
+    _check("the causal output", causal["out"], ex["causal_last_two"]["hand"], "paged walkthrough")
+    pages = "\n".join(
+        f"| {n} | {i} | " + " | ".join(_fmt(c) for c in v_pages[n, 0, i]) + " |"
+        for n in range(N)
+        for i in range(L)
+    )
+    gather = []
+    for s in range(M * L):
+        j, i = divmod(s, L)
+        page = int(table[0, j])
+        read = "yes" if s < n_keys else f"no: s ≥ seq_lens[0] = {n_keys}"
+        vals = ", ".join(_fmt(c) for c in decode["v"][s])
+        gather.append(f"| {s} | {j} | {page} | {i} | ({vals}) | {read} |")
+    slots = [f"({n}, {i})" for n in range(N) for i in range(L)]
+    lines = [
+        "# A paged KV cache, step by step: the worked example",
+        "",
+        "<!-- Generated by `python -m conformance walkthrough --out docs/walkthrough` from",
+        "impls/numpy_attention.py; do not edit by hand. -->",
+        "",
+        "A server decoding many sequences keeps their keys and values in one pool of",
+        "fixed-size pages, and gives each sequence a table of the pages it owns, in order",
+        "(vLLM's PagedAttention, FlashInfer, FlashAttention's `flash_attn_with_kvcache` with",
+        "`block_table` and `cache_seqlens`; SPEC §19). This page takes",
+        "`fixtures/worked_example.json`'s `paged` example through",
+        "[`impls/numpy_attention.py`](../../impls/numpy_attention.py)'s `attention_paged`,",
+        "quoting it as written; every number below is the impl's, and the generator checks",
+        "the outputs against the example's hand values.",
+        "",
+        f"N = {N} pages of L = {L} slots, K = 1 key/value head, D = 1 and every key 0, so",
+        "every score is 0 and each attended key gets the same weight: the output is the mean",
+        f"of the values a query reads. One sequence (B = 1) of seq_lens = {_fmt_ints(lens)} keys,",
+        f"with a table of M = {M} entries, block_table = {_fmt_ints(table[0])}. The value pages:",
+        "",
+        "| page n | slot i | v[0] | v[1] |",
+        "|---|---|---|---|",
+        pages,
+        "",
+        "```python",
+        _source(numpy_attention.attention_paged, "# 1. "),
+        "```",
+        "",
+        "## 1. The gather, slot by slot",
+        "",
+        "Key s of sequence b lives in table entry j = s // L, that is page",
+        "block_table[b, j], slot i = s % L. The impl gathers all M·L slots the table",
+        "names, in table order; an entry the sequence does not read may hold anything (−1 is",
+        "common), so entries are clamped into [0, N) before they index, and what they point",
+        "at is masked away in step 2:",
+        "",
+        "```python",
+        _source(numpy_attention._gather_pages, "pages = "),
+        "```",
+        "",
+        "| key s | j = s // L | page block_table[0, j] | slot s % L | v | read? |",
+        "|---|---|---|---|---|---|",
+        *gather,
+        "",
+        "So the sequence's keys are slots 0 and 1 of page 1, then slot 0 of page 0: the",
+        "table, not the pool, decides the order. Slot 1 of page 0 holds (100, 100) and is",
+        "never read; the generator puts NaN there and checks that the output is unchanged",
+        "bit for bit (SPEC §19.3).",
+        "",
+        "## 2. The length mask and bottom-right causality",
+        "",
+        "```python",
+        _source(numpy_attention.attention_paged, "# 2. "),
+        "```",
+        "",
+        "```python",
+        _source(numpy_attention._paged_allowed, "n = "),
+        "```",
+        "",
+        "Key s is allowed if s < seq_lens[b]. The T queries are the sequence's *last* T",
+        "positions, so query t sits at t + seq_lens[b] − T and, with `is_causal=True`, sees",
+        "keys s ≤ t + seq_lens[b] − T: causality is bottom-right against the sequence's own",
+        "length, as for a KV cache. A decode step (T = 1, not causal) sees every key before",
+        "the length:",
+        "",
+        _bool_table(decode["allowed"]),
+        "",
+        f"Causal with the last two queries (T = 2, at positions {n_keys - 2} and {n_keys - 1}):",
+        "",
+        _bool_table(causal["allowed"]),
+        "",
+        "(✓ allowed, · blocked.) Query 0 of the causal pair sits at position 1, so",
+        "key 2 lies after it; key 3 is past the length for both.",
+        "",
+        "## 3. Attention on the gathered keys",
+        "",
+        "```python",
+        _source(numpy_attention.attention_paged, "# 3. "),
+        "```",
+        "",
+        "Each query's weight on each page slot (n, i), read off the impl with one-hot value",
+        "pages (V = identity, SPEC §6.2). A slot the sequence does not read gets exactly 0:",
+        "",
+        _table(decode["weights"], "t", "slot n·L + i") + "\n\nDecode, slots " + ", ".join(slots),
+        "",
+        _table(causal["weights"], "t", "slot n·L + i")
+        + "\n\nCausal T = 2, slots "
+        + ", ".join(slots),
+        "",
+        "The outputs, the mean of the values each query reads:",
+        "",
+        _table(decode["out"], "t", "e") + "\n\nDecode: (1 + 5 + 3) / 3, (2 + 7 + 9) / 3",
+        "",
+        _table(causal["out"], "t", "e")
+        + "\n\nCausal T = 2: row 0 reads keys 0 and 1 only, row 1 all three",
+        "",
+        "A sequence with seq_lens[b] = 0 reads no key: its rows are exactly 0 (SPEC §19.1;",
+        "the generator checks this too).",
+        "",
+    ]
+    empty = numpy_attention.attention_paged(
+        x["q"][:, :, -1:], x["k_pages"], v_pages, table, np.zeros_like(lens)
+    )
+    if not (empty == 0).all():
+        raise AssertionError("paged walkthrough: a sequence with no key is not 0")
+    return "\n".join(lines)
+
+
+def _bool_table(a: np.ndarray) -> str:
+    """A (T, S) bool array as a table: ✓ allowed, · blocked."""
+    head = "| t \\ s | " + " | ".join(str(j) for j in range(a.shape[1])) + " |"
+    rule = "|---" * (a.shape[1] + 1) + "|"
+    body = [
+        f"| {i} | " + " | ".join("✓" if x else "·" for x in row) + " |" for i, row in enumerate(a)
+    ]
+    return "\n".join([head, rule, *body])
+
+
+def _fmt_ints(a) -> str:
+    a = np.asarray(a)
+    return "[" + ", ".join(str(int(x)) for x in a) + "]" if a.ndim else str(int(a))
+
+
 def draw(path: Path, is_causal: bool) -> None:
     """One case's steps as heatmaps: scaled scores, masked scores, weights, output."""
     import matplotlib
@@ -349,5 +732,8 @@ def main(argv: list[str]) -> int:
         draw(args.out / pictures[case], is_causal)
     (args.out / "walkthrough.md").write_text(markdown(pictures), encoding="utf-8")
     (args.out / "backward.md").write_text(backward_markdown(), encoding="utf-8")
-    print(f"wrote {args.out / 'walkthrough.md'} and {args.out / 'backward.md'}")
+    (args.out / "sinks.md").write_text(sinks_markdown(), encoding="utf-8")
+    (args.out / "paged.md").write_text(paged_markdown(), encoding="utf-8")
+    names = ", ".join(str(args.out / n) for n in ("walkthrough.md", "backward.md", "sinks.md"))
+    print(f"wrote {names} and {args.out / 'paged.md'}")
     return 0

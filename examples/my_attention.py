@@ -129,7 +129,9 @@ def attention(
     G = H // K
     k = np.repeat(k, G, axis=1)  # (B, H, S, D)
     v = np.repeat(v, G, axis=1)  # (B, H, S, E)
-    scores = np.einsum("bhtd,bhsd->bhts", q, k) * dtype.type(scale)  # (B, H, T, S)
+    # A score that overflows is ±inf, as SPEC §4.1 defines: the answer, not a warning.
+    with np.errstate(over="ignore"):
+        scores = np.einsum("bhtd,bhsd->bhts", q, k) * dtype.type(scale)  # (B, H, T, S)
 
     # 2. Mask: a bool mask, a float mask's -inf entries, causality and the window decide
     # which keys each query may see; a float mask's other values are added.

@@ -43,7 +43,8 @@ to attend returns exactly 0, and its gradient is 0, not NaN.
 Imports: the standard library, JAX and ``contract.py``, the input contract all impls
 share (step 0, checked in Python); the math, ``_allowed`` included, is this file's own.
 Steps 1-7 run under ``jax.jit`` in ``_attend``, with the options as static arguments. Also
-here: a KV cache, the multi-head layer and pre-LN GPT block as functions of a
+here: a KV cache, packed variable-length sequences (``attention_packed``, SPEC §18, the
+boundaries traced), the multi-head layer and pre-LN GPT block as functions of a
 PyTorch-style ``state_dict``, and their gradients by ``jax.vjp``. Why each step is
 written as it is: the Notes at the end of this file.
 """
@@ -207,7 +208,11 @@ def _attend(
 
     # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
     if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)  # (B, H, T, S)
+        # Where score / softcap is subnormal, XLA may flush it to 0, and the score with it;
+        # tanh(x) = x there far below rounding, so the score is kept (see Notes: huge softcaps).
+        ratio = scores / softcap  # (B, H, T, S)
+        capped = softcap * jnp.tanh(ratio)  # (B, H, T, S)
+        scores = jnp.where(jnp.abs(ratio) < jnp.finfo(work).tiny, scores, capped)  # (B, H, T, S)
 
     # 4. Mask: ALiBi's linear bias and a float mask are added, then every key a query may
     # not see gets -inf.
@@ -238,7 +243,11 @@ def _attend(
     if sinks is not None:
         # The sink takes its share of the sum, and has no value row to give anything back.
         row_sum = row_sum + jnp.exp(sink - row_max - shift)  # (B, H, T, 1)
-    weights = p / jnp.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
+    # A row that reads +inf has row sum +inf: every weight of it is NaN, not only those of
+    # its +inf scores (SPEC §4.1), so that its gradients reach every key it attends.
+    divisor = jnp.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, 1)
+    divisor = jnp.where(row_sum == jnp.inf, jnp.nan, divisor)  # (B, H, T, 1)
+    weights = p / divisor  # (B, H, T, S)
     if sinks is not None:
         # A NaN or +inf sink makes its row NaN, as +inf - +inf does in the softmax (SPEC
         # §15.4); the shift by a finite row maximum above cannot show it, so it is selected.
@@ -339,6 +348,396 @@ class KVCache:
             causal_alignment="bottom_right",
             **options,
         )  # (B, H, T, E)
+
+
+def attention_packed(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+) -> jax.Array:
+    """Attention over packed variable-length sequences (FlashAttention's varlen API).
+
+    N documents lie one after another on the token axis; document n is queries
+    cu_seqlens_q[n]:cu_seqlens_q[n + 1] and keys cu_seqlens_k[n]:cu_seqlens_k[n + 1], and
+    its rows are ``attention`` on that document alone: no query sees another document,
+    and causality and windows are counted inside each document. The boundaries are traced
+    under ``jax.jit``: one compiled program serves every packing of the same T, S and N.
+
+    Args:
+      q: queries of every document, (H, T, D), T = cu_seqlens_q[-1].
+      k: keys, (K, S, D), S = cu_seqlens_k[-1]; K must divide H.
+      v: values, (K, S, E).
+      cu_seqlens_q, cu_seqlens_k: (N + 1,) integer cumulative lengths from 0.
+      is_causal, scale, causal_alignment, window, softcap: as for ``attention``, applied
+        within each document (bottom-right puts document n's diagonal at S_n - T_n).
+
+    Returns:
+      out: (H, T, E), same dtype as q.
+    """
+    # 0. Validate with the input contract all impls share (contract.py), eagerly, so the
+    # boundaries' values are checked before they become tracers.
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    cu_seqlens_q, cu_seqlens_k = jnp.asarray(cu_seqlens_q), jnp.asarray(cu_seqlens_k)
+    options = dict(
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+    )
+    call, _, _ = contract.check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+    return _attend_packed(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        scale=call.scale,
+        is_causal=call.is_causal,
+        causal_alignment=call.causal_alignment,
+        window=call.window,
+        softcap=call.softcap,
+    )  # (H, T, E)
+
+
+@functools.partial(jax.jit, static_argnames=("is_causal", "causal_alignment", "window", "softcap"))
+def _attend_packed(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    *,
+    scale: float,
+    is_causal: bool,
+    causal_alignment: str,
+    window: tuple[int | None, int | None] | None,
+    softcap: float | None,
+) -> jax.Array:
+    """Steps 1-7 of ``_attend``, once per document, on the packed inputs; the boundaries
+    are traced, so the program depends on T, S and N only."""
+    H, T, _ = q.shape
+    S, E = v.shape[1], v.shape[2]
+    N = cu_seqlens_q.shape[0] - 1
+
+    # Each token's document and its position within it, from the boundaries: token t
+    # lies in the last document n with cu_seqlens[n] <= t (empty documents are skipped).
+    doc_q = jnp.searchsorted(cu_seqlens_q, jnp.arange(T), side="right") - 1  # (T,)
+    doc_k = jnp.searchsorted(cu_seqlens_k, jnp.arange(S), side="right") - 1  # (S,)
+    pos_q = jnp.arange(T) - cu_seqlens_q[doc_q]  # (T,)
+    pos_k = jnp.arange(S) - cu_seqlens_k[doc_k]  # (S,)
+
+    # Query t's diagonal is key t of its document (top-left), or key t + S_n - T_n
+    # (bottom-right: the document's last query lines up with its last key).
+    lengths_q = jnp.diff(cu_seqlens_q)[doc_q]  # (T,)
+    lengths_k = jnp.diff(cu_seqlens_k)[doc_q]  # (T,): the keys of query t's document
+    offset = 0 if causal_alignment == "top_left" else lengths_k - lengths_q  # (T,)
+    distance = pos_k[None, :] - (pos_q + offset)[:, None]  # (T, S)
+    allowed = doc_q[:, None] == doc_k[None, :]  # (T, S)
+    if is_causal:
+        allowed = allowed & (distance <= 0)  # (T, S)
+    if window is not None and window[0] is not None:
+        allowed = allowed & (distance >= -window[0])  # (T, S)
+    if window is not None and window[1] is not None:
+        allowed = allowed & (distance <= window[1])  # (T, S)
+
+    # 1.-7. Each document alone (see Notes: packed documents): its queries, keys and values
+    # selected, every other token replaced by 0, so that nothing another document holds
+    # (not even a NaN) reaches its rows or its gradients; its rows kept.
+    def document(n, out):
+        rows, keys = doc_q == n, doc_k == n  # (T,), (S,)
+        q_n = jnp.where(rows[None, :, None], q, 0.0)  # (H, T, D)
+        k_n = jnp.where(keys[None, :, None], k, 0.0)  # (K, S, D)
+        v_n = jnp.where(keys[None, :, None], v, 0.0)  # (K, S, E)
+        mask_n = (allowed & rows[:, None])[None, None]  # (1, 1, T, S)
+        out_n = _attend(
+            q_n[None],
+            k_n[None],
+            v_n[None],
+            mask_n,
+            None,
+            None,
+            scale=scale,
+            is_causal=False,
+            causal_alignment="top_left",
+            window=None,
+            softcap=softcap,
+            dropout_p=0.0,
+        )[0]  # (H, T, E)
+        return jnp.where(rows[None, :, None], out_n, out)  # (H, T, E)
+
+    out = jnp.zeros((H, T, E), dtype=q.dtype)  # (H, T, E)
+    return jax.lax.fori_loop(0, N, document, out)  # (H, T, E)
+
+
+def attention_packed_vjp(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    d_out: jax.Array,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gradients of ``attention_packed`` by ``jax.vjp``: (dq, dk, dv) shaped like q, k, v,
+    for the loss L = Σ d_out · attention_packed(...), d_out (H, T, E) in q's dtype. The
+    boundaries are integers, traced and not differentiated."""
+    q, k, v, d_out = (jnp.asarray(x) for x in (q, k, v, d_out))
+    cu_seqlens_q, cu_seqlens_k = jnp.asarray(cu_seqlens_q), jnp.asarray(cu_seqlens_k)
+    options = dict(
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+    )
+    call, _, _ = contract.check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out=d_out, **options)
+    return _attend_packed_vjp(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        d_out,
+        scale=call.scale,
+        is_causal=call.is_causal,
+        causal_alignment=call.causal_alignment,
+        window=call.window,
+        softcap=call.softcap,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("is_causal", "causal_alignment", "window", "softcap"))
+def _attend_packed_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
+    """jax.vjp of ``_attend_packed`` in q, k and v, compiled once per shape and options."""
+
+    def forward(q, k, v):
+        return _attend_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+
+    _, pullback = jax.vjp(forward, q, k, v)
+    return pullback(d_out)
+
+
+def attention_paged(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_table: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+) -> jax.Array:
+    """Attention over a paged KV cache (vLLM, FlashInfer, FlashAttention's
+    ``flash_attn_with_kvcache`` with ``block_table`` and ``cache_seqlens``).
+
+    A server decoding many sequences keeps their keys and values in one pool of pages of
+    L slots each; sequence b's key s lives in page block_table[b, s // L], slot s % L, and
+    sequence b has seq_lens[b] keys. Its T queries are its last T positions (a decode step,
+    or a chunk of prefill), so causality and the window are counted from the bottom-right
+    diagonal of its own length: query t sees key s <= t + seq_lens[b] - T.
+
+    Shape legend: the spec's letters, and N pages, L slots per page, M table entries per
+    sequence (so a sequence holds at most M·L keys).
+
+    Args:
+      q: queries, (B, H, T, D).
+      k_pages: (N, K, L, D), the pool of key pages; K must divide H.
+      v_pages: (N, K, L, E), the value pages, laid out alike.
+      block_table: (B, M) integer: the pages of sequence b, in order. Entries past
+        ⌈seq_lens[b] / L⌉ are never read and may hold anything (-1 is common).
+      seq_lens: (B,) integer: the number of keys of each sequence, 0 to M·L.
+      is_causal: query t attends only keys s <= t + seq_lens[b] - T (T <= seq_lens[b]).
+      scale, window, softcap: as for ``attention``, the window's diagonal placed
+        bottom-right as causality's.
+
+    Returns:
+      out: (B, H, T, E), same dtype as q; a sequence with no key gives rows of 0.
+    """
+    # 0. Validate with the input contract all impls share (contract.py): an error names the
+    # argument, what was expected and what was given. Eagerly, on the table's values; the
+    # table and the lengths are then traced, not static, so one compiled program serves
+    # every table of the same shapes.
+    q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
+    block_table, seq_lens = jnp.asarray(block_table), jnp.asarray(seq_lens)
+    call = contract.check_paged(
+        q,
+        k_pages,
+        v_pages,
+        block_table,
+        seq_lens,
+        is_causal=is_causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+    )
+    return _attend_paged(
+        q,
+        k_pages,
+        v_pages,
+        block_table,
+        seq_lens,
+        scale=call.scale,
+        is_causal=call.is_causal,
+        window=call.window,
+        softcap=call.softcap,
+    )  # (B, H, T, E)
+
+
+@functools.partial(jax.jit, static_argnames=("is_causal", "window", "softcap"))
+def _attend_paged(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_table: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    scale: float,
+    is_causal: bool,
+    window: tuple[int | None, int | None] | None,
+    softcap: float | None,
+) -> jax.Array:
+    """Steps 1-3 of ``attention_paged`` on checked inputs; compiled once per shape, dtype
+    and options, whatever the table and the lengths hold."""
+    # 1. Gather each sequence's keys and values from its pages, in table order.
+    k, v = _gather_pages(k_pages, v_pages, block_table)  # (B, K, S, D), (B, K, S, E)
+
+    # 2. Which keys each query may see: its sequence's first seq_lens[b] keys, and the
+    # causal triangle and the window from the bottom-right diagonal of that length.
+    T, S = q.shape[2], k.shape[2]
+    allowed = _paged_allowed(seq_lens, T, S, is_causal, window)  # (B, 1, T, S)
+
+    # 3. Attention on the gathered keys under that mask. A slot no query may see (past a
+    # sequence's length, or read through a clamped table entry) is replaced by 0 there
+    # before it is used, so whatever it holds, NaN included, changes nothing.
+    band = {"is_causal": False, "causal_alignment": "top_left", "window": None}
+    return _attend(
+        q, k, v, allowed, None, None, scale=scale, softcap=softcap, dropout_p=0.0, **band
+    )  # (B, H, T, E)
+
+
+def _gather_pages(
+    k_pages: jax.Array, v_pages: jax.Array, block_table: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Sequence b's key s = j·L + i from slot i of page block_table[b, j]: (B, K, M·L, D)
+    and (B, K, M·L, E). Table entries a sequence does not read may hold anything, -1 or
+    N + 5 included: they are clamped into [0, N) first, so the gather never indexes out of
+    range, and what they point at is masked away."""
+    N, K, L, D = k_pages.shape
+    E = v_pages.shape[-1]
+    B, M = block_table.shape
+    if N == 0:  # no pages at all: every sequence is empty (the contract checked it)
+        return jnp.zeros((B, K, M * L, D), k_pages.dtype), jnp.zeros(
+            (B, K, M * L, E), v_pages.dtype
+        )
+    pages = jnp.clip(block_table, 0, N - 1)  # (B, M)
+    k = k_pages[pages]  # (B, M, K, L, D)
+    v = v_pages[pages]  # (B, M, K, L, E)
+    k = k.transpose(0, 2, 1, 3, 4).reshape(B, K, M * L, D)  # (B, K, S, D), S = M·L
+    v = v.transpose(0, 2, 1, 3, 4).reshape(B, K, M * L, E)  # (B, K, S, E)
+    return k, v
+
+
+def _paged_allowed(
+    seq_lens: jax.Array,
+    T: int,
+    S: int,
+    is_causal: bool,
+    window: tuple[int | None, int | None] | None,
+) -> jax.Array:
+    """Which gathered keys each query may see, (B, 1, T, S) bool: key s of sequence b if
+    s < seq_lens[b], and causality and the window allow it from query t's diagonal t +
+    seq_lens[b] - T (the queries are the sequence's last T positions)."""
+    n = seq_lens.reshape(-1, 1, 1, 1)  # (B, 1, 1, 1)
+    t = jnp.arange(T)[:, None]  # (T, 1)
+    s = jnp.arange(S)[None, :]  # (1, S)
+    distance = s - (t + n - T)  # (B, 1, T, S)
+    allowed = s < n  # (B, 1, 1, S)
+    if is_causal:
+        allowed = allowed & (distance <= 0)  # (B, 1, T, S)
+    if window is not None and window[0] is not None:
+        allowed = allowed & (distance >= -window[0])  # (B, 1, T, S)
+    if window is not None and window[1] is not None:
+        allowed = allowed & (distance <= window[1])  # (B, 1, T, S)
+    return jnp.broadcast_to(allowed, (n.shape[0], 1, T, S))  # (B, 1, T, S)
+
+
+def attention_paged_vjp(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_table: jax.Array,
+    seq_lens: jax.Array,
+    d_out: jax.Array,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gradients of ``attention_paged`` by ``jax.vjp``: (dq, dk_pages, dv_pages). The
+    gather's transpose is a scatter-add, so a page two sequences share collects both
+    gradients, and a slot no sequence reads gets exactly 0.
+
+    Args:
+      q, k_pages, v_pages, block_table, seq_lens, is_causal, scale, window, softcap: as
+        for ``attention_paged``.
+      d_out: ∂L/∂out, (B, H, T, E), in q's dtype.
+    """
+    # 0. Validate as the forward does (eagerly), and d_out against the output's shape.
+    q, k_pages, v_pages, d_out = (jnp.asarray(x) for x in (q, k_pages, v_pages, d_out))
+    block_table, seq_lens = jnp.asarray(block_table), jnp.asarray(seq_lens)
+    call = contract.check_paged(
+        q,
+        k_pages,
+        v_pages,
+        block_table,
+        seq_lens,
+        is_causal=is_causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        d_out=d_out,
+    )
+    return _attend_paged_vjp(
+        q,
+        k_pages,
+        v_pages,
+        block_table,
+        seq_lens,
+        d_out,
+        scale=call.scale,
+        is_causal=call.is_causal,
+        window=call.window,
+        softcap=call.softcap,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("is_causal", "window", "softcap"))
+def _attend_paged_vjp(q, k_pages, v_pages, block_table, seq_lens, d_out, **options):
+    """jax.vjp of steps 1-3 with respect to q and the pages (the table and the lengths are
+    integers, traced but not differentiated), compiled once per shape and options."""
+
+    def forward(q, k_pages, v_pages):
+        return _attend_paged(q, k_pages, v_pages, block_table, seq_lens, **options)
+
+    _, pullback = jax.vjp(forward, q, k_pages, v_pages)
+    return pullback(d_out)
 
 
 def linear(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:
@@ -583,6 +982,16 @@ def _is_key(key: object) -> bool:
 
 # --- Notes -----------------------------------------------------------------------------------
 #
+# Packed documents (attention_packed). Packing N documents into one array saves the padding
+# a batch of unequal lengths would need; the price is that every query must be kept away
+# from the other documents' keys. Under jax.jit the boundaries are traced, so documents
+# cannot be sliced out by their lengths; each token's document comes from the boundaries
+# (searchsorted), and steps 1-7 run once per document (a fori_loop over the N
+# documents) on that document's tokens selected by `where`, every other token 0. A
+# block-diagonal mask alone would compute the same weights, but the product P·V would
+# still multiply a weight of 0 by every other document's values, and 0 · NaN = NaN: one
+# document's NaN would reach the rest (and through dS·K and dSᵀ·Q, their gradients).
+#
 # Why 1/√D (step 2). If the entries of q and k have unit variance, q·k sums D such products
 # and has variance D; dividing by √D keeps the scores near unit variance whatever the head
 # size, so the softmax neither saturates (one-hot weights, vanishing gradients) nor flattens.
@@ -614,6 +1023,15 @@ def _is_key(key: object) -> bool:
 # exp() receives makes the largest exactly 0; without such fusion that second shift is 0 and
 # changes nothing. Whether XLA fuses depends on the processor, so a machine without FMA
 # passes either way: the test that catches it (SPEC §8.4, scale 1e30) needs one that has it.
+
+# Huge softcaps (step 3). softcap · tanh(score / softcap) is the score itself, to far below
+# rounding, once |score / softcap| < 2^-27 (float64; 2^-12 in float32): tanh(x) = x − x³/3 + …
+# But for a softcap near the largest float (1e308, or 1e38 in float32) the ratio falls below
+# the smallest normal number, and XLA on a CPU flushes such subnormals to 0: every score
+# became softcap · tanh(0) = 0, and the weights uniform (SPEC §4.2). Where the ratio is below
+# that smallest normal number the score is therefore kept as it is, the correctly rounded
+# value of softcap · tanh(score / softcap) there; elsewhere nothing changes. The selection
+# also gives jax.grad the exact derivative 1 there, which 1 − tanh²(ratio) rounds to anyway.
 
 # Sinks (step 5). An attention sink (gpt-oss; StreamingLLM's sink tokens in masking form) is
 # one more logit per query head in every row's softmax, with no value row: its weight goes

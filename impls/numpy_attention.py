@@ -34,15 +34,17 @@ Shape legend (heads-first, as in PyTorch):
     sinks (H,): one logit per query head.
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, chunked local attention, ALiBi, softcapping, attention sinks, grouped-query and multi-query attention (K < H), dropout (with an
-explicit ``numpy.random.Generator``), float64, float32, float16 and bfloat16
+windows, chunked local attention, ALiBi, softcapping, attention sinks, grouped-query and
+multi-query attention (K < H), dropout (with an explicit ``numpy.random.Generator``), float64, float32, float16 and bfloat16
 (``ml_dtypes``). A query row with no key left to attend returns exactly 0.
 
 Imports: the standard library, NumPy and ``contract.py``, the input contract all impls
 share (step 0); the math, ``_band`` included, is this file's own. Also here: a KV cache,
-and the multi-head layer and pre-LN GPT block as functions of a PyTorch-style
-``state_dict``. The backward pass is its own page, ``numpy_attention_backward.py``. Why
-each step is written as it is: the Notes at the end of this file.
+attention over packed variable-length sequences (``attention_packed``, SPEC §18) and over
+a paged KV cache (``attention_paged``, §19), and the multi-head layer and pre-LN GPT block
+as functions of a PyTorch-style ``state_dict``. The backward pass is its own page,
+``numpy_attention_backward.py``. Why each step is written as it is: the Notes at the end
+of this file.
 """
 
 from __future__ import annotations
@@ -146,8 +148,10 @@ def attention(
     # 1. Scores: every query against every key of its head.
     scores = np.einsum("bhtd,bhsd->bhts", q, k)  # (B, H, T, S)
 
-    # 2. Scale, so that the scores' spread does not grow with the head size D.
-    scores = scores * work(call.scale)  # (B, H, T, S)
+    # 2. Scale, so that the scores' spread does not grow with the head size D. A score
+    # that overflows is ±inf, as SPEC §4.1 defines: the answer, not an error.
+    with np.errstate(over="ignore"):
+        scores = scores * work(call.scale)  # (B, H, T, S)
 
     # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
     if call.softcap is not None:
@@ -275,6 +279,163 @@ class KVCache:
         )  # (B, H, T, E)
 
 
+def attention_packed(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    cu_seqlens_q: np.ndarray,
+    cu_seqlens_k: np.ndarray,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+) -> np.ndarray:
+    """Attention over packed variable-length sequences (FlashAttention's varlen API).
+
+    N documents lie one after another on the token axis; document n is queries
+    cu_seqlens_q[n]:cu_seqlens_q[n + 1] and keys cu_seqlens_k[n]:cu_seqlens_k[n + 1], and
+    its rows are ``attention`` on that document alone: no query sees another document,
+    and causality and windows are counted inside each document.
+
+    Args:
+      q: queries of every document, (H, T, D), T = cu_seqlens_q[-1].
+      k: keys, (K, S, D), S = cu_seqlens_k[-1]; K must divide H.
+      v: values, (K, S, E).
+      cu_seqlens_q, cu_seqlens_k: (N + 1,) integer cumulative lengths from 0.
+      is_causal, scale, causal_alignment, window, softcap: as for ``attention``, applied
+        within each document (bottom-right puts document n's diagonal at S_n - T_n).
+
+    Returns:
+      out: (H, T, E), same dtype as q.
+    """
+    # 0. Validate with the input contract all impls share (contract.py): an error names the
+    # argument, the expected shape and what was given.
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    options = dict(
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+    )
+    call, cu_q, cu_k = contract.check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+    H, T, E = call.H, call.T, call.E
+
+    # 1. Each document alone: its queries against its own keys only, so nothing another
+    # document holds (not even a NaN) is ever read (see Notes: packed documents).
+    out = np.zeros((H, T, E), dtype=q.dtype)  # (H, T, E)
+    for n in range(len(cu_q) - 1):
+        t0, t1, s0, s1 = cu_q[n], cu_q[n + 1], cu_k[n], cu_k[n + 1]
+        out[:, t0:t1] = attention(q[:, t0:t1], k[:, s0:s1], v[:, s0:s1], **options)  # (H, T_n, E)
+    return out
+
+
+def attention_paged(
+    q: np.ndarray,
+    k_pages: np.ndarray,
+    v_pages: np.ndarray,
+    block_table: np.ndarray,
+    seq_lens: np.ndarray,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+) -> np.ndarray:
+    """Attention over a paged KV cache (vLLM, FlashInfer, FlashAttention's
+    ``flash_attn_with_kvcache`` with ``block_table`` and ``cache_seqlens``).
+
+    A server decoding many sequences keeps their keys and values in one pool of pages of
+    L slots each; sequence b's key s lives in page block_table[b, s // L], slot s % L, and
+    sequence b has seq_lens[b] keys. Its T queries are its last T positions (a decode step,
+    or a chunk of prefill), so causality and the window are counted from the bottom-right
+    diagonal of its own length: query t sees key s <= t + seq_lens[b] - T.
+
+    Shape legend: the spec's letters, and N pages, L slots per page, M table entries per
+    sequence (so a sequence holds at most M·L keys).
+
+    Args:
+      q: queries, (B, H, T, D).
+      k_pages: (N, K, L, D), the pool of key pages; K must divide H.
+      v_pages: (N, K, L, E), the value pages, laid out alike.
+      block_table: (B, M) integer: the pages of sequence b, in order. Entries past
+        ⌈seq_lens[b] / L⌉ are never read and may hold anything (-1 is common).
+      seq_lens: (B,) integer: the number of keys of each sequence, 0 to M·L.
+      is_causal: query t attends only keys s <= t + seq_lens[b] - T (T <= seq_lens[b]).
+      scale, window, softcap: as for ``attention``, the window's diagonal placed
+        bottom-right as causality's.
+
+    Returns:
+      out: (B, H, T, E), same dtype as q; a sequence with no key gives rows of 0.
+    """
+    # 0. Validate with the input contract all impls share (contract.py): an error names the
+    # argument, what was expected and what was given.
+    q, k_pages, v_pages = np.asarray(q), np.asarray(k_pages), np.asarray(v_pages)
+    block_table, seq_lens = np.asarray(block_table), np.asarray(seq_lens)
+    call = contract.check_paged(
+        q,
+        k_pages,
+        v_pages,
+        block_table,
+        seq_lens,
+        is_causal=is_causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+    )
+
+    # 1. Gather each sequence's keys and values from its pages, in table order.
+    k, v = _gather_pages(k_pages, v_pages, block_table, call)  # (B, K, S, D), (B, K, S, E)
+
+    # 2. Which keys each query may see: its sequence's first seq_lens[b] keys, and the
+    # causal triangle and the window from the bottom-right diagonal of that length.
+    allowed = _paged_allowed(seq_lens, call)  # (B, 1, T, S)
+
+    # 3. Attention on the gathered keys under that mask. A slot no query may see (past a
+    # sequence's length, or read through a clamped table entry) is replaced by 0 there
+    # before it is used, so whatever it holds, NaN included, changes nothing.
+    return attention(q, k, v, mask=allowed, scale=call.scale, softcap=call.softcap)
+
+
+def _gather_pages(
+    k_pages: np.ndarray, v_pages: np.ndarray, block_table: np.ndarray, call: contract.PagedChecked
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sequence b's key s = j·L + i from slot i of page block_table[b, j]: (B, K, M·L, D)
+    and (B, K, M·L, E). Table entries a sequence does not read may hold anything, -1 or
+    N + 5 included: they are clamped into [0, N) first, so the gather never indexes out of
+    range, and what they point at is masked away."""
+    B, K, L, M, D, E = call.B, call.K, call.L, call.M, call.D, call.E
+    if call.N == 0:  # no pages at all: every sequence is empty (the contract checked it)
+        return np.zeros((B, K, M * L, D), k_pages.dtype), np.zeros((B, K, M * L, E), v_pages.dtype)
+    pages = np.clip(block_table.astype(np.int64), 0, call.N - 1)  # (B, M)
+    k = k_pages[pages]  # (B, M, K, L, D)
+    v = v_pages[pages]  # (B, M, K, L, E)
+    k = k.transpose(0, 2, 1, 3, 4).reshape(B, K, M * L, D)  # (B, K, S, D), S = M·L
+    v = v.transpose(0, 2, 1, 3, 4).reshape(B, K, M * L, E)  # (B, K, S, E)
+    return k, v
+
+
+def _paged_allowed(seq_lens: np.ndarray, call: contract.PagedChecked) -> np.ndarray:
+    """Which gathered keys each query may see, (B, 1, T, S) bool: key s of sequence b if
+    s < seq_lens[b], and causality and the window allow it from query t's diagonal t +
+    seq_lens[b] - T (the queries are the sequence's last T positions)."""
+    T, S, window = call.T, call.M * call.L, call.window
+    n = seq_lens.astype(np.int64).reshape(-1, 1, 1, 1)  # (B, 1, 1, 1)
+    t = np.arange(T)[:, None]  # (T, 1)
+    s = np.arange(S)[None, :]  # (1, S)
+    distance = s - (t + n - T)  # (B, 1, T, S)
+    allowed = s < n  # (B, 1, 1, S)
+    if call.is_causal:
+        allowed = allowed & (distance <= 0)  # (B, 1, T, S)
+    if window is not None and window[0] is not None:
+        allowed = allowed & (distance >= -window[0])  # (B, 1, T, S)
+    if window is not None and window[1] is not None:
+        allowed = allowed & (distance <= window[1])  # (B, 1, T, S)
+    return np.broadcast_to(allowed, (call.B, 1, T, S))  # (B, 1, T, S)
+
+
 def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
     """y = x Wᵀ + b with PyTorch's layout: weight (out, in), bias (out)."""
     return x @ weight.T + bias
@@ -399,6 +560,13 @@ def gpt_block(params: dict[str, np.ndarray], x: np.ndarray, *, n_heads: int) -> 
 # of the S positions, so that is where each query really sits. It is computed in the
 # working precision and added like a float mask, after the softcap; the slopes are
 # constants, with no gradient.
+#
+# Packed documents (attention_packed). Packing N documents into one array saves the padding
+# a batch of unequal lengths would need; the price is that every query must be kept away
+# from the other documents' keys. Here each document is sliced out and attended alone, the
+# literal meaning of SPEC §18. A block-diagonal mask would compute the same weights, but the
+# product P·V would still multiply a weight of 0 by every other document's values, and
+# 0 · NaN = NaN: one document's NaN would reach the rest.
 #
 # NumPy's warnings (step 5). A row that reads +inf (a +inf float mask entry, a score that
 # overflowed) or NaN has a row sum of inf or NaN, and its weights come out NaN: the answer

@@ -50,7 +50,8 @@ Shape legend (heads-first, as in PyTorch):
 Supports every option of the forward but dropout (its gradient needs the forward's random
 draw): masks, both causal alignments, windows, chunks, ALiBi, softcap, sinks, GQA, unbatched inputs, float64,
 float32, float16 and bfloat16 (computed in float32, each gradient rounded once). Also
-here: the parameter gradients of the multi-head layer and the pre-LN GPT block.
+here: the gradients of packed variable-length sequences (``attention_packed_backward``,
+SPEC §18), and the parameter gradients of the multi-head layer and the pre-LN GPT block.
 
 Imports: the standard library, NumPy, ``contract.py`` (the input contract all impls share,
 step 0) and ``numpy_attention.py``, the page this one differentiates (its forward
@@ -200,6 +201,57 @@ def attention_backward(
     return tuple(grads)
 
 
+def attention_packed_backward(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    cu_seqlens_q: np.ndarray,
+    cu_seqlens_k: np.ndarray,
+    d_out: np.ndarray,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients of ``attention_packed`` with respect to q, k, v (SPEC §18.5).
+
+    Args:
+      q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale, causal_alignment, window,
+        softcap: as for ``attention_packed``.
+      d_out: ∂L/∂out, (H, T, E), same dtype as q.
+
+    Returns:
+      (dq, dk, dv): (H, T, D), (K, S, D), (K, S, E), same dtype as q. The boundaries are
+      integers and get no gradient.
+    """
+    # 0. Validate with the forward's contract, and d_out against the output's shape.
+    q, k, v, d_out = np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(d_out)
+    options = dict(
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+    )
+    _, cu_q, cu_k = contract.check_packed(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, d_out=d_out, **options
+    )
+
+    # 1'. Each document alone, as in the forward: a document's loss reaches only its own
+    # queries, keys and values, and a key of a document with no query gets 0.
+    d_q = np.zeros(q.shape, dtype=q.dtype)  # (H, T, D)
+    d_k = np.zeros(k.shape, dtype=q.dtype)  # (K, S, D)
+    d_v = np.zeros(v.shape, dtype=q.dtype)  # (K, S, E)
+    for n in range(len(cu_q) - 1):
+        t0, t1, s0, s1 = cu_q[n], cu_q[n + 1], cu_k[n], cu_k[n + 1]
+        d_q[:, t0:t1], d_k[:, s0:s1], d_v[:, s0:s1] = attention_backward(
+            q[:, t0:t1], k[:, s0:s1], v[:, s0:s1], d_out[:, t0:t1], **options
+        )  # (H, T_n, D), (K, S_n, D), (K, S_n, E)
+    return d_q, d_k, d_v
+
+
 def _forward(
     q: np.ndarray,
     k: np.ndarray,
@@ -218,7 +270,8 @@ def _forward(
     used = allowed.any(axis=2)[..., None]  # (B|1, H|1, S, 1)
     k = np.where(used, k, 0.0)  # (B, H, S, D)
     v = np.where(used, v, 0.0)  # (B, H, S, E)
-    raw = np.einsum("bhtd,bhsd->bhts", q, k) * work(call.scale)  # (B, H, T, S)
+    with np.errstate(over="ignore"):  # a score that overflows is ±inf (SPEC §4.1)
+        raw = np.einsum("bhtd,bhsd->bhts", q, k) * work(call.scale)  # (B, H, T, S)
     scores = raw  # (B, H, T, S)
     if call.softcap is not None:
         # A score far above the softcap overflows to ±inf here, whose tanh is exactly ±1.
@@ -242,11 +295,14 @@ def _forward(
         with np.errstate(over="ignore", invalid="ignore"):
             p_sink = np.exp(sink - row_max)  # (B, H, T, 1)
         row_sum = row_sum + p_sink  # (B, H, T, 1)
-    # A row that reads +inf or NaN becomes NaN here (inf / inf), as in the forward.
+    # A row that reads +inf or NaN becomes NaN here (inf / inf), as in the forward; one
+    # that reads +inf, every weight of it (SPEC §4.1).
+    divisor = np.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, 1)
+    divisor = np.where(row_sum == np.inf, np.nan, divisor)  # (B, H, T, 1)
     with np.errstate(invalid="ignore"):
-        weights = p / np.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
+        weights = p / divisor  # (B, H, T, S)
         if sinks is not None:
-            sink_weights = p_sink / np.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, 1)
+            sink_weights = p_sink / divisor  # (B, H, T, 1)
     if sinks is not None:
         bad = np.isnan(sink) | (sink == np.inf)  # (B, H, T, 1): NaN rows, as in the forward
         weights = np.where(bad, np.nan, weights)  # (B, H, T, S)
@@ -387,3 +443,73 @@ def gpt_block_backward(
         "mlp.2.weight": d_w2,
         "mlp.2.bias": d_b2,
     }
+
+
+def attention_paged_backward(
+    q: np.ndarray,
+    k_pages: np.ndarray,
+    v_pages: np.ndarray,
+    block_table: np.ndarray,
+    seq_lens: np.ndarray,
+    d_out: np.ndarray,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients of ``attention_paged`` with respect to q and the pages (SPEC §19.4).
+
+    The forward gathers each sequence's keys from its pages and attends them; so the
+    backward attends back (``attention_backward`` on the gathered keys, under the same
+    mask), and scatters each gathered key's gradient to the slot it was read from. A gather
+    is a copy, and the transpose of a copy is a sum: a page that two sequences share (a
+    common prefix) collects both gradients, and a slot no sequence reads gets exactly 0.
+
+    Args:
+      q, k_pages, v_pages, block_table, seq_lens, is_causal, scale, window, softcap: as
+        for ``attention_paged``.
+      d_out: ∂L/∂out, (B, H, T, E), same dtype as q.
+
+    Returns:
+      (dq, dk_pages, dv_pages): (B, H, T, D), (N, K, L, D), (N, K, L, E), same dtype as q.
+    """
+    # 0. Validate with the forward's contract, and d_out against the output's shape.
+    q, k_pages, v_pages = np.asarray(q), np.asarray(k_pages), np.asarray(v_pages)
+    block_table, seq_lens, d_out = np.asarray(block_table), np.asarray(seq_lens), np.asarray(d_out)
+    call = contract.check_paged(
+        q,
+        k_pages,
+        v_pages,
+        block_table,
+        seq_lens,
+        is_causal=is_causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        d_out=d_out,
+    )
+    L, M = call.L, call.M
+
+    # 1'-3'. The forward's gather and mask, and the backward of attention under them.
+    k, v = forward._gather_pages(k_pages, v_pages, block_table, call)  # (B, K, S, ·)
+    allowed = forward._paged_allowed(seq_lens, call)  # (B, 1, T, S)
+    dq, dk, dv = attention_backward(
+        q, k, v, d_out, mask=allowed, scale=call.scale, softcap=call.softcap
+    )  # (B, H, T, D), (B, K, S, D), (B, K, S, E)
+
+    # 1'. The gather's transpose: each read slot's gradient added to the slot it came
+    # from, in the working precision and rounded once; slots no sequence reads stay 0.
+    work = np.float64 if q.dtype == np.float64 else np.float32
+    s = np.arange(M * L)  # (S,)
+    read = s[None, :] < seq_lens.astype(np.int64)[:, None]  # (B, S)
+    b_idx, s_idx = np.nonzero(read)  # (R,), (R,): every slot some sequence reads
+    page = block_table.astype(np.int64)[b_idx, s_idx // L]  # (R,)
+    slot = s_idx % L  # (R,)
+    grads = [dq]
+    for pages, d in ((k_pages, dk), (v_pages, dv)):
+        total = np.zeros(pages.shape, dtype=work)  # (N, K, L, ·)
+        rows = d.transpose(0, 2, 1, 3)[b_idx, s_idx].astype(work)  # (R, K, ·)
+        np.add.at(total, (page, slice(None), slot), rows)  # (N, K, L, ·)
+        grads.append(total.astype(q.dtype))
+    return tuple(grads)

@@ -312,6 +312,7 @@ def attention_vjp(
         o = _normalise(acc, l)  # (B·K, G·Tb, E)
         some = l > 0  # (B·K, G·Tb, 1)
         lse = np.where(some, m + np.log(np.where(some, l, 1.0)), np.inf)  # (B·K, G·Tb, 1)
+        lse = np.where(l == np.inf, np.nan, lse)  # (B·K, G·Tb, 1): see _backward_block
 
         # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O): one dot product per row.
         do = d_out[:, :, t0:t1].astype(work).reshape(B * K, G * Tb, E)  # (B·K, G·Tb, E)
@@ -342,6 +343,112 @@ def attention_vjp(
     if sinks is not None:
         grads.append(d_sinks.sum(axis=0).reshape(H).astype(q.dtype))  # (H,)
     return tuple(grads)
+
+
+def attention_packed(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    cu_seqlens_q: np.ndarray,
+    cu_seqlens_k: np.ndarray,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    block_q: int = 256,
+    block_k: int = 512,
+) -> np.ndarray:
+    """Attention over packed variable-length sequences (FlashAttention's varlen API), one
+    document at a time, each tiled on its own.
+
+    N documents lie one after another on the token axis; document n is queries
+    cu_seqlens_q[n]:cu_seqlens_q[n + 1] and keys cu_seqlens_k[n]:cu_seqlens_k[n + 1], and
+    its rows are ``attention`` on that document alone. Tiling each document on its own
+    skips every key tile that shares no document with the query tile: the work is
+    Σ T_n·S_n, not T·S, and nothing another document holds (not even a NaN) is read, as
+    in FlashAttention's varlen kernels, whose thread blocks each work inside one sequence.
+
+    Args:
+      q: queries of every document, (H, T, D), T = cu_seqlens_q[-1].
+      k: keys, (K, S, D), S = cu_seqlens_k[-1]; K must divide H.
+      v: values, (K, S, E).
+      cu_seqlens_q, cu_seqlens_k: (N + 1,) integer cumulative lengths from 0.
+      is_causal, scale, causal_alignment, window, softcap: as for ``attention``, applied
+        within each document (bottom-right puts document n's diagonal at S_n - T_n).
+      block_q, block_k: queries and keys per tile.
+
+    Returns:
+      out: (H, T, E), same dtype as q.
+    """
+    # 0. Validate with the input contract all impls share (contract.py).
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    options = dict(
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+    )
+    tiles = {"block_q": block_q, "block_k": block_k}
+    call, cu_q, cu_k = contract.check_packed(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, tiles=tiles, **options
+    )
+    H, T, E = call.H, call.T, call.E
+
+    # 1. Each document alone, on tiles of its own.
+    out = np.zeros((H, T, E), dtype=q.dtype)  # (H, T, E)
+    for n in range(len(cu_q) - 1):
+        t0, t1, s0, s1 = cu_q[n], cu_q[n + 1], cu_k[n], cu_k[n + 1]
+        out[:, t0:t1] = attention(
+            q[:, t0:t1], k[:, s0:s1], v[:, s0:s1], **options, **tiles
+        )  # (H, T_n, E)
+    return out
+
+
+def attention_packed_vjp(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    cu_seqlens_q: np.ndarray,
+    cu_seqlens_k: np.ndarray,
+    d_out: np.ndarray,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    block_q: int = 256,
+    block_k: int = 512,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients of ``attention_packed``: (dq, dk, dv) shaped like q, k, v, each document's
+    from the blockwise backward on its own tiles; d_out (H, T, E) in q's dtype."""
+    # 0. Validate with the forward's contract, and d_out against the output's shape.
+    q, k, v, d_out = np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(d_out)
+    options = dict(
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+    )
+    tiles = {"block_q": block_q, "block_k": block_k}
+    _, cu_q, cu_k = contract.check_packed(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, tiles=tiles, d_out=d_out, **options
+    )
+
+    # 1'. Each document alone: its loss reaches only its own queries, keys and values.
+    d_q = np.zeros(q.shape, dtype=q.dtype)  # (H, T, D)
+    d_k = np.zeros(k.shape, dtype=q.dtype)  # (K, S, D)
+    d_v = np.zeros(v.shape, dtype=q.dtype)  # (K, S, E)
+    for n in range(len(cu_q) - 1):
+        t0, t1, s0, s1 = cu_q[n], cu_q[n + 1], cu_k[n], cu_k[n + 1]
+        d_q[:, t0:t1], d_k[:, s0:s1], d_v[:, s0:s1] = attention_vjp(
+            q[:, t0:t1], k[:, s0:s1], v[:, s0:s1], d_out[:, t0:t1], **options, **tiles
+        )  # (H, T_n, D), (K, S_n, D), (K, S_n, E)
+    return d_q, d_k, d_v
 
 
 def _sink_rows(sinks: np.ndarray, call: contract.Checked, Tb: int, work: type) -> np.ndarray:
@@ -429,8 +536,9 @@ def _backward_block(
         # Forward steps 1, 3 and 4 again: the tile's masked scores Z.
         z, used = tiles.scores(qs, t0, t1, s0, s1, whole, keep_tanh=True)  # (B·K, G·Tb, Sb)
         # 5. The weights, recomputed from the row's log-sum-exp: P = exp(Z − lse). A row
-        # with no key has lse = +inf and so P = 0; a +inf score (q·k overflowed) makes
-        # its row NaN, as in the forward.
+        # with no key has lse = +inf and so P = 0; a row that read a +inf score (q·k
+        # overflowed) has l = +inf and lse = NaN, so that every weight of it is NaN, as
+        # in the forward (SPEC §4.1), not only its +inf ones (exp(Z − inf) would be 0).
         with np.errstate(invalid="ignore"):
             z -= lse  # (B·K, G·Tb, Sb)
         p = np.exp(z, out=z)  # (B·K, G·Tb, Sb)
@@ -742,6 +850,199 @@ class _Band:
             # Same chunk only; floor division puts a negative position in a chunk of no key.
             allowed &= (t + self.offset) // self.chunk == s // self.chunk  # (Tb, Sb)
         return allowed
+
+
+# --- Paged KV caches (SPEC §19) --------------------------------------------------------------
+
+
+def attention_paged(
+    q: np.ndarray,
+    k_pages: np.ndarray,
+    v_pages: np.ndarray,
+    block_table: np.ndarray,
+    seq_lens: np.ndarray,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    block_q: int = 256,
+) -> np.ndarray:
+    """Attention over a paged KV cache (vLLM, FlashInfer, FlashAttention's
+    ``flash_attn_with_kvcache`` with ``block_table`` and ``cache_seqlens``), a page at a
+    time: each page a sequence reads is one key tile, read in place.
+
+    Sequence b's key s lives in page block_table[b, s // L], slot s % L, and sequence b has
+    seq_lens[b] keys; its T queries are its last T positions, so causality and the window
+    are counted from the bottom-right diagonal t + seq_lens[b] - T. The online softmax
+    runs over the sequence's pages as it runs over key tiles, and visits only the
+    ⌈seq_lens[b] / L⌉ pages the sequence reads (fewer, where the band skips some): the
+    cost follows the lengths, not the table's width M·L, and nothing is gathered.
+
+    Shape legend: the spec's letters, and N pages, L slots per page (the key tile), M table
+    entries per sequence.
+
+    Args:
+      q: queries, (B, H, T, D).
+      k_pages: (N, K, L, D), the pool of key pages; K must divide H.
+      v_pages: (N, K, L, E), the value pages, laid out alike.
+      block_table: (B, M) integer: the pages of sequence b, in order. Entries past
+        ⌈seq_lens[b] / L⌉ are never read and may hold anything (-1 is common).
+      seq_lens: (B,) integer: the number of keys of each sequence, 0 to M·L.
+      is_causal: query t attends only keys s <= t + seq_lens[b] - T (T <= seq_lens[b]).
+      scale, window, softcap: as for ``attention``, the window's diagonal placed
+        bottom-right as causality's.
+      block_q: Tb, queries per tile (per query head).
+
+    Returns:
+      out: (B, H, T, E), same dtype as q; a sequence with no key gives rows of 0.
+    """
+    # 0. Validate with the input contract every impl shares (contract.py).
+    call, q = _prepare_paged(q, k_pages, v_pages, block_table, seq_lens, block_q, locals())
+    B, H, K, G, T, E = call.B, call.H, call.K, call.G, call.T, call.E
+    out = np.empty((B, K, G, T, E), dtype=q.dtype)  # (B, K, G, T, E)
+
+    for b in range(B):
+        # Sequence b's pages as its key tiles (_PageTiles).
+        tiles = _page_tiles(k_pages, v_pages, call, b)
+        for t0 in range(0, T, block_q):
+            t1 = min(t0 + block_q, T)
+            # Steps 1-5 and 7 as in ``attention``, over the pages the block's rows may see.
+            qs = _query_tile(q[b], t0, t1, call.scale, tiles.work)  # (K, G·Tb, D)
+            acc, l, _ = _fast_online_softmax(qs, t0, t1, tiles)
+            acc = _normalise(acc, l)  # (K, G·Tb, E)
+            out[b, :, :, t0:t1] = acc.reshape(K, G, t1 - t0, E)  # (K, G, Tb, E)
+
+    return out.reshape(B, H, T, E)  # (B, H, T, E)
+
+
+def attention_paged_vjp(
+    q: np.ndarray,
+    k_pages: np.ndarray,
+    v_pages: np.ndarray,
+    block_table: np.ndarray,
+    seq_lens: np.ndarray,
+    d_out: np.ndarray,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    block_q: int = 256,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients of ``attention_paged``, FlashAttention-2's way (``attention_vjp``'s
+    derivation), over each sequence's pages: (dq, dk_pages, dv_pages).
+
+    Each sequence's backward adds into a dK and dV of its own length, page by page; they
+    are then added into the pages they were read from, so a page two sequences share
+    collects both, and a slot no sequence reads stays exactly 0.
+
+    Args:
+      q, k_pages, v_pages, block_table, seq_lens, is_causal, scale, window, softcap,
+        block_q: as for ``attention_paged``.
+      d_out: ∂L/∂out, (B, H, T, E), in q's dtype.
+    """
+    # 0. Validate as the forward does, and d_out against the output's shape and dtype.
+    d_out = np.asarray(d_out)
+    call, q = _prepare_paged(q, k_pages, v_pages, block_table, seq_lens, block_q, locals())
+    B, H, K, G, T, D, E, L = call.B, call.H, call.K, call.G, call.T, call.D, call.E, call.L
+    d_out = d_out.reshape(B, K, G, T, E)  # (B, K, G, T, E), a view
+    dq = np.empty((B, K, G, T, D), dtype=q.dtype)  # (B, K, G, T, D)
+    work = np.float64 if q.dtype == np.float64 else np.float32
+    dk_pages = np.zeros(np.shape(k_pages), dtype=work)  # (N, K, L, D)
+    dv_pages = np.zeros(np.shape(v_pages), dtype=work)  # (N, K, L, E)
+
+    for b in range(B):
+        tiles = _page_tiles(k_pages, v_pages, call, b)
+        n = call.seq_lens[b]
+        dk = np.zeros((K, n, D), dtype=work)  # (K, n, D): sequence b's keys
+        dv = np.zeros((K, n, E), dtype=work)  # (K, n, E)
+        for t0 in range(0, T, block_q):
+            t1 = min(t0 + block_q, T)
+            Tb = t1 - t0
+            # Forward steps 1-5 and 7 for this block: O and the log-sum-exp.
+            qs = _query_tile(q[b], t0, t1, call.scale, work)  # (K, G·Tb, D)
+            acc, l, m = _fast_online_softmax(qs, t0, t1, tiles)
+            o = _normalise(acc, l)  # (K, G·Tb, E)
+            some = l > 0  # (K, G·Tb, 1)
+            lse = np.where(some, m + np.log(np.where(some, l, 1.0)), np.inf)  # (K, G·Tb, 1)
+            lse = np.where(l == np.inf, np.nan, lse)  # (K, G·Tb, 1): see _backward_block
+
+            # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O).
+            do = d_out[b, :, :, t0:t1].astype(work).reshape(K, G * Tb, E)  # (K, G·Tb, E)
+            delta = np.sum(do * o, axis=-1, keepdims=True)  # (K, G·Tb, 1)
+
+            # The backward over the block's pages; dq gets the scale once, here.
+            dq_b = _backward_block(qs, do, lse, delta, t0, t1, tiles, dk, dv, None)
+            dq_b *= work(call.scale)  # (K, G·Tb, D)
+            dq[b, :, :, t0:t1] = dq_b.reshape(K, G, Tb, D)  # (K, G, Tb, D)
+
+        # 1'. Each key's gradient back to the page slot it was read from.
+        for j, page in enumerate(call.pages[b]):
+            rows = slice(j * L, min((j + 1) * L, n))
+            dk_pages[page, :, : rows.stop - rows.start] += dk[:, rows]  # (K, ≤L, D)
+            dv_pages[page, :, : rows.stop - rows.start] += dv[:, rows]  # (K, ≤L, E)
+
+    return (
+        dq.reshape(B, H, T, D),  # (B, H, T, D)
+        dk_pages.astype(q.dtype),  # (N, K, L, D)
+        dv_pages.astype(q.dtype),  # (N, K, L, E)
+    )
+
+
+def _prepare_paged(q, k_pages, v_pages, block_table, seq_lens, block_q, given: dict):
+    """Step 0 of a paged call: the checked call and q as (B, K, G, T, D), a view."""
+    q = np.asarray(q)
+    options = {n: given[n] for n in ("is_causal", "scale", "window", "softcap")}
+    if "d_out" in given:
+        options["d_out"] = given["d_out"]
+    arrays = (np.asarray(x) for x in (k_pages, v_pages, block_table, seq_lens))
+    call = contract.check_paged(q, *arrays, **options)
+    if isinstance(block_q, bool) or not isinstance(block_q, int) or block_q <= 0:
+        raise ValueError(f"block_q should be a positive int, got {block_q!r}")
+    return call, q.reshape(call.B, call.K, call.G, call.T, call.D)  # (B, K, G, T, D)
+
+
+def _page_tiles(k_pages, v_pages, call: contract.PagedChecked, b: int) -> _PageTiles:
+    """Sequence b's keys and values as key tiles of whole pages, with its band: causality
+    and the window from the bottom-right diagonal of its own length."""
+    n, dtype = call.seq_lens[b], np.asarray(k_pages).dtype
+    work = np.float64 if dtype == np.float64 else np.float32
+    band = _Band(n - call.T, call.is_causal, call.window)
+    pages = call.pages[b]  # the ⌈n / L⌉ pages sequence b reads
+    k = _PageRows(np.asarray(k_pages), pages, n)  # (K, n, D), read through the pages
+    v = _PageRows(np.asarray(v_pages), pages, n)  # (K, n, E)
+    return _PageTiles(k, v, None, band, call.softcap, None, call.T, call.K, call.G, call.L, work)
+
+
+class _PageRows:
+    """One sequence's key (or value) rows, read through its pages: ``rows[:, s0:s1]`` is
+    slots s0 % L … of page pages[s0 // L], a view, for a range [s0, s1) within one page
+    (``_PageTiles.ranges`` cuts every tile at the page boundaries)."""
+
+    def __init__(self, pages: np.ndarray, table: tuple[int, ...], n: int) -> None:
+        self.pages, self.table, self.L = pages, table, pages.shape[2]  # (N, K, L, X)
+        self.shape = (pages.shape[1], n, pages.shape[3])  # (K, n, X)
+
+    def __getitem__(self, index: tuple[slice, slice]) -> np.ndarray:
+        rows = index[1]
+        j, i0 = divmod(rows.start, self.L)
+        return self.pages[self.table[j], :, i0 : i0 + rows.stop - rows.start]  # (K, Sb, X)
+
+
+class _PageTiles(_KeyTiles):
+    """``_KeyTiles`` over one sequence's pages: the key tiles are its pages (L keys each,
+    ``block_k`` = L), cut where the band starts or ends inside one; pages past its length
+    are never visited, and neither is any slot past it."""
+
+    def ranges(self, t0: int, t1: int) -> Iterator[tuple[int, int, bool]]:
+        L = self.block_k
+        for a, b, whole in self.band.ranges(t0, t1, self.S):
+            s0 = a
+            while s0 < b:
+                s1 = min((s0 // L + 1) * L, b)  # the end of s0's page, or of the range
+                yield s0, s1, whole
+                s0 = s1
 
 
 def _grouped(x: np.ndarray, K: int, G: int) -> np.ndarray:

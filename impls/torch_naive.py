@@ -43,7 +43,8 @@ This is the seed tutorials' ``scaled_dot_product_attention(Q, K, V, mask)`` grow
 full contract: with ``return_weights=True`` it returns ``(out, weights)`` like the first
 seed, and the seeds' name is kept as an alias of ``attention``. Imports: the standard
 library, PyTorch and ``contract.py``, the input contract all impls share (step 0); the
-math, ``_allowed`` included, is this file's own. Also here: a KV cache. Why each step is
+math, ``_allowed`` included, is this file's own. Also here: packed variable-length sequences
+(``attention_packed``, SPEC §18) and a KV cache. Why each step is
 written as it is: the Notes at the end of this file.
 """
 
@@ -159,7 +160,7 @@ def attention(
 
     # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
     if call.softcap is not None:
-        scores = call.softcap * torch.tanh(scores / call.softcap)  # (B, H, T, S)
+        scores = _Softcap.apply(scores, call.softcap)  # (B, H, T, S)
 
     # 4. Mask: ALiBi's linear bias and a float mask are added, then every key a query may
     # not see gets -inf.
@@ -186,7 +187,11 @@ def attention(
     if sinks is not None:
         # The sink takes its share of the sum, and has no value row to give anything back.
         row_sum = row_sum + torch.exp(sink - row_max)  # (B, H, T, 1)
-    weights = p / torch.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
+    # A row that reads +inf has row sum +inf: every weight of it is NaN, not only those of
+    # its +inf scores (SPEC §4.1), so that its gradients reach every key it attends.
+    divisor = torch.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, 1)
+    divisor = torch.where(row_sum == math.inf, math.nan, divisor)  # (B, H, T, 1)
+    weights = p / divisor  # (B, H, T, S)
     if sinks is not None:
         # A NaN or +inf sink makes its row NaN, as +inf - +inf does in the softmax (SPEC
         # §15.4); the shift by a finite row maximum above cannot show it, so it is selected.
@@ -215,6 +220,22 @@ def attention(
 #: mask)``, so a reader coming from them finds it here. The same function as ``attention``
 #: (its options keyword-only, its mask True = may attend, or added to the scores).
 scaled_dot_product_attention = attention
+
+
+class _Softcap(torch.autograd.Function):
+    """softcap · tanh(scores / softcap), whose derivative 1 − tanh²(scores / softcap) is
+    taken as it is (see Notes: huge softcaps)."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, softcap: float) -> torch.Tensor:
+        tanh = torch.tanh(scores / softcap)  # (B, H, T, S)
+        ctx.save_for_backward(tanh)
+        return softcap * tanh  # (B, H, T, S)
+
+    @staticmethod
+    def backward(ctx, d_capped: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (tanh,) = ctx.saved_tensors
+        return d_capped * (1.0 - tanh * tanh), None  # (B, H, T, S)
 
 
 def _alibi_bias(slopes: torch.Tensor, T: int, S: int, H: int) -> torch.Tensor:
@@ -263,6 +284,59 @@ def _allowed(
     return allowed
 
 
+def attention_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention over packed variable-length sequences (FlashAttention's varlen API).
+
+    N documents lie one after another on the token axis; document n is queries
+    cu_seqlens_q[n]:cu_seqlens_q[n + 1] and keys cu_seqlens_k[n]:cu_seqlens_k[n + 1], and
+    its rows are ``attention`` on that document alone: no query sees another document,
+    and causality and windows are counted inside each document.
+
+    Args:
+      q: queries of every document, (H, T, D), T = cu_seqlens_q[-1].
+      k: keys, (K, S, D), S = cu_seqlens_k[-1]; K must divide H.
+      v: values, (K, S, E).
+      cu_seqlens_q, cu_seqlens_k: (N + 1,) integer cumulative lengths from 0.
+      is_causal, scale, causal_alignment, window, softcap: as for ``attention``, applied
+        within each document (bottom-right puts document n's diagonal at S_n - T_n).
+
+    Returns:
+      out: (H, T, E), same dtype as q.
+    """
+    # 0. Validate with the input contract all impls share (contract.py): an error names the
+    # argument, the expected shape and what was given.
+    q, k, v = torch.as_tensor(q), torch.as_tensor(k), torch.as_tensor(v)
+    options = dict(
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+    )
+    call, cu_q, cu_k = contract.check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+    H, E = call.H, call.E
+
+    # 1. Each document alone: its queries against its own keys only, so nothing another
+    # document holds (not even a NaN) is ever read (see Notes: packed documents).
+    rows = [q.new_zeros((H, 0, E))]  # (H, 0, E)
+    for n in range(len(cu_q) - 1):
+        t0, t1, s0, s1 = cu_q[n], cu_q[n + 1], cu_k[n], cu_k[n + 1]
+        rows.append(attention(q[:, t0:t1], k[:, s0:s1], v[:, s0:s1], **options))  # (H, T_n, E)
+    return torch.cat(rows, dim=1)  # (H, T, E)
+
+
 class KVCache:
     """Keys and values of the tokens decoded so far, for one sequence batch.
 
@@ -296,7 +370,120 @@ class KVCache:
         )  # (B, H, T, E)
 
 
+def attention_paged(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention over a paged KV cache (vLLM, FlashInfer, FlashAttention's
+    ``flash_attn_with_kvcache`` with ``block_table`` and ``cache_seqlens``).
+
+    A server decoding many sequences keeps their keys and values in one pool of pages of
+    L slots each; sequence b's key s lives in page block_table[b, s // L], slot s % L, and
+    sequence b has seq_lens[b] keys. Its T queries are its last T positions (a decode step,
+    or a chunk of prefill), so causality and the window are counted from the bottom-right
+    diagonal of its own length: query t sees key s <= t + seq_lens[b] - T.
+
+    Shape legend: the spec's letters, and N pages, L slots per page, M table entries per
+    sequence (so a sequence holds at most M·L keys).
+
+    Args:
+      q: queries, (B, H, T, D).
+      k_pages: (N, K, L, D), the pool of key pages; K must divide H.
+      v_pages: (N, K, L, E), the value pages, laid out alike.
+      block_table: (B, M) integer: the pages of sequence b, in order. Entries past
+        ⌈seq_lens[b] / L⌉ are never read and may hold anything (-1 is common).
+      seq_lens: (B,) integer: the number of keys of each sequence, 0 to M·L.
+      is_causal: query t attends only keys s <= t + seq_lens[b] - T (T <= seq_lens[b]).
+      scale, window, softcap: as for ``attention``, the window's diagonal placed
+        bottom-right as causality's.
+
+    Returns:
+      out: (B, H, T, E), same dtype as q; a sequence with no key gives rows of 0.
+    """
+    # 0. Validate with the input contract all impls share (contract.py): an error names the
+    # argument, what was expected and what was given.
+    call = contract.check_paged(
+        q,
+        k_pages,
+        v_pages,
+        block_table,
+        seq_lens,
+        is_causal=is_causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+    )
+
+    # 1. Gather each sequence's keys and values from its pages, in table order.
+    k, v = _gather_pages(k_pages, v_pages, block_table, call)  # (B, K, S, D), (B, K, S, E)
+
+    # 2. Which keys each query may see: its sequence's first seq_lens[b] keys, and the
+    # causal triangle and the window from the bottom-right diagonal of that length.
+    allowed = _paged_allowed(seq_lens, call)  # (B, 1, T, S)
+
+    # 3. Attention on the gathered keys under that mask. A slot no query may see (past a
+    # sequence's length, or read through a clamped table entry) is replaced by 0 there
+    # before it is used, so whatever it holds, NaN included, changes nothing.
+    return attention(q, k, v, mask=allowed, scale=call.scale, softcap=call.softcap)
+
+
+def _gather_pages(
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    call: contract.PagedChecked,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence b's key s = j·L + i from slot i of page block_table[b, j]: (B, K, M·L, D)
+    and (B, K, M·L, E). Table entries a sequence does not read may hold anything, -1 or
+    N + 5 included: they are clamped into [0, N) first, so the gather never indexes out of
+    range, and what they point at is masked away."""
+    B, K, L, M, D, E = call.B, call.K, call.L, call.M, call.D, call.E
+    if call.N == 0:  # no pages at all: every sequence is empty (the contract checked it)
+        return k_pages.new_zeros((B, K, M * L, D)), v_pages.new_zeros((B, K, M * L, E))
+    pages = block_table.long().clamp(0, call.N - 1)  # (B, M)
+    k = k_pages[pages]  # (B, M, K, L, D)
+    v = v_pages[pages]  # (B, M, K, L, E)
+    k = k.permute(0, 2, 1, 3, 4).reshape(B, K, M * L, D)  # (B, K, S, D), S = M·L
+    v = v.permute(0, 2, 1, 3, 4).reshape(B, K, M * L, E)  # (B, K, S, E)
+    return k, v
+
+
+def _paged_allowed(seq_lens: torch.Tensor, call: contract.PagedChecked) -> torch.Tensor:
+    """Which gathered keys each query may see, (B, 1, T, S) bool: key s of sequence b if
+    s < seq_lens[b], and causality and the window allow it from query t's diagonal t +
+    seq_lens[b] - T (the queries are the sequence's last T positions)."""
+    T, S, window = call.T, call.M * call.L, call.window
+    n = seq_lens.long().reshape(-1, 1, 1, 1)  # (B, 1, 1, 1)
+    t = torch.arange(T, device=seq_lens.device)[:, None]  # (T, 1)
+    s = torch.arange(S, device=seq_lens.device)[None, :]  # (1, S)
+    distance = s - (t + n - T)  # (B, 1, T, S)
+    allowed = s < n  # (B, 1, 1, S)
+    if call.is_causal:
+        allowed = allowed & (distance <= 0)  # (B, 1, T, S)
+    if window is not None and window[0] is not None:
+        allowed = allowed & (distance >= -window[0])  # (B, 1, T, S)
+    if window is not None and window[1] is not None:
+        allowed = allowed & (distance <= window[1])  # (B, 1, T, S)
+    return allowed.expand(call.B, 1, T, S)  # (B, 1, T, S)
+
+
 # --- Notes -----------------------------------------------------------------------------------
+#
+# Packed documents (attention_packed). Packing N documents into one array saves the padding
+# a batch of unequal lengths would need; the price is that every query must be kept away
+# from the other documents' keys. Here each document is sliced out and attended alone, the
+# literal meaning of SPEC §18; autograd differentiates through the slices and the
+# concatenation. A block-diagonal mask would compute the same weights, but the product
+# P·V would still multiply a weight of 0 by every other document's values, and
+# 0 · NaN = NaN: one document's NaN would reach the rest.
 #
 # Why 1/√D (step 2). If the entries of q and k have unit variance, q·k sums D such products
 # and has variance D; dividing by √D keeps the scores near unit variance whatever the head
@@ -345,3 +532,9 @@ class KVCache:
 # (B, H, T, S) tensor in the compute dtype, divided by 1 - p before it multiplies the
 # weights (the order matters to the last bit). So after torch.manual_seed(s), with the
 # global generator, the same positions are dropped as in SDPA called with the same seed.
+#
+# Huge softcaps (step 3). Autograd would differentiate softcap · tanh(scores / softcap) as
+# ((d · softcap) · (1 − tanh²)) / softcap, and d · softcap overflows for a softcap near the
+# largest float (3e38 in float32, 1e308 in float64): the gradient became ±inf (SPEC §4.2).
+# The derivative 1 − tanh²(scores / softcap) is therefore applied as it is, as the
+# hand-written backward passes of the other impls do; the forward is unchanged.

@@ -34,7 +34,8 @@ and multi-query attention (K < H), dropout on the weights (seeded by ``torch.man
 float64, float32, float16 and bfloat16, autograd (SDPA's own backward). A query row with
 no key left to attend returns exactly 0.
 
-Imports: the standard library, PyTorch and ``contract.py``, the input contract all impls
+Also here: packed variable-length sequences (``attention_packed``, SPEC §18), through
+nested jagged tensors. Imports: the standard library, PyTorch and ``contract.py``, the input contract all impls
 share (step 0); the band of causality, the window and the chunks, ``_band``, is this file's
 own. What
 this adapter hands to SDPA and what it builds itself, and SDPA's behaviour on the CPU that
@@ -167,9 +168,11 @@ def attention(
     if has_key is not None and not bool(has_key.all()):
         q = torch.where(has_key, q, 0.0)  # (B, H, T, D)
 
-    if call.softcap is not None:
+    if call.softcap is not None and T > 0 and S > 0:
         out = _flex_attention(q, k, v, allowed, additive, call.scale, call.softcap, call.dropout_p)
         return out[0] if call.unbatched else out
+    # With T = 0 or S = 0 there is no score to softcap: SDPA below gives §2.5's empty
+    # output or rows of 0, where flex_attention raises IndexError (torch 2.13, CPU).
 
     # A float mask carries the blocked keys as -inf. SDPA on the CPU turns a row of -inf
     # into weights of exactly 0 (checked above for torch 2.13), so no fix-up is needed.
@@ -193,6 +196,194 @@ def attention(
     # never become a number (§4.9), so such rows are computed again on the math backend.
     out = _nan_rows_again(out, q, k, v, sdpa)  # (B, H, T, E)
     return out[0] if call.unbatched else out
+
+
+def attention_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention over packed variable-length sequences, through PyTorch's nested jagged
+    tensors where SDPA takes them.
+
+    N documents lie one after another on the token axis; document n is queries
+    cu_seqlens_q[n]:cu_seqlens_q[n + 1] and keys cu_seqlens_k[n]:cu_seqlens_k[n + 1], and
+    its rows are ``attention`` on that document alone: no query sees another document,
+    and causality and windows are counted inside each document.
+
+    Args:
+      q: queries of every document, (H, T, D), T = cu_seqlens_q[-1].
+      k: keys, (K, S, D), S = cu_seqlens_k[-1]; K must divide H.
+      v: values, (K, S, E).
+      cu_seqlens_q, cu_seqlens_k: (N + 1,) integer cumulative lengths from 0: the
+        ``offsets`` of ``torch.nested.nested_tensor_from_jagged``.
+      is_causal, scale, causal_alignment, window, softcap: as for ``attention``, applied
+        within each document (bottom-right puts document n's diagonal at S_n - T_n).
+
+    Returns:
+      out: (H, T, E), same dtype as q.
+    """
+    # 0. Validate with the input contract all impls share (contract.py): an error names the
+    # argument, the expected shape and what was given.
+    q, k, v = torch.as_tensor(q), torch.as_tensor(k), torch.as_tensor(v)
+    options = dict(
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+    )
+    call, cu_q, cu_k = contract.check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+    H, G, E = call.H, call.G, call.E
+    N = len(cu_q) - 1
+    jagged = not call.is_causal and call.window is None and call.softcap is None and N > 0
+
+    # 1.-7. Without causality, a window or a softcap, SDPA itself takes the documents as
+    # nested jagged tensors (N, H, j, D), one ragged length per document (see Notes: packed
+    # documents). Its nested path has no GQA, so the key/value heads are repeated first,
+    # as enable_gqa would.
+    if jagged:
+        offsets_q = torch.tensor(cu_q, dtype=torch.int64)  # (N + 1,)
+        offsets_k = torch.tensor(cu_k, dtype=torch.int64)  # (N + 1,)
+        k = k.repeat_interleave(G, dim=0)  # (H, S, D)
+        v = v.repeat_interleave(G, dim=0)  # (H, S, E)
+        nested = [
+            torch.nested.nested_tensor_from_jagged(x.transpose(0, 1).contiguous(), offsets=o)
+            for x, o in ((q, offsets_q), (k, offsets_k), (v, offsets_k))
+        ]  # (N, j, H, ·) each
+        q_n, k_n, v_n = (x.transpose(1, 2) for x in nested)  # (N, H, j, ·)
+        with warnings.catch_warnings():
+            # Raised from inside SDPA's nested path (torch 2.13), which builds a strided
+            # nested tensor of its own; nothing the caller can change.
+            warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors")
+            out = F.scaled_dot_product_attention(q_n, k_n, v_n, scale=call.scale)  # (N, H, j, E)
+        return out.transpose(1, 2).values().transpose(0, 1)  # (H, T, E)
+
+    # Otherwise each document goes to ``attention`` above alone: SDPA's nested path refuses
+    # is_causal, an attn_mask and GQA, and one dense call with a block-diagonal mask would
+    # let one document's NaN reach the others through P·V.
+    rows = [q.new_zeros((H, 0, E))]  # (H, 0, E)
+    for n in range(N):
+        t0, t1, s0, s1 = cu_q[n], cu_q[n + 1], cu_k[n], cu_k[n + 1]
+        if t0 == t1:
+            continue  # no queries, no rows
+        rows.append(attention(q[:, t0:t1], k[:, s0:s1], v[:, s0:s1], **options))  # (H, T_n, E)
+    return torch.cat(rows, dim=1)  # (H, T, E)
+
+
+def attention_paged(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention over a paged KV cache (vLLM, FlashInfer, FlashAttention's
+    ``flash_attn_with_kvcache`` with ``block_table`` and ``cache_seqlens``).
+
+    A server decoding many sequences keeps their keys and values in one pool of pages of
+    L slots each; sequence b's key s lives in page block_table[b, s // L], slot s % L, and
+    sequence b has seq_lens[b] keys. Its T queries are its last T positions (a decode step,
+    or a chunk of prefill), so causality and the window are counted from the bottom-right
+    diagonal of its own length: query t sees key s <= t + seq_lens[b] - T.
+
+    Shape legend: the spec's letters, and N pages, L slots per page, M table entries per
+    sequence (so a sequence holds at most M·L keys).
+
+    Args:
+      q: queries, (B, H, T, D).
+      k_pages: (N, K, L, D), the pool of key pages; K must divide H.
+      v_pages: (N, K, L, E), the value pages, laid out alike.
+      block_table: (B, M) integer: the pages of sequence b, in order. Entries past
+        ⌈seq_lens[b] / L⌉ are never read and may hold anything (-1 is common).
+      seq_lens: (B,) integer: the number of keys of each sequence, 0 to M·L.
+      is_causal: query t attends only keys s <= t + seq_lens[b] - T (T <= seq_lens[b]).
+      scale, window, softcap: as for ``attention``, the window's diagonal placed
+        bottom-right as causality's.
+
+    Returns:
+      out: (B, H, T, E), same dtype as q; a sequence with no key gives rows of 0.
+    """
+    # 0. Validate with the input contract all impls share (contract.py): an error names the
+    # argument, what was expected and what was given.
+    call = contract.check_paged(
+        q,
+        k_pages,
+        v_pages,
+        block_table,
+        seq_lens,
+        is_causal=is_causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+    )
+
+    # 1. Gather each sequence's keys and values from its pages, in table order.
+    k, v = _gather_pages(k_pages, v_pages, block_table, call)  # (B, K, S, D), (B, K, S, E)
+
+    # 2. Which keys each query may see: its sequence's first seq_lens[b] keys, and the
+    # causal triangle and the window from the bottom-right diagonal of that length.
+    allowed = _paged_allowed(seq_lens, call)  # (B, 1, T, S)
+
+    # 3. Attention on the gathered keys under that mask: F.scaled_dot_product_attention
+    # with the mask as its bool attn_mask (``attention`` above: PyTorch's real path, and
+    # flex_attention's score_mod for a softcap). A slot no query may see (past a sequence's
+    # length, or read through a clamped table entry) is replaced by 0 there before it is
+    # used, so whatever it holds, NaN included, changes nothing.
+    return attention(q, k, v, mask=allowed, scale=call.scale, softcap=call.softcap)
+
+
+def _gather_pages(
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    call: contract.PagedChecked,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence b's key s = j·L + i from slot i of page block_table[b, j]: (B, K, M·L, D)
+    and (B, K, M·L, E). Table entries a sequence does not read may hold anything, -1 or
+    N + 5 included: they are clamped into [0, N) first, so the gather never indexes out of
+    range, and what they point at is masked away."""
+    B, K, L, M, D, E = call.B, call.K, call.L, call.M, call.D, call.E
+    if call.N == 0:  # no pages at all: every sequence is empty (the contract checked it)
+        return k_pages.new_zeros((B, K, M * L, D)), v_pages.new_zeros((B, K, M * L, E))
+    pages = block_table.long().clamp(0, call.N - 1)  # (B, M)
+    k = k_pages[pages]  # (B, M, K, L, D)
+    v = v_pages[pages]  # (B, M, K, L, E)
+    k = k.permute(0, 2, 1, 3, 4).reshape(B, K, M * L, D)  # (B, K, S, D), S = M·L
+    v = v.permute(0, 2, 1, 3, 4).reshape(B, K, M * L, E)  # (B, K, S, E)
+    return k, v
+
+
+def _paged_allowed(seq_lens: torch.Tensor, call: contract.PagedChecked) -> torch.Tensor:
+    """Which gathered keys each query may see, (B, 1, T, S) bool: key s of sequence b if
+    s < seq_lens[b], and causality and the window allow it from query t's diagonal t +
+    seq_lens[b] - T (the queries are the sequence's last T positions)."""
+    T, S, window = call.T, call.M * call.L, call.window
+    n = seq_lens.long().reshape(-1, 1, 1, 1)  # (B, 1, 1, 1)
+    t = torch.arange(T, device=seq_lens.device)[:, None]  # (T, 1)
+    s = torch.arange(S, device=seq_lens.device)[None, :]  # (1, S)
+    distance = s - (t + n - T)  # (B, 1, T, S)
+    allowed = s < n  # (B, 1, 1, S)
+    if call.is_causal:
+        allowed = allowed & (distance <= 0)  # (B, 1, T, S)
+    if window is not None and window[0] is not None:
+        allowed = allowed & (distance >= -window[0])  # (B, 1, T, S)
+    if window is not None and window[1] is not None:
+        allowed = allowed & (distance <= window[1])  # (B, 1, T, S)
+    return allowed.expand(call.B, 1, T, S)  # (B, 1, T, S)
 
 
 def _seen(
@@ -391,6 +582,21 @@ def _band(T: int, S: int, call: contract.Checked, device: torch.device) -> torch
 #                                     gradients, or with dropout_p > 0, raises
 #                                     NotImplementedError.
 #     unbatched (H, T, D)             a batch axis of 1 added here, removed after
+#
+# Packed documents (attention_packed, SPEC §18). SDPA takes packed documents as nested
+# jagged tensors: ``torch.nested.nested_tensor_from_jagged(values (T, H, D), offsets =
+# cu_seqlens)``, transposed to (N, H, j, D). Measured with torch 2.13.0 on the CPU: it
+# gives each document's attention (T_n != S_n, E != D, empty documents, rows of exactly 0
+# for S_n = 0, float64 to bfloat16, gradients by autograd), and a NaN in one document
+# stays there. It refuses the rest: is_causal=True raises "RuntimeError: No viable backend
+# for scaled_dot_product_attention was found" (its log: "Nested tensors for query / key
+# are not supported when is_causal=True"), enable_gqa=True with K < H a RuntimeError from
+# matmul ("batch dimensions must have the same sizes"), an attn_mask "ValueError: Masks
+# are not yet supported!". So GQA is the heads repeated before the nested call (what
+# enable_gqa means), and causality, windows and softcap go to ``attention`` document by
+# document: one dense call with a block-diagonal bool mask gives the right weights, but a
+# NaN in one document's v made every row of the other documents NaN (measured, float64
+# and float32), since SDPA multiplies whole rows of P by V.
 #
 # SDPA's behaviour on the CPU, observed with torch 2.13.0 (and relied on here):
 #

@@ -82,6 +82,11 @@ def alibi(slopes, T, S, H):
     return -slopes.reshape(-1, H, 1, 1) * distance.astype(slopes.dtype)
 
 
+def page_of(table_row, s, L):
+    """The page holding a sequence's key s (SPEC §19.1): block_table[b, s // L]."""
+    return table_row[s // L]
+
+
 def softmax(scores, dtype):
     """Stable softmax over the keys; a row with every key at -inf gets weights 0."""
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
@@ -169,6 +174,21 @@ def band_always_top_left(T, S, is_causal, causal_alignment, window):
     return band(T, S, is_causal, "top_left", window)
 
 
+def documents(cu_seqlens_q, cu_seqlens_k):
+    """Packed documents (SPEC §18.1): (t0, t1, s0, s1) of each, its queries t0:t1 and its
+    keys s0:s1."""
+    cq, ck = [int(x) for x in cu_seqlens_q], [int(x) for x in cu_seqlens_k]
+    return [(cq[n], cq[n + 1], ck[n], ck[n + 1]) for n in range(len(cq) - 1)]
+
+
+def documents_leaking(cu_seqlens_q, cu_seqlens_k):
+    """BUG: documents leak across a boundary: each document's keys start one early, so its
+    queries also see the last key of the document before it."""
+    return [
+        (t0, t1, max(s0 - 1, 0), s1) for t0, t1, s0, s1 in documents(cu_seqlens_q, cu_seqlens_k)
+    ]
+
+
 def chunks_off_by_one(T, S, chunk_size, causal_alignment):
     """BUG: the chunk boundary off by one: the query's position counted from 1, so the
     last query of each chunk lands in the next one."""
@@ -182,6 +202,13 @@ def alibi_off_by_one(slopes, T, S, H):
     penalised as if one step away, and the key after it not at all."""
     distance = np.abs(np.arange(T)[:, None] + S - T - np.arange(S)[None, :] + 1)
     return -slopes.reshape(-1, H, 1, 1) * distance.astype(slopes.dtype)
+
+
+def page_of_off_by_one(table_row, s, L):
+    """BUG: a page table read off by one: key s is read from the next table entry,
+    block_table[b, s // L + 1] (the last entry for the last page), as if the table
+    started one page late."""
+    return table_row[min(s // L + 1, len(table_row) - 1)]
 
 
 def expand_kv_tile(x, G):
@@ -296,12 +323,15 @@ def grouped(x, K, G):
 
 
 def backward_weights(scores):
-    """The forward's weights again; a row with every key at -inf gets weights 0."""
+    """The forward's weights again; a row with every key at -inf gets weights 0, and one
+    that read a +inf score (row sum +inf) NaN weights throughout (SPEC §4.1)."""
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
     p = np.exp(scores - row_max)
     row_sum = p.sum(axis=-1, keepdims=True)
-    return p / np.where(row_sum > 0, row_sum, 1.0)
+    divisor = np.where(row_sum > 0, row_sum, 1.0)
+    with np.errstate(invalid="ignore"):
+        return p / np.where(row_sum == np.inf, np.nan, divisor)
 
 
 def backward_sink_weights(scores, sinks):
@@ -393,7 +423,9 @@ class Steps:
     bool_allowed = staticmethod(bool_allowed)
     band = staticmethod(band)
     chunks = staticmethod(chunks)
+    documents = staticmethod(documents)
     alibi = staticmethod(alibi)
+    page_of = staticmethod(page_of)
     hide_unused = staticmethod(hide_unused)
     softmax = staticmethod(softmax)
     sink_softmax = staticmethod(sink_softmax)
@@ -643,9 +675,71 @@ class MutantBackend(Backend):
             options["rng"] = np.random.default_rng(seed)
         return self.steps().run(q, k, v, **options)
 
+    def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+        # Reached only by backends declaring "packed" (the packed mutant, the control).
+        steps = self.steps()
+        contract.check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+        out = np.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
+        for t0, t1, s0, s1 in steps.documents(cu_seqlens_q, cu_seqlens_k):
+            out[:, t0:t1] = steps.run(
+                q[None, :, t0:t1], k[None, :, s0:s1], v[None, :, s0:s1], **options
+            )[0]
+        return out
+
+    def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
+        contract.check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out=d_out, **options)
+        grads = [np.zeros(x.shape, dtype=q.dtype) for x in (q, k, v)]
+        for t0, t1, s0, s1 in self.steps().documents(cu_seqlens_q, cu_seqlens_k):
+            doc = self.backward().run(
+                q[None, :, t0:t1],
+                k[None, :, s0:s1],
+                v[None, :, s0:s1],
+                d_out[None, :, t0:t1],
+                **options,
+            )
+            grads[0][:, t0:t1], grads[1][:, s0:s1], grads[2][:, s0:s1] = (g[0] for g in doc[:3])
+        return tuple(grads)
+
     def _attention_vjp(self, q, k, v, d_out, **options):
         # Reached only by backends declaring "grad" (the gradient mutants, the control).
         return self.backward().run(q, k, v, d_out, **options)
+
+    # Paged KV caches (SPEC §19), reached only by backends declaring "paged": each
+    # sequence's keys gathered through ``Steps.page_of``, then the steps above, aligned
+    # bottom-right; the gradients added back into the slots read.
+
+    def _sequences(self, k_pages, v_pages, block_table, seq_lens):
+        L = k_pages.shape[2]
+        for b, n in enumerate(np.asarray(seq_lens).tolist()):
+            slots = [(int(self.steps.page_of(block_table[b], s, L)), s % L) for s in range(n)]
+            k = np.stack([k_pages[p, :, i] for p, i in slots], axis=1) if slots else None
+            v = np.stack([v_pages[p, :, i] for p, i in slots], axis=1) if slots else None
+            empty = k_pages.shape[1], 0
+            k = np.zeros((*empty, k_pages.shape[3]), k_pages.dtype) if k is None else k
+            v = np.zeros((*empty, v_pages.shape[3]), v_pages.dtype) if v is None else v
+            yield b, k[None], v[None], slots  # (1, K, n, D), (1, K, n, E)
+
+    def _attention_paged(self, q, k_pages, v_pages, block_table, seq_lens, **options):
+        contract.check_paged(q, k_pages, v_pages, block_table, seq_lens, **options)
+        out = np.zeros((*q.shape[:3], v_pages.shape[-1]), dtype=q.dtype)
+        for b, k, v, _ in self._sequences(k_pages, v_pages, block_table, seq_lens):
+            run = self.steps().run(q[b : b + 1], k, v, causal_alignment="bottom_right", **options)
+            out[b] = run[0]
+        return out
+
+    def _attention_paged_vjp(self, q, k_pages, v_pages, block_table, seq_lens, d_out, **options):
+        contract.check_paged(q, k_pages, v_pages, block_table, seq_lens, d_out=d_out, **options)
+        dq = np.zeros(q.shape, dtype=q.dtype)
+        dk_pages = np.zeros(k_pages.shape)
+        dv_pages = np.zeros(v_pages.shape)
+        for b, k, v, slots in self._sequences(k_pages, v_pages, block_table, seq_lens):
+            args = (q[b : b + 1], k, v, d_out[b : b + 1])
+            dq_b, dk, dv = self.backward().run(*args, causal_alignment="bottom_right", **options)
+            dq[b] = dq_b[0]
+            for s, (p, i) in enumerate(slots):
+                dk_pages[p, :, i] += dk[0, :, s]
+                dv_pages[p, :, i] += dv[0, :, s]
+        return dq, dk_pages.astype(q.dtype), dv_pages.astype(q.dtype)
 
 
 class GradientMutantBackend(MutantBackend):
@@ -666,10 +760,22 @@ class ChunkMutantBackend(MutantBackend):
     capabilities = (ALL_CAPABILITIES - {"module"}) | {"chunked"}
 
 
+class PackedMutantBackend(MutantBackend):
+    """A forward mutant that also declares "packed" (SPEC §18)."""
+
+    capabilities = (ALL_CAPABILITIES - {"module"}) | {"packed"}
+
+
 class AlibiMutantBackend(MutantBackend):
     """A forward mutant that also declares "alibi" (SPEC §17)."""
 
     capabilities = (ALL_CAPABILITIES - {"module"}) | {"alibi"}
+
+
+class PagedMutantBackend(MutantBackend):
+    """A forward mutant that also declares "paged" (SPEC §19)."""
+
+    capabilities = (ALL_CAPABILITIES - {"module"}) | {"paged"}
 
 
 class ModuleMutantBackend(MutantBackend):
@@ -708,7 +814,7 @@ Control = type(
     (ModuleMutantBackend,),
     {
         "name": "mutant-control",
-        "capabilities": ALL_CAPABILITIES | GRAD | {"sinks", "chunked", "alibi"},
+        "capabilities": ALL_CAPABILITIES | GRAD | {"sinks", "chunked", "alibi", "packed", "paged"},
     },
 )
 
@@ -841,6 +947,28 @@ MUTANTS = {
     "mutant-alibi-off-by-one": (
         _mutant("mutant-alibi-off-by-one", "alibi", alibi_off_by_one, base=AlibiMutantBackend),
         {"17.1"},
+        "",
+    ),
+    # Packed variable-length sequences (SPEC §18).
+    "mutant-packed-documents-leak": (
+        _mutant(
+            "mutant-packed-documents-leak",
+            "documents",
+            documents_leaking,
+            base=PackedMutantBackend,
+        ),
+        {"18.1"},
+        "",
+    ),
+    # Paged KV caches (SPEC §19).
+    "mutant-page-table-off-by-one": (
+        _mutant(
+            "mutant-page-table-off-by-one",
+            "page_of",
+            page_of_off_by_one,
+            base=PagedMutantBackend,
+        ),
+        {"19.1"},
         "",
     ),
     # The backward pass (SPEC §12): the forward is correct, only the gradients are broken.

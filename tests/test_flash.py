@@ -201,6 +201,30 @@ def test_jax_flash_backward_memory_is_linear_in_t():
     assert temp < 96 * 2**20, f"backward temporaries {temp / 2**20:.1f} MiB"
 
 
+def test_jax_flash_packed_backward_memory_is_linear_in_t():
+    """The same account for the packed backward (SPEC §18.4) at T = S = 16384 in N = 8
+    documents: the boundaries add a few (T,) vectors, never a (T, S) array."""
+    shape = jax.ShapeDtypeStruct((8, 16384, 64), jax.numpy.float32)
+    bounds = jax.ShapeDtypeStruct((9,), jax.numpy.int32)
+    lowered = jax_flash._flash_packed_vjp.lower(
+        shape,
+        shape,
+        shape,
+        bounds,
+        bounds,
+        shape,
+        scale=0.125,
+        is_causal=True,
+        bottom_right=False,
+        window=None,
+        softcap=None,
+        Tb=512,
+        Sb=256,
+    )
+    temp = lowered.compile().memory_analysis().temp_size_in_bytes
+    assert temp < 96 * 2**20, f"packed backward temporaries {temp / 2**20:.1f} MiB"
+
+
 def test_numpy_flash_backward_skips_fully_masked_tiles(monkeypatch):
     """The backward visits the same tiles as the forward: under causal attention on
     n × n tiles, the n(n+1)/2 on or below the diagonal. Each visited tile costs 7
@@ -251,3 +275,107 @@ def test_numpy_flash_skips_tiles_outside_the_chunks(monkeypatch, chunk):
     calls.clear()
     numpy_flash.attention_vjp(q, k, v, d_out, chunk_size=chunk, block_q=512, block_k=512)
     assert len(calls) == 7 * tiles, f"{len(calls)} backward matmuls, expected {7 * tiles}"
+
+
+@pytest.mark.clause("18.4")
+@pytest.mark.parametrize(
+    "cu_seqlens, tiles",
+    [([0, 512, 1024, 1536, 2048], 4), ([0, 700, 2048], 4 + 9), ([0, 0, 2048, 2048], 16)],
+    ids=["four-of-512", "700-and-1348", "one-document"],
+)
+def test_numpy_flash_skips_tiles_across_documents(monkeypatch, cu_seqlens, tiles):
+    """Packed attention (SPEC §18.4) on tiles of 512 visits only the tiles inside each
+    document: four documents of 512, one tile each (of the 16 of T = S = 2048); 700 and
+    1348 tokens, 2 × 2 and 3 × 3 tiles; one document, all 16. Forward: 2 products per
+    tile; backward: 7."""
+    calls = []
+    real = np.matmul
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    q, k, v = (x[0] for x in random_qkv(64, B=1, H=1, T=2048, S=2048, D=8, dtype="float32"))
+    d_out = np.random.default_rng(65).standard_normal(q.shape).astype(np.float32)
+    cu = np.array(cu_seqlens)
+    monkeypatch.setattr(numpy_flash.np, "matmul", counting)
+    numpy_flash.attention_packed(q, k, v, cu, cu, is_causal=False, block_q=512, block_k=512)
+    assert len(calls) == 2 * tiles, f"{len(calls)} matmuls, expected {2 * tiles}"
+    calls.clear()
+    numpy_flash.attention_packed_vjp(q, k, v, cu, cu, d_out, block_q=512, block_k=512)
+    assert len(calls) == 7 * tiles, f"{len(calls)} backward matmuls, expected {7 * tiles}"
+
+
+@pytest.mark.clause("18.4")
+@pytest.mark.parametrize(
+    "cu_seqlens, tiles",
+    [([0, 512, 1024, 1536, 2048], 4), ([0, 700, 2048], 4 + 9), ([0, 0, 2048, 2048], 16)],
+    ids=["four-of-512", "700-and-1348", "one-document"],
+)
+def test_jax_flash_skips_tiles_across_documents(monkeypatch, cu_seqlens, tiles):
+    """jax-flash's packed walk (SPEC §18.4) visits the tiles numpy-flash does, on tiles
+    of 512, though its query blocks are not aligned to the documents: with 700 and 1348
+    tokens, the query block of rows 512-1023 walks the first document's 2 key blocks and
+    the second's 3 (2 + 5 + 3 + 3 = 13). Counted as calls of ``_Tiles.scores`` with
+    ``jax.disable_jit()``, where the loops run in Python: one per tile forward, two in
+    the backward (its forward, then the gradients)."""
+    calls = []
+    real = jax_flash._Tiles.scores
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    q, k, v = (x[0] for x in random_qkv(64, B=1, H=1, T=2048, S=2048, D=8, dtype="float32"))
+    d_out = np.random.default_rng(65).standard_normal(q.shape).astype(np.float32)
+    cu = np.array(cu_seqlens)
+    monkeypatch.setattr(jax_flash._Tiles, "scores", counting)
+    with jax.disable_jit():
+        jax_flash.attention_packed(q, k, v, cu, cu, block_q=512, block_k=512)
+        assert len(calls) == tiles, f"{len(calls)} tiles, expected {tiles}"
+        calls.clear()
+        jax_flash.attention_packed_vjp(q, k, v, cu, cu, d_out, block_q=512, block_k=512)
+    assert len(calls) == 2 * tiles, f"{len(calls)} backward tiles, expected {2 * tiles}"
+
+
+@pytest.mark.parametrize(
+    "window, pages", [(None, [6, 2, 5]), ((300, 0), [2, 5])], ids=["whole-length", "window-300"]
+)
+def test_numpy_flash_paged_reads_only_the_pages_it_needs(monkeypatch, window, pages):
+    """A paged decode step (SPEC §19) with pages of 512 slots, a table 8 pages wide and
+    lengths 1100 and 0: numpy-flash reads the 3 pages sequence 0 holds keys in (⌈1100 /
+    512⌉: table entries 6, 2, 5), and with a window of 300 only the 2 that hold keys
+    799-1099; none for the empty sequence (its table is all -1), none past a length.
+    Forward and backward. Without a window each page is one tile: 2 products per page
+    forward, 7 backward."""
+    calls, read = [], []
+    real, real_rows = np.matmul, numpy_flash._PageRows.__getitem__
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    def reading(self, index):
+        read.append(self.table[index[1].start // self.L])
+        return real_rows(self, index)
+
+    rng = np.random.default_rng(64)
+    q = rng.standard_normal((2, 1, 1, 8)).astype(np.float32)
+    k_pages = rng.standard_normal((8, 1, 512, 8)).astype(np.float32)
+    v_pages = rng.standard_normal((8, 1, 512, 8)).astype(np.float32)
+    table = np.array([[6, 2, 5, 0, 1, 3, 4, 7], [-1] * 8])
+    lens = np.array([1100, 0])
+    d_out = rng.standard_normal(q.shape).astype(np.float32)
+    monkeypatch.setattr(numpy_flash.np, "matmul", counting)
+    monkeypatch.setattr(numpy_flash._PageRows, "__getitem__", reading)
+    numpy_flash.attention_paged(q, k_pages, v_pages, table, lens, window=window)
+    assert sorted(set(read)) == sorted(pages), f"read pages {sorted(set(read))}, expected {pages}"
+    if window is None:
+        assert len(calls) == 2 * 3, f"{len(calls)} matmuls, expected {2 * 3}"
+    calls.clear(), read.clear()
+    numpy_flash.attention_paged_vjp(q, k_pages, v_pages, table, lens, d_out, window=window)
+    assert sorted(set(read)) == sorted(pages), (
+        f"backward read {sorted(set(read))}, expected {pages}"
+    )
+    if window is None:
+        assert len(calls) == 7 * 3, f"{len(calls)} backward matmuls, expected {7 * 3}"

@@ -244,3 +244,176 @@ def test_alibi_is_a_float_mask_in_the_oracle(alignment, T, S):
         assert np.max(np.abs(alibi - masked)) < 1e-15
         naive = oracle.naive_same_precision(q, k, v, np.float64, alibi_slopes=slopes, **options)
         assert np.max(np.abs(naive - alibi)) < 1e-14
+
+
+# --- Packed variable-length sequences (SPEC §18) ---------------------------------------------
+
+
+@pytest.mark.clause("18.1")
+@pytest.mark.parametrize(
+    "key", ["non_causal", "causal", "unequal_top_left", "unequal_bottom_right"]
+)
+def test_packed_worked_example_by_hand(key):
+    """The hand computation in fixtures/worked_example.json ("packed"): every score 0, so
+    each row averages the values of its own document that it may see."""
+    from conformance.fixtures import generate
+
+    ex = generate.WORKED_EXAMPLE["packed"]
+    q, k, v = (np.array(ex[n], dtype=np.float64)[None] for n in "qkv")
+    cu_q = cu_k = np.array(ex["cu_seqlens"])
+    options = {"is_causal": key != "non_causal"}
+    if key.startswith("unequal"):
+        cu_q, cu_k = (np.array(ex["unequal"][n]) for n in ("cu_seqlens_q", "cu_seqlens_k"))
+        q = q[:, :2]
+        options["causal_alignment"] = key.removeprefix("unequal_")
+    out = oracle.attention_packed(q, k, v, cu_q, cu_k, **options)[0]
+    assert out.tolist() == ex[key]["hand"]
+
+
+def _document_mask(cu_q, cu_k, alignment, window=None):
+    """The packed documents as one dense bool mask (T, S), written out by hand from SPEC
+    §18.1-§18.2: same document, and causal (with the window) within it."""
+    T, S = cu_q[-1], cu_k[-1]
+    mask = np.zeros((T, S), dtype=bool)
+    for n in range(len(cu_q) - 1):
+        Tn, Sn = cu_q[n + 1] - cu_q[n], cu_k[n + 1] - cu_k[n]
+        i = np.arange(Tn)[:, None] + (0 if alignment == "top_left" else Sn - Tn)
+        j = np.arange(Sn)[None, :]
+        allowed = j <= i
+        if window is not None:
+            allowed &= j >= i - window
+        mask[cu_q[n] : cu_q[n + 1], cu_k[n] : cu_k[n + 1]] = allowed
+    return mask
+
+
+@pytest.mark.clause("18.1", "18.2")
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("window", [None, 1])
+def test_packed_is_the_document_mask_in_the_oracle(alignment, window):
+    """Slicing documents (the packed oracle) gives the whole sequence under the documents'
+    block-diagonal causal mask, built by hand: an empty document, one with no key, and
+    unequal T_n, S_n; in the oracle and in the naive run."""
+    rng = np.random.default_rng(7)
+    cu_q, cu_k = [0, 3, 3, 5, 9], [0, 4, 4, 4, 11]
+    q, k, v = (rng.standard_normal((2, n, 3)) for n in (9, 11, 11))
+    options = {"is_causal": True, "causal_alignment": alignment}
+    if window is not None:
+        options["window"] = (window, None)
+    packed = oracle.attention_packed(q, k, v, np.array(cu_q), np.array(cu_k), **options)
+    mask = _document_mask(cu_q, cu_k, alignment, window)
+    masked = oracle.attention(q[None], k[None], v[None], mask=mask)[0]
+    assert np.array_equal(packed, masked)
+    assert (packed[:, 3:5] == 0).all()  # the document with no key
+    naive = oracle.naive_packed_same_precision(
+        q, k, v, np.array(cu_q), np.array(cu_k), np.float64, **options
+    )
+    assert np.max(np.abs(naive - packed)) < 1e-14
+
+
+# --- Paged KV caches (SPEC §19) --------------------------------------------------------------
+
+
+@pytest.mark.clause("19.1")
+@pytest.mark.parametrize("key", ["decode", "causal_last_two"])
+def test_paged_worked_example_by_hand(key):
+    """The hand computation in fixtures/worked_example.json ("paged"): every score 0, so a
+    row is the mean of the values it sees, read from page 1 then page 0 by the table."""
+    from conformance.fixtures import generate
+
+    ex = generate.WORKED_EXAMPLE["paged"]
+    q = np.array(ex["q"], dtype=np.float64)[None, None]
+    k_pages, v_pages = (np.array(ex[n], dtype=np.float64) for n in ("k_pages", "v_pages"))
+    table, lens = np.array(ex["block_table"]), np.array(ex["seq_lens"])
+    rows = q[:, :, 1:] if key == "decode" else q
+    out = oracle.attention_paged(
+        rows, k_pages, v_pages, table, lens, is_causal=key == "causal_last_two"
+    )
+    assert out[0, 0].tolist() == ex[key]["hand"]
+
+
+def _paginate(rng, k, v, L: int, N: int, lens):
+    """Dense per-sequence keys k (B, K, S, D), v (B, K, S, E) written into N shuffled pages
+    of L slots, NaN everywhere else: (k_pages, v_pages, block_table), tails -1."""
+    B, K, S, D = k.shape
+    E = v.shape[-1]
+    M = -(-S // L)
+    k_pages = np.full((N, K, L, D), np.nan)
+    v_pages = np.full((N, K, L, E), np.nan)
+    free = list(rng.permutation(N))
+    table = np.full((B, M), -1)
+    for b in range(B):
+        for j in range(-(-lens[b] // L)):
+            page = free.pop()
+            table[b, j] = page
+            for i in range(L):
+                s = j * L + i
+                if s < lens[b]:
+                    k_pages[page, :, i] = k[b, :, s]
+                    v_pages[page, :, i] = v[b, :, s]
+    return k_pages, v_pages, table
+
+
+@pytest.mark.clause("19.1", "19.2")
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"is_causal": True}, {"window": (1, 0), "softcap": 2.0}],
+    ids=["plain", "causal", "window-softcap"],
+)
+def test_paged_oracle_is_attention_on_each_sequence(options):
+    """Written into shuffled pages by a different route (slot by slot, NaN elsewhere, -1
+    table tails), the paged oracle gives, for each sequence, the oracle's bottom-right
+    attention on its first seq_lens[b] dense keys; and the naive run the same rows."""
+    rng = np.random.default_rng(7)
+    B, H, K, T, S, D, E, L = 3, 2, 1, 2, 7, 3, 2, 3
+    lens = [7, 2, 5]
+    q = rng.standard_normal((B, H, T, D))
+    k, v = rng.standard_normal((B, K, S, D)), rng.standard_normal((B, K, S, E))
+    k_pages, v_pages, table = _paginate(rng, k, v, L, 9, lens)
+    out = oracle.attention_paged(q, k_pages, v_pages, table, np.array(lens), **options)
+    for b, n in enumerate(lens):
+        want = oracle.attention(
+            q[b : b + 1],
+            k[b : b + 1, :, :n],
+            v[b : b + 1, :, :n],
+            causal_alignment="bottom_right",
+            **options,
+        )
+        assert np.array_equal(out[b : b + 1], want)
+    naive = oracle.attention_paged(
+        q, k_pages, v_pages, table, np.array(lens), naive_dtype=np.float64, **options
+    )
+    assert np.max(np.abs(naive - out)) < 1e-14
+
+
+@pytest.mark.clause("19.4", "12.11")
+def test_paged_oracle_gradients_match_finite_differences():
+    """The paged gradient oracle (dq and the pages' gradients, a shared page summing two
+    sequences' contributions, unread slots 0) against central differences of the paged
+    forward oracle, as tests/test_gradients_oracle.py checks the dense one."""
+    rng = np.random.default_rng(8)
+    B, H, K, T, D, E, N, L = 2, 2, 1, 2, 2, 2, 4, 2
+    q = rng.standard_normal((B, H, T, D))
+    k_pages, v_pages = rng.standard_normal((N, K, L, D)), rng.standard_normal((N, K, L, E))
+    table = np.array([[2, 0, -1], [2, 3, 7]])  # page 2 shared; page 1 read by none
+    lens = np.array([3, 4])
+    d_out = rng.standard_normal((B, H, T, E))
+    options = {"is_causal": True, "softcap": 1.5}
+    grads = oracle.attention_paged_vjp(q, k_pages, v_pages, table, lens, d_out, **options)
+
+    def loss(q, k_pages, v_pages):
+        out = oracle.attention_paged(q, k_pages, v_pages, table, lens, **options)
+        return float(np.sum(out * d_out))
+
+    step = 1e-5
+    for which, name in enumerate(("dq", "dk_pages", "dv_pages")):
+        arrays = [q, k_pages, v_pages]
+        x = arrays[which]
+        fd = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            plus, minus = [a.copy() for a in arrays], [a.copy() for a in arrays]
+            plus[which][idx] += step
+            minus[which][idx] -= step
+            fd[idx] = (loss(*plus) - loss(*minus)) / (2 * step)
+        assert np.max(np.abs(grads[name] - fd)) < 1e-8, name
+    assert (grads["dk_pages"][1] == 0).all() and (grads["dv_pages"][1] == 0).all()
+    assert (grads["dk_pages"][0, :, 1] == 0).all()  # slot 1 of page 0: past sequence 0's end

@@ -17,6 +17,9 @@ Every fenced block of README.md is checked, by its language:
   snippet must replay the saved call) or an excerpt of ``examples/known_failures.txt``.
 - ``toml``: parsed; the profile excerpt must agree with the shipped profile, and the
   entry-point excerpt must name the group the registry reads.
+
+The "Backends" table's column of today's variants (SPEC §15-§19) must name exactly the
+variant capabilities each backend declares.
 """
 
 from __future__ import annotations
@@ -337,3 +340,33 @@ def test_toml_block(block):
             assert value.items() <= shipped[key].items(), value
         else:
             assert value == shipped[key], key
+
+
+def _backends_table() -> dict[str, dict[str, str]]:
+    """The README's "Backends" table, by backend name: each row's cells by column head."""
+    lines = README.read_text().split("## Backends", 1)[1].splitlines()
+    rows = [line for line in lines if line.startswith("| ")]
+    table = rows[: next(i for i, r in enumerate(rows) if not r.startswith("| `") and i > 0)]
+    heads = [c.strip() for c in table[0].strip("|").split(" | ")]
+    return {
+        cells[0].strip("` "): dict(zip(heads, (c.strip() for c in cells)))
+        for cells in (row.strip("|").split(" | ") for row in table[1:])
+    }
+
+
+@pytest.mark.clause("15.6")
+def test_backends_table_names_each_backends_variant_capabilities():
+    """The "today's variants" cell of each backend lists the variant capabilities it
+    declares (SPEC §15-§19), and says which it lacks."""
+    from conformance import load_backend
+    from conformance.vocabulary import VARIANT_CAPABILITIES
+
+    table = _backends_table()
+    assert len(table) == 7, sorted(table)
+    for name, row in table.items():
+        cell = row["today's variants (§15-§19)"]
+        declared = set(load_backend(name).capabilities) & VARIANT_CAPABILITIES
+        listed, _, lacking = cell.partition("(no ")
+        assert set(listed.split()) == declared, f"{name}: README says {cell!r}, declared {declared}"
+        missing = set(lacking.rstrip(")").replace(",", " ").split())
+        assert missing == VARIANT_CAPABILITIES - declared, f"{name}: README says {cell!r}"

@@ -103,6 +103,21 @@ def test_report_on_two_backends(tmp_path):
     lacks = set(data["verdicts"]["numpy-flash"]["lacks_capabilities"])
     assert {"dropout", "module", "module_grad"} <= lacks and "grad" not in lacks
     assert data["clauses"]["numpy"]["11.1"]["passed"] == 2
+
+    # Today's variants (SPEC §15-§19): one row each, after the verdict, both backends
+    # declaring all five.
+    assert [(v["capability"], v["section"]) for v in data["variants"]] == [
+        ("sinks", "15"),
+        ("chunked", "16"),
+        ("alibi", "17"),
+        ("packed", "18"),
+        ("paged", "19"),
+    ]
+    assert all(v["backends"][b]["declared"] for v in data["variants"] for b in data["backends"])
+    assert md.index("## Verdict") < md.index("## Today's variants per backend")
+    assert md.index("## Today's variants per backend") < md.index("## Clauses per backend")
+    for v in data["variants"]:
+        assert f"| `{v['capability']}` (§{v['section']}) | " in md
     assert "| §11.1 The worked example | ✅ 2/2 passed | ✅ 2/2 passed |" in md
 
     # Skips: one line per backend and missing capability, pairwise ones included.
@@ -205,6 +220,9 @@ def test_report_on_a_users_function_says_what_is_wrong(tmp_path):
     ]
     assert "## What failed, and how to reproduce it" in md
     assert "test_bad_input[my_attention.attention-integer-mask]" in md
+    # A function that declares none of today's variants: each row says so.
+    for variant in ("sinks", "chunked", "alibi", "packed", "paged"):
+        assert re.search(rf"^\| `{variant}` \(§1[5-9]\) \| ➖ not declared", md, re.M), variant
     assert "mask=int64[5, 6]" in md and "load_call(" in md
     saved = sorted(p.name for p in (tmp_path / "repro").iterdir())
     assert len(saved) == 2 and all(name.endswith(".npz") for name in saved)
@@ -300,6 +318,41 @@ def test_a_pairwise_test_counts_for_both_backends_and_once_in_total():
     assert table["a~b"]["7.3"]["failed"] == 1 and "7.3" not in table["c"]
     assert table["c"]["12.10"]["skipped"] == table["a"]["12.10"]["skipped"] == 1
     assert table["a"]["4.1"]["passed"] == 1
+
+
+@pytest.mark.clause("13.7", "15.6")
+def test_variant_rows_count_each_section_and_say_what_is_not_declared():
+    """The variants table sums a variant's SPEC section over its clauses, per backend, and
+    a backend that does not declare it reads "not declared", with the refusal's test."""
+    from conformance.report.markdown import render_variants
+    from conformance.report.outcomes import clause_table, variants
+
+    rows = [
+        _row("a", "15.1", "passed"),
+        _row("a", "15.5", "failed", "dsinks too far"),
+        _row("b", "15.1", "skipped", "b lacks capability 'sinks'"),
+        _row("b", "15.6", "passed"),
+        _row("a", "19.1", "passed"),
+        _row("b", "19.1", "passed"),
+        _row("a", "4.1", "passed"),
+    ]
+    declared = {
+        "a": {"capabilities": ["sinks", "paged"], "dtypes": []},
+        "b": {"capabilities": ["paged"], "dtypes": []},
+    }
+    table = variants(clause_table(rows), declared)
+    assert [v["capability"] for v in table] == ["sinks", "chunked", "alibi", "packed", "paged"]
+    sinks, paged = table[0]["backends"], table[4]["backends"]
+    assert sinks["a"] == {"declared": True, "passed": 1, "failed": 1, "skipped": 0, "xfailed": 0}
+    assert not sinks["b"]["declared"] and sinks["b"]["skipped"] == sinks["b"]["passed"] == 1
+    assert paged["a"]["passed"] == paged["b"]["passed"] == 1
+    md = "\n".join(render_variants(table, ["a", "b"]))
+    assert (
+        "| `sinks` (§15) | ❌ 1/2 passed, 1 failed | ➖ not declared (1/1 passed, 1 skipped) |"
+        in md
+    )
+    assert "| `chunked` (§16) | ➖ not declared | ➖ not declared |" in md
+    assert "| `paged` (§19) | ✅ 1/1 passed | ✅ 1/1 passed |" in md
 
 
 @pytest.mark.clause("13.7")

@@ -23,6 +23,14 @@ class BackendUnavailable(LookupError):
     """A backend was asked for that is unknown or cannot be imported."""
 
 
+def _check_per_head(check: Callable[..., object], values: Any, q: Any) -> None:
+    """``check(values, q)`` for a per-head option (sinks, ALiBi's slopes), as NumPy; a q of
+    a rank other than 3 or 4 is left to the impl, which refuses it as ever."""
+    values, q = np.asarray(values), np.asarray(q)
+    if q.ndim in (3, 4):
+        check(values, q)
+
+
 class Backend:
     """The interface the suite tests. Subclass it to plug in your own implementation.
 
@@ -104,39 +112,126 @@ class Backend:
     def _sinks(self, sinks: Any, q: Any) -> Any:
         """The sink logits in the backend's framework; refused by name (SPEC §8.5) where
         "sinks" is not declared, once they pass the checks every backend makes (§15.1)."""
-        if "sinks" not in self.capabilities:
-            sinks, q = np.asarray(sinks), np.asarray(q)
-            if q.ndim in (3, 4):  # a q of another rank is refused by the impl, as ever
-                contract.check_sinks(sinks, q)
-            raise NotImplementedError(
-                f"sinks is not supported: {self.name} does not declare the 'sinks' "
-                "capability (SPEC §15)"
-            )
+        self._refuse_unless_declared(
+            "sinks", "sinks", "§15", lambda: _check_per_head(contract.check_sinks, sinks, q)
+        )
         return self.from_numpy(np.asarray(sinks))
 
     def _alibi_slopes(self, slopes: Any, q: Any) -> Any:
         """ALiBi's slopes in the backend's framework; refused by name (SPEC §8.5) where
         "alibi" is not declared, once they pass the checks every backend makes (§17.1)."""
-        if "alibi" not in self.capabilities:
-            slopes, q = np.asarray(slopes), np.asarray(q)
-            if q.ndim in (3, 4):  # a q of another rank is refused by the impl, as ever
-                contract.check_alibi_slopes(slopes, q)
-            raise NotImplementedError(
-                f"alibi_slopes is not supported: {self.name} does not declare the 'alibi' "
-                "capability (SPEC §17)"
-            )
+        self._refuse_unless_declared(
+            "alibi",
+            "alibi_slopes",
+            "§17",
+            lambda: _check_per_head(contract.check_alibi_slopes, slopes, q),
+        )
         return self.from_numpy(np.asarray(slopes))
 
     def _chunk_size(self, chunk_size: Any) -> Any:
         """The chunk length as given; refused by name (SPEC §8.5) where "chunked" is not
         declared, once it passes the check every backend makes (§16.1)."""
-        if "chunked" not in self.capabilities:
-            contract.check_chunk_size(chunk_size)
-            raise NotImplementedError(
-                f"chunk_size is not supported: {self.name} does not declare the 'chunked' "
-                "capability (SPEC §16)"
-            )
+        self._refuse_unless_declared(
+            "chunked", "chunk_size", "§16", lambda: contract.check_chunk_size(chunk_size)
+        )
         return chunk_size
+
+    def _refuse_unless_declared(
+        self, capability: str, what: str, section: str, check: Callable[[], object]
+    ) -> None:
+        """Where ``capability`` is not declared: ``check()``, the checks every backend
+        makes on the call (so bad input gets its usual error first), then
+        ``NotImplementedError`` naming ``what`` (SPEC §8.5)."""
+        if capability in self.capabilities:
+            return
+        check()
+        raise NotImplementedError(
+            f"{what} is not supported: {self.name} does not declare the '{capability}' "
+            f"capability (SPEC {section})"
+        )
+
+    # --- Paged KV caches (SPEC §19) ---------------------------------------------------------
+
+    def attention_paged(
+        self,
+        q: np.ndarray,
+        k_pages: np.ndarray,
+        v_pages: np.ndarray,
+        block_table: np.ndarray,
+        seq_lens: np.ndarray,
+        *,
+        is_causal: bool = False,
+        scale: float | None = None,
+        window: tuple[int | None, int | None] | None = None,
+        softcap: float | None = None,
+    ) -> np.ndarray:
+        """out (B, H, T, E) for q (B, H, T, D) and a paged KV cache (capability "paged",
+        SPEC §19): k_pages (N, K, L, D) and v_pages (N, K, L, E), N pages of L slots;
+        sequence b's key s lives in page block_table[b, s // L] (block_table (B, M),
+        integer), slot s % L, and sequence b has seq_lens[b] keys (seq_lens (B,),
+        integer). The queries are each sequence's last T positions: causality and the
+        window are counted bottom-right against seq_lens[b]. NumPy in and out."""
+        arrays = self._paged_arrays(q, k_pages, v_pages, block_table, seq_lens)
+        options = self._paged_options(arrays, is_causal, scale, window, softcap)
+        out = self._attention_paged(*(self.from_numpy(x) for x in arrays), **options)
+        return self.to_numpy(out)
+
+    def attention_paged_vjp(
+        self,
+        q: np.ndarray,
+        k_pages: np.ndarray,
+        v_pages: np.ndarray,
+        block_table: np.ndarray,
+        seq_lens: np.ndarray,
+        d_out: np.ndarray,
+        *,
+        is_causal: bool = False,
+        scale: float | None = None,
+        window: tuple[int | None, int | None] | None = None,
+        softcap: float | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The backward pass of ``attention_paged`` (capabilities "paged" and "grad",
+        SPEC §19.4): (dq, dk_pages, dv_pages) for L = Σ d_out · attention_paged(...),
+        shaped and typed like q, k_pages, v_pages. A slot no sequence reads gets exactly 0;
+        a page two sequences share gets the sum of both."""
+        arrays = self._paged_arrays(q, k_pages, v_pages, block_table, seq_lens)
+        d_out = np.asarray(d_out)
+        options = self._paged_options(arrays, is_causal, scale, window, softcap)
+        if "grad" not in self.capabilities:
+            raise NotImplementedError(f"{self.name} does not declare the 'grad' capability")
+        if softcap is not None and "grad_softcap" not in self.capabilities:
+            raise NotImplementedError(
+                f"softcap in attention_paged_vjp is not supported: {self.name} does not "
+                "declare the 'grad_softcap' capability (SPEC §12.2)"
+            )
+        grads = self._attention_paged_vjp(
+            *(self.from_numpy(x) for x in (*arrays, d_out)), **options
+        )
+        return tuple(np.ascontiguousarray(self.to_numpy(g)) for g in grads)
+
+    @staticmethod
+    def _paged_arrays(*arrays: Any) -> tuple[np.ndarray, ...]:
+        return tuple(np.asarray(x) for x in arrays)
+
+    def _paged_options(self, arrays, is_causal, scale, window, softcap) -> dict:
+        """The options set, as the impl takes them; where "paged" is not declared, a
+        refusal by name (SPEC §8.5, §19.6), once the call passes the checks every backend
+        makes (§19.5)."""
+        checked = {"is_causal": is_causal, "scale": scale, "window": window, "softcap": softcap}
+        self._refuse_unless_declared(
+            "paged", "attention_paged", "§19", lambda: contract.check_paged(*arrays, **checked)
+        )
+        options = {"is_causal": is_causal, "scale": scale}
+        for key, value in (("window", window), ("softcap", softcap)):
+            if option_is_set(key, value):
+                options[key] = value
+        return options
+
+    def _attention_paged(self, q, k_pages, v_pages, block_table, seq_lens, **options):
+        raise NotImplementedError(f"{self.name} does not declare the 'paged' capability")
+
+    def _attention_paged_vjp(self, q, k_pages, v_pages, block_table, seq_lens, d_out, **options):
+        raise NotImplementedError(f"{self.name} does not declare the 'paged' capability")
 
     def prepare(
         self, q: np.ndarray, k: np.ndarray, v: np.ndarray, **options: Any
@@ -227,6 +322,94 @@ class Backend:
             ]
 
         return call
+
+    def attention_packed(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        cu_seqlens_q: np.ndarray,
+        cu_seqlens_k: np.ndarray,
+        *,
+        is_causal: bool = False,
+        scale: float | None = None,
+        causal_alignment: str = "top_left",
+        window: tuple[int | None, int | None] | None = None,
+        softcap: float | None = None,
+    ) -> np.ndarray:
+        """Packed variable-length sequences (capability "packed", SPEC §18), NumPy in and
+        out: out (H, T, E) for q (H, T, D), k (K, S, D), v (K, S, E) holding N documents one
+        after another, document n being queries cu_seqlens_q[n]:cu_seqlens_q[n + 1] and
+        keys cu_seqlens_k[n]:cu_seqlens_k[n + 1]; each document's rows are ``attention`` on
+        that document alone with the same options."""
+        options = self._packed_options(
+            is_causal=is_causal,
+            scale=scale,
+            causal_alignment=causal_alignment,
+            window=window,
+            softcap=softcap,
+        )
+        args = self._packed_args(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
+        return self.to_numpy(self._attention_packed(*args, **options))
+
+    def attention_packed_vjp(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        cu_seqlens_q: np.ndarray,
+        cu_seqlens_k: np.ndarray,
+        d_out: np.ndarray,
+        *,
+        is_causal: bool = False,
+        scale: float | None = None,
+        causal_alignment: str = "top_left",
+        window: tuple[int | None, int | None] | None = None,
+        softcap: float | None = None,
+    ) -> tuple[np.ndarray, ...]:
+        """The backward pass of ``attention_packed`` (capabilities "packed" and "grad",
+        SPEC §18.5): (dq, dk, dv) for the loss L = Σ d_out · out, d_out (H, T, E); the
+        boundaries get no gradient."""
+        options = self._packed_options(
+            is_causal=is_causal,
+            scale=scale,
+            causal_alignment=causal_alignment,
+            window=window,
+            softcap=softcap,
+        )
+        args = self._packed_args(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
+        if "grad" not in self.capabilities:
+            raise NotImplementedError(f"{self.name} does not declare the 'grad' capability")
+        grads = self._attention_packed_vjp(*args, self.from_numpy(np.asarray(d_out)), **options)
+        return tuple(np.ascontiguousarray(self.to_numpy(g)) for g in grads)
+
+    @staticmethod
+    def _packed_options(**given: Any) -> dict[str, Any]:
+        options = {"is_causal": given.pop("is_causal"), "scale": given.pop("scale")}
+        for key, value in given.items():
+            # As in ``attention``: an option left at its default is not passed on.
+            if option_is_set(key, value):
+                options[key] = value
+        return options
+
+    def _packed_args(self, q, k, v, cu_seqlens_q, cu_seqlens_k, options) -> tuple:
+        """q, k, v and the boundaries in the backend's framework; refused by name (SPEC
+        §8.5) where "packed" is not declared, once they pass the checks every backend
+        makes (§18.1)."""
+        q, k, v, cu_q, cu_k = (np.asarray(x) for x in (q, k, v, cu_seqlens_q, cu_seqlens_k))
+        self._refuse_unless_declared(
+            "packed",
+            "attention_packed",
+            "§18",
+            lambda: contract.check_packed(q, k, v, cu_q, cu_k, **options),
+        )
+        return tuple(self.from_numpy(x) for x in (q, k, v, cu_q, cu_k))
+
+    def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+        raise NotImplementedError(f"{self.name} does not declare the 'packed' capability")
+
+    def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
+        raise NotImplementedError(f"{self.name} does not declare the 'grad' capability")
 
     def module_param_grads(
         self,

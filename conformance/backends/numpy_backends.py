@@ -13,7 +13,9 @@ from conformance.vocabulary import ALL_CAPABILITIES, DTYPES, GRAD_CAPABILITIES
 
 class NumpyBackend(Backend):
     name = "numpy"
-    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi"}
+    capabilities = (
+        ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged"}
+    )
     dtypes = DTYPES
 
     impl_module = "conformance.impls.numpy_attention"
@@ -39,6 +41,22 @@ class NumpyBackend(Backend):
 
     def _attention_vjp(self, q, k, v, d_out, **options):
         return self.backward.attention_backward(q, k, v, d_out, **options)
+
+    def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+        return self.impl.attention_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+
+    def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
+        return self.backward.attention_packed_backward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options
+        )
+
+    def _attention_paged(self, q, k_pages, v_pages, block_table, seq_lens, **options):
+        return self.impl.attention_paged(q, k_pages, v_pages, block_table, seq_lens, **options)
+
+    def _attention_paged_vjp(self, q, k_pages, v_pages, block_table, seq_lens, d_out, **options):
+        return self.backward.attention_paged_backward(
+            q, k_pages, v_pages, block_table, seq_lens, d_out, **options
+        )
 
     def module_param_grads(self, kind, params, x, d_out, *, n_heads, is_causal=False):
         if kind == "mha":
@@ -79,6 +97,16 @@ class Blockwise:
         # The impl's own blockwise backward, on the same tiles as the forward.
         return self.impl.attention_vjp(q, k, v, d_out, **self.options, **options)
 
+    def attention_paged(self, *arrays, **options):
+        # A page is a key tile (SPEC §19.6): only the query tile is the backend's option.
+        return self.impl.attention_paged(*arrays, **self._query_tiles(), **options)
+
+    def attention_paged_vjp(self, *arrays, **options):
+        return self.impl.attention_paged_vjp(*arrays, **self._query_tiles(), **options)
+
+    def _query_tiles(self) -> dict:
+        return {n: b for n, b in self.options.items() if n == "block_q"}
+
 
 #: What a blockwise backend implements: no dropout, no module layers.
 BLOCKWISE_CAPABILITIES = (ALL_CAPABILITIES - {"dropout", "module"}) | (
@@ -91,7 +119,7 @@ class NumpyFlashBackend(Backend):
 
     name = "numpy-flash"
     impl_module = "conformance.impls.numpy_flash"
-    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi"}
+    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged"}
     dtypes = DTYPES
     conformance_options = Blockwise.CONFORMANCE_OPTIONS
 
@@ -105,3 +133,19 @@ class NumpyFlashBackend(Backend):
 
     def _attention_vjp(self, q, k, v, d_out, **options):
         return self.tiles.attention_vjp(q, k, v, d_out, **options)
+
+    def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+        return self.impl.attention_packed(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, **self.tiles.options, **options
+        )
+
+    def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
+        return self.impl.attention_packed_vjp(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **self.tiles.options, **options
+        )
+
+    def _attention_paged(self, *arrays, **options):
+        return self.tiles.attention_paged(*arrays, **options)
+
+    def _attention_paged_vjp(self, *arrays, **options):
+        return self.tiles.attention_paged_vjp(*arrays, **options)

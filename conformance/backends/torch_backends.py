@@ -52,6 +52,28 @@ class _TorchBackend(Backend):
 
         return self.arrays.vjp(call, primals, d_out, check=_check_d_out)
 
+    def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+        return self.impl.attention_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+
+    def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
+        # Autograd through the packed forward; the boundaries are integers, not leaves.
+        def call(q, k, v):
+            return self._attention_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+
+        return self.arrays.vjp(call, [q, k, v], d_out, check=_check_d_out)
+
+    def _attention_paged(self, q, k_pages, v_pages, block_table, seq_lens, **options):
+        return self.impl.attention_paged(q, k_pages, v_pages, block_table, seq_lens, **options)
+
+    def _attention_paged_vjp(self, q, k_pages, v_pages, block_table, seq_lens, d_out, **options):
+        # Autograd through the paged forward: q and the pages are the leaves (the table
+        # and the lengths are integers, with no gradient); the gather's backward adds each
+        # read slot's gradient into its page, so a shared page sums its readers (SPEC §19.4).
+        def call(q, k_pages, v_pages):
+            return self._attention_paged(q, k_pages, v_pages, block_table, seq_lens, **options)
+
+        return self.arrays.vjp(call, [q, k_pages, v_pages], d_out, check=_check_d_out)
+
 
 def _check_d_out(out, d_out) -> None:
     """d_out must be shaped and typed like the output, said in the spec's words."""
@@ -157,7 +179,7 @@ class TorchNaiveBackend(_TorchBackend):
     capabilities = (
         (ALL_CAPABILITIES - {"module"})
         | (GRAD_CAPABILITIES - {"module_grad"})
-        | {"sinks", "chunked", "alibi"}
+        | {"sinks", "chunked", "alibi", "packed", "paged"}
     )
 
     def __init__(self) -> None:
@@ -174,7 +196,9 @@ class TorchModuleBackend(_TorchBackend):
     """The nn.Module backend: the core spec runs the module's own attention function."""
 
     name = "torch-module"
-    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi"}
+    capabilities = (
+        ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged"}
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -229,7 +253,14 @@ class TorchSdpaBackend(_TorchBackend):
     """SDPA's own backward; softcap goes through flex_attention, which has no CPU backward."""
 
     name = "torch-sdpa"
-    capabilities = (ALL_CAPABILITIES - {"module"}) | {"grad", "grad_mask", "chunked", "alibi"}
+    capabilities = (ALL_CAPABILITIES - {"module"}) | {
+        "grad",
+        "grad_mask",
+        "chunked",
+        "alibi",
+        "packed",
+        "paged",
+    }
 
     def __init__(self) -> None:
         super().__init__()

@@ -49,6 +49,7 @@ from conformance.report.outcomes import (
     departures,
     grouped_known_failures,
     grouped_skips,
+    variants,
     verdicts,
 )
 from conformance.report.pictures import draw_pictures
@@ -204,6 +205,7 @@ def main(argv: list[str]) -> int:
         "verdicts": verdicts(rows, declared),
         "departures": departures(rows),
         "clauses": clause_table(rows),
+        "variants": variants(clause_table(rows), declared),
         "skips": grouped_skips(rows, declared),
         "known_failures": grouped_known_failures(rows),
         "agreement": agreed,

@@ -1,6 +1,6 @@
 """``report.md``: the report's data (``conformance/report/command.py``) as Markdown, in reading order.
 
-Verdict per backend first; then the clause table, known failures and skips (grouped by the
+Verdict per backend first; then today's variants (SPEC §15 onwards) by backend, the clause table, known failures and skips (grouped by the
 missing capability), what failed with its replay, cross-framework agreement on the
 outputs and the gradients, the pairwise tests, and the pictures.
 """
@@ -35,6 +35,7 @@ def render_markdown(data: dict) -> str:
         "",
         *render_verdicts(data.get("verdicts", {})),
         *render_departures(data.get("departures", {})),
+        *render_variants(data.get("variants", []), list(data["backends"])),
         *render_clauses(data),
         *render_known_failures_and_skips(data),
         *render_failures(data["tests"]),
@@ -146,6 +147,50 @@ def render_departures(by_backend: dict[str, list[dict]]) -> list[str]:
                     ]
             lines += ["</details>", ""]
     return lines
+
+
+def render_variants(variants: list[dict], backends: list[str]) -> list[str]:
+    """One row per variant of today's models (sinks, chunked, ALiBi, packed, paged): per
+    backend, whether it declares the capability, and how the tests of its SPEC section
+    went."""
+    if not variants or not backends:
+        return []
+    lines = [
+        "## Today's variants per backend",
+        "",
+        "Attention sinks (§15), chunked local attention (§16), ALiBi (§17), packed "
+        "variable-length sequences (§18) and paged KV caches (§19) are capabilities a "
+        "backend opts into. Each cell counts the tests of the variant's SPEC section as the "
+        "clause table below does; ➖ **not declared**: the backend refuses the variant, its "
+        "tests are skipped by the capability's name, and the tests that ran check the "
+        "refusal.",
+        "",
+        "| variant | " + " | ".join(backends) + " |",
+        "|---|" + "---|" * len(backends),
+    ]
+    for variant in variants:
+        cells = []
+        for name in backends:
+            cell = variant["backends"].get(name)
+            if cell is None:
+                cells.append("")
+            elif not cell["declared"]:
+                # Its section's tests still run where they check the refusal (§15.6...).
+                counts = clause_cell(cell).split(" ", 1)[1] if _counted(cell) else ""
+                mark = "❌" if cell["failed"] else "➖"
+                cells.append(f"{mark} not declared" + (f" ({counts})" if counts else ""))
+            elif not _counted(cell):
+                cells.append("declared; no test of it ran")
+            else:
+                cells.append(clause_cell(cell))
+        label = f"`{variant['capability']}` (§{variant['section']})"
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
+
+
+def _counted(cell: dict) -> bool:
+    return cell["passed"] + cell["failed"] + cell["xfailed"] + cell["skipped"] > 0
 
 
 def render_clauses(data: dict) -> list[str]:

@@ -15,6 +15,7 @@ from conformance.backends import CAPABILITIES, DTYPES
 from conformance.report.collect import OUTCOMES
 from conformance.suite.behaviours import describe_common, family
 from conformance.suite.clauses import clause_key
+from conformance.vocabulary import VARIANT_CAPABILITIES
 
 _LACKS = re.compile(r"^(?P<who>.+?) lacks (?P<kind>capability|dtype) '(?P<what>[^']+)'")
 
@@ -37,6 +38,32 @@ def clause_table(rows: list[dict]) -> dict[str, dict[str, dict]]:
         for column in columns(row["backend"]):
             table[column][row["clause"]][row["outcome"]] += 1
     return {b: dict(c) for b, c in table.items()}
+
+
+def variant_section(capability: str) -> str:
+    """The SPEC section of a variant capability ("15" for "sinks"), as its description
+    names it."""
+    return re.search(r"SPEC §(\d+)", CAPABILITIES[capability])[1]
+
+
+def variants(clauses: dict[str, dict[str, dict]], declared: dict[str, dict]) -> list[dict]:
+    """The variants of today's models (SPEC §15 onwards), one entry each in section order:
+    {"capability", "section", "backends": {backend: {"declared": bool, "passed": n,
+    "failed": n, "skipped": n, "xfailed": n}}}, the counts summed over the section's
+    clauses from ``clause_table`` (a pairwise test counts for both backends, as there)."""
+    result = []
+    for capability in sorted(VARIANT_CAPABILITIES, key=lambda c: int(variant_section(c))):
+        section = variant_section(capability)
+        cells = {}
+        for name, decl in declared.items():
+            cell = {"declared": capability in decl["capabilities"], **dict.fromkeys(OUTCOMES, 0)}
+            for clause, counts in clauses.get(name, {}).items():
+                if clause and clause.split(".")[0] == section:
+                    for outcome in OUTCOMES:
+                        cell[outcome] += counts[outcome]
+            cells[name] = cell
+        result.append({"capability": capability, "section": section, "backends": cells})
+    return result
 
 
 def _clauses(rows: list[dict]) -> list[str]:

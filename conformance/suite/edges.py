@@ -85,6 +85,8 @@ def empty_options(how: str, T: int, S: int, dtype: str) -> dict:
         return {"mask": np.ones((T, S), dtype=bool)}
     if how == "float-mask":
         return {"mask": np.zeros((1, 1, T, S), dtype=numpy_dtype(dtype))}
+    if how == "softcap":
+        return {"softcap": 2.0}
     return {}
 
 

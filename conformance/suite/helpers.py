@@ -6,10 +6,13 @@ What a test needs (capabilities, dtypes) is declared with ``conformance.suite.re
 from __future__ import annotations
 
 import collections
+import itertools
 
 import numpy as np
+import pytest
 
 from conformance.backends import numpy_dtype
+from conformance.suite.requirements import requires
 from conformance.suite.tolerance import expect, tolerance
 
 
@@ -51,8 +54,81 @@ def as64(x) -> np.ndarray:
     return np.asarray(x).astype(np.float64)
 
 
+#: The dtypes every backend declares, as an axis of ``pairwise_params``.
+DTYPE_AXIS = {"float64": "float64", "float32": "float32"}
+
 #: Sizes every invariant runs on: awkward ones find bugs that round ones hide.
 SIZES = {"T7-S13": {"T": 7, "S": 13}, "T13-S7": {"T": 13, "S": 7}, "T8-S8": {"T": 8, "S": 8}}
+
+
+def all_pairs(axes: dict[str, dict[str, object]]) -> list[tuple[dict[str, str], tuple]]:
+    """Rows over the parameter ``axes`` (each a name mapped to ``{id: value}``) in which
+    every value of each axis meets every value of every other axis at least once: a
+    covering array of strength 2, built greedily (each row the first of the full product
+    that meets the most pairs not yet met), so the same axes always give the same rows.
+
+    For a test whose axes are independent things to try a clause against (a setup, a size,
+    a dtype, a chunk length), the full product repeats work: each pair of values is tried
+    many times over. These rows keep every pair, in about as many rows as the two largest
+    axes' product, where each row is a distinct program for a compiling backend. Returns
+    (ids, values) per row, in the order of the full product.
+
+    >>> rows = all_pairs({"a": {"x": 1, "y": 2}, "b": {"p": 0, "q": 1}, "c": {"u": 0, "v": 1}})
+    >>> len(rows), rows[0]
+    (4, ({'a': 'x', 'b': 'p', 'c': 'u'}, (1, 0, 0)))
+    """
+    names = list(axes)
+    ids = [list(axes[n]) for n in names]
+    pairs = list(itertools.combinations(range(len(names)), 2))
+    candidates = list(itertools.product(*(range(len(i)) for i in ids)))
+    unmet = {(i, row[i], j, row[j]) for row in candidates for i, j in pairs}
+    chosen = []
+    while unmet:
+        row = max(candidates, key=lambda r: sum((i, r[i], j, r[j]) in unmet for i, j in pairs))
+        unmet -= {(i, row[i], j, row[j]) for i, j in pairs}
+        chosen.append(row)
+    return [
+        (
+            {n: ids[a][row[a]] for a, n in enumerate(names)},
+            tuple(axes[n][ids[a][row[a]]] for a, n in enumerate(names)),
+        )
+        for row in sorted(chosen)
+    ]
+
+
+def setup_params(setups: dict[str, tuple[dict, tuple[str, ...]]], grad: bool = False) -> list:
+    """pytest parameters, one per named setup ``{name: (options, capabilities)}``, each
+    marked with the capabilities it needs; with ``grad``, also those of its backward:
+    "grad", "grad_softcap" with a softcap, "grad_mask" with a float mask (SPEC §12.2-§12.3)."""
+    params = []
+    for name, (options, caps) in setups.items():
+        needs = list(caps)
+        if grad:
+            needs.append("grad")
+            if "softcap" in options:
+                needs.append("grad_softcap")
+            if options.get("mask") == "float":
+                needs.append("grad_mask")
+        params.append(pytest.param(name, marks=requires(*needs), id=name))
+    return params
+
+
+def pairwise_params(setups: list, **axes: dict[str, object]) -> list:
+    """pytest parameters (setup, *axes) for ``parametrize``, the rows of ``all_pairs``:
+    ``setups`` are ``pytest.param`` sets of one value each, whose id and marks (the
+    capabilities a setup needs) every row that uses them keeps; each axis is ``{id:
+    value}``. The row's id is its ids joined by "-"."""
+    by_id = {p.id: p for p in setups}
+    rows = all_pairs({"setup": {i: i for i in by_id}, **axes})
+    return [
+        pytest.param(
+            *by_id[ids["setup"]].values,
+            *values[1:],
+            marks=by_id[ids["setup"]].marks,
+            id="-".join(ids.values()),
+        )
+        for ids, values in rows
+    ]
 
 
 #: The oracle's results, most recently used last; at most ``_ORACLE_CACHE_SIZE`` of them.

@@ -29,7 +29,17 @@ from conformance.suite.behaviours import mark_raised
 from conformance.suite.requirements import SuiteError, undeclared
 
 #: The backend methods a replay covers: everything that computes.
-RECORDED = ("attention", "attention_vjp", "multi_head_attention", "gpt_block", "module_param_grads")
+RECORDED = (
+    "attention",
+    "attention_vjp",
+    "attention_packed",
+    "attention_packed_vjp",
+    "attention_paged",
+    "attention_paged_vjp",
+    "multi_head_attention",
+    "gpt_block",
+    "module_param_grads",
+)
 
 _CLOCK = itertools.count()
 

@@ -157,10 +157,15 @@ def undeclared(backend: Any, method: str, args: tuple, kwargs: Mapping[str, Any]
     options of optional capabilities, a backward pass and its options. Empty when all is
     declared. Malformed inputs (a rank or a size that is wrong on purpose) are not judged
     here: refusing them is the backend's part (SPEC §8.1)."""
-    if method not in ("attention", "attention_vjp"):
+    if method in ("attention_paged", "attention_paged_vjp"):
+        return _undeclared_paged(backend, method, args, kwargs)
+    packed = method in ("attention_packed", "attention_packed_vjp")
+    if method not in ("attention", "attention_vjp") and not packed:
         return []
     caps, dtypes = backend.capabilities, backend.dtypes
     found: list[str] = []
+    if packed and "packed" not in caps:
+        found.append(f"{method} (capability 'packed')")
     q, k, v = (np.asarray(x) if isinstance(x, np.ndarray) else x for x in args[:3])
     dtype = _float_dtype(q)
     if dtype is not None and dtype not in dtypes:
@@ -175,7 +180,8 @@ def undeclared(backend: Any, method: str, args: tuple, kwargs: Mapping[str, Any]
         if len(qs) == len(ks) == len(vs) and qs[-1] == ks[-1] and vs[-1] != qs[-1]:
             if "value_dim" not in caps:
                 found.append(f"E = {vs[-1]} ≠ D = {qs[-1]} (capability 'value_dim')")
-        if len(qs) == 3 and len(ks) == len(vs) == 3 and "unbatched" not in caps:
+        # Packed calls have the unbatched layout by definition (SPEC §18.1).
+        if len(qs) == 3 and len(ks) == len(vs) == 3 and "unbatched" not in caps and not packed:
             found.append("unbatched inputs (capability 'unbatched')")
         if len(qs) >= 3 and len(ks) == len(qs) and len(vs) == len(qs):
             H, K = qs[-3], ks[-3]
@@ -184,12 +190,44 @@ def undeclared(backend: Any, method: str, args: tuple, kwargs: Mapping[str, Any]
     for option, (cap, default) in OPTION_CAPABILITIES.items():
         if option in kwargs and _differs(kwargs[option], default) and cap not in caps:
             found.append(f"{option}={kwargs[option]!r} (capability {cap!r})")
-    if method == "attention_vjp":
+    if method in ("attention_vjp", "attention_packed_vjp"):
         if "grad" not in caps:
-            found.append("attention_vjp (capability 'grad')")
+            found.append(f"{method} (capability 'grad')")
         for option, (cap, default) in GRAD_OPTION_CAPABILITIES.items():
             if option in kwargs and _differs(kwargs[option], default) and cap not in caps:
                 found.append(f"{option} in attention_vjp (capability {cap!r})")
+    return found
+
+
+def _undeclared_paged(
+    backend: Any, method: str, args: tuple, kwargs: Mapping[str, Any]
+) -> list[str]:
+    """``undeclared`` for the paged entry points (SPEC §19): "paged" itself, the dtype,
+    E ≠ D and K < H of the pages, the window and softcap, and for the backward "grad"
+    (and "grad_softcap")."""
+    caps = backend.capabilities
+    found = [] if "paged" in caps else [f"{method} (capability 'paged')"]
+    q, k_pages, v_pages = args[:3]
+    dtype = _float_dtype(q)
+    if dtype is not None and dtype not in backend.dtypes:
+        found.append(f"dtype {dtype!r}")
+    shapes = [getattr(x, "shape", None) for x in (q, k_pages, v_pages)]
+    if all(s is not None and len(s) == 4 for s in shapes):
+        qs, ks, vs = shapes
+        if qs[-1] == ks[-1] and vs[-1] != qs[-1] and "value_dim" not in caps:
+            found.append(f"E = {vs[-1]} ≠ D = {qs[-1]} (capability 'value_dim')")
+        H, K = qs[1], ks[1]
+        if K != H and K > 0 and H % K == 0 and "gqa" not in caps:
+            found.append(f"K = {K} < H = {H} (capability 'gqa')")
+    for option in ("window", "softcap"):
+        cap, default = OPTION_CAPABILITIES[option]
+        if option in kwargs and _differs(kwargs[option], default) and cap not in caps:
+            found.append(f"{option}={kwargs[option]!r} (capability {cap!r})")
+    if method == "attention_paged_vjp":
+        if "grad" not in caps:
+            found.append("attention_paged_vjp (capability 'grad')")
+        if _differs(kwargs.get("softcap"), None) and "grad_softcap" not in caps:
+            found.append("softcap in attention_paged_vjp (capability 'grad_softcap')")
     return found
 
 

@@ -13,7 +13,15 @@ from conformance.backends import numpy_dtype
 from conformance.fixtures import oracle
 from conformance.suite.cases import worked_example
 from conformance.suite.gradients import random_d_out
-from conformance.suite.helpers import SIZES, as64, oracle_attention, random_qkv
+from conformance.suite.helpers import (
+    DTYPE_AXIS,
+    SIZES,
+    as64,
+    oracle_attention,
+    pairwise_params,
+    random_qkv,
+    setup_params,
+)
 from conformance.suite.requirements import SuiteError, requires
 from conformance.suite.tolerance import (
     Departure,
@@ -98,20 +106,6 @@ def _setup(name: str, size: dict, dtype: str, seed: int):
     return q, k, v, options
 
 
-def _setup_params(grad: bool = False):
-    params = []
-    for name, (options, caps) in SETUPS.items():
-        needs = list(caps)
-        if grad:
-            needs.append("grad")
-            if "softcap" in options:
-                needs.append("grad_softcap")
-            if options.get("mask") == "float":
-                needs.append("grad_mask")
-        params.append(pytest.param(name, marks=requires(*needs), id=name))
-    return params
-
-
 @pytest.mark.clause("17.1", "11.1")
 @pytest.mark.parametrize("key", ["non_causal", "causal", "one_query_top_left"])
 def test_alibi_worked_example(backend, key, dtype):
@@ -136,12 +130,13 @@ def test_alibi_worked_example(backend, key, dtype):
 
 
 @pytest.mark.clause("17.1", "17.2")
-@sizes
-@dtypes
-@pytest.mark.parametrize("setup", _setup_params())
-def test_alibi_matches_the_oracle(backend, size, dtype, setup):
+@pytest.mark.parametrize(
+    ("setup", "size", "dtype"), pairwise_params(setup_params(SETUPS), size=SIZES, dtype=DTYPE_AXIS)
+)
+def test_alibi_matches_the_oracle(backend, setup, size, dtype):
     """ALiBi alone, with (B, H) slopes, causality in both alignments, GQA, masks, a scale,
-    a window and a softcap, sinks and chunks: the output is the oracle's within SPEC §7."""
+    a window and a softcap, sinks and chunks: the output is the oracle's within SPEC §7.
+    Every setup runs at every size and in both dtypes (all pairs, not their product)."""
     q, k, v, options = _setup(setup, size, dtype, 110)
     expected, tol = _oracle(q, k, v, dtype, **options)
     out = backend.attention(q, k, v, **options)
@@ -278,7 +273,7 @@ def _vjp(backend, q, k, v, d_out, **options) -> dict[str, np.ndarray]:
 
 @pytest.mark.clause("17.3", "12.9")
 @dtypes
-@pytest.mark.parametrize("setup", _setup_params(grad=True))
+@pytest.mark.parametrize("setup", setup_params(SETUPS, grad=True))
 def test_alibi_gradients_match_the_oracle(backend, dtype, setup):
     """dq, dk, dv (dmask, dsinks) with ALiBi against the 50-digit oracle, within SPEC §12.9
     (the naive backward in the dtype against the oracle); no gradient for the slopes."""

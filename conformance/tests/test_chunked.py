@@ -13,7 +13,15 @@ from conformance.backends import numpy_dtype
 from conformance.fixtures import oracle
 from conformance.suite.cases import worked_example
 from conformance.suite.gradients import random_d_out
-from conformance.suite.helpers import SIZES, as64, oracle_attention, random_qkv
+from conformance.suite.helpers import (
+    DTYPE_AXIS,
+    SIZES,
+    as64,
+    oracle_attention,
+    pairwise_params,
+    random_qkv,
+    setup_params,
+)
 from conformance.suite.requirements import SuiteError, requires
 from conformance.suite.tolerance import (
     Departure,
@@ -88,20 +96,6 @@ def _setup(name: str, size: dict, dtype: str, seed: int):
     return q, k, v, options
 
 
-def _setup_params(grad: bool = False):
-    params = []
-    for name, (options, caps) in SETUPS.items():
-        needs = list(caps)
-        if grad:
-            needs.append("grad")
-            if "softcap" in options:
-                needs.append("grad_softcap")
-            if options.get("mask") == "float":
-                needs.append("grad_mask")
-        params.append(pytest.param(name, marks=requires(*needs), id=name))
-    return params
-
-
 @pytest.mark.clause("16.1", "11.1")
 @pytest.mark.parametrize(
     "key",
@@ -134,13 +128,19 @@ def test_chunked_worked_example(backend, key, dtype):
 
 
 @pytest.mark.clause("16.1", "16.2")
-@sizes
-@dtypes
-@pytest.mark.parametrize("chunk", [1, 3, 5])
-@pytest.mark.parametrize("setup", _setup_params())
-def test_chunked_matches_the_oracle(backend, size, dtype, chunk, setup):
+@pytest.mark.parametrize(
+    ("setup", "size", "dtype", "chunk"),
+    pairwise_params(
+        setup_params(SETUPS),
+        size=SIZES,
+        dtype=DTYPE_AXIS,
+        chunk={f"chunk{c}": c for c in (1, 3, 5)},
+    ),
+)
+def test_chunked_matches_the_oracle(backend, setup, size, dtype, chunk):
     """Chunks alone and with causality in both alignments, a window, GQA, masks, a scale
-    and a softcap: the output is the oracle's within SPEC §7."""
+    and a softcap: the output is the oracle's within SPEC §7. Every setup runs at every
+    size, and meets every chunk length and dtype (all pairs, not their full product)."""
     q, k, v, options = _setup(setup, size, dtype, 90)
     expected, tol = _oracle(q, k, v, dtype, chunk_size=chunk, **options)
     out = backend.attention(q, k, v, chunk_size=chunk, **options)
@@ -275,7 +275,7 @@ def _vjp(backend, q, k, v, d_out, **options) -> dict[str, np.ndarray]:
 
 @pytest.mark.clause("16.3", "12.9")
 @dtypes
-@pytest.mark.parametrize("setup", _setup_params(grad=True))
+@pytest.mark.parametrize("setup", setup_params(SETUPS, grad=True))
 def test_chunked_gradients_match_the_oracle(backend, dtype, setup):
     """dq, dk, dv (dmask) with chunks against the 50-digit oracle, within SPEC §12.9 (the
     naive backward in the dtype against the oracle); the same tuple as without chunks."""

@@ -416,3 +416,65 @@ def test_undeclared_alibi_slopes_are_refused(backend, dtype):
             f"{backend.name}: {method} accepted alibi_slopes without declaring 'alibi'",
             "accepts alibi_slopes though it does not declare 'alibi'",
         )
+
+
+@pytest.mark.clause("18.6", "8.5")
+@refuses("packed")
+def test_undeclared_packed_is_refused(backend, dtype):
+    """A backend without 'packed' refuses attention_packed (and attention_packed_vjp) with
+    NotImplementedError naming it."""
+    q, k, v = (x[0] for x in _qkv(backend, dtype))  # unbatched: (H, T, D), (H, S, D), ...
+    cu_q, cu_k = np.array([0, 2, T]), np.array([0, 3, S])
+    d_out = np.ones((H, T, v.shape[-1]), dtype=q.dtype)
+    calls = {
+        "attention_packed": lambda: backend.attention_packed(q, k, v, cu_q, cu_k),
+        "attention_packed_vjp": lambda: backend.attention_packed_vjp(q, k, v, cu_q, cu_k, d_out),
+    }
+    for method, call in calls.items():
+        try:
+            call()
+        except NotImplementedError as err:
+            expect(
+                "attention_packed" in str(err),
+                "refuses attention_packed without naming it",
+                f"{backend.name}: the refusal of {method} should name attention_packed: {err}",
+            )
+            continue
+        raise Departure(
+            f"{backend.name}: {method} ran without declaring 'packed'",
+            "accepts attention_packed though it does not declare 'packed'",
+        )
+
+
+@pytest.mark.clause("19.6", "8.5")
+@refuses("paged")
+def test_undeclared_paged_attention_is_refused(backend, dtype):
+    """A backend without 'paged' refuses attention_paged (and attention_paged_vjp) with
+    NotImplementedError naming attention_paged, once the call is a valid one (§19.5)."""
+    dt = numpy_dtype(dtype)
+    rng = np.random.default_rng(41)
+    q = rng.standard_normal((B, H, T, D)).astype(dt)
+    k_pages = rng.standard_normal((4, H, 3, D)).astype(dt)
+    v_pages = rng.standard_normal((4, H, 3, D)).astype(dt)
+    table, lens = np.array([[2, 0], [1, -1]]), np.array([6, 3])
+    d_out = np.ones((B, H, T, D), dtype=dt)
+    calls = {
+        "attention_paged": lambda: backend.attention_paged(q, k_pages, v_pages, table, lens),
+        "attention_paged_vjp": lambda: backend.attention_paged_vjp(
+            q, k_pages, v_pages, table, lens, d_out
+        ),
+    }
+    for method, call in calls.items():
+        try:
+            call()
+        except NotImplementedError as err:
+            expect(
+                "attention_paged" in str(err),
+                "refuses attention_paged without naming it",
+                f"{backend.name}: the refusal in {method} should name attention_paged: {err}",
+            )
+            continue
+        raise Departure(
+            f"{backend.name}: {method} ran without declaring 'paged'",
+            "runs attention_paged though it does not declare 'paged'",
+        )

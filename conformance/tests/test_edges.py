@@ -15,10 +15,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conformance.backends import numpy_dtype
+from conformance.fixtures import oracle
 from conformance.suite import edges
+from conformance.suite.gradients import random_d_out
 from conformance.suite.helpers import as64, oracle_attention, random_qkv, random_tolerance
 from conformance.suite.requirements import requires, value_dims
-from conformance.suite.tolerance import assert_identical, assert_rows_zero, assert_within, expect
+from conformance.suite.tolerance import (
+    assert_identical,
+    assert_rows_zero,
+    assert_within,
+    expect,
+    finite_error,
+    tolerance,
+)
 
 DTYPES = ["float64", "float32", "float16", "bfloat16"]
 dtypes = pytest.mark.parametrize("dtype", DTYPES)
@@ -28,10 +38,21 @@ GRADS = ("dq", "dk", "dv", "dmask")
 # --- §2.5 and §12.12: empty sequences -----------------------------------------------------
 
 EMPTY = ["plain", "causal", "bool-mask", "float-mask"]
+#: The ways an empty sequence meets an option a backend may lack: the option's capability
+#: forward, and what its gradient needs besides "grad" (§12.2).
+EMPTY_NEEDS = {"softcap": ("softcap", "grad_softcap")}
+# A softcap with no score to squash still gives §2.5's result: measured, torch-sdpa's
+# flex_attention path raised IndexError for S = 0 (torch 2.13, CPU).
+EMPTY_FORWARD = EMPTY + [
+    pytest.param(how, marks=requires(forward), id=how) for how, (forward, _) in EMPTY_NEEDS.items()
+]
+EMPTY_BACKWARD = [
+    pytest.param(h, marks=requires("grad_mask")) if h == "float-mask" else h for h in EMPTY
+] + [pytest.param(how, marks=requires(grad), id=how) for how, (_, grad) in EMPTY_NEEDS.items()]
 
 
 @pytest.mark.clause("2.5")
-@pytest.mark.parametrize("how", EMPTY)
+@pytest.mark.parametrize("how", EMPTY_FORWARD)
 @pytest.mark.parametrize("T,S", [(0, 6), (5, 0), (0, 0)], ids=["T0", "S0", "T0-S0"])
 @dtypes
 def test_empty_sequences(backend, how, T, S, dtype):
@@ -72,9 +93,7 @@ def test_empty_sequences_unbatched(backend, dtype):
 
 
 @pytest.mark.clause("12.12")
-@pytest.mark.parametrize(
-    "how", [pytest.param(h, marks=requires("grad_mask")) if h == "float-mask" else h for h in EMPTY]
-)
+@pytest.mark.parametrize("how", EMPTY_BACKWARD)
 @pytest.mark.parametrize("T,S", [(0, 6), (5, 0), (0, 0)], ids=["T0", "S0", "T0-S0"])
 @dtypes
 @requires("grad")
@@ -427,4 +446,183 @@ def test_float_mask_nan_and_inf(backend, causal, dtype):
             tol,
             f"{context}: rows the entries do not reach",
             behaviour="NaN or +inf in a float mask changes rows it does not reach",
+        )
+
+
+# --- §4.2 and §12.2: a softcap so large that score / softcap is subnormal -------------------
+
+
+def _huge_softcap(dtype: str) -> float:
+    """A softcap near the largest number of the working precision (float64 for float64
+    inputs, float32 for the others, SPEC §4.5): an ordinary score over it is subnormal."""
+    return 1e308 if dtype == "float64" else 3e38
+
+
+@pytest.mark.clause("4.2")
+@dtypes
+@requires("softcap")
+def test_huge_softcap_is_no_softcap(backend, dtype):
+    """softcap · tanh(score / softcap) is the score itself for a softcap of 1e308 (3e38 in
+    float32): the output is the oracle's, within §7, not the uniform weights that a ratio
+    flushed to 0 (XLA on a CPU) would give."""
+    cap = _huge_softcap(dtype)
+    q, k, v = random_qkv(140, B=1, H=2, T=5, S=7, D=4, E=value_dims(backend, 4, 3)[1], dtype=dtype)
+    out = backend.attention(q, k, v, softcap=cap)
+    assert_within(
+        out,
+        oracle_attention(as64(q), as64(k), as64(v), softcap=cap),
+        random_tolerance(q, k, v, dtype, softcap=cap),
+        f"{backend.name}: softcap={cap:g} ({dtype}) against the oracle",
+        behaviour="a softcap so large that score / softcap is subnormal changes the output",
+    )
+
+
+@pytest.mark.clause("4.2", "12.2")
+@dtypes
+@requires("grad_softcap")
+def test_huge_softcap_gradients(backend, dtype):
+    """dq, dk, dv with a softcap of 1e308 (3e38 in float32) against the 50-digit oracle,
+    within §12.9: the softcap's derivative 1 − tanh²(score / softcap) is 1 there."""
+    cap = _huge_softcap(dtype)
+    q, k, v = random_qkv(141, B=1, H=2, T=5, S=7, D=4, E=value_dims(backend, 4, 3)[1], dtype=dtype)
+    d_out = random_d_out(142, q, v)
+    got = dict(zip(GRADS, backend.attention_vjp(q, k, v, d_out, softcap=cap)))
+    args = (as64(q), as64(k), as64(v), as64(d_out))
+    expected = oracle.attention_vjp(*args, softcap=cap)
+    naive = oracle.naive_vjp_same_precision(*args, numpy_dtype(dtype), softcap=cap)
+    for name, want in expected.items():
+        assert_within(
+            got[name],
+            want,
+            tolerance(dtype, finite_error(naive[name], want), want),
+            f"{backend.name}: {name} with softcap={cap:g} ({dtype}) against the oracle",
+            behaviour="a softcap so large that score / softcap is subnormal changes the gradients",
+        )
+
+
+# --- §4.1: scores large but finite -----------------------------------------------------------
+
+#: A scale that makes ordinary scores huge but finite: |q·k| · scale < 1e302 (float64),
+#: < 1e32 (float32), far below the largest numbers.
+_HUGE_SCALE = {"float64": 1e300, "float32": 1e30}
+
+
+@pytest.mark.clause("4.1")
+@pytest.mark.parametrize("D", [1, 4], ids=["D1", "D4"])
+@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_large_finite_scores(backend, causal, D, dtype):
+    """A scale of 1e300 (1e30 in float32) makes the scores huge but finite: the softmax
+    puts all the weight on each row's largest score, and the output is the oracle's
+    (that key's value row), within §7. Measured: with D = 1, jax-flash's weights were
+    0 (output 0) or the row NaN, as exp() saw the product's rounding error instead of 0."""
+    scale = _HUGE_SCALE[dtype]
+    D, E = value_dims(backend, D, 2, keep="D")
+    q, k, v = random_qkv(150, B=1, H=2, T=3, S=5, D=D, E=E, dtype=dtype)
+    options = {"scale": scale, "is_causal": causal}
+    out = backend.attention(q, k, v, **options)
+    assert_within(
+        out,
+        oracle_attention(as64(q), as64(k), as64(v), **options),
+        random_tolerance(q, k, v, dtype, **options),
+        f"{backend.name}: scale={scale:g}, D={D} ({dtype}, {'causal' if causal else 'plain'}) "
+        f"against the oracle",
+        behaviour="huge but finite scores (a huge scale) give a wrong output",
+    )
+
+
+# --- §4.1: scores that overflow ----------------------------------------------------------------
+
+
+def _overflow_problem(backend, dtype: str):
+    """Inputs whose scores, at scale 1e308 (1e38 in float32), either overflow by a wide
+    margin (|q·k| >= 10) or stay finite by one (|q·k| <= 0.1, or 0): the rows' fates do
+    not depend on rounding. D = 1; E = 2 where the backend declares ``value_dim``.
+
+    Batch 0 (keys 10, 0, -10): row 0 scores [+inf, 0, -inf] and row 3 [-inf, 0, +inf]
+    are NaN; rows 1 and 2 are finite, all weight on key 0 and key 2. Batch 1 (keys 10,
+    20, 30): row 0 scores all -inf, so it is 0; rows 1-3 finite, on keys 2, 0 and 2.
+    Returns q, k, v, scale, the expected output and which rows are NaN, (B, 1, T)."""
+    scale = 1e308 if dtype == "float64" else 1e38
+    _, E = value_dims(backend, 1, 2)
+    q = np.array([[1.0, 0.01, -0.01, -1.0], [-1.0, 0.001, -0.001, 0.002]])  # (B, T)
+    k = np.array([[10.0, 0.0, -10.0], [10.0, 20.0, 30.0]])  # (B, S)
+    v = np.array([[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], [[1.0, -2.0], [3.0, 4.0], [-5.0, 6.0]]])
+    v = v[..., :E]  # (B, S, E)
+    nan_rows = np.array([[True, False, False, True], [False] * 4])  # (B, T)
+    expected = np.stack([v[0, [0, 0, 2, 0]], v[1, [0, 2, 0, 2]]])  # (B, T, E)
+    expected[1, 0] = 0.0  # every score -inf: weights 0, not a masked row
+    expected[nan_rows] = np.nan
+    t = numpy_dtype(dtype)
+    q, k, v = q[:, None, :, None].astype(t), k[:, None, :, None].astype(t), v[:, None].astype(t)
+    return q, k, v, scale, expected[:, None], nan_rows[:, None]
+
+
+@pytest.mark.clause("4.1")
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_overflowing_scores(backend, dtype):
+    """A score that overflows is ±inf: a row that attends a +inf score is NaN in every
+    channel, a -inf score has weight 0, and a row whose scores are all -inf is 0; the
+    finite rows put all their weight on their largest score."""
+    q, k, v, scale, expected, _ = _overflow_problem(backend, dtype)
+    out = as64(backend.attention(q, k, v, scale=scale))
+    assert_within(
+        out,
+        expected,
+        tolerance(dtype, 0.0, np.nan_to_num(expected)),
+        f"{backend.name}: scale={scale:g} ({dtype}), rows NaN where a score is +inf, 0 "
+        f"where all are -inf",
+        behaviour="scores that overflow give another NaN / 0 / finite pattern than IEEE's",
+    )
+    expect(
+        (out[1, 0, 0] == 0).all(),
+        "a row whose scores all overflowed to -inf is not exactly 0",
+        f"{backend.name}: scale={scale:g} ({dtype}): batch 1, row 0 gave {out[1, 0, 0]}",
+    )
+
+
+@pytest.mark.clause("4.1", "4.2")
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@requires("softcap")
+def test_overflowing_scores_with_softcap(backend, dtype):
+    """Under a softcap an overflowed score becomes ±softcap and its row is ordinary: the
+    oracle's output, within §7 (the oracle's scores never overflow; capped, they agree)."""
+    q, k, v, scale, _, _ = _overflow_problem(backend, dtype)
+    options = {"scale": scale, "softcap": 5.0}
+    out = backend.attention(q, k, v, **options)
+    assert_within(
+        out,
+        oracle_attention(as64(q), as64(k), as64(v), **options),
+        random_tolerance(q, k, v, dtype, **options),
+        f"{backend.name}: scale={scale:g}, softcap 5 ({dtype}) against the oracle",
+        behaviour="a softcap does not turn overflowed scores into ordinary ones",
+    )
+
+
+@pytest.mark.clause("4.1", "12.2")
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@requires("grad")
+def test_overflowing_score_gradients(backend, dtype):
+    """A NaN row (it attends a +inf score) makes its dq row NaN and the dk and dv rows of
+    every key it attends with a score above -inf NaN; every other gradient row is finite
+    (batch 1 has no NaN row; its row of -inf scores contributes nothing)."""
+    q, k, v, scale, _, nan_rows = _overflow_problem(backend, dtype)
+    d_out = np.ones((*q.shape[:-1], v.shape[-1]), dtype=q.dtype)
+    dq, dk, dv = (as64(g) for g in backend.attention_vjp(q, k, v, d_out, scale=scale)[:3])
+    context = f"{backend.name}: scale={scale:g} ({dtype})"
+    # Batch 0: each key has a score of 0 or +inf in one of the NaN rows 0 and 3.
+    want = {
+        "dq": nan_rows[..., None] & np.ones_like(dq, dtype=bool),
+        "dk": np.zeros(dk.shape, dtype=bool),
+        "dv": np.zeros(dv.shape, dtype=bool),
+    }
+    want["dk"][0], want["dv"][0] = True, True
+    for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+        nan, ok = np.isnan(g), np.isfinite(g)
+        expect(
+            (nan == want[name]).all() and (ok == ~want[name]).all(),
+            "scores that overflow give another NaN pattern in the gradients than the spec's",
+            f"{context}: {name} should be NaN exactly at {np.argwhere(want[name]).tolist()} "
+            f"and finite elsewhere; NaN at {np.argwhere(nan).tolist()}, non-finite "
+            f"{np.argwhere(~ok).tolist()}",
         )

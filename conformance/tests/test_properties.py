@@ -10,6 +10,17 @@ The reference is independent of every implementation (``fixtures/oracle.py``): f
 float64 the 50-digit oracle with SPEC §7.1's rule; for the other dtypes the textbook
 algorithm in float64 stands in for it (SPEC §7.2).
 
+Packed documents (SPEC §18) are drawn by a strategy of their own, ``packings``, for
+backends declaring "packed" only, so ``problems`` draws what it drew before: N = 4
+documents of random lengths (0 included) summing to one of two fixed totals, so that a
+backend that compiles builds a program per option set, not per packing.
+
+Paged KV caches (SPEC §19) have theirs too, ``paged_caches``, for backends declaring
+"paged": B = 2 sequences over N = 5 pages of L = 4 slots with M = 3 table entries each,
+T = 1 (a decode step) or 3, tables of shuffled and shared pages, lengths from 0 to M·L
+(mid-page included), garbage (NaN, ±inf) in every slot no sequence reads and junk table
+entries past each sequence's pages.
+
 Profiles (``conformance/conftest.py``): "quick", the default, 25 derandomized examples per
 test; ``--hypothesis-profile deep`` for 500 random ones.
 """
@@ -26,7 +37,14 @@ from hypothesis import strategies as st
 from conformance.backends import DTYPES, numpy_dtype
 from conformance.fixtures import oracle
 from conformance.suite.helpers import as64, oracle_attention, random_tolerance
-from conformance.suite.tolerance import assert_rows_zero, assert_within, expect, tolerance
+from conformance.suite.requirements import requires
+from conformance.suite.tolerance import (
+    assert_rows_zero,
+    assert_within,
+    expect,
+    finite_error,
+    tolerance,
+)
 
 
 @dataclass
@@ -181,4 +199,255 @@ def test_outputs_are_finite_and_empty_rows_zero(backend, data):
         np.isfinite(out).all(),
         "returns a non-finite output on a drawn problem",
         f"{backend.name}: non-finite output at {np.argwhere(~np.isfinite(out))[:1].tolist()}",
+    )
+
+
+#: (T, S) of a drawn packing: two fixed totals, so that a compiling backend, which traces
+#: the boundaries (§18.4), compiles one program per option set and total.
+PACKED_TOTALS = [(9, 11), (16, 12)]
+PACKED_DOCUMENTS = 4
+
+
+@dataclass
+class Packing:
+    """One drawn packed call: q (H, T, D), k (K, S, D), v (K, S, E) and the boundaries."""
+
+    q: np.ndarray  # (H, T, D)
+    k: np.ndarray  # (K, S, D)
+    v: np.ndarray  # (K, S, E)
+    cu_q: np.ndarray  # (N + 1,)
+    cu_k: np.ndarray  # (N + 1,)
+    dtype: str
+    options: dict = field(default_factory=dict)
+
+    def keyless(self) -> np.ndarray:
+        """(T,) bool: the queries with no key in their document to attend, from the
+        oracle's ``allowed_keys`` on each document alone (SPEC §18.2)."""
+        rows = np.zeros(self.q.shape[1], dtype=bool)
+        for n in range(len(self.cu_q) - 1):
+            t0, t1 = int(self.cu_q[n]), int(self.cu_q[n + 1])
+            S_n = int(self.cu_k[n + 1] - self.cu_k[n])
+            for i in range(t1 - t0):
+                keys = oracle.allowed_keys(
+                    i,
+                    t1 - t0,
+                    S_n,
+                    bool_row=None,
+                    is_causal=self.options.get("is_causal", False),
+                    causal_alignment=self.options.get("causal_alignment", "top_left"),
+                    window=self.options.get("window"),
+                )
+                rows[t0 + i] = len(keys) == 0
+        return rows
+
+
+def _boundaries(draw, total: int, label: str) -> np.ndarray:
+    """(N + 1,) int32 cumulative lengths from 0 to ``total``: N - 1 drawn cuts, so that
+    documents of length 0 (equal cuts) come up as often as any other."""
+    cuts = draw(
+        st.lists(
+            st.integers(0, total), min_size=PACKED_DOCUMENTS - 1, max_size=PACKED_DOCUMENTS - 1
+        ),
+        label=label,
+    )
+    return np.array([0, *sorted(cuts), total], dtype=np.int32)
+
+
+@st.composite
+def packings(draw, backend) -> Packing:
+    """A packed problem using only what ``backend`` declares, on few shapes: H = 2, D = 4,
+    K and E drawn only from two values each, T and S one of ``PACKED_TOTALS``."""
+    caps = backend.capabilities
+    dtype = draw(st.sampled_from([d for d in DTYPES if d in backend.dtypes]))
+    H, D = 2, 4
+    K = draw(st.sampled_from([1, 2]), label="K") if "gqa" in caps else H
+    E = draw(st.sampled_from([3, 4]), label="E") if "value_dim" in caps else D
+    T, S = draw(st.sampled_from(PACKED_TOTALS), label="T, S")
+    cu_q = _boundaries(draw, T, "cu_seqlens_q")
+    cu_k = _boundaries(draw, S, "cu_seqlens_k")
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1), label="seed"))
+    dt = numpy_dtype(dtype)
+    q = rng.standard_normal((H, T, D)).astype(dt)
+    k = rng.standard_normal((K, S, D)).astype(dt)
+    v = rng.standard_normal((K, S, E)).astype(dt)
+
+    options: dict = {}
+    if draw(st.booleans(), label="is_causal"):
+        options["is_causal"] = True
+    if "causal_bottom_right" in caps and draw(st.booleans(), label="bottom_right"):
+        options["causal_alignment"] = "bottom_right"
+    if "window" in caps and draw(st.booleans(), label="window"):
+        side = st.sampled_from([None, 0, 2])
+        options["window"] = (draw(side, label="left"), draw(side, label="right"))
+    if "softcap" in caps and draw(st.booleans(), label="softcap"):
+        options["softcap"] = 2.0
+    if draw(st.booleans(), label="scale"):
+        options["scale"] = 0.5
+    note(
+        f"H={H} K={K} T={T} S={S} D={D} E={E} {dtype}; cu_seqlens_q={cu_q.tolist()} "
+        f"cu_seqlens_k={cu_k.tolist()}; "
+        + ", ".join(f"{name}={value}" for name, value in options.items())
+    )
+    return Packing(q, k, v, cu_q, cu_k, dtype, options)
+
+
+@pytest.mark.clause("18.1", "18.2", "7.1")
+@requires("packed")
+@given(data=st.data())
+def test_packings_match_the_oracle(backend, data):
+    """On any drawn packing, ``attention_packed`` is the oracle's document by document
+    within SPEC §7, shaped (H, T, E) in q's dtype, and a query with no key in its
+    document returns exactly 0."""
+    p = data.draw(packings(backend), label="packing")
+    out = backend.attention_packed(p.q, p.k, p.v, p.cu_q, p.cu_k, **p.options)
+    args = (as64(p.q), as64(p.k), as64(p.v), p.cu_q, p.cu_k)
+    expected = oracle.attention_packed(*args, **p.options)
+    naive = oracle.naive_packed_same_precision(*args, numpy_dtype(p.dtype), **p.options)
+    tol = tolerance(p.dtype, finite_error(naive, expected), expected)
+    expect(
+        out.shape == expected.shape and out.dtype == p.q.dtype,
+        "attention_packed returns the wrong shape or dtype",
+        f"{backend.name}: got {out.dtype} {out.shape}, expected {p.q.dtype} {expected.shape}",
+    )
+    context = f"{backend.name}: attention_packed on the drawn packing"
+    assert_rows_zero(out, p.keyless()[None, :], context)
+    assert_within(
+        out,
+        expected,
+        tol,
+        context,
+        behaviour="packed attention differs from the oracle on packings Hypothesis draws",
+    )
+
+
+#: The fixed sizes of a drawn paged cache: N pages of L slots, M table entries per
+#: sequence, B sequences, and T = 1 (a decode step) or a few queries, so that a compiling
+#: backend, which traces the table and the lengths (§19.2), compiles few programs.
+PAGED_N, PAGED_L, PAGED_M, PAGED_B = 5, 4, 3, 2
+PAGED_T = [1, 3]
+
+
+@dataclass
+class PagedCache:
+    """One drawn paged call: q (B, H, T, D), pages (N, K, L, D) and (N, K, L, E), the block
+    table (B, M) and the lengths (B,)."""
+
+    q: np.ndarray  # (B, H, T, D)
+    k_pages: np.ndarray  # (N, K, L, D)
+    v_pages: np.ndarray  # (N, K, L, E)
+    block_table: np.ndarray  # (B, M)
+    seq_lens: np.ndarray  # (B,)
+    dtype: str
+    options: dict = field(default_factory=dict)
+
+    def keyless(self) -> np.ndarray:
+        """(B, 1, T) bool: the queries with no key to attend, from the oracle's
+        ``allowed_keys`` on each sequence's own length, bottom-right (SPEC §19.1)."""
+        T = self.q.shape[2]
+        rows = np.zeros((len(self.seq_lens), 1, T), dtype=bool)
+        for b, n in enumerate(self.seq_lens.tolist()):
+            for t in range(T):
+                keys = oracle.allowed_keys(
+                    t,
+                    T,
+                    n,
+                    bool_row=None,
+                    is_causal=self.options.get("is_causal", False),
+                    causal_alignment="bottom_right",
+                    window=self.options.get("window"),
+                )
+                rows[b, 0, t] = len(keys) == 0
+        return rows
+
+
+@st.composite
+def paged_caches(draw, backend) -> PagedCache:
+    """A paged problem using only what ``backend`` declares, on few shapes: H = 2, D = 4,
+    K and E drawn from two values each, T one of ``PAGED_T``. Each sequence's pages are a
+    drawn permutation of the pool (so pages come in any order, and two sequences may share
+    one); its length is drawn from 0 to M·L (at least T with causality, §19.1)."""
+    caps = backend.capabilities
+    dtype = draw(st.sampled_from([d for d in DTYPES if d in backend.dtypes]))
+    N, L, M, B, H, D = PAGED_N, PAGED_L, PAGED_M, PAGED_B, 2, 4
+    K = draw(st.sampled_from([1, 2]), label="K") if "gqa" in caps else H
+    E = draw(st.sampled_from([3, 4]), label="E") if "value_dim" in caps else D
+    T = draw(st.sampled_from(PAGED_T), label="T")
+    options: dict = {}
+    if draw(st.booleans(), label="is_causal"):
+        options["is_causal"] = True
+    shortest = T if options.get("is_causal") else 0
+    seq_lens = np.array(
+        [draw(st.integers(shortest, M * L), label=f"seq_lens[{b}]") for b in range(B)],
+        dtype=np.int32,
+    )  # (B,)
+    table = np.zeros((B, M), dtype=np.int32)  # (B, M)
+    for b in range(B):
+        pages = draw(st.permutations(range(N)), label=f"pages of sequence {b}")[:M]
+        read = -(-int(seq_lens[b]) // L)  # ⌈seq_lens[b] / L⌉ entries are read
+        junk = st.sampled_from([-1, N + 5, 0])
+        table[b] = [
+            p if j < read else draw(junk, label="unread entry") for j, p in enumerate(pages)
+        ]
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1), label="seed"))
+    dt = numpy_dtype(dtype)
+    q = rng.standard_normal((B, H, T, D)).astype(dt)
+    k_pages = rng.standard_normal((N, K, L, D)).astype(dt)
+    v_pages = rng.standard_normal((N, K, L, E)).astype(dt)
+    # Every slot no sequence reads holds garbage (SPEC §19.3): it must change nothing.
+    unread = np.ones((N, L), dtype=bool)  # (N, L)
+    for b, n in enumerate(seq_lens.tolist()):
+        for s in range(n):
+            unread[table[b, s // L], s % L] = False
+    garbage = draw(st.sampled_from([np.nan, np.inf, -np.inf]), label="garbage")
+    pages, slots = np.nonzero(unread)
+    k_pages[pages, :, slots] = garbage  # (N, K, L, D) at every unread (page, slot)
+    v_pages[pages, :, slots] = garbage  # (N, K, L, E)
+    if "window" in caps and draw(st.booleans(), label="window"):
+        side = st.sampled_from([None, 0, 2])
+        options["window"] = (draw(side, label="left"), draw(side, label="right"))
+    if "softcap" in caps and draw(st.booleans(), label="softcap"):
+        options["softcap"] = 2.0
+    if draw(st.booleans(), label="scale"):
+        options["scale"] = 0.5
+    note(
+        f"H={H} K={K} T={T} D={D} E={E} N={N} L={L} M={M} {dtype}; block_table="
+        f"{table.tolist()} seq_lens={seq_lens.tolist()} garbage={garbage}; "
+        + ", ".join(f"{name}={value}" for name, value in options.items())
+    )
+    return PagedCache(q, k_pages, v_pages, table, seq_lens, dtype, options)
+
+
+@pytest.mark.clause("19.1", "19.2", "19.3", "7.1")
+@requires("paged")
+@given(data=st.data())
+def test_paged_caches_match_the_oracle(backend, data):
+    """On any drawn paged cache, ``attention_paged`` is the oracle's sequence by sequence
+    within SPEC §7, shaped (B, H, T, E) in q's dtype and finite whatever the unread slots
+    hold, and a query with no key (a sequence of length 0, or a window leaving none)
+    returns exactly 0."""
+    c = data.draw(paged_caches(backend), label="paged cache")
+    args = (c.q, c.k_pages, c.v_pages, c.block_table, c.seq_lens)
+    out = backend.attention_paged(*args, **c.options)
+    wide = (as64(c.q), as64(c.k_pages), as64(c.v_pages), c.block_table, c.seq_lens)
+    expected = oracle.attention_paged(*wide, **c.options)
+    naive = oracle.attention_paged(*wide, naive_dtype=numpy_dtype(c.dtype), **c.options)
+    tol = tolerance(c.dtype, finite_error(naive, expected), expected)
+    expect(
+        out.shape == expected.shape and out.dtype == c.q.dtype,
+        "attention_paged returns the wrong shape or dtype",
+        f"{backend.name}: got {out.dtype} {out.shape}, expected {c.q.dtype} {expected.shape}",
+    )
+    context = f"{backend.name}: attention_paged on the drawn cache"
+    expect(
+        bool(np.isfinite(as64(out)).all()),
+        "a page slot that no sequence reads reaches the output",
+        f"{context}: non-finite output at {np.argwhere(~np.isfinite(as64(out)))[:1].tolist()}",
+    )
+    assert_rows_zero(out, c.keyless(), context)
+    assert_within(
+        out,
+        expected,
+        tol,
+        context,
+        behaviour="paged attention differs from the oracle on caches Hypothesis draws",
     )

@@ -13,11 +13,14 @@ from conformance.fixtures import oracle
 from conformance.suite.cases import worked_example
 from conformance.suite.gradients import random_d_out
 from conformance.suite.helpers import (
+    DTYPE_AXIS,
     SIZES,
     as64,
     expect_no_weight_on_future_keys,
     oracle_attention,
+    pairwise_params,
     random_qkv,
+    setup_params,
 )
 from conformance.suite.requirements import SuiteError, requires, value_dims
 from conformance.suite.tolerance import (
@@ -86,10 +89,6 @@ def _setup(name: str, size: dict, dtype: str, seed: int):
     return q, k, v, _sinks(seed + 2, H, dtype), options
 
 
-def _setup_params():
-    return [pytest.param(n, marks=requires(*caps), id=n) for n, (_, caps) in SETUPS.items()]
-
-
 @pytest.mark.clause("15.1", "11.1")
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
 def test_sinks_worked_example(backend, causal, dtype):
@@ -111,12 +110,13 @@ def test_sinks_worked_example(backend, causal, dtype):
 
 
 @pytest.mark.clause("15.1", "15.2")
-@sizes
-@dtypes
-@pytest.mark.parametrize("setup", _setup_params())
-def test_sinks_match_the_oracle(backend, size, dtype, setup):
+@pytest.mark.parametrize(
+    ("setup", "size", "dtype"), pairwise_params(setup_params(SETUPS), size=SIZES, dtype=DTYPE_AXIS)
+)
+def test_sinks_match_the_oracle(backend, setup, size, dtype):
     """Sinks alone and with causality, masks, a scale, GQA, bottom-right alignment, a
-    window and a softcap: the output is the oracle's within SPEC §7."""
+    window and a softcap: the output is the oracle's within SPEC §7. Every setup runs at
+    every size and in both dtypes (all pairs, not their product)."""
     q, k, v, sinks, options = _setup(setup, size, dtype, 60)
     expected, tol = _oracle(q, k, v, dtype, sinks=sinks, **options)
     out = backend.attention(q, k, v, sinks=sinks, **options)
@@ -399,21 +399,9 @@ def _float_mask(options: dict) -> bool:
     return mask is not None and mask.dtype != np.bool_
 
 
-def _grad_setup_params():
-    params = []
-    for name, (options, caps) in SETUPS.items():
-        needs = ["grad", *caps]
-        if "softcap" in options:
-            needs.append("grad_softcap")
-        if options.get("mask") == "float":
-            needs.append("grad_mask")
-        params.append(pytest.param(name, marks=requires(*needs), id=name))
-    return params
-
-
 @pytest.mark.clause("15.5", "12.9")
 @dtypes
-@pytest.mark.parametrize("setup", _grad_setup_params())
+@pytest.mark.parametrize("setup", setup_params(SETUPS, grad=True))
 def test_sink_gradients_match_the_oracle(backend, dtype, setup):
     """dq, dk, dv (dmask) and dsinks = −Σ p_sink · (dO · O) against the 50-digit oracle,
     within SPEC §12.9 (the naive backward in the dtype against the oracle)."""

@@ -60,6 +60,20 @@ into buffers that travel with the slice and make one last hop home. Per-device m
 stays that of the forward, where ``jax.vjp`` through the loop would store every step's
 weights; and each step's gradient is computed from the block that step holds.
 
+Sinks. An attention sink (one logit per query head, gpt-oss) is one more term of a row's
+softmax with no value row. It joins the merge once, after the last step of the ring: m' =
+max(m, sink), l' = exp(m − m')·l + exp(sink − m'), a' = exp(m − m')·a, exactly as
+``jax_flash`` folds it in after its last key block. Folded in at every step (or on every
+device's partial result) it would count P times. Its gradient is
+dsinks[h] = −Σ_t p_sink[t]·(dO·O)[t] with p_sink = exp(sink − lse), summed over this
+device's rows and then over the devices (``lax.psum``): every device holds some of every
+head's rows.
+
+ALiBi. Its bias −slope·|t + S − T − s| needs each token's global position; the positions
+travel with the slices (the same ones the causal mask and the window read), so each block
+computes its own slice of the bias, in both layouts and with padded lengths, and no
+(T, S) bias is ever built. The slopes, (B, H), are replicated: they are tiny.
+
 Masks. A mask with a T axis is sharded along T with its queries (each device holds the
 rows of its own query slice, every column), so it never travels; its column block for the
 key slice at hand is sliced by the slice's index. A mask without a T axis is replicated.
@@ -75,9 +89,12 @@ Shape legend (heads-first, as in PyTorch):
     q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
 
 Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, softcapping, grouped-query and multi-query attention (K < H, no repeated heads
-built), float64, float32, float16 and bfloat16 (computed in float32 and rounded once),
-unbatched inputs, and the backward pass with a float mask's gradient. Not supported:
+windows, softcapping, attention sinks, ALiBi, grouped-query and multi-query attention
+(K < H, no repeated heads built), float64, float32, float16 and bfloat16 (computed in
+float32 and rounded once), unbatched inputs, and the backward pass with a float mask's
+and the sinks' gradients. Chunked local attention (Llama 4) is one more test on the
+tokens' positions, like the window, so a block none of whose keys shares a chunk with
+the query block's rows is skipped like one above the causal diagonal. Not supported:
 dropout. On a CPU-only machine, P devices need ``jax.config.update("jax_num_cpu_devices",
 P)`` before JAX's first computation (``host_devices`` does it, or says why it cannot).
 The same code runs unchanged over real devices, and over hosts after
@@ -115,6 +132,9 @@ def attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     dropout_p: float = 0.0,
+    sinks=None,
+    chunk_size: int | None = None,
+    alibi_slopes=None,
     shards: int | None = None,
     layout: str = "zigzag",
 ) -> np.ndarray:
@@ -134,6 +154,12 @@ def attention(
         aligned diagonal; None on a side is unbounded.
       softcap: scores become softcap · tanh(scores / softcap) before masking.
       dropout_p: must be 0; dropout is not supported here.
+      sinks: (H,), same dtype as q: one logit per query head that joins every row's
+        softmax and carries no value (SPEC §15), or None.
+      chunk_size: query t and key s attend each other only within one chunk of that many
+        positions, ⌊(t + offset) / chunk_size⌋ == ⌊s / chunk_size⌋ (SPEC §16), or None.
+      alibi_slopes: (H,) or (B, H), float32 or q's dtype: ALiBi adds -slope · |t + S - T -
+        s| to the scores, t and s the global positions (SPEC §17), or None.
       shards: P, the number of devices in the ring (default: every device JAX sees).
       layout: "contiguous" (device i holds the i-th slice) or "zigzag" (chunks i and
         2P - 1 - i of 2P: balanced causal work).
@@ -153,6 +179,9 @@ def attention(
         window=window,
         softcap=softcap,
         dropout_p=dropout_p,
+        sinks=sinks,
+        chunk_size=chunk_size,
+        alibi_slopes=alibi_slopes,
     )
     ring = _Ring(run, shards, layout)
     fn = _ring_fn(ring.mesh, **ring.static)
@@ -174,18 +203,23 @@ def attention_vjp(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     dropout_p: float = 0.0,
+    sinks=None,
+    chunk_size: int | None = None,
+    alibi_slopes=None,
     shards: int | None = None,
     layout: str = "zigzag",
 ) -> tuple[np.ndarray, ...]:
     """Gradients of ``attention`` by a second ring (see the module docstring).
 
     Args:
-      q, k, v, mask, options, shards, layout: as for ``attention`` (no dropout).
+      q, k, v, mask, options, sinks, chunk_size, alibi_slopes, shards, layout: as for
+        ``attention`` (no dropout).
       d_out: ∂L/∂out, shaped like the output, in q's dtype.
 
     Returns:
       (dq, dk, dv), shaped like q, k, v, for L = Σ d_out · attention(q, k, v, ...); with a
-      floating mask, (dq, dk, dv, dmask), dmask shaped like the mask.
+      floating mask, (dq, dk, dv, dmask), dmask shaped like the mask; with sinks, dsinks
+      (H,) last. The slopes are constants: no gradient.
     """
     run = _prepare(
         q,
@@ -199,6 +233,9 @@ def attention_vjp(
         window=window,
         softcap=softcap,
         dropout_p=dropout_p,
+        sinks=sinks,
+        chunk_size=chunk_size,
+        alibi_slopes=alibi_slopes,
     )
     ring = _Ring(run, shards, layout)
     float_mask = run.mask is not None and run.mask.dtype != np.bool_
@@ -218,6 +255,8 @@ def attention_vjp(
         if run.mask.shape[3] != 1:
             dm = ring.unpermute(dm, axis=3, n=run.S, seq="s")
         out.append(dm.reshape(run.mask_shape))
+    if run.sinks is not None:
+        out.append(np.asarray(grads[-1]).astype(run.q.dtype))  # dsinks (H,), summed over devices
     return tuple(out)
 
 
@@ -225,23 +264,24 @@ def attention_vjp(
 # The per-device ring: steps 1-7, written as for one device; the axis name is the ring.
 
 
-def _ring_body(q, k, v, tpos, spos, mask, opts, *, P, pieces, softcap_on):
+def _ring_body(q, k, v, tpos, spos, mask, sinks, slopes, opts, *, P, pieces, softcap_on):
     """One device's share: its query slice against every key/value slice in turn.
 
     q (B, H, Tl, D), k (B, K, Sl, D), v (B, K, Sl, E), tpos (Tl,), spos (Sl,): the original
     positions of the local queries and keys (padding at positions >= T, >= S); mask
-    (B|1, H|1, Tl|1, Sp|1) or None; opts: the scalar options, traced (one compilation
-    serves every scale, alignment, window and softcap value). Returns (B, H, Tl, E).
+    (B|1, H|1, Tl|1, Sp|1) or None; sinks (H,) and ALiBi's slopes (B, H), replicated, or
+    None; opts: the scalar options, traced (one compilation serves every scale, alignment,
+    window and softcap value). Returns (B, H, Tl, E).
     """
     out, _ = _ring_forward(
-        q, k, v, tpos, spos, mask, opts, P=P, pieces=pieces, softcap_on=softcap_on
+        q, k, v, tpos, spos, mask, sinks, slopes, opts, P=P, pieces=pieces, softcap_on=softcap_on
     )
     return out.astype(q.dtype)
 
 
-def _ring_forward(q, k, v, tpos, spos, mask, opts, *, P, pieces, softcap_on):
+def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, opts, *, P, pieces, softcap_on):
     """The forward ring, in the working dtype: (out (B, H, Tl, E), lse (B, H, Tl)), with
-    lse = -inf for a row that sees no key."""
+    lse = -inf for a row that sees no key; the sink, if any, is in lse."""
     B, H, Tl, D = q.shape
     _, K, Sl, _ = k.shape
     E = v.shape[-1]
@@ -254,6 +294,7 @@ def _ring_forward(q, k, v, tpos, spos, mask, opts, *, P, pieces, softcap_on):
     # so a kv head's block serves its G query heads, stacked as G·Tc rows.
     qs = _pieces(q.astype(work) * scale, K, pieces)  # (pieces, B, K, G·Tc, D)
     tps = tpos.reshape(pieces, Tc)  # (pieces, Tc)
+    alibi = None if slopes is None else _grouped_slopes(slopes.astype(work), K, G)
 
     def update(state, a, b, src, kb, vb, sp, mb):
         """Query piece a's running (m, l, acc) after key piece b of device src's slice."""
@@ -274,9 +315,11 @@ def _ring_forward(q, k, v, tpos, spos, mask, opts, *, P, pieces, softcap_on):
         if softcap_on:
             x = softcap * jnp.tanh(x / softcap)  # (B, K, G·Tc, Sc)
 
-        # 4. Mask: a float mask is added, then every key a query may not see gets -inf
-        # (replaced, not only pushed down: NaN + -inf is NaN).
+        # 4. Mask: ALiBi's linear bias and a float mask are added, then every key a query
+        # may not see gets -inf (replaced, not only pushed down: NaN + -inf is NaN).
         x = x.reshape(B, K, G, Tc, Sc)  # (B, K, G, Tc, Sc)
+        if alibi is not None:
+            x = x + _alibi_bias(alibi, tps[a], sp, opts)  # (B, K, G, Tc, Sc)
         if mb is not None and mb.dtype != jnp.bool_:
             x = x + mb.astype(work)
         x = jnp.where(allowed, x, -jnp.inf).reshape(B, K, G * Tc, Sc)  # (B, K, G·Tc, Sc)
@@ -307,6 +350,10 @@ def _ring_forward(q, k, v, tpos, spos, mask, opts, *, P, pieces, softcap_on):
         jnp.zeros((pieces, B, K, G * Tc, E), dtype=work),  # acc: unnormalised output
     )
     (m, l, acc), _ = _walk(update, stay, (), (k, v, spos), mask, tps, opts, P=P, pieces=pieces)
+    if sinks is not None:
+        # The sink joins each row's softmax once, now that every key block has been merged
+        # (once per step or per device, it would count P times).
+        m, l, acc = _add_sink(m, l, acc, _sink_rows(sinks.astype(work), m.shape, K, G))
 
     # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
     some = l > 0
@@ -316,8 +363,11 @@ def _ring_forward(q, k, v, tpos, spos, mask, opts, *, P, pieces, softcap_on):
     return _unpieces(out, H), _unpieces(lse[..., None], H)[..., 0]  # (B, H, Tl, E), (B, H, Tl)
 
 
-def _ring_backward(q, k, v, tpos, spos, mask, opts, d_out, *, P, pieces, softcap_on, float_mask):
-    """One device's share of the backward: (dq, dk, dv) and, with a float mask, dmask.
+def _ring_backward(
+    q, k, v, tpos, spos, mask, sinks, slopes, opts, d_out, *, P, pieces, softcap_on, float_mask
+):
+    """One device's share of the backward: (dq, dk, dv), then dmask with a float mask and
+    dsinks (H,) with sinks, summed over the devices.
 
     The arguments are ``_ring_body``'s and d_out (B, H, Tl, E), this device's rows of
     ∂L/∂out. The forward ring runs again for each row's log-sum-exp, then a second ring
@@ -333,7 +383,7 @@ def _ring_backward(q, k, v, tpos, spos, mask, opts, d_out, *, P, pieces, softcap
     option and layout), where ``jax_flash`` masks by a static band and skips by loop bounds.
     """
     out, lse = _ring_forward(
-        q, k, v, tpos, spos, mask, opts, P=P, pieces=pieces, softcap_on=softcap_on
+        q, k, v, tpos, spos, mask, sinks, slopes, opts, P=P, pieces=pieces, softcap_on=softcap_on
     )
     B, H, Tl, D = q.shape
     _, K, Sl, _ = k.shape
@@ -346,11 +396,21 @@ def _ring_backward(q, k, v, tpos, spos, mask, opts, d_out, *, P, pieces, softcap
     qs = _pieces(q.astype(work) * scale, K, pieces)  # (pieces, B, K, G·Tc, D)
     dos = _pieces(d_out, K, pieces)  # (pieces, B, K, G·Tc, E)
     # 5'. The softmax's row term, rowsum(dO ⊙ O): one dot product per row.
-    d_row = _pieces((d_out * out).sum(axis=-1, keepdims=True), K, pieces)[..., 0]
+    delta = (d_out * out).sum(axis=-1)  # (B, H, Tl)
+    d_row = _pieces(delta[..., None], K, pieces)[..., 0]  # (pieces, B, K, G·Tc)
+    some = jnp.isfinite(lse)  # (B, H, Tl): the rows that see a key
+    ds = None
+    if sinks is not None:
+        # 5'. Sinks: dsink = −Σ_t p_sink · rowsum(dO ⊙ O), p_sink = exp(sink − lse) (0 for a
+        # row with no key), over this device's rows; then over every device's rows.
+        sink = sinks.astype(work)[None, :, None]  # (1, H, 1)
+        p_sink = jnp.where(some, jnp.exp(sink - lse), 0.0)  # (B, H, Tl)
+        ds = lax.psum(-(p_sink * delta).sum(axis=(0, 2)), AXIS)  # (H,)
     # A row with no key has lse = -inf; against +inf its weights are exp(-inf) = 0.
-    lse = jnp.where(jnp.isfinite(lse), lse, jnp.inf)  # (B, H, Tl)
+    lse = jnp.where(some, lse, jnp.inf)  # (B, H, Tl)
     lses = _pieces(lse[..., None], K, pieces)[..., 0]  # (pieces, B, K, G·Tc)
     tps = tpos.reshape(pieces, Tc)  # (pieces, Tc)
+    alibi = None if slopes is None else _grouped_slopes(slopes.astype(work), K, G)
 
     def block(state, a, b, src, kb, vb, sp, mb):
         """The gradients after query piece a against key piece b of device src's slice."""
@@ -364,6 +424,8 @@ def _ring_backward(q, k, v, tpos, spos, mask, opts, d_out, *, P, pieces, softcap
         raw = jnp.einsum("bkrd,bksd->bkrs", qa, kb, precision=lax.Precision.HIGHEST)
         x = softcap * jnp.tanh(raw / softcap) if softcap_on else raw  # (B, K, G·Tc, Sc)
         x = x.reshape(B, K, G, Tc, Sc)  # (B, K, G, Tc, Sc)
+        if alibi is not None:
+            x = x + _alibi_bias(alibi, tps[a], sp, opts)  # (B, K, G, Tc, Sc)
         if float_mask:
             x = x + mbg.astype(work)
         x = jnp.where(allowed, x, -jnp.inf).reshape(B, K, G * Tc, Sc)  # (B, K, G·Tc, Sc)
@@ -406,6 +468,8 @@ def _ring_backward(q, k, v, tpos, spos, mask, opts, d_out, *, P, pieces, softcap
         if mask.shape[2] == 1:
             dm = lax.psum(dm, AXIS)  # a mask without a T axis: every device's rows add up
         out += (dm.astype(mask.dtype),)
+    if ds is not None:
+        out += (ds.astype(q.dtype),)  # (H,), the same on every device
     return out
 
 
@@ -467,6 +531,43 @@ def _skip(carry, *_):
     return carry  # a block no query may see changes nothing
 
 
+def _add_sink(m, l, acc, sink):
+    """Fold each row's sink into its (m, l, acc) after the last key block, as one more
+    block of one key whose value row is 0: a row with no key (l = 0) is left alone, and a
+    NaN or +inf sink makes a row with a key NaN (SPEC §15.4)."""
+    some = l > 0  # (pieces, B, K, G·Tc)
+    sink = jnp.where(some, sink, -jnp.inf)  # (pieces, B, K, G·Tc)
+    m_new = jnp.maximum(m, sink)  # (pieces, B, K, G·Tc)
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # (pieces, B, K, G·Tc)
+    alpha = jnp.exp(m - m_safe)  # (pieces, B, K, G·Tc)
+    l = alpha * l + jnp.exp(sink - m_safe)  # (pieces, B, K, G·Tc)
+    bad = jnp.isnan(sink) | (sink == jnp.inf)  # (pieces, B, K, G·Tc)
+    acc = jnp.where(bad[..., None], jnp.nan, alpha[..., None] * acc)  # (pieces, B, K, G·Tc, E)
+    return m_new, jnp.where(bad, jnp.nan, l), acc
+
+
+def _sink_rows(sinks, shape, K: int, G: int):
+    """Each row's sink logit in the pieces' grouped layout, ``shape`` = (pieces, B, K,
+    G·Tc): row g·Tc + t of key/value head κ belongs to query head h = κ·G + g."""
+    pieces, B, _, R = shape
+    rows = sinks.reshape(1, 1, K, G, 1)  # (1, 1, K, G, 1)
+    rows = jnp.broadcast_to(rows, (pieces, B, K, G, R // G))  # (pieces, B, K, G, Tc)
+    return rows.reshape(shape)  # (pieces, B, K, G·Tc)
+
+
+def _grouped_slopes(slopes, K: int, G: int):
+    """ALiBi's slopes (B, H) in the grouped layout of the score blocks, (B, K, G, 1, 1)."""
+    return slopes.reshape(slopes.shape[0], K, G, 1, 1)
+
+
+def _alibi_bias(alibi, tp, sp, opts):
+    """ALiBi's bias on one block, (B, K, G, Tc, Sc): −slope · |t + S − T − s|, t and s the
+    tokens' global positions (which travel with them), so the layout and the padding do
+    not change it; the distance is from the bottom-right diagonal whatever the alignment."""
+    distance = jnp.abs(tp[:, None] + opts["S"] - opts["T"] - sp[None, :])  # (Tc, Sc)
+    return -alibi * distance.astype(alibi.dtype)  # (B, K, G, Tc, Sc)
+
+
 def _varying(*xs):
     # Values that differ from device to device are "varying" over the ring axis.
     return tuple(None if x is None else lax.pcast(x, AXIS, to="varying") for x in xs)
@@ -505,15 +606,21 @@ def _add_key_piece(x, update, b, Sc: int):
 
 
 def _allowed_keys(tp, sp, opts):
-    """(Tc, Sc): causality, the window and padding, from the tokens' original positions.
+    """(Tc, Sc): causality, the window, local-attention chunks and padding, from the
+    tokens' original positions.
 
-    Query t' = t + offset (its aligned diagonal) sees keys s with lo <= s - t' <= hi.
-    Padding (a key at position >= S, a query at >= T) attends and is attended by nothing,
-    so that it cannot make a key look used.
+    Query t' = t + offset (its aligned diagonal) sees keys s with lo <= s - t' <= hi and,
+    with chunks, ⌊t' / chunk⌋ == ⌊s / chunk⌋ (floor division: a query at a negative
+    position lies in a chunk of no key). Padding (a key at position >= S, a query at
+    >= T) attends and is attended by nothing, so that it cannot make a key look used.
     """
-    distance = sp[None, :] - (tp[:, None] + opts["offset"])  # (Tc, Sc)
+    t = tp[:, None] + opts["offset"]  # (Tc, 1)
+    distance = sp[None, :] - t  # (Tc, Sc)
     padding = (tp < opts["T"])[:, None] & (sp < opts["S"])[None, :]  # (Tc, Sc)
-    return padding & (distance >= opts["lo"]) & (distance <= opts["hi"])  # (Tc, Sc)
+    allowed = padding & (distance >= opts["lo"]) & (distance <= opts["hi"])  # (Tc, Sc)
+    if "chunk" in opts:
+        allowed = allowed & (t // opts["chunk"] == sp[None, :] // opts["chunk"])  # (Tc, Sc)
+    return allowed
 
 
 def _mask_block(mask, a, b, src, Tc: int, Sc: int, Sl: int):
@@ -556,26 +663,28 @@ def _add_mask_grad(dm, dz, a, b, src, Sl: int):
     return lax.dynamic_update_slice(dm, old + dz, start)
 
 
-def _specs(mask_spec):
+def _specs(mask_spec, sinks_on: bool, alibi_on: bool):
     seq = PS(None, None, AXIS, None)
-    return (seq, seq, seq, PS(AXIS), PS(AXIS), mask_spec, PS())
+    sinks, slopes = (PS() if on else None for on in (sinks_on, alibi_on))  # replicated
+    return (seq, seq, seq, PS(AXIS), PS(AXIS), mask_spec, sinks, slopes, PS())
 
 
 @functools.lru_cache(maxsize=64)
-def _ring_fn(mesh, mask_spec, **static):
+def _ring_fn(mesh, mask_spec, sinks_on, alibi_on, **static):
     body = functools.partial(_ring_body, P=mesh.size, **static)
-    ring = jax.shard_map(
-        body, mesh=mesh, in_specs=_specs(mask_spec), out_specs=PS(None, None, AXIS, None)
-    )
+    in_specs = _specs(mask_spec, sinks_on, alibi_on)
+    ring = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=PS(None, None, AXIS, None))
     return jax.jit(ring)
 
 
 @functools.lru_cache(maxsize=64)
-def _ring_vjp_fn(mesh, float_mask, mask_spec, **static):
+def _ring_vjp_fn(mesh, float_mask, mask_spec, sinks_on, alibi_on, **static):
     body = functools.partial(_ring_backward, P=mesh.size, float_mask=float_mask, **static)
     seq = PS(None, None, AXIS, None)
     grads = (seq, seq, seq) + ((mask_spec or PS(),) if float_mask else ())
-    ring = jax.shard_map(body, mesh=mesh, in_specs=(*_specs(mask_spec), seq), out_specs=grads)
+    grads += (PS(),) if sinks_on else ()  # dsinks, summed over the devices
+    in_specs = (*_specs(mask_spec, sinks_on, alibi_on), seq)
+    ring = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=grads)
     return jax.jit(ring)
 
 
@@ -598,13 +707,24 @@ def _prepare(q, k, v, mask, d_out=None, **options) -> _Run:
     why = "ring attention here has no dropout"
     if d_out is not None:
         why = "the backward pass would need the forward's random draw"
+    sinks, slopes = (options.pop(n) for n in ("sinks", "alibi_slopes"))
+    sinks = None if sinks is None else np.asarray(sinks)
+    slopes = None if slopes is None else np.asarray(slopes)
     call = contract.check(
-        q, k, v, mask=mask, **options, unsupported={"dropout_p": why}, d_out=d_out
-    )
+        q, k, v, mask=mask, **options, unsupported={"dropout_p": why}, d_out=d_out,
+        sinks=sinks, alibi_slopes=slopes,
+    )  # fmt: skip
     if call.unbatched:
         q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
         d_out = None if d_out is None else d_out[None]  # (1, H, T, E)
+    # Sinks and slopes in the working precision (exact there); slopes (H,) as (B, H), so
+    # that one compiled program serves both forms.
+    work = np.float64 if q.dtype == np.float64 else np.float32
+    if slopes is not None:
+        slopes = np.broadcast_to(slopes.astype(work).reshape(-1, call.H), (call.B, call.H))
     return _Run(
+        sinks=None if sinks is None else sinks.astype(work),  # (H,)
+        slopes=slopes,  # (B, H)
         q=q,
         k=k,
         v=v,
@@ -619,6 +739,7 @@ def _prepare(q, k, v, mask, d_out=None, **options) -> _Run:
         offset=0 if call.causal_alignment == "top_left" else call.S - call.T,
         window=call.window,
         softcap=call.softcap,
+        chunk=call.chunk_size,
     )
 
 
@@ -662,7 +783,11 @@ class _Ring:
         mask = run.mask
         self.mask_spec = None if mask is None or mask.shape[2] == 1 else PS(None, None, AXIS, None)
         self.static = dict(
-            mask_spec=self.mask_spec, pieces=self.pieces, softcap_on=run.softcap is not None
+            mask_spec=self.mask_spec,
+            pieces=self.pieces,
+            softcap_on=run.softcap is not None,
+            sinks_on=run.sinks is not None,
+            alibi_on=run.slopes is not None,
         )
         # The scalar options travel as data, so that one compilation serves them all.
         left, right = run.window if run.window is not None else (None, None)
@@ -676,6 +801,10 @@ class _Ring:
             T=np.int32(run.T),
             S=np.int32(run.S),
         )
+        if run.chunk is not None:
+            # Only with chunks: a call without them compiles no chunk test at all. One
+            # chunk wider than every position holds them all.
+            self.opts["chunk"] = np.int32(min(run.chunk, _FAR))
 
     def _perm(self, n: int) -> np.ndarray:
         chunks = self.P * self.pieces  # P slices, or 2P zigzag chunks
@@ -719,8 +848,11 @@ class _Ring:
             if mask.shape[3] != 1:
                 mask = self.permute(mask, axis=3, n=run.S, seq="s")
             mask = self.shard(mask, self.mask_spec or PS())  # (B|1, H|1, Tp|1, Sp|1)
+        # Sinks (H,) and slopes (B, H) are replicated: every device holds rows of every head.
+        sinks = None if run.sinks is None else self.shard(run.sinks, PS())  # (H,)
+        slopes = None if run.slopes is None else self.shard(run.slopes, PS())  # (B, H)
         opts = {n: self.shard(x, PS()) for n, x in self.opts.items()}
-        return q, k, v, tpos, spos, mask, opts
+        return q, k, v, tpos, spos, mask, sinks, slopes, opts
 
 
 def _grouped(x, K: int, G: int):

@@ -42,6 +42,11 @@ one head its query heads share; any other H and K work too (K = 3 on P = 2: head
 
 Masks. A mask with an H axis is sharded along the heads, one without is replicated: each
 device holds Hl × T × S (or T × S) of it (a dummy head's rows are padding), since it attends the whole sequence.
+Sinks and ALiBi are per query head, so they are sharded with the heads too: device d takes
+the sinks (H,) and slopes (H,) or (B, H) of its Hl query heads (a dummy head's are 0 and
+never count), runs them as single-device attention does, and dsinks comes back gathered
+in head order. ALiBi's distance |t + S − T − s| is taken on the tokens' original
+positions, which every device holds for the whole sequence.
 Lengths P does not divide are padded to whole slices; padded keys are never attended and
 padded queries are cut off. The ``layout`` option (contiguous or zigzag) permutes the
 sequence as ``jax_ring`` does; the result is the same either way.
@@ -55,7 +60,8 @@ Shape legend (heads-first, as in PyTorch):
     Hl = Hp / P query heads and Kl key/value head slots per device
 
 Supports what ``jax_ring`` does (masks, both causal alignments, windows, softcap, GQA,
-every dtype, unbatched inputs, gradients by ``jax.vjp``), batch > 1; not dropout.
+attention sinks, chunked local attention, ALiBi, every dtype, unbatched inputs, gradients
+by ``jax.vjp``, dsinks included), batch > 1; not dropout.
 """
 
 from __future__ import annotations
@@ -106,13 +112,17 @@ def attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     dropout_p: float = 0.0,
+    sinks=None,
+    chunk_size: int | None = None,
+    alibi_slopes=None,
     shards: int | None = None,
     layout: str = "contiguous",
 ) -> np.ndarray:
     """Scaled dot-product attention over P devices by two all-to-alls (args as jax_ring)."""
     return _run(q, k, v, None, mask, shards, layout, is_causal=is_causal, scale=scale,
                 causal_alignment=causal_alignment, window=window, softcap=softcap,
-                dropout_p=dropout_p)  # fmt: skip
+                dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size,
+                alibi_slopes=alibi_slopes)  # fmt: skip
 
 
 def attention_vjp(
@@ -128,24 +138,31 @@ def attention_vjp(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     dropout_p: float = 0.0,
+    sinks=None,
+    chunk_size: int | None = None,
+    alibi_slopes=None,
     shards: int | None = None,
     layout: str = "contiguous",
 ) -> tuple[np.ndarray, ...]:
-    """Gradients by ``jax.vjp`` through both all-to-alls: (dq, dk, dv[, dmask])."""
+    """Gradients by ``jax.vjp`` through both all-to-alls: (dq, dk, dv[, dmask][, dsinks])."""
     return _run(q, k, v, d_out, mask, shards, layout, is_causal=is_causal, scale=scale,
                 causal_alignment=causal_alignment, window=window, softcap=softcap,
-                dropout_p=dropout_p)  # fmt: skip
+                dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size,
+                alibi_slopes=alibi_slopes)  # fmt: skip
 
 
-def _run(q, k, v, d_out, mask, shards, layout, **options):
+def _run(q, k, v, d_out, mask, shards, layout, *, sinks, alibi_slopes, **options):
     # 0. Validate (the shared contract), then lay the heads and the sequence out and shard.
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     mask = None if mask is None else np.asarray(mask)
     d_out = None if d_out is None else np.asarray(d_out)
+    sinks = None if sinks is None else np.asarray(sinks)
+    slopes = None if alibi_slopes is None else np.asarray(alibi_slopes)
     why = "Ulysses attention here has no dropout"
     call = contract.check(
-        q, k, v, mask=mask, **options, unsupported={"dropout_p": why}, d_out=d_out
-    )
+        q, k, v, mask=mask, **options, unsupported={"dropout_p": why}, d_out=d_out,
+        sinks=sinks, alibi_slopes=slopes,
+    )  # fmt: skip
     if call.unbatched:
         q, k, v = q[None], k[None], v[None]
         d_out = None if d_out is None else d_out[None]
@@ -159,8 +176,9 @@ def _run(q, k, v, d_out, mask, shards, layout, **options):
     run.__dict__.update(
         T=call.T, S=call.S, scale=call.scale, is_causal=call.is_causal,
         offset=0 if call.causal_alignment == "top_left" else call.S - call.T,
-        window=call.window, softcap=call.softcap,
+        window=call.window, softcap=call.softcap, chunk=call.chunk_size,
         mask=None if mask is None else mask.reshape(call.mask_shape),
+        sinks=None, slopes=None,  # sharded with the heads below, not as the ring does
     )  # fmt: skip
     ring = _Ring(run, shards, layout)  # the sequence layout and the mesh, as jax_ring's
     P, mesh = ring.P, ring.mesh
@@ -193,9 +211,22 @@ def _run(q, k, v, d_out, mask, shards, layout, **options):
         mask_spec = PS(None, AXIS, None, None) if m.shape[1] != 1 else PS()
         m = ring.shard(m, mask_spec)  # (B|1, Hp|1, Tp|1, Sp|1): heads sharded
     args.append(m)
+    # Sinks and slopes go with their query heads; a dummy head's are 0 and never count.
+    if sinks is not None:
+        sinks = np.pad(sinks.astype(work), heads[1])  # (Hp,)
+        sinks = ring.shard(sinks, PS(AXIS))  # (Hp,): sharded with the query heads
+    if slopes is not None:
+        slopes = np.broadcast_to(slopes.astype(work).reshape(-1, H), (q.shape[0], H))  # (B, H)
+        slopes = ring.shard(np.pad(slopes, heads[:2]), PS(None, AXIS))  # (B, Hp)
+    args += [sinks, slopes]
     opts = {n: ring.shard(x, PS()) for n, x in ring.opts.items()}
     args.append(opts)
-    static = dict(mask_spec=mask_spec, softcap_on=call.softcap is not None)
+    static = dict(
+        mask_spec=mask_spec,
+        softcap_on=call.softcap is not None,
+        sinks_on=sinks is not None,
+        alibi_on=slopes is not None,
+    )
     if d_out is None:
         out = _ulysses_fn(mesh, **static)(*args)  # (B, Hp, Tp, E)
         out = ring.unpermute(np.asarray(out), axis=2, n=call.T, seq="t")[:, :H]  # (B, H, T, E)
@@ -224,15 +255,19 @@ def _run(q, k, v, d_out, mask, shards, layout, **options):
         if dm.shape[3] != 1:
             dm = ring.unpermute(dm, axis=3, n=call.S, seq="s")
         out.append(dm.reshape(mask.shape))
+    if sinks is not None:
+        # Each device's heads' dsinks, gathered in head order; the dummies cut off.
+        out.append(np.asarray(grads[-1])[:H].astype(dtype))  # (H,)
     return tuple(out)
 
 
-def _ulysses_body(q, k, v, kv_slot, tpos, spos, mask, opts, *, softcap_on):
+def _ulysses_body(q, k, v, kv_slot, tpos, spos, mask, sinks, slopes, opts, *, softcap_on):
     """One device: all-to-all to head shards, attention on whole sequences, and back.
 
     q (B, Hp, Tl, D), k (B, P·Kl, Sl, D), v (B, P·Kl, Sl, E); kv_slot (Hl,) this device's
     query heads' key/value slots (-1: a dummy head); tpos (Tp,), spos (Sp,) the original
-    positions of every slot; mask (B|1, Hl|1, Tp|1, Sp|1) or None.
+    positions of every slot; mask (B|1, Hl|1, Tp|1, Sp|1) or None; sinks (Hl,) and
+    ALiBi's slopes (B, Hl) of this device's query heads, or None.
     """
     # Sequence shards -> head shards: split the heads into P groups, send group d' to
     # device d', and concatenate what arrives along the sequence.
@@ -250,11 +285,16 @@ def _ulysses_body(q, k, v, kv_slot, tpos, spos, mask, opts, *, softcap_on):
     k = jnp.take(k, slot, axis=1)  # (B, Hl, Sp, D)
     v = jnp.take(v, slot, axis=1)  # (B, Hl, Sp, E)
 
-    # Which keys each query may see: causality, the window and padding (from the tokens'
-    # original positions), a real head, a bool mask, a float mask's -inf entries.
-    distance = spos[None, :] - (tpos[:, None] + opts["offset"])  # (Tp, Sp)
+    # Which keys each query may see: causality, the window, local-attention chunks and
+    # padding (from the tokens' original positions), a real head, a bool mask, a float
+    # mask's -inf entries. Chunks use floor division: a query at a negative position lies
+    # in a chunk of no key.
+    t = tpos[:, None] + opts["offset"]  # (Tp, 1)
+    distance = spos[None, :] - t  # (Tp, Sp)
     allowed = (tpos < opts["T"])[:, None] & (spos < opts["S"])[None, :]  # (Tp, Sp)
     allowed = allowed & (distance >= opts["lo"]) & (distance <= opts["hi"])
+    if "chunk" in opts:
+        allowed = allowed & (t // opts["chunk"] == spos[None, :] // opts["chunk"])
     allowed = allowed[None] & (kv_slot >= 0)[:, None, None]  # (Hl, Tp, Sp)
     if mask is not None:
         allowed = allowed & (mask if mask.dtype == jnp.bool_ else mask != -jnp.inf)
@@ -273,7 +313,13 @@ def _ulysses_body(q, k, v, kv_slot, tpos, spos, mask, opts, *, softcap_on):
     if softcap_on:
         x = softcap * jnp.tanh(x / softcap)
 
-    # 4. Mask: a float mask is added, then every key a query may not see gets -inf.
+    # 4. Mask: ALiBi's linear bias and a float mask are added, then every key a query may
+    # not see gets -inf. ALiBi's distance is from the bottom-right diagonal, on the tokens'
+    # original positions (the layout permutes the slots, not the positions).
+    if slopes is not None:
+        t_diag = tpos[:, None] + opts["S"] - opts["T"]  # (Tp, 1)
+        distance = jnp.abs(t_diag - spos[None, :]).astype(work)  # (Tp, Sp)
+        x = x - slopes.astype(work)[:, :, None, None] * distance  # (B, Hl, Tp, Sp)
     if mask is not None and mask.dtype != jnp.bool_:
         x = x + mask.astype(work)
     x = jnp.where(allowed, x, -jnp.inf)  # (B, Hl, Tp, Sp)
@@ -281,9 +327,22 @@ def _ulysses_body(q, k, v, kv_slot, tpos, spos, mask, opts, *, softcap_on):
     # 5. Softmax over the keys, the row max subtracted; a row with no key gets weights 0.
     # Both guards select (the "double where"), so gradients through such a row are 0.
     row_max = x.max(axis=-1, keepdims=True, initial=-jnp.inf)  # (B, Hl, Tp, 1)
-    p = jnp.exp(x - jnp.where(jnp.isfinite(row_max), row_max, 0.0))  # (B, Hl, Tp, Sp)
+    if sinks is not None:
+        # A sink joins the maximum of every row that has a key; a row with none stays 0.
+        has_key = row_max != -jnp.inf  # (B, Hl, Tp, 1)
+        sink = jnp.where(has_key, sinks.astype(work)[:, None, None], -jnp.inf)  # (B, Hl, Tp, 1)
+        row_max = jnp.maximum(row_max, sink)  # (B, Hl, Tp, 1)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # (B, Hl, Tp, 1)
+    p = jnp.exp(x - row_max)  # (B, Hl, Tp, Sp)
     row_sum = p.sum(axis=-1, keepdims=True)  # (B, Hl, Tp, 1)
+    if sinks is not None:
+        # The sink takes its share of the sum, and has no value row to give anything back.
+        row_sum = row_sum + jnp.exp(sink - row_max)  # (B, Hl, Tp, 1)
     w = p / jnp.where(row_sum > 0, row_sum, 1.0)  # (B, Hl, Tp, Sp)
+    if sinks is not None:
+        # A NaN or +inf sink makes its row NaN, as +inf - +inf does in the softmax (SPEC
+        # §15.4); the shift by a finite row maximum cannot show it, so it is selected.
+        w = jnp.where(jnp.isnan(sink) | (sink == jnp.inf), jnp.nan, w)  # (B, Hl, Tp, Sp)
 
     # 7. Weighted sum of the values.
     out = jnp.einsum("bhts,bhse->bhte", w, v, precision=lax.Precision.HIGHEST)
@@ -293,33 +352,38 @@ def _ulysses_body(q, k, v, kv_slot, tpos, spos, mask, opts, *, softcap_on):
     return lax.all_to_all(out, AXIS, split_axis=2, concat_axis=1, tiled=True)  # (B, Hp, Tl, E)
 
 
-def _sharded(mesh, mask_spec, softcap_on):
+def _sharded(mesh, mask_spec, softcap_on, sinks_on, alibi_on):
     seq = PS(None, None, AXIS, None)
+    sinks_spec = PS(AXIS) if sinks_on else None  # (Hp,): with the query heads
+    slopes_spec = PS(None, AXIS) if alibi_on else None  # (B, Hp)
     return jax.shard_map(
         functools.partial(_ulysses_body, softcap_on=softcap_on),
         mesh=mesh,
-        in_specs=(seq, seq, seq, PS(AXIS), PS(), PS(), mask_spec, PS()),
+        in_specs=(seq, seq, seq, PS(AXIS), PS(), PS(), mask_spec, sinks_spec, slopes_spec, PS()),
         out_specs=seq,
     )
 
 
 @functools.lru_cache(maxsize=64)
-def _ulysses_fn(mesh, mask_spec, softcap_on):
-    return jax.jit(_sharded(mesh, mask_spec, softcap_on))
+def _ulysses_fn(mesh, mask_spec, softcap_on, sinks_on, alibi_on):
+    return jax.jit(_sharded(mesh, mask_spec, softcap_on, sinks_on, alibi_on))
 
 
 @functools.lru_cache(maxsize=64)
-def _ulysses_vjp_fn(mesh, float_mask, mask_spec, softcap_on):
-    f = _sharded(mesh, mask_spec, softcap_on)
+def _ulysses_vjp_fn(mesh, float_mask, mask_spec, softcap_on, sinks_on, alibi_on):
+    f = _sharded(mesh, mask_spec, softcap_on, sinks_on, alibi_on)
 
-    def vjp(q, k, v, kv_slot, tpos, spos, mask, opts, d_out):
-        def g(q, k, v, m):
-            return f(q, k, v, kv_slot, tpos, spos, m, opts)
+    def vjp(q, k, v, kv_slot, tpos, spos, mask, sinks, slopes, opts, d_out):
+        # Differentiated: q, k, v, a float mask and the sinks (dsinks last); the slopes
+        # are constants (SPEC §17.3).
+        primals = [q, k, v] + [mask] * float_mask + [sinks] * sinks_on
 
-        if float_mask:
-            _, pull = jax.vjp(g, q, k, v, mask)
-        else:
-            _, pull = jax.vjp(lambda q, k, v: g(q, k, v, mask), q, k, v)
+        def g(q, k, v, *rest):
+            m = rest[0] if float_mask else mask
+            s = rest[-1] if sinks_on else sinks
+            return f(q, k, v, kv_slot, tpos, spos, m, s, slopes, opts)
+
+        _, pull = jax.vjp(g, *primals)
         return pull(d_out)
 
     return jax.jit(vjp)

@@ -38,9 +38,19 @@ Tl, Sl the per-rank slice lengths.
 
     q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
 
-Supports: bool and float masks, causal (both alignments), windows, softcap, GQA (no
-repeated heads built), every dtype (computed in float32 or float64, rounded once),
-unbatched inputs, and the backward pass. Not supported: dropout.
+Sinks and ALiBi, as in ``jax_ring``: a sink joins each row's softmax once, folded into
+(m, l, a) after the last step of the ring (once per step it would count P times), and its
+gradient dsinks[h] = −Σ_t p_sink·(dO·O) is summed over this rank's rows and then over the
+ranks (``dist.all_reduce``); ALiBi's bias −slope·|t + S − T − s| is computed per block from
+the tokens' global positions, which travel with them, so it holds in both layouts and
+with padding. Sinks (H,) and slopes (B, H) are small: every rank gets all of them.
+
+Supports: bool and float masks, causal (both alignments), windows, chunked local
+attention, softcap, attention sinks, ALiBi, GQA (no repeated heads built), every dtype (computed in float32 or float64,
+rounded once), unbatched inputs, and the backward pass (dsinks included). Chunked local
+attention is one more test on the tokens' positions, like the window, so a block with no
+key in its queries' chunks is skipped like one above the causal diagonal. Not supported:
+dropout.
 
 The backward (``ring_attention_backward``) is a second ring, written by hand because
 autograd does not differentiate point-to-point communication. The forward's per-row
@@ -80,21 +90,24 @@ _FAR = 2**30  # "unbounded" for a window side
 TIMEOUT_S = 120.0  # every collective, and the caller's wait for a result
 
 
-def ring_attention(q, k, v, tpos, spos, mask, *, opts: dict, pieces: int) -> torch.Tensor:
+def ring_attention(
+    q, k, v, tpos, spos, mask, sinks=None, slopes=None, *, opts: dict, pieces: int
+) -> torch.Tensor:
     """One rank's share: its query slice against every key/value slice in turn.
 
     q (B, H, Tl, D), k (B, K, Sl, D), v (B, K, Sl, E) in the working dtype; tpos (Tl,),
     spos (Sl,) int64, the original positions (padding at >= T, >= S); mask (B|1, H|1,
-    Tl|1, Sp|1) or None: this rank's rows, every column in the layout's order. The
+    Tl|1, Sp|1) or None: this rank's rows, every column in the layout's order; sinks (H,)
+    and ALiBi's slopes (B, H) in the working dtype, the same on every rank, or None. The
     process group is the default one; every rank calls this with its own shard.
     """
-    out, _ = _ring_forward(q, k, v, tpos, spos, mask, opts=opts, pieces=pieces)
+    out, _ = _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, opts=opts, pieces=pieces)
     return out  # (B, H, Tl, E)
 
 
-def _ring_forward(q, k, v, tpos, spos, mask, *, opts: dict, pieces: int):
+def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, *, opts: dict, pieces: int):
     """The forward ring: (out (B, H, Tl, E), lse (B, H, Tl)), lse = -inf for a row with
-    no key."""
+    no key; the sink, if any, is in lse."""
     P, me = dist.get_world_size(), dist.get_rank()
     B, H, Tl, D = q.shape
     _, K, Sl, _ = k.shape
@@ -108,8 +121,9 @@ def _ring_forward(q, k, v, tpos, spos, mask, *, opts: dict, pieces: int):
     q = (q * opts["scale"]).reshape(B, K, G, Tl, D)  # (B, K, G, Tl, D)
     qs = [q[:, :, :, a * Tc : (a + 1) * Tc].reshape(B, K, G * Tc, D) for a in range(pieces)]
     tps = [tpos[a * Tc : (a + 1) * Tc] for a in range(pieces)]  # (Tc,) each
+    alibi = None if slopes is None else slopes.reshape(B, K, G, 1, 1)  # (B, K, G, 1, 1)
 
-    def update(carry, qa, kb, vb, allowed, used, mb):
+    def update(carry, qa, kb, vb, allowed, used, mb, bias):
         m, l, acc = carry  # (B, K, G·Tc), (B, K, G·Tc), (B, K, G·Tc, E)
         # A key no query of this block may see is replaced by 0 before use (0 · NaN is NaN).
         kb = torch.where(used[..., None], kb, 0.0)  # (B, K, Sc, D)
@@ -122,8 +136,11 @@ def _ring_forward(q, k, v, tpos, spos, mask, *, opts: dict, pieces: int):
         if opts["softcap"] is not None:
             x = opts["softcap"] * torch.tanh(x / opts["softcap"])
 
-        # 4. Mask: a float mask is added, then every key a query may not see gets -inf.
+        # 4. Mask: ALiBi's linear bias and a float mask are added, then every key a query
+        # may not see gets -inf.
         x = x.reshape(B, K, G, Tc, Sc)  # (B, K, G, Tc, Sc)
+        if bias is not None:
+            x = x + bias
         if mb is not None and mb.dtype != torch.bool:
             x = x + mb
         x = torch.where(allowed, x, -torch.inf).reshape(B, K, G * Tc, Sc)
@@ -166,7 +183,8 @@ def _ring_forward(q, k, v, tpos, spos, mask, *, opts: dict, pieces: int):
                 allowed, used, mb = _visible(tps[a], sp, mb, opts, K, G)
                 kb = k[:, :, b * Sc : (b + 1) * Sc]  # (B, K, Sc, D)
                 vb = v[:, :, b * Sc : (b + 1) * Sc]  # (B, K, Sc, E)
-                carry[a] = update(carry[a], qs[a], kb, vb, allowed, used, mb)
+                bias = None if alibi is None else _alibi_bias(alibi, tps[a], sp, opts)
+                carry[a] = update(carry[a], qs[a], kb, vb, allowed, used, mb, bias)
         for req in pending:
             req.wait()
         if pending:
@@ -174,6 +192,12 @@ def _ring_forward(q, k, v, tpos, spos, mask, *, opts: dict, pieces: int):
 
     outs, lses = [], []
     for m, l, acc in carry:
+        if sinks is not None:
+            # The sink joins each row's softmax once, now that every key block has been
+            # merged (once per step or per rank, it would count P times).
+            sink = sinks.reshape(1, K, G, 1).expand(B, K, G, Tc)  # (B, K, G, Tc)
+            sink = sink.reshape(B, K, G * Tc)  # (B, K, G·Tc): query head κ·G + g's rows
+            m, l, acc = _add_sink(m, l, acc, sink)
         # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
         acc = acc / torch.where(l > 0, l, 1.0)[..., None]  # (B, K, G·Tc, E)
         outs.append(acc.reshape(B, K, G, Tc, E))
@@ -184,13 +208,16 @@ def _ring_forward(q, k, v, tpos, spos, mask, *, opts: dict, pieces: int):
     return out, torch.cat(lses, dim=3).reshape(B, H, Tl)  # (B, H, Tl)
 
 
-def ring_attention_backward(q, k, v, tpos, spos, mask, d_out, *, opts: dict, pieces: int):
-    """One rank's share of the backward: (dq, dk, dv, dmask or None).
+def ring_attention_backward(
+    q, k, v, tpos, spos, mask, d_out, sinks=None, slopes=None, *, opts: dict, pieces: int
+):
+    """One rank's share of the backward: (dq, dk, dv, dmask or None, dsinks or None).
 
     The arguments are ``ring_attention``'s and d_out (B, H, Tl, E), this rank's rows of
     ∂L/∂out. dq (B, H, Tl, D) is this rank's rows; dk (B, K, Sl, D) and dv (B, K, Sl, E)
     are its own key/value slice's, summed over every rank's queries; dmask (B, H, Tl, Sp)
-    with a float mask: its rows, every column in the layout's order.
+    with a float mask: its rows, every column in the layout's order; dsinks (H,) with
+    sinks, summed over every rank's rows (the same on every rank).
 
     Its block body is its own: torch has no single-device blockwise backward in impls/ to
     share one with (and an impl may import only contract.py), and its blocks are decided
@@ -198,7 +225,7 @@ def ring_attention_backward(q, k, v, tpos, spos, mask, d_out, *, opts: dict, pie
     ``numpy_flash`` and ``jax_flash``.
     """
     P, me = dist.get_world_size(), dist.get_rank()
-    out, lse = _ring_forward(q, k, v, tpos, spos, mask, opts=opts, pieces=pieces)
+    out, lse = _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, opts=opts, pieces=pieces)
     B, H, Tl, D = q.shape
     _, K, Sl, _ = k.shape
     G = H // K
@@ -214,7 +241,16 @@ def ring_attention_backward(q, k, v, tpos, spos, mask, d_out, *, opts: dict, pie
     qs = q * opts["scale"]  # (B, H, Tl, D)
     # 5'. The softmax's row term, rowsum(dO ⊙ O): one dot product per row.
     d_row = (d_out * out).sum(dim=-1)  # (B, H, Tl)
-    lse = torch.where(torch.isfinite(lse), lse, torch.inf)  # a row with no key: P = 0
+    some = torch.isfinite(lse)  # (B, H, Tl): the rows that see a key
+    dsinks = None
+    if sinks is not None:
+        # 5'. Sinks: dsink = −Σ_t p_sink · rowsum(dO ⊙ O), p_sink = exp(sink − lse) (0 for a
+        # row with no key), over this rank's rows; then over every rank's rows.
+        p_sink = torch.where(some, torch.exp(sinks[None, :, None] - lse), 0.0)  # (B, H, Tl)
+        dsinks = -(p_sink * d_row).sum(dim=(0, 2))  # (H,)
+        dist.all_reduce(dsinks, op=dist.ReduceOp.SUM)
+    alibi = None if slopes is None else slopes.reshape(B, K, G, 1, 1)  # (B, K, G, 1, 1)
+    lse = torch.where(some, lse, torch.inf)  # a row with no key: P = 0
     dq = torch.zeros((B, H, Tl, D), dtype=work)
     dmask = torch.zeros((B, H, Tl, P * Sl), dtype=work) if float_mask else None
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # travel with their block
@@ -240,6 +276,8 @@ def ring_attention_backward(q, k, v, tpos, spos, mask, d_out, *, opts: dict, pie
                 if opts["softcap"] is not None:
                     x = opts["softcap"] * torch.tanh(raw / opts["softcap"])
                 x = x.reshape(B, K, G, Tc, Sc)  # (B, K, G, Tc, Sc)
+                if alibi is not None:
+                    x = x + _alibi_bias(alibi, tp, sp, opts)
                 if float_mask:
                     x = x + mb
                 x = torch.where(allowed, x, -torch.inf).reshape(B, K, G * Tc, Sc)
@@ -273,7 +311,30 @@ def ring_attention_backward(q, k, v, tpos, spos, mask, d_out, *, opts: dict, pie
     if P > 1:
         # One more hop: the gradients of the block held now belong to rank r + 1.
         dk, dv = _pass_on((dk, dv), me, P)
-    return dq * opts["scale"], dk, dv, dmask
+    return dq * opts["scale"], dk, dv, dmask, dsinks
+
+
+def _add_sink(m, l, acc, sink):
+    """Fold each row's sink into its (m, l, acc) after the last key block, as one more
+    block of one key whose value row is 0: a row with no key (l = 0) is left alone, and a
+    NaN or +inf sink makes a row with a key NaN (SPEC §15.4)."""
+    some = l > 0  # (B, K, G·Tc)
+    sink = torch.where(some, sink, -torch.inf)  # (B, K, G·Tc)
+    m_new = torch.maximum(m, sink)  # (B, K, G·Tc)
+    m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)  # (B, K, G·Tc)
+    alpha = torch.exp(m - m_safe)  # (B, K, G·Tc)
+    l = alpha * l + torch.exp(sink - m_safe)  # (B, K, G·Tc)
+    bad = torch.isnan(sink) | (sink == torch.inf)  # (B, K, G·Tc)
+    acc = torch.where(bad[..., None], torch.nan, alpha[..., None] * acc)  # (B, K, G·Tc, E)
+    return m_new, torch.where(bad, torch.nan, l), acc
+
+
+def _alibi_bias(alibi, tp, sp, opts: dict):
+    """ALiBi's bias on one block, (B, K, G, Tc, Sc): −slope · |t + S − T − s|, t and s the
+    tokens' global positions (which travel with them), so the layout and the padding do
+    not change it; the distance is from the bottom-right diagonal whatever the alignment."""
+    distance = (tp[:, None] + opts["S"] - opts["T"] - sp[None, :]).abs()  # (Tc, Sc)
+    return -alibi * distance.to(alibi.dtype)  # (B, K, G, Tc, Sc)
 
 
 def _pass_on(tensors, me: int, P: int):
@@ -287,10 +348,16 @@ def _pass_on(tensors, me: int, P: int):
 
 
 def _allowed_keys(tp, sp, opts: dict):
-    """(Tc, Sc): causality, the window and padding, from the tokens' original positions."""
-    distance = sp[None, :] - (tp[:, None] + opts["offset"])  # (Tc, Sc)
+    """(Tc, Sc): causality, the window, local-attention chunks and padding, from the
+    tokens' original positions. Chunks use floor division: a query at a negative position
+    lies in a chunk of no key."""
+    t = tp[:, None] + opts["offset"]  # (Tc, 1)
+    distance = sp[None, :] - t  # (Tc, Sc)
     padding = (tp < opts["T"])[:, None] & (sp < opts["S"])[None, :]  # (Tc, Sc)
-    return padding & (distance >= opts["lo"]) & (distance <= opts["hi"])
+    allowed = padding & (distance >= opts["lo"]) & (distance <= opts["hi"])  # (Tc, Sc)
+    if opts["chunk"] is not None:
+        allowed = allowed & (t // opts["chunk"] == sp[None, :] // opts["chunk"])
+    return allowed
 
 
 def _mask_block(mask, a: int, b: int, src: int, Tc: int, Sc: int, Sl: int):
@@ -337,19 +404,26 @@ def attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     dropout_p: float = 0.0,
+    sinks=None,
+    chunk_size: int | None = None,
+    alibi_slopes=None,
     world_size: int = 2,
     layout: str = "zigzag",
 ) -> np.ndarray:
-    """Ring attention on a pool of ``world_size`` worker processes; NumPy in and out."""
+    """Ring attention on a pool of ``world_size`` worker processes; NumPy in and out.
+    ``sinks`` (H,), ``chunk_size`` and ``alibi_slopes`` (H,) or (B, H) as in SPEC §15-§17."""
     # 0. Validate: the input contract every impl shares (contract.py).
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     mask = None if mask is None else np.asarray(mask)
+    sinks = None if sinks is None else np.asarray(sinks)
+    slopes = None if alibi_slopes is None else np.asarray(alibi_slopes)
     call = contract.check(
         q, k, v, mask=mask, is_causal=is_causal, scale=scale,
         causal_alignment=causal_alignment, window=window, softcap=softcap,
         dropout_p=dropout_p, unsupported={"dropout_p": "torch-ring has no dropout"},
+        sinks=sinks, chunk_size=chunk_size, alibi_slopes=slopes,
     )  # fmt: skip
-    ring = _Layout(call, q, k, v, mask, None, world_size, layout)
+    ring = _Layout(call, q, k, v, mask, None, world_size, layout, sinks, slopes)
     outs = run_on_ranks(ring.P, _forward_rank, ring.shards, opts=ring.opts, pieces=ring.pieces)
     out = ring.rows_back(np.concatenate(outs, axis=2)).astype(q.dtype)  # (B, H, T, E)
     return out[0] if call.unbatched else out
@@ -367,18 +441,25 @@ def attention_vjp(
     causal_alignment: str = "top_left",
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
+    sinks=None,
+    chunk_size: int | None = None,
+    alibi_slopes=None,
     world_size: int = 2,
     layout: str = "zigzag",
 ) -> tuple[np.ndarray, ...]:
-    """The backward ring: (dq, dk, dv), and dmask with a float mask; NumPy in and out,
-    shaped and typed like q, k, v and the mask (summed over its broadcast axes)."""
+    """The backward ring: (dq, dk, dv), then dmask with a float mask and dsinks with
+    sinks; NumPy in and out, shaped and typed like q, k, v, the mask (summed over its
+    broadcast axes) and the sinks."""
     q, k, v, d_out = np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(d_out)
     mask = None if mask is None else np.asarray(mask)
+    sinks = None if sinks is None else np.asarray(sinks)
+    slopes = None if alibi_slopes is None else np.asarray(alibi_slopes)
     call = contract.check(
         q, k, v, mask=mask, is_causal=is_causal, scale=scale,
         causal_alignment=causal_alignment, window=window, softcap=softcap, d_out=d_out,
+        sinks=sinks, chunk_size=chunk_size, alibi_slopes=slopes,
     )  # fmt: skip
-    ring = _Layout(call, q, k, v, mask, d_out, world_size, layout)
+    ring = _Layout(call, q, k, v, mask, d_out, world_size, layout, sinks, slopes)
     parts = run_on_ranks(ring.P, _backward_rank, ring.shards, opts=ring.opts, pieces=ring.pieces)
     dq = ring.rows_back(np.concatenate([g[0] for g in parts], axis=2))  # (B, H, T, D)
     dk = ring.cols_back(np.concatenate([g[1] for g in parts], axis=2), 2)  # (B, K, S, D)
@@ -386,17 +467,21 @@ def attention_vjp(
     grads = [g.astype(q.dtype) for g in (dq, dk, dv)]
     if call.unbatched:
         grads = [g[0] for g in grads]
-    if mask is None or mask.dtype == np.bool_:
-        return tuple(grads)
-    d_full = ring.cols_back(ring.rows_back(np.concatenate([g[3] for g in parts], axis=2)), 3)
-    d_full = d_full[0] if call.unbatched else d_full  # (B, H, T, S) or (H, T, S)
-    return (*grads, _sum_to(d_full, mask.shape).astype(mask.dtype))
+    if mask is not None and mask.dtype != np.bool_:
+        d_full = ring.cols_back(ring.rows_back(np.concatenate([g[3] for g in parts], axis=2)), 3)
+        d_full = d_full[0] if call.unbatched else d_full  # (B, H, T, S) or (H, T, S)
+        grads.append(_sum_to(d_full, mask.shape).astype(mask.dtype))
+    if sinks is not None:
+        grads.append(parts[0][4].astype(sinks.dtype))  # (H,): all-reduced, alike on every rank
+    return tuple(grads)
 
 
 class _Layout:
     """The sequence laid out over P ranks: the shards each rank gets, and the way back."""
 
-    def __init__(self, call, q, k, v, mask, d_out, P: int, layout: str) -> None:
+    def __init__(
+        self, call, q, k, v, mask, d_out, P: int, layout: str, sinks=None, slopes=None
+    ) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"layout should be one of {LAYOUTS}, got {layout!r}")
         if call.unbatched:
@@ -430,7 +515,12 @@ class _Layout:
             hi=min(hi, 0) if call.is_causal else hi,
             T=call.T,
             S=call.S,
+            chunk=None if call.chunk_size is None else min(call.chunk_size, _FAR),
         )
+        # Sinks (H,) and slopes (B, H), in the working dtype, go to every rank whole.
+        sinks = None if sinks is None else sinks.astype(work)  # (H,)
+        if slopes is not None:
+            slopes = np.broadcast_to(slopes.astype(work).reshape(-1, call.H), (call.B, call.H))
         Tl, Sl = len(self.perm_t) // P, len(self.perm_s) // P
         self.shards = []
         for r in range(P):
@@ -443,7 +533,7 @@ class _Layout:
             shard += (self.perm_s[cols], m)
             if d_out is not None:
                 shard += (d_out[:, :, rows],)
-            self.shards.append(shard)
+            self.shards.append((*shard, sinks, slopes))
 
     def rows_back(self, x: np.ndarray) -> np.ndarray:
         """Axis 2 from the layout's order back to the original one, padding cut off."""
@@ -484,14 +574,17 @@ def _permute(x: np.ndarray, axis: int, perm: np.ndarray) -> np.ndarray:
     return np.take(np.pad(x, pad), perm, axis=axis)
 
 
-def _forward_rank(q, k, v, tpos, spos, mask, *, opts: dict, pieces: int):
+def _forward_rank(q, k, v, tpos, spos, mask, sinks, slopes, *, opts: dict, pieces: int):
     """What a pool worker runs for ``attention``: (B, H, Tl, E)."""
-    return ring_attention(q, k, v, tpos, spos, mask, opts=opts, pieces=pieces)
+    return ring_attention(q, k, v, tpos, spos, mask, sinks, slopes, opts=opts, pieces=pieces)
 
 
-def _backward_rank(q, k, v, tpos, spos, mask, d_out, *, opts: dict, pieces: int):
-    """What a pool worker runs for ``attention_vjp``: (dq, dk, dv, dmask or None)."""
-    return ring_attention_backward(q, k, v, tpos, spos, mask, d_out, opts=opts, pieces=pieces)
+def _backward_rank(q, k, v, tpos, spos, mask, d_out, sinks, slopes, *, opts: dict, pieces: int):
+    """What a pool worker runs for ``attention_vjp``: (dq, dk, dv, dmask or None, dsinks
+    or None)."""
+    return ring_attention_backward(
+        q, k, v, tpos, spos, mask, d_out, sinks, slopes, opts=opts, pieces=pieces
+    )
 
 
 # ----------------------------------------------------------------------------------------

@@ -21,7 +21,10 @@ query heads are split as evenly as they go, the first H mod P ranks holding one 
 uses key/value head h // G (G = H // K), so rank r receives exactly the key/value heads
 its query heads use, a contiguous range; a head two ranks need is sent to both, and its
 gradient is the sum of what both send back. Nothing is padded: the split sizes say who
-gets what.
+gets what. Sinks and ALiBi's slopes are per query head, so rank r takes the slice of sinks
+(H,) and of the slopes (B, H) that belongs to its query heads, and its dsinks come back
+to be gathered in head order; ALiBi's distance |t + S − T − s| is taken on the tokens'
+original positions, which every rank holds for the whole sequence.
 
 Who runs the ranks. ``ulysses_attention`` and ``ulysses_attention_backward`` are the
 per-rank functions, for a script under ``torchrun``. ``attention`` and ``attention_vjp``
@@ -37,10 +40,10 @@ Hr the query heads and Kr the key/value heads on this rank.
 
     q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
 
-Supports: bool and float masks, causal (both alignments), windows, softcap, GQA, every
-dtype (computed in float32 or float64, rounded once), unbatched inputs, and the backward
-pass (autograd on each rank's attention; the all-to-alls' adjoints are the reverse
-all-to-alls). Not supported: dropout.
+Supports: bool and float masks, causal (both alignments), windows, chunked local
+attention, softcap, attention sinks, ALiBi, GQA, every dtype (computed in float32 or float64, rounded once), unbatched
+inputs, and the backward pass (autograd on each rank's attention, dsinks included; the
+all-to-alls' adjoints are the reverse all-to-alls). Not supported: dropout.
 """
 
 from __future__ import annotations
@@ -69,26 +72,32 @@ def head_split(H: int, K: int, P: int) -> tuple[list[int], list[int], list[int],
     return starts, counts, kv_starts, kv_counts
 
 
-def ulysses_attention(q, k, v, tpos, spos, mask, *, opts: dict, heads: tuple) -> torch.Tensor:
+def ulysses_attention(
+    q, k, v, tpos, spos, mask, sinks=None, slopes=None, *, opts: dict, heads: tuple
+) -> torch.Tensor:
     """One rank's share: (B, H, Tl, E), its sequence slice of every head's output.
 
     q (B, H, Tl, D), k (B, K, Sl, D), v (B, K, Sl, E) in the working dtype, this rank's
     sequence slice; tpos (Tp,), spos (Sp,) int64, the original position of every slot of
     the whole laid-out sequence (padding at >= T, >= S); mask (B|1, Hr|1, Tp|1, Sp|1) or
-    None: this rank's heads, the whole sequence. ``heads`` is ``head_split(H, K, P)``.
+    None: this rank's heads, the whole sequence; sinks (Hr,) and ALiBi's slopes (B, Hr) of
+    this rank's query heads, or None. ``heads`` is ``head_split(H, K, P)``.
     """
     qh, kh, vh = _to_heads(q, k, v, heads)
-    out = _attention_on_heads(qh, kh, vh, tpos, spos, mask, opts, heads)  # (B, Hr, Tp, E)
+    out = _attention_on_heads(qh, kh, vh, tpos, spos, mask, sinks, slopes, opts, heads)
     return _to_sequence(out, heads[1])  # (B, H, Tl, E)
 
 
-def ulysses_attention_backward(q, k, v, tpos, spos, mask, d_out, *, opts: dict, heads: tuple):
-    """One rank's share of the backward: (dq, dk, dv, dmask or None).
+def ulysses_attention_backward(
+    q, k, v, tpos, spos, mask, d_out, sinks=None, slopes=None, *, opts: dict, heads: tuple
+):
+    """One rank's share of the backward: (dq, dk, dv, dmask or None, dsinks or None).
 
     The arguments are ``ulysses_attention``'s and d_out (B, H, Tl, E), this rank's slice
     of ∂L/∂out. dq (B, H, Tl, D), dk (B, K, Sl, D), dv (B, K, Sl, E) are this rank's
     sequence slice (dk, dv summed over every rank that used the head); dmask
-    (B|1, Hr|1, Tp|1, Sp|1) with a float mask: this rank's heads.
+    (B|1, Hr|1, Tp|1, Sp|1) with a float mask and dsinks (Hr,) with sinks: this rank's
+    heads.
     """
     me = dist.get_rank()
     # Forward to head shards, then autograd through this rank's attention only: the
@@ -99,21 +108,26 @@ def ulysses_attention_backward(q, k, v, tpos, spos, mask, d_out, *, opts: dict, 
     if float_mask:
         mask = mask.detach().requires_grad_(True)
         leaves.append(mask)
+    if sinks is not None:
+        sinks = sinks.detach().requires_grad_(True)
+        leaves.append(sinks)
     (d_head,) = _to_heads_q(d_out, heads)  # (B, Hr, Tp, E)
     with torch.enable_grad():
-        out = _attention_on_heads(qh, kh, vh, tpos, spos, mask, opts, heads)
+        out = _attention_on_heads(qh, kh, vh, tpos, spos, mask, sinks, slopes, opts, heads)
     grads = torch.autograd.grad(out, leaves, grad_outputs=d_head, allow_unused=True)
     grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
     dq = _to_sequence(grads[0], heads[1])  # (B, H, Tl, D)
     dk = _kv_to_sequence(grads[1], heads, k.shape[1], me)  # (B, K, Sl, D)
     dv = _kv_to_sequence(grads[2], heads, k.shape[1], me)  # (B, K, Sl, E)
-    return dq, dk, dv, grads[3] if float_mask else None
+    dmask = grads[3] if float_mask else None
+    return dq, dk, dv, dmask, grads[-1] if sinks is not None else None
 
 
-def _attention_on_heads(q, k, v, tpos, spos, mask, opts: dict, heads: tuple):
+def _attention_on_heads(q, k, v, tpos, spos, mask, sinks, slopes, opts: dict, heads: tuple):
     """Attention of this rank's query heads over the whole sequence: (B, Hr, Tp, E).
 
-    q (B, Hr, Tp, D), k (B, Kr, Sp, D), v (B, Kr, Sp, E)."""
+    q (B, Hr, Tp, D), k (B, Kr, Sp, D), v (B, Kr, Sp, E); sinks (Hr,), slopes (B, Hr) or
+    None."""
     starts, counts, kv_starts, _ = heads
     me = dist.get_rank()
     G = opts["G"]
@@ -123,11 +137,16 @@ def _attention_on_heads(q, k, v, tpos, spos, mask, opts: dict, heads: tuple):
     k = k[:, slot]  # (B, Hr, Sp, D)
     v = v[:, slot]  # (B, Hr, Sp, E)
 
-    # Which keys each query may see: causality, the window and padding (from the tokens'
-    # original positions), a bool mask, a float mask's -inf entries.
-    distance = spos[None, :] - (tpos[:, None] + opts["offset"])  # (Tp, Sp)
+    # Which keys each query may see: causality, the window, local-attention chunks and
+    # padding (from the tokens' original positions), a bool mask, a float mask's -inf
+    # entries. Chunks use floor division: a query at a negative position lies in a chunk
+    # of no key.
+    t = tpos[:, None] + opts["offset"]  # (Tp, 1)
+    distance = spos[None, :] - t  # (Tp, Sp)
     allowed = (tpos < opts["T"])[:, None] & (spos < opts["S"])[None, :]  # (Tp, Sp)
     allowed = allowed & (distance >= opts["lo"]) & (distance <= opts["hi"])
+    if opts["chunk"] is not None:
+        allowed = allowed & (t // opts["chunk"] == spos[None, :] // opts["chunk"])
     if mask is not None:
         allowed = allowed & (mask if mask.dtype == torch.bool else mask != -torch.inf)
     # A key no query of its head may see must have no effect whatever it holds (0 · NaN
@@ -143,7 +162,12 @@ def _attention_on_heads(q, k, v, tpos, spos, mask, opts: dict, heads: tuple):
     if opts["softcap"] is not None:
         x = opts["softcap"] * torch.tanh(x / opts["softcap"])
 
-    # 4. Mask: a float mask is added, then every key a query may not see gets -inf.
+    # 4. Mask: ALiBi's linear bias and a float mask are added, then every key a query may
+    # not see gets -inf. ALiBi's distance is from the bottom-right diagonal, on the tokens'
+    # original positions (the layout permutes the slots, not the positions).
+    if slopes is not None:
+        distance = (tpos[:, None] + opts["S"] - opts["T"] - spos[None, :]).abs()  # (Tp, Sp)
+        x = x - slopes[:, :, None, None] * distance.to(x.dtype)  # (B, Hr, Tp, Sp)
     if mask is not None and mask.dtype != torch.bool:
         x = x + mask
     x = torch.where(allowed, x, -torch.inf)  # (B, Hr, Tp, Sp)
@@ -151,9 +175,22 @@ def _attention_on_heads(q, k, v, tpos, spos, mask, opts: dict, heads: tuple):
     # 5. Softmax over the keys, the row max subtracted; a row with no key gets weights 0.
     # Both guards select (the "double where"), so gradients through such a row are 0.
     row_max = x.amax(dim=-1, keepdim=True)  # (B, Hr, Tp, 1)
-    p = torch.exp(x - torch.where(torch.isfinite(row_max), row_max, 0.0))  # (B, Hr, Tp, Sp)
+    if sinks is not None:
+        # A sink joins the maximum of every row that has a key; a row with none stays 0.
+        has_key = row_max != -torch.inf  # (B, Hr, Tp, 1)
+        sink = torch.where(has_key, sinks[:, None, None], -torch.inf)  # (B, Hr, Tp, 1)
+        row_max = torch.maximum(row_max, sink)  # (B, Hr, Tp, 1)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # (B, Hr, Tp, 1)
+    p = torch.exp(x - row_max)  # (B, Hr, Tp, Sp)
     row_sum = p.sum(dim=-1, keepdim=True)  # (B, Hr, Tp, 1)
+    if sinks is not None:
+        # The sink takes its share of the sum, and has no value row to give anything back.
+        row_sum = row_sum + torch.exp(sink - row_max)  # (B, Hr, Tp, 1)
     w = p / torch.where(row_sum > 0, row_sum, 1.0)  # (B, Hr, Tp, Sp)
+    if sinks is not None:
+        # A NaN or +inf sink makes its row NaN, as +inf - +inf does in the softmax (SPEC
+        # §15.4); the shift by a finite row maximum cannot show it, so it is selected.
+        w = torch.where(torch.isnan(sink) | (sink == torch.inf), torch.nan, w)
 
     # 7. Weighted sum of the values.
     return torch.einsum("bhts,bhse->bhte", w, v)  # (B, Hr, Tp, E)
@@ -239,20 +276,27 @@ def attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     dropout_p: float = 0.0,
+    sinks=None,
+    chunk_size: int | None = None,
+    alibi_slopes=None,
     world_size: int = 2,
     layout: str = "zigzag",
     run: Runner,
 ) -> np.ndarray:
-    """Ulysses attention on ``world_size`` ranks run by ``run``; NumPy in and out."""
+    """Ulysses attention on ``world_size`` ranks run by ``run``; NumPy in and out.
+    ``sinks`` (H,), ``chunk_size`` and ``alibi_slopes`` (H,) or (B, H) as in SPEC §15-§17."""
     # 0. Validate: the input contract every impl shares (contract.py).
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     mask = None if mask is None else np.asarray(mask)
+    sinks = None if sinks is None else np.asarray(sinks)
+    slopes = None if alibi_slopes is None else np.asarray(alibi_slopes)
     call = contract.check(
         q, k, v, mask=mask, is_causal=is_causal, scale=scale,
         causal_alignment=causal_alignment, window=window, softcap=softcap,
         dropout_p=dropout_p, unsupported={"dropout_p": "torch-ulysses has no dropout"},
+        sinks=sinks, chunk_size=chunk_size, alibi_slopes=slopes,
     )  # fmt: skip
-    lay = _Layout(call, q, k, v, mask, None, world_size, layout)
+    lay = _Layout(call, q, k, v, mask, None, world_size, layout, sinks, slopes)
     outs = run(ulysses_attention, lay.shards, opts=lay.opts, heads=lay.heads)  # P × (B, H, Tl, E)
     out = lay.rows_back(np.concatenate(outs, axis=2)).astype(q.dtype)  # (B, H, T, E)
     return out[0] if call.unbatched else out
@@ -270,19 +314,26 @@ def attention_vjp(
     causal_alignment: str = "top_left",
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
+    sinks=None,
+    chunk_size: int | None = None,
+    alibi_slopes=None,
     world_size: int = 2,
     layout: str = "zigzag",
     run: Runner,
 ) -> tuple[np.ndarray, ...]:
-    """The backward: (dq, dk, dv), and dmask with a float mask; NumPy in and out, shaped
-    and typed like q, k, v and the mask (summed over its broadcast axes)."""
+    """The backward: (dq, dk, dv), then dmask with a float mask and dsinks with sinks;
+    NumPy in and out, shaped and typed like q, k, v, the mask (summed over its broadcast
+    axes) and the sinks."""
     q, k, v, d_out = np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(d_out)
     mask = None if mask is None else np.asarray(mask)
+    sinks = None if sinks is None else np.asarray(sinks)
+    slopes = None if alibi_slopes is None else np.asarray(alibi_slopes)
     call = contract.check(
         q, k, v, mask=mask, is_causal=is_causal, scale=scale,
         causal_alignment=causal_alignment, window=window, softcap=softcap, d_out=d_out,
+        sinks=sinks, chunk_size=chunk_size, alibi_slopes=slopes,
     )  # fmt: skip
-    lay = _Layout(call, q, k, v, mask, d_out, world_size, layout)
+    lay = _Layout(call, q, k, v, mask, d_out, world_size, layout, sinks, slopes)
     parts = run(ulysses_attention_backward, lay.shards, opts=lay.opts, heads=lay.heads)
     dq = lay.rows_back(np.concatenate([g[0] for g in parts], axis=2))  # (B, H, T, D)
     dk = lay.cols_back(np.concatenate([g[1] for g in parts], axis=2), 2)  # (B, K, S, D)
@@ -290,24 +341,29 @@ def attention_vjp(
     grads = [g.astype(q.dtype) for g in (dq, dk, dv)]
     if call.unbatched:
         grads = [g[0] for g in grads]
-    if mask is None or mask.dtype == np.bool_:
-        return tuple(grads)
-    dm = [g[3] for g in parts]  # P × (B|1, Hr|1, Tp|1, Sp|1)
-    # Per-head masks come back as each rank's heads; a mask without a head axis was the
-    # same on every rank, so its gradient is the sum of theirs.
-    dm = np.concatenate(dm, axis=1) if lay.mask_heads else np.sum(dm, axis=0)
-    if dm.shape[2] != 1:
-        dm = lay.rows_back(dm)
-    if dm.shape[3] != 1:
-        dm = lay.cols_back(dm, 3)
-    return (*grads, _sum_to(dm, mask.shape).astype(mask.dtype))
+    if mask is not None and mask.dtype != np.bool_:
+        dm = [g[3] for g in parts]  # P × (B|1, Hr|1, Tp|1, Sp|1)
+        # Per-head masks come back as each rank's heads; a mask without a head axis was
+        # the same on every rank, so its gradient is the sum of theirs.
+        dm = np.concatenate(dm, axis=1) if lay.mask_heads else np.sum(dm, axis=0)
+        if dm.shape[2] != 1:
+            dm = lay.rows_back(dm)
+        if dm.shape[3] != 1:
+            dm = lay.cols_back(dm, 3)
+        grads.append(_sum_to(dm, mask.shape).astype(mask.dtype))
+    if sinks is not None:
+        # Each rank's heads' dsinks, gathered in head order (the ranks hold heads in order).
+        grads.append(np.concatenate([g[4] for g in parts]).astype(sinks.dtype))  # (H,)
+    return tuple(grads)
 
 
 class _Layout:
     """The sequence laid out over P ranks and the heads split: each rank's shard, the way
     back."""
 
-    def __init__(self, call, q, k, v, mask, d_out, P: int, layout: str) -> None:
+    def __init__(
+        self, call, q, k, v, mask, d_out, P: int, layout: str, sinks=None, slopes=None
+    ) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"layout should be one of {LAYOUTS}, got {layout!r}")
         if isinstance(P, bool) or not isinstance(P, int) or P < 1:
@@ -347,19 +403,27 @@ class _Layout:
             T=call.T,
             S=call.S,
             G=call.H // call.K,
+            chunk=None if call.chunk_size is None else min(call.chunk_size, _FAR),
         )
+        # Sinks (H,) and slopes (B, H) in the working dtype, split with the query heads.
+        sinks = None if sinks is None else sinks.astype(work)  # (H,)
+        if slopes is not None:
+            slopes = np.broadcast_to(slopes.astype(work).reshape(-1, call.H), (call.B, call.H))
         Tl, Sl = len(self.perm_t) // P, len(self.perm_s) // P
         starts, counts, _, _ = self.heads
         self.shards = []
         for r in range(P):
             rows = slice(r * Tl, (r + 1) * Tl)
             cols = slice(r * Sl, (r + 1) * Sl)
+            own = slice(starts[r], starts[r] + counts[r])  # this rank's query heads
             m = mask
             if self.mask_heads:
-                m = mask[:, starts[r] : starts[r] + counts[r]]  # (B|1, Hr, Tp|1, Sp|1)
+                m = mask[:, own]  # (B|1, Hr, Tp|1, Sp|1)
             shard = (q[:, :, rows], k[:, :, cols], v[:, :, cols], self.perm_t, self.perm_s, m)
             if d_out is not None:
                 shard += (d_out[:, :, rows],)
+            shard += (None if sinks is None else sinks[own],)  # (Hr,)
+            shard += (None if slopes is None else slopes[:, own],)  # (B, Hr)
             self.shards.append(shard)
 
     def rows_back(self, x: np.ndarray) -> np.ndarray:

@@ -169,6 +169,9 @@ class JaxRingBackend(JaxBackend):
         "grad_mask",
         "grad_softcap",
         "sharded",
+        "sinks",
+        "chunked",
+        "alibi",
     }
     default_shards: int | None = None
     conformance_options = MappingProxyType({"shards": 4, "layout": "zigzag"})

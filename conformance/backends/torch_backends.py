@@ -101,7 +101,7 @@ class TorchRingBackend(_TorchBackend):
     capabilities = (
         (ALL_CAPABILITIES - {"dropout", "module"})
         | (GRAD_CAPABILITIES - {"module_grad"})
-        | {"sharded"}
+        | {"sharded", "sinks", "chunked", "alibi"}
     )
     conformance_options = MappingProxyType({"shards": 3, "layout": "zigzag"})
     default_shards = 4

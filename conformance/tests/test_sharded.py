@@ -74,8 +74,8 @@ def _grad_reference(q, k, v, d_out, dtype: str, **options):
     return ref, tols
 
 
-def _check_grads(grads, ref, tols, context: str) -> None:
-    for name, got in zip(("dq", "dk", "dv", "dmask"), grads):
+def _check_grads(grads, ref, tols, context: str, names=("dq", "dk", "dv", "dmask")) -> None:
+    for name, got in zip(names, grads):
         assert np.all(np.isfinite(as64(got))), f"{context}: {name} is not finite"
         assert_within(as64(got), ref[name], tols[name], f"{context}: {name}")
 
@@ -92,11 +92,13 @@ def test_unknown_layout_raises(backend):
 @requires(*VARIANTS["all"][0])
 @uses_dtype("float64")
 def test_eight_shards(backend, P, layout):
-    """P = 8, every declared variant at once, forward and (with "grad") backward."""
+    """P = 8, every declared variant at once, forward and (with "grad") backward: sinks,
+    chunks and ALiBi (§14.9) too where declared, dsinks included."""
     at = _sharded(backend, P, layout)
-    options = VARIANTS["all"][1]
+    options = dict(VARIANTS["all"][1])
     q, k, v = random_qkv(80, **_shape(backend, H=8, K=2, T=13, S=11))
     mask = np.random.default_rng(81).random((1, 1, 13, 11)) > 0.2  # (1, 1, T, S)
+    options.update(_positional_variants(backend, 83, B=2, H=8, chunk_size=4))
     out = at.attention(q, k, v, mask=mask, **options)
     ref = naive(q, k, v, mask=mask, **options)
     tol = random_tolerance(q, k, v, "float64", mask=mask, **options)
@@ -105,7 +107,23 @@ def test_eight_shards(backend, P, layout):
         d_out = _d_out(82, q, v)
         ref_g, tols = _grad_reference(q, k, v, d_out, "float64", mask=mask, **options)
         grads = at.attention_vjp(q, k, v, d_out, mask=mask, **options)
-        _check_grads(grads, ref_g, tols, f"{at.name} P={P} {layout} {options}")
+        names = ("dq", "dk", "dv") + ("dsinks",) * ("sinks" in options)
+        assert len(grads) == len(names), f"{at.name} P={P}: {len(grads)} gradients, not {names}"
+        _check_grads(grads, ref_g, tols, f"{at.name} P={P} {layout} {list(options)}", names)
+
+
+def _positional_variants(backend, seed: int, *, B: int, H: int, chunk_size: int) -> dict:
+    """Of sinks (H,), ALiBi's slopes (B, H) and chunks, those the backend declares (§14.9):
+    sinks and slopes comparable to the scores, so that they weigh."""
+    rng = np.random.default_rng(seed)
+    options = {}
+    if "sinks" in backend.capabilities:
+        options["sinks"] = rng.uniform(-1.0, 2.0, H)  # (H,)
+    if "alibi" in backend.capabilities:
+        options["alibi_slopes"] = rng.uniform(0.05, 0.5, (B, H)).astype(np.float32)  # (B, H)
+    if "chunked" in backend.capabilities:
+        options["chunk_size"] = chunk_size
+    return options
 
 
 def naive(q, k, v, **options):
@@ -142,6 +160,30 @@ def test_shard_count_invariance(backend, P, dtype, variant, request):
     )  # fmt: skip
     assert_within(as64(out), at_one, 2 * tol, f"{context} vs P=1")
     assert_identical(at.attention(q, k, v, **options), out, f"{context}, repeated")
+
+
+@pytest.mark.clause("14.9", "15.1", "17.1")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("P", [2, 3, 4], ids=lambda P: f"P{P}")
+@requires("sinks", "alibi", "gqa", "causal_bottom_right")
+@uses_dtype("float64")
+def test_sinks_and_alibi_at_every_shard_count(backend, P, layout):
+    """Sinks and per-batch ALiBi slopes (and chunks of 16, where declared), causal
+    bottom-right with T < S, on sequences long enough that every device holds real tokens
+    in both layouts (zigzag's second chunks included): the oracle's output within §7's
+    tolerance, and P = 1's within twice that. A sink merged on every device counts P
+    times; a bias or a chunk from local slots is wrong off device 0."""
+    shape = _shape(backend, H=6, K=2, T=37, S=67)
+    q, k, v = random_qkv(158, **shape)
+    options = {"is_causal": True, "causal_alignment": "bottom_right"}
+    options.update(_positional_variants(backend, 159, B=shape["B"], H=shape["H"], chunk_size=16))
+    ref = naive(q, k, v, **options)
+    tol = random_tolerance(q, k, v, "float64", **options)
+    out = _sharded(backend, P, layout).attention(q, k, v, **options)
+    context = f"{backend.name} P={P} {layout}: sinks and ALiBi"
+    assert_within(as64(out), ref, tol, context)
+    at_one = _sharded(backend, 1).attention(q, k, v, **options)
+    assert_within(as64(out), as64(at_one), 2 * tol, f"{context} vs P=1")
 
 
 @pytest.mark.clause("14.3")

@@ -279,6 +279,14 @@ def _ring_body(q, k, v, tpos, spos, mask, sinks, slopes, opts, *, P, pieces, sof
     return out.astype(q.dtype)
 
 
+def _softcap(x, softcap):
+    """softcap · tanh(x / softcap); where x / softcap is subnormal, which XLA on a CPU may
+    flush to 0 (and the score with it), x itself: tanh(y) = y there far below rounding, and
+    the derivative, 1 − tanh², is 1 (SPEC §4.2)."""
+    ratio = x / softcap
+    return jnp.where(jnp.abs(ratio) < jnp.finfo(x.dtype).tiny, x, softcap * jnp.tanh(ratio))
+
+
 def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, opts, *, P, pieces, softcap_on):
     """The forward ring, in the working dtype: (out (B, H, Tl, E), lse (B, H, Tl)), with
     lse = -inf for a row that sees no key; the sink, if any, is in lse."""
@@ -313,7 +321,7 @@ def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, opts, *, P, pieces, 
 
         # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
         if softcap_on:
-            x = softcap * jnp.tanh(x / softcap)  # (B, K, G·Tc, Sc)
+            x = _softcap(x, softcap)  # (B, K, G·Tc, Sc)
 
         # 4. Mask: ALiBi's linear bias and a float mask are added, then every key a query
         # may not see gets -inf (replaced, not only pushed down: NaN + -inf is NaN).
@@ -360,6 +368,9 @@ def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, opts, *, P, pieces, 
     out = acc / jnp.where(some, l, 1.0)[..., None]  # (pieces, B, K, G·Tc, E)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # (pieces, B, K, G·Tc)
     lse = jnp.where(some, m_safe + jnp.log(jnp.where(some, l, 1.0)), -jnp.inf)
+    # A row that read a +inf score (q·k overflowed) has l = +inf or NaN: its lse is NaN, so
+    # that in the backward every weight of it is NaN, as its output is (SPEC §4.1).
+    lse = jnp.where(jnp.isnan(l) | (l == jnp.inf), jnp.nan, lse)  # (pieces, B, K, G·Tc)
     return _unpieces(out, H), _unpieces(lse[..., None], H)[..., 0]  # (B, H, Tl, E), (B, H, Tl)
 
 
@@ -406,8 +417,9 @@ def _ring_backward(
         sink = sinks.astype(work)[None, :, None]  # (1, H, 1)
         p_sink = jnp.where(some, jnp.exp(sink - lse), 0.0)  # (B, H, Tl)
         ds = lax.psum(-(p_sink * delta).sum(axis=(0, 2)), AXIS)  # (H,)
-    # A row with no key has lse = -inf; against +inf its weights are exp(-inf) = 0.
-    lse = jnp.where(some, lse, jnp.inf)  # (B, H, Tl)
+    # A row with no key has lse = -inf; against +inf its weights are exp(-inf) = 0. (A NaN
+    # row keeps lse = NaN: §4.1.)
+    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # (B, H, Tl)
     lses = _pieces(lse[..., None], K, pieces)[..., 0]  # (pieces, B, K, G·Tc)
     tps = tpos.reshape(pieces, Tc)  # (pieces, Tc)
     alibi = None if slopes is None else _grouped_slopes(slopes.astype(work), K, G)
@@ -422,7 +434,7 @@ def _ring_backward(
         # Forward steps 1-5 again for this block: raw scores, weights from lse.
         qa = qs[a]  # (B, K, G·Tc, D)
         raw = jnp.einsum("bkrd,bksd->bkrs", qa, kb, precision=lax.Precision.HIGHEST)
-        x = softcap * jnp.tanh(raw / softcap) if softcap_on else raw  # (B, K, G·Tc, Sc)
+        x = _softcap(raw, softcap) if softcap_on else raw  # (B, K, G·Tc, Sc)
         x = x.reshape(B, K, G, Tc, Sc)  # (B, K, G, Tc, Sc)
         if alibi is not None:
             x = x + _alibi_bias(alibi, tps[a], sp, opts)  # (B, K, G, Tc, Sc)

@@ -311,7 +311,10 @@ def _ulysses_body(q, k, v, kv_slot, tpos, spos, mask, sinks, slopes, opts, *, so
 
     # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
     if softcap_on:
-        x = softcap * jnp.tanh(x / softcap)
+        # Where x / softcap is subnormal XLA may flush it to 0, and the score with it;
+        # tanh(y) = y there far below rounding, so the score is kept (SPEC §4.2).
+        ratio = x / softcap  # (B, Hl, Tp, Sp)
+        x = jnp.where(jnp.abs(ratio) < jnp.finfo(work).tiny, x, softcap * jnp.tanh(ratio))
 
     # 4. Mask: ALiBi's linear bias and a float mask are added, then every key a query may
     # not see gets -inf. ALiBi's distance is from the bottom-right diagonal, on the tokens'
@@ -338,7 +341,11 @@ def _ulysses_body(q, k, v, kv_slot, tpos, spos, mask, sinks, slopes, opts, *, so
     if sinks is not None:
         # The sink takes its share of the sum, and has no value row to give anything back.
         row_sum = row_sum + jnp.exp(sink - row_max)  # (B, Hl, Tp, 1)
-    w = p / jnp.where(row_sum > 0, row_sum, 1.0)  # (B, Hl, Tp, Sp)
+    # A row that reads +inf has row sum +inf: every weight of it is NaN, not only those of
+    # its +inf scores (SPEC §4.1), so that its gradients reach every key it attends.
+    divisor = jnp.where(row_sum > 0, row_sum, 1.0)  # (B, Hl, Tp, 1)
+    divisor = jnp.where(row_sum == jnp.inf, jnp.nan, divisor)  # (B, Hl, Tp, 1)
+    w = p / divisor  # (B, Hl, Tp, Sp)
     if sinks is not None:
         # A NaN or +inf sink makes its row NaN, as +inf - +inf does in the softmax (SPEC
         # §15.4); the shift by a finite row maximum cannot show it, so it is selected.

@@ -203,6 +203,9 @@ def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, *, opts: dict, piece
         outs.append(acc.reshape(B, K, G, Tc, E))
         m_safe = torch.where(torch.isfinite(m), m, 0.0)  # (B, K, G·Tc)
         lse = torch.where(l > 0, m_safe + torch.log(torch.where(l > 0, l, 1.0)), -torch.inf)
+        # A row that read a +inf score (q·k overflowed) has l = +inf or NaN: its lse is
+        # NaN, so that in the backward every weight of it is NaN, as its output is (§4.1).
+        lse = torch.where(torch.isnan(l) | (l == torch.inf), torch.nan, lse)  # (B, K, G·Tc)
         lses.append(lse.reshape(B, K, G, Tc))
     out = torch.cat(outs, dim=3).reshape(B, H, Tl, E)  # (B, H, Tl, E)
     return out, torch.cat(lses, dim=3).reshape(B, H, Tl)  # (B, H, Tl)
@@ -250,7 +253,7 @@ def ring_attention_backward(
         dsinks = -(p_sink * d_row).sum(dim=(0, 2))  # (H,)
         dist.all_reduce(dsinks, op=dist.ReduceOp.SUM)
     alibi = None if slopes is None else slopes.reshape(B, K, G, 1, 1)  # (B, K, G, 1, 1)
-    lse = torch.where(some, lse, torch.inf)  # a row with no key: P = 0
+    lse = torch.where(lse == -torch.inf, torch.inf, lse)  # no key: P = 0; NaN stays (§4.1)
     dq = torch.zeros((B, H, Tl, D), dtype=work)
     dmask = torch.zeros((B, H, Tl, P * Sl), dtype=work) if float_mask else None
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # travel with their block

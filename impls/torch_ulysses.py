@@ -48,6 +48,7 @@ all-to-alls' adjoints are the reverse all-to-alls). Not supported: dropout.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -160,7 +161,7 @@ def _attention_on_heads(q, k, v, tpos, spos, mask, sinks, slopes, opts: dict, he
 
     # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
     if opts["softcap"] is not None:
-        x = opts["softcap"] * torch.tanh(x / opts["softcap"])
+        x = _Softcap.apply(x, opts["softcap"])  # (B, Hr, Tp, Sp)
 
     # 4. Mask: ALiBi's linear bias and a float mask are added, then every key a query may
     # not see gets -inf. ALiBi's distance is from the bottom-right diagonal, on the tokens'
@@ -186,7 +187,11 @@ def _attention_on_heads(q, k, v, tpos, spos, mask, sinks, slopes, opts: dict, he
     if sinks is not None:
         # The sink takes its share of the sum, and has no value row to give anything back.
         row_sum = row_sum + torch.exp(sink - row_max)  # (B, Hr, Tp, 1)
-    w = p / torch.where(row_sum > 0, row_sum, 1.0)  # (B, Hr, Tp, Sp)
+    # A row that reads +inf has row sum +inf: every weight of it is NaN, not only those of
+    # its +inf scores (SPEC §4.1), so that its gradients reach every key it attends.
+    divisor = torch.where(row_sum > 0, row_sum, 1.0)  # (B, Hr, Tp, 1)
+    divisor = torch.where(row_sum == math.inf, math.nan, divisor)  # (B, Hr, Tp, 1)
+    w = p / divisor  # (B, Hr, Tp, Sp)
     if sinks is not None:
         # A NaN or +inf sink makes its row NaN, as +inf - +inf does in the softmax (SPEC
         # §15.4); the shift by a finite row maximum cannot show it, so it is selected.
@@ -463,3 +468,20 @@ def _permute(x: np.ndarray, axis: int, perm: np.ndarray) -> np.ndarray:
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, len(perm) - x.shape[axis])
     return np.take(np.pad(x, pad), perm, axis=axis)
+
+
+class _Softcap(torch.autograd.Function):
+    """softcap · tanh(scores / softcap), whose derivative 1 − tanh²(scores / softcap) is
+    applied as it is: autograd's own chain through the product and the division forms
+    d · softcap, which overflows to ±inf for a softcap near the largest float (SPEC §4.2)."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, softcap: float) -> torch.Tensor:
+        tanh = torch.tanh(scores / softcap)  # (B, Hr, Tp, Sp)
+        ctx.save_for_backward(tanh)
+        return softcap * tanh  # (B, Hr, Tp, Sp)
+
+    @staticmethod
+    def backward(ctx, d_capped: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (tanh,) = ctx.saved_tensors
+        return d_capped * (1.0 - tanh * tanh), None  # (B, Hr, Tp, Sp)

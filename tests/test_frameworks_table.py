@@ -9,6 +9,8 @@ import re
 import shutil
 from pathlib import Path
 
+import pytest
+
 from conformance import frameworks
 from conformance.adapters.profiles import read_profile, shipped_profiles
 from conformance.suite.known_failures import pattern
@@ -233,3 +235,13 @@ def test_processor_dependent_tests_read_the_same_failed_or_passed():
     failing = [{**r, "outcome": "failed", "reason": ""} for r in rows if r["outcome"] != "passed"]
     entries = frameworks.known_failures(_data(failing), p, [f"test_nan[{p}-float64-*]"])
     assert entries == {f"test_nan[{p}-float32]": ACCEPTS}
+
+
+def test_update_profiles_does_not_rewrite_or_check_the_readme(capsys):
+    """A run that re-measures the known failures ignores them, so its table (counts, the
+    processor-dependent lines) is not the README's: the command refuses before running."""
+    for flag in ("--readme", "--check"):
+        with pytest.raises(SystemExit) as exit_info:
+            frameworks.main(["--update-profiles", flag, "README.md"])
+        assert exit_info.value.code == 2
+        assert "in a run of its own" in capsys.readouterr().err

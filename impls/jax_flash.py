@@ -478,9 +478,7 @@ def _flash_packed_vjp(
         m, l, acc = docs.online_softmax(qi, i)
         some = l > 0  # (B, K, G·Tb)
         o = acc / jnp.where(some, l, 1.0)[..., None]  # (B, K, G·Tb, E)
-        m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # (B, K, G·Tb)
-        lse = jnp.where(some, m_safe + jnp.log(jnp.where(some, l, 1.0)), jnp.inf)
-        lse = jnp.where(l == jnp.inf, jnp.nan, lse)  # (B, K, G·Tb): NaN after a +inf
+        lse = _log_sum_exp(m, l)  # (B, K, G·Tb)
 
         # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O).
         do = lax.dynamic_slice_in_dim(d_out, i * Tb, Tb, axis=2).astype(work)
@@ -615,9 +613,7 @@ def _flash_vjp(
             m, l, acc = _add_sink(m, l, acc, sink)
         some = l > 0  # (B, K, G·Tb)
         o = acc / jnp.where(some, l, 1.0)[..., None]  # (B, K, G·Tb, E)
-        m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # (B, K, G·Tb)
-        lse = jnp.where(some, m_safe + jnp.log(jnp.where(some, l, 1.0)), jnp.inf)
-        lse = jnp.where(l == jnp.inf, jnp.nan, lse)  # (B, K, G·Tb): NaN after a +inf
+        lse = _log_sum_exp(m, l)  # (B, K, G·Tb)
 
         # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O): one dot product per row.
         do = lax.dynamic_slice_in_dim(d_out, i * Tb, Tb, axis=2).astype(work)
@@ -858,9 +854,7 @@ def _flash_paged(
 
         # The backward of this block (``attention_vjp``): P = exp(Z − lse) and
         # Δ = rowsum(dO ⊙ O), then page by page dV, dK into the pages, dQ here.
-        m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # (K, G·Tb)
-        lse = jnp.where(some, m_safe + jnp.log(jnp.where(some, l, 1.0)), jnp.inf)
-        lse = jnp.where(l == jnp.inf, jnp.nan, lse)  # (K, G·Tb): NaN after a +inf
+        lse = _log_sum_exp(m, l)  # (K, G·Tb)
         do = d_out[b, :, t0:t1].astype(work).reshape(K, R, E)  # (K, G·Tb, E)
         delta = (do * o).sum(axis=-1)  # (K, G·Tb)
 
@@ -898,6 +892,17 @@ def _flash_paged(
     if not grad:
         return out, None, None, None
     return out, dq, dk_pages.astype(q.dtype), dv_pages.astype(q.dtype)
+
+
+def _log_sum_exp(m: jax.Array, l: jax.Array) -> jax.Array:
+    """Each row's log-sum-exp m + log l from its running maximum and sum, what the backward
+    needs of the forward: +inf for a row with no key (l = 0), so that its weights
+    exp(Z − lse) are all 0; NaN for a row that read a +inf score (l = +inf), so that every
+    weight of it is NaN, as its output is (SPEC §4.1), not only its +inf ones."""
+    some = l > 0
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    lse = jnp.where(some, m_safe + jnp.log(jnp.where(some, l, 1.0)), jnp.inf)
+    return jnp.where(l == jnp.inf, jnp.nan, lse)
 
 
 def _add_sink(

@@ -311,8 +311,7 @@ def attention_vjp(
             acc, l, m = _add_sink(acc, l, m, sink)
         o = _normalise(acc, l)  # (B·K, G·Tb, E)
         some = l > 0  # (B·K, G·Tb, 1)
-        lse = np.where(some, m + np.log(np.where(some, l, 1.0)), np.inf)  # (B·K, G·Tb, 1)
-        lse = np.where(l == np.inf, np.nan, lse)  # (B·K, G·Tb, 1): see _backward_block
+        lse = _log_sum_exp(m, l)  # (B·K, G·Tb, 1)
 
         # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O): one dot product per row.
         do = d_out[:, :, t0:t1].astype(work).reshape(B * K, G * Tb, E)  # (B·K, G·Tb, E)
@@ -650,6 +649,15 @@ def _normalise(acc: np.ndarray, l: np.ndarray) -> np.ndarray:
     return acc
 
 
+def _log_sum_exp(m: np.ndarray, l: np.ndarray) -> np.ndarray:
+    """Each row's log-sum-exp m + log l, what the backward needs of the forward: +inf for a
+    row with no key (l = 0), so that its weights exp(Z − lse) are all 0; NaN for a row that
+    read a +inf score (l = +inf; see _backward_block)."""
+    some = l > 0
+    lse = np.where(some, m + np.log(np.where(some, l, 1.0)), np.inf)
+    return np.where(l == np.inf, np.nan, lse)
+
+
 class _KeyTiles:
     """The keys and values, the mask and the band: which key tiles a query block visits,
     and steps 1, 3 and 4 on one tile."""
@@ -964,9 +972,7 @@ def attention_paged_vjp(
             qs = _query_tile(q[b], t0, t1, call.scale, work)  # (K, G·Tb, D)
             acc, l, m = _fast_online_softmax(qs, t0, t1, tiles)
             o = _normalise(acc, l)  # (K, G·Tb, E)
-            some = l > 0  # (K, G·Tb, 1)
-            lse = np.where(some, m + np.log(np.where(some, l, 1.0)), np.inf)  # (K, G·Tb, 1)
-            lse = np.where(l == np.inf, np.nan, lse)  # (K, G·Tb, 1): see _backward_block
+            lse = _log_sum_exp(m, l)  # (K, G·Tb, 1)
 
             # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O).
             do = d_out[b, :, :, t0:t1].astype(work).reshape(K, G * Tb, E)  # (K, G·Tb, E)

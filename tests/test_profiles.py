@@ -185,6 +185,151 @@ def test_torch_function_gradients_by_autograd():
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
 
 
+def _load(name):
+    return __import__("conformance.backends", fromlist=["load_backend"]).load_backend(name)
+
+
+@needs_torch
+@pytest.mark.clause("13.10", "15.5", "17.1")
+def test_per_head_arrays_reach_a_torch_function_as_tensors_and_sinks_get_a_gradient():
+    """sinks and alibi_slopes go to a torch function as torch tensors, and attention_vjp
+    returns dsinks after dq, dk, dv, as SPEC §15.5 orders them (the numpy backend is the
+    reference)."""
+    import torch
+
+    seen = []
+
+    def naive(q, k, v, *, is_causal=False, scale=None, sinks=None, alibi_slopes=None):
+        seen.extend(type(x).__name__ for x in (sinks, alibi_slopes) if x is not None)
+        T, S = q.shape[-2], k.shape[-2]
+        scores = q @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)  # (B, H, T, S)
+        if alibi_slopes is not None:
+            distance = (torch.arange(T)[:, None] + S - T - torch.arange(S)[None, :]).abs()
+            scores = scores - alibi_slopes[..., None, None].to(scores.dtype) * distance
+        sink = sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:-1], 1)
+        weights = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :S]  # (B, H, T, S)
+        return weights @ v
+
+    backend = impl.FunctionBackend(
+        naive, name="naive-sinks", framework="torch", capabilities=["sinks", "alibi", "grad"]
+    )
+    q, k, v = _qkv(K=4)
+    rng = np.random.default_rng(6)
+    options = {"sinks": rng.standard_normal(4), "alibi_slopes": rng.uniform(0, 1, 4)}
+    d_out = rng.standard_normal((2, 4, 5, 2))
+    reference_backend = _load("numpy")
+    np.testing.assert_allclose(
+        backend.attention(q, k, v, **options),
+        reference_backend.attention(q, k, v, **options),
+        rtol=1e-10,
+        atol=1e-12,
+    )
+    grads = backend.attention_vjp(q, k, v, d_out, **options)
+    expected = reference_backend.attention_vjp(q, k, v, d_out, **options)
+    assert (
+        [g.shape for g in grads]
+        == [g.shape for g in expected]
+        == [
+            q.shape,
+            k.shape,
+            v.shape,
+            (4,),
+        ]
+    )
+    for got, want in zip(grads, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    assert set(seen) == {"Tensor"}, seen
+
+
+@pytest.mark.skipif(not HAS_JAX, reason="jax not installed")
+@pytest.mark.clause("13.12", "17.1")
+def test_per_head_arrays_are_traced_under_jit():
+    """Under ``jit`` the slopes are an array argument, not a static one (an array is not
+    hashable): one compiled function serves every value."""
+    import jax.numpy as jnp
+
+    def alibi(q, k, v, *, alibi_slopes=None):
+        T, S = q.shape[-2], k.shape[-2]
+        scores = q @ jnp.swapaxes(k, -1, -2) / jnp.sqrt(q.shape[-1])  # (B, H, T, S)
+        distance = jnp.abs(jnp.arange(T)[:, None] + S - T - jnp.arange(S)[None, :])
+        scores = scores - alibi_slopes[..., None, None] * distance
+        return jax.nn.softmax(scores, axis=-1) @ v
+
+    import jax
+
+    backend = impl.FunctionBackend(
+        alibi, name="alibi-jit", framework="jax", capabilities=["alibi", "value_dim"], jit=True
+    )
+    q, k, v = _qkv(K=4)
+    for seed in (7, 8):
+        slopes = np.random.default_rng(seed).uniform(0, 1, (2, 4))
+        np.testing.assert_allclose(
+            backend.attention(q, k, v, alibi_slopes=slopes),
+            _load("numpy").attention(q, k, v, alibi_slopes=slopes),
+            rtol=1e-6,
+            atol=1e-6,
+        )
+
+
+@needs_torch
+@pytest.mark.clause("13.12", "18.1", "18.5")
+def test_a_packed_function_is_called_with_the_boundaries(tmp_path):
+    """A profile's ``packed`` function gets q, k, v in its layout, the boundaries as its
+    framework's arrays and its own keywords; its gradient comes by autograd."""
+    module = tmp_path / "packed_sdpa.py"
+    module.write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+            def packed(q, k, v, cu_q, cu_k, *, causal=False):
+                assert isinstance(cu_q, torch.Tensor) and q.shape[0] == cu_q[-1]  # (T, H, D)
+                rows = [
+                    torch.nn.functional.scaled_dot_product_attention(
+                        q[a:b].transpose(0, 1), k[c:d].transpose(0, 1),
+                        v[c:d].transpose(0, 1), is_causal=causal,
+                    ).transpose(0, 1)
+                    for a, b, c, d in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])
+                ]
+                return torch.cat(rows)
+            """
+        )
+    )
+    path = _write_profile(
+        tmp_path,
+        """
+        name = "packed-sdpa"
+        target = "torch.nn.functional:scaled_dot_product_attention"
+        framework = "torch"
+        layout = "BTHD"
+        capabilities = ["value_dim", "packed", "grad"]
+        packed = "packed_sdpa:packed"
+        [options]
+        is_causal = "causal"
+        """,
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        backend = profiles.load_profile(str(path))
+        q, k, v = (x[0] for x in _qkv(H=2, K=2, T=7, S=7))
+        cu = np.array([0, 3, 7])
+        d_out = np.random.default_rng(9).standard_normal((2, 7, 2))
+        reference_backend = _load("numpy")
+        np.testing.assert_allclose(
+            backend.attention_packed(q, k, v, cu, cu, is_causal=True),
+            reference_backend.attention_packed(q, k, v, cu, cu, is_causal=True),
+            rtol=1e-10,
+            atol=1e-12,
+        )
+        grads = backend.attention_packed_vjp(q, k, v, cu, cu, d_out, is_causal=True)
+        expected = reference_backend.attention_packed_vjp(q, k, v, cu, cu, d_out, is_causal=True)
+        for got, want in zip(grads, expected):
+            np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    finally:
+        sys.path.remove(str(tmp_path))
+        unregister_backend("packed-sdpa")
+
+
 # --- Usage errors ------------------------------------------------------------------------------
 
 
@@ -241,6 +386,12 @@ def _write_profile(tmp_path: Path, text: str) -> Path:
             "listed both as known failures and as processor-dependent",
         ),
         ('name = "x"\ntarget = "numpy:add"\n[processor_dependent]\n"t" = ""\n', "needs a reason"),
+        ('name = "x"\ntarget = "numpy:add"\ncapabilities = ["packed"]\n', "go together"),
+        ('name = "x"\ntarget = "numpy:add"\npacked = "numpy:add"\n', "go together"),
+        (
+            'name = "x"\ntarget = "numpy:add"\ncapabilities = ["packed"]\npacked = "add"\n',
+            "'module:function' of attention_packed",
+        ),
     ],
 )
 def test_a_broken_profile_says_what_is_missing(tmp_path, body, message):

@@ -52,11 +52,15 @@ from conformance.backends import (
     register_backend,
     registered_backends,
 )
-from conformance.vocabulary import option_is_set
+from conformance.vocabulary import VARIANT_CAPABILITIES, option_is_set
 
 #: What a plain function can declare: everything but the module layers, which a single
-#: attention function does not provide.
+#: attention function does not provide ("all" on the command line means these).
 FUNCTION_CAPABILITIES = ALL_CAPABILITIES - {"module"}
+#: The variants a function declares one by one, as keywords of ``attention`` (SPEC §15-§17),
+#: or, for "packed", with a second function for ``attention_packed`` (a profile's
+#: ``packed``, §13.12). "paged" needs a Backend subclass.
+FUNCTION_VARIANTS = VARIANT_CAPABILITIES - {"paged"}
 
 
 class FunctionBackend(Backend):
@@ -84,6 +88,9 @@ class FunctionBackend(Backend):
       libraries: distributions whose versions the report shows beside the framework's.
       jit: compile ``func`` as JAX users do (``jax.jit``, every keyword but the mask's
         static); JAX only.
+      packed: the function for ``attention_packed`` (SPEC §18), taking q, k, v (unbatched,
+        in ``call``'s layout), cu_seqlens_q and cu_seqlens_k as the framework's arrays
+        and the same keywords as ``func``; needed to declare "packed".
     """
 
     def __init__(
@@ -97,8 +104,10 @@ class FunctionBackend(Backend):
         call: OptionMap | None = None,
         libraries: Iterable[str] = (),
         jit: bool = False,
+        packed: Callable[..., Any] | None = None,
     ) -> None:
         self.func = func
+        self.packed = packed
         self.name = name or _default_name(func.__module__, func.__name__)
         self.capabilities = frozenset(capabilities)
         self.dtypes = tuple(dtypes)
@@ -108,7 +117,15 @@ class FunctionBackend(Backend):
         self.libraries = tuple(libraries)
         self.func_name = getattr(func, "__qualname__", None) or repr(func)
         if jit:
+            # The packed function is an adapter's: it reads the boundaries on the host to
+            # build its call, and compiles the library's function itself.
             self.func = self.arrays.jit(func, self.call.static_keywords(func))
+        if ("packed" in self.capabilities) != (packed is not None):
+            raise ValueError(
+                f"{self.name}: declaring 'packed' needs a function for attention_packed "
+                f"(a profile's 'packed'), and one is given only with it; capabilities "
+                f"{sorted(self.capabilities)}, packed function {packed!r}"
+            )
         if "module" in self.capabilities:
             raise ValueError(
                 f"{self.name}: a function cannot declare 'module' (it needs the multi-head "
@@ -133,24 +150,28 @@ class FunctionBackend(Backend):
         }
         return [self.from_numpy(x) for x in (q, k, v)], keywords
 
-    def _call(self, q, k, v, keywords: dict) -> Any:
-        """Step 3: the layout on the way in and out, around the library's call."""
+    def _call(self, q, k, v, keywords: dict, *boundaries, func=None) -> Any:
+        """Step 3: the layout on the way in and out, around the library's call (``func``,
+        by default the attention function; the packed one with the boundaries)."""
         swap = self.call.layout == "BTHD"
         if swap:
             q, k, v = (self.arrays.swap_heads_and_time(x) if x.ndim >= 3 else x for x in (q, k, v))
-        out = self.func(q, k, v, **keywords)
+        out = (func or self.func)(q, k, v, *boundaries, **keywords)
         if swap and getattr(out, "ndim", 0) >= 3:
             out = self.arrays.swap_heads_and_time(out)
         return out
 
     def _result(self, out: Any, call: str) -> np.ndarray:
+        return self.to_numpy(self._an_array(out, call))
+
+    def _an_array(self, out: Any, call: str) -> Any:
         if not self.arrays.is_array(out):
             # An AssertionError fails the test: never a ValueError or TypeError that a
             # bad-input test could take for a refusal.
             raise AssertionError(
                 f"{call} returned a {type(out).__name__}, not a {self.framework} array"
             )
-        return self.to_numpy(out)
+        return out
 
     def _refuse_undeclared(self, options: dict, *, grad: bool = False) -> None:
         """SPEC §8.5: an option whose capability is not declared is refused here, naming it,
@@ -180,19 +201,36 @@ class FunctionBackend(Backend):
         differentiated too when the backend declares ``grad_mask``."""
         self._refuse_undeclared(options, grad=True)
         (q, k, v), keywords = self._prepare(q, k, v, mask, options)
-        primals = [q, k, v]
-        mask_key = None
+        # Differentiated beside q, k, v, in the order SPEC §12.1 and §15.5 return them: a
+        # float mask (with "grad_mask"), then the sinks.
+        differentiated = []
         if "grad_mask" in self.capabilities and mask is not None and mask.dtype != np.bool_:
-            mask_key = self.call.mask_float
-            primals.append(keywords.pop(mask_key))
+            differentiated.append(self.call.mask_float)
+        if option_is_set("sinks", options.get("sinks")):
+            differentiated.append(self.call.options["sinks"])
+        primals = [q, k, v, *(keywords.pop(key) for key in differentiated)]
 
-        def call(q, k, v, *differentiated_mask):
-            extra = {mask_key: differentiated_mask[0]} if differentiated_mask else {}
-            return self._call(q, k, v, {**keywords, **extra})
+        def call(q, k, v, *rest):
+            return self._call(q, k, v, {**keywords, **dict(zip(differentiated, rest))})
 
         grads = self.arrays.vjp(call, primals, self.from_numpy(d_out))
         # Autograd may hand back transposed views; the caller gets plain C-ordered arrays.
         return tuple(np.ascontiguousarray(self.to_numpy(g)) for g in grads)
+
+    def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+        """``attention_packed`` (SPEC §18) through the packed function, converted as
+        ``attention`` is: the same layout and keywords, the boundaries as given."""
+        keywords = self.call.keywords(self.func_name, options, self.arrays)
+        out = self._call(q, k, v, keywords, cu_seqlens_q, cu_seqlens_k, func=self.packed)
+        return self._an_array(out, f"{getattr(self.packed, '__name__', 'packed')}()")
+
+    def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
+        keywords = self.call.keywords(self.func_name, options, self.arrays)
+
+        def call(q, k, v):
+            return self._call(q, k, v, keywords, cu_seqlens_q, cu_seqlens_k, func=self.packed)
+
+        return self.arrays.vjp(call, [q, k, v], d_out)
 
     def versions(self) -> dict[str, str]:
         found = {**super().versions(), **self.arrays.version()}
@@ -221,6 +259,9 @@ _OPTIONS = {
     "window": ("window",),
     "softcap": ("softcap",),
     "dropout": ("dropout_p", "seed"),
+    "sinks": ("sinks",),
+    "chunked": ("chunk_size",),
+    "alibi": ("alibi_slopes",),
 }
 
 
@@ -294,6 +335,7 @@ def resolve_impl(
     call: OptionMap | None = None,
     libraries: Iterable[str] = (),
     jit: bool = False,
+    packed: str | None = None,
 ) -> Backend:
     """The backend ``spec`` ('package.module:attr') names, not yet registered.
 
@@ -301,7 +343,8 @@ def resolve_impl(
     comma-separated string; "all" = every capability a function can have) and ``dtypes``
     ("all" = every dtype of the spec), taking ``framework``'s arrays ("numpy", "torch",
     "jax", or "auto": from the target's module) in ``layout`` ("BHTD" or "BTHD"); ``call``
-    maps the spec's options to its keywords (a profile's, ``conformance.adapters.profiles``). A
+    maps the spec's options to its keywords (a profile's, ``conformance.adapters.profiles``);
+    ``packed`` ('package.module:attr') names the function for ``attention_packed``. A
     Backend subclass is instantiated, an instance is used as it is; both declare their own
     capabilities and dtypes.
 
@@ -315,7 +358,14 @@ def resolve_impl(
     if isinstance(target, type) and issubclass(target, Backend):
         target = target()
     if isinstance(target, Backend):
-        if caps or dts or framework != "numpy" or layout != "BHTD" or call is not None:
+        if (
+            caps
+            or dts
+            or framework != "numpy"
+            or layout != "BHTD"
+            or call is not None
+            or packed is not None
+        ):
             raise ValueError(
                 f"--impl {spec!r} is a Backend, which declares its own capabilities and "
                 "dtypes and converts its own arrays; --impl-capabilities, --impl-dtypes, "
@@ -340,7 +390,7 @@ def resolve_impl(
         )
     if layout not in LAYOUTS:
         raise ValueError(f"--impl-layout {layout!r} is unknown; known: {', '.join(LAYOUTS)}")
-    allowed = FUNCTION_CAPABILITIES
+    allowed = FUNCTION_CAPABILITIES | FUNCTION_VARIANTS
     if framework != "numpy":
         # torch autograd or jax.vjp differentiate the function itself.
         allowed = allowed | (GRAD_CAPABILITIES - {"module_grad"})
@@ -381,6 +431,7 @@ def resolve_impl(
             call=call,
             libraries=libraries,
             jit=jit,
+            packed=None if packed is None else import_target(packed),
         )
     except LookupError as err:  # the framework is not installed
         raise ImplUnavailable(f"--impl {spec!r}: {err}") from err

@@ -17,7 +17,8 @@ library's call and the result comes back, in four visible steps:
    in the output. The mask keeps the spec's (B, H, T, S) broadcasting. Arrays of rank
    below 3 (bad input) are passed as they are.
 4. **keywords**: each spec option the caller set goes to the library keyword the
-   profile names (``OptionMap``); fixed keywords (``enable_gqa=True``) are added. An
+   profile names (``OptionMap``), the per-head arrays (``sinks``, ``alibi_slopes``) as
+   the framework's arrays; fixed keywords (``enable_gqa=True``) are added. An
    option the caller set that the library has no keyword for raises
    ``NotImplementedError`` naming it: the test fails, it is never silently dropped.
 
@@ -54,6 +55,10 @@ SPEC_OPTIONS = OPTION_DEFAULTS
 LAYOUTS = ("BHTD", "BTHD")
 #: What True means in a library's bool mask.
 BOOL_MEANINGS = ("attend", "blocked")
+#: The options that are arrays (one value per query head): they go to the library as its
+#: framework's arrays, are traced rather than static under ``jax.jit``, and ``sinks`` is
+#: differentiated (SPEC §15.5).
+ARRAY_OPTIONS = ("sinks", "alibi_slopes")
 
 
 def framework_of(func: Callable) -> str:
@@ -122,6 +127,7 @@ class OptionMap:
         """The keywords that are options, not arrays (everything but the mask), among
         those ``func`` takes: what ``jax.jit`` treats as static."""
         arrays = {self.mask_bool, self.mask_float, self.options.get("seed")}  # a seed is a key
+        arrays |= {self.options.get(option) for option in ARRAY_OPTIONS}
         names = {*self.options.values(), *self.fixed} - arrays
         try:
             params = inspect.signature(func).parameters
@@ -146,6 +152,8 @@ class OptionMap:
                     framework.seed(value)
                     continue
                 value = framework.key(value)
+            elif option in ARRAY_OPTIONS:
+                value = framework.from_numpy(np.asarray(value))
             found[keyword] = value
         return found
 

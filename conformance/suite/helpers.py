@@ -39,6 +39,18 @@ def random_qkv(
     return q, k, v
 
 
+def worked_qkv(example: dict, backend, dtype: str, lead: int) -> tuple[np.ndarray, ...]:
+    """q, k, v of a hand-checked example (fixtures/worked_example.json) in ``dtype``, with
+    ``lead`` leading axes of 1. The variants' examples have q and k of head size D = 1 and
+    v of E = 2; a backend that does not declare "value_dim" gets q and k with a column of
+    zeros after theirs (D = E = 2): every score q·k is the same, so the hand values hold."""
+    q, k, v = (np.array(example[n], dtype=numpy_dtype(dtype)) for n in "qkv")
+    E = v.shape[-1]
+    if q.shape[-1] != E and "value_dim" not in backend.capabilities:
+        q, k = (np.pad(x, [(0, 0), (0, E - x.shape[-1])]) for x in (q, k))
+    return tuple(x.reshape((1,) * lead + x.shape) for x in (q, k, v))
+
+
 def random_tolerance(q, k, v, dtype: str, **options) -> float:
     """SPEC §7's tolerance for inputs without a fixture: the naive run in ``dtype`` against
     the same naive run in float64, which for these sizes is far closer to the oracle than

@@ -21,6 +21,7 @@ from conformance.suite.helpers import (
     pairwise_params,
     random_qkv,
     setup_params,
+    worked_qkv,
 )
 from conformance.suite.requirements import SuiteError, requires
 from conformance.suite.tolerance import (
@@ -114,7 +115,7 @@ def test_alibi_worked_example(backend, key, dtype):
     from the bottom-right diagonal."""
     ex = worked_example()["alibi"]
     dt = numpy_dtype(dtype)
-    q, k, v = (np.array(ex[n], dtype=dt)[None, None] for n in "qkv")
+    q, k, v = worked_qkv(ex, backend, dtype, lead=2)
     slopes = np.array(ex["alibi_slopes"], dtype=dt)  # ln 2 in q's dtype
     if key == "one_query_top_left":
         q = q[:, :, 1:]

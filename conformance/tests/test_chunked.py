@@ -21,6 +21,7 @@ from conformance.suite.helpers import (
     pairwise_params,
     random_qkv,
     setup_params,
+    worked_qkv,
 )
 from conformance.suite.requirements import SuiteError, requires
 from conformance.suite.tolerance import (
@@ -110,8 +111,7 @@ def test_chunked_worked_example(backend, key, dtype):
     every score 0, chunks {0, 1} and {2, 3}: each row averages the values of its chunk
     that it may see."""
     ex = worked_example()["chunked"]
-    dt = numpy_dtype(dtype)
-    q, k, v = (np.array(ex[n], dtype=dt)[None, None] for n in "qkv")
+    q, k, v = worked_qkv(ex, backend, dtype, lead=2)
     options = {"is_causal": key != "non_causal"}
     if key == "bottom_right_last_two":
         q = q[:, :, 2:]

@@ -15,7 +15,7 @@ import pytest
 from conformance.backends import numpy_dtype
 from conformance.fixtures import oracle
 from conformance.suite.cases import case_entries, case_marks, load_case, worked_example
-from conformance.suite.helpers import as64, setup_params
+from conformance.suite.helpers import as64, setup_params, worked_qkv
 from conformance.suite.requirements import SuiteError, requires, uses_dtype
 from conformance.suite.tolerance import (
     Departure,
@@ -126,8 +126,7 @@ def test_packed_worked_example(backend, key, dtype):
     """The hand-checked example (fixtures/worked_example.json, "packed"): every score 0, so
     each row averages the values of its own document that it may see, and never another's."""
     ex = worked_example()["packed"]
-    dt = numpy_dtype(dtype)
-    q, k, v = (np.array(ex[n], dtype=dt)[None] for n in "qkv")
+    q, k, v = worked_qkv(ex, backend, dtype, lead=1)
     cu_q = cu_k = np.array(ex["cu_seqlens"])
     options = {"is_causal": key != "non_causal"}
     if key.startswith("unequal"):

@@ -21,6 +21,7 @@ from conformance.suite.helpers import (
     pairwise_params,
     random_qkv,
     setup_params,
+    worked_qkv,
 )
 from conformance.suite.requirements import SuiteError, requires, value_dims
 from conformance.suite.tolerance import (
@@ -97,7 +98,7 @@ def test_sinks_worked_example(backend, causal, dtype):
     ex = worked_example()["sinks"]
     key = "causal" if causal else "non_causal"
     dt = numpy_dtype(dtype)
-    q, k, v = (np.array(ex[n], dtype=dt)[None, None] for n in "qkv")
+    q, k, v = worked_qkv(ex, backend, dtype, lead=2)
     sinks = np.array(ex["sinks"], dtype=dt)
     out = backend.attention(q, k, v, is_causal=causal, sinks=sinks)[0, 0]
     assert_within(

@@ -17,6 +17,7 @@ conversion itself is ``conformance/adapters/native.py``; a profile only says wha
     layout = "BHTD"                          # or BTHD
     requires = ["torch"]                     # distributions; missing -> skipped by name
     jit = false                              # JAX: compile with jax.jit, options static
+    # packed = "module:function"             # attention_packed (SPEC §18), with "packed"
     needs = []                               # hardware: ["cuda"]; skipped by name without
     probe = ""                               # "module:function": None, or why not (measured)
     capabilities = ["unbatched", "gqa", "dropout", "grad", "grad_mask"]
@@ -92,6 +93,7 @@ KEYS = {
     "jit",
     "needs",
     "probe",
+    "packed",
 }
 MASK_KEYS = {"bool", "bool_true", "float"}
 #: What a profile's ``needs`` may name: hardware a function requires beyond its libraries.
@@ -126,6 +128,7 @@ class Profile:
     jit: bool = False
     needs: tuple[str, ...] = ()
     probe: str = ""
+    packed: str | None = None
 
     def missing(self) -> list[str]:
         """The distributions in ``requires`` that are not installed here."""
@@ -174,6 +177,7 @@ class Profile:
                 call=self.call,
                 libraries=self.requires,
                 jit=self.jit,
+                packed=self.packed,
             )
         except (ImplUnavailable, ValueError) as err:
             raise ProfileError(f"profile {self.name!r} ({self.path}): {err}") from err
@@ -269,6 +273,16 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
             f"{where}: {both} listed both as known failures and as processor-dependent: "
             "a test is one or the other"
         )
+    packed = data.get("packed")
+    if packed is not None and (not isinstance(packed, str) or ":" not in packed):
+        raise ProfileError(
+            f"{where}: 'packed' should be the 'module:function' of attention_packed, got {packed!r}"
+        )
+    if (packed is not None) != ("packed" in data.get("capabilities", ())):
+        raise ProfileError(
+            f"{where}: the capability 'packed' and the key 'packed' (the function for "
+            "attention_packed) go together"
+        )
     return Profile(
         name=data["name"],
         target=data["target"],
@@ -285,6 +299,7 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
         jit=bool(data.get("jit", False)),
         needs=tuple(needs),
         probe=probe,
+        packed=packed,
     )
 
 

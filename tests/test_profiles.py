@@ -330,6 +330,41 @@ def test_a_packed_function_is_called_with_the_boundaries(tmp_path):
         unregister_backend("packed-sdpa")
 
 
+@pytest.mark.clause("13.10", "13.14")
+def test_what_the_gqa_adapter_works_around_is_refused_by_the_installed_operator(monkeypatch):
+    """The onnxruntime.GroupQueryAttention adapter pads head sizes to a multiple of 8 and
+    runs a step with a past one batch entry at a time because the operator refuses both
+    (onnx_gqa.py): measured here, so the profile's words stay true of the installed
+    version; and with the workarounds the call is the oracle's."""
+    pytest.importorskip("onnxruntime")
+    from conformance.adapters.profiles import onnx_gqa
+
+    rng = np.random.default_rng(10)
+    q, k, v = (rng.standard_normal((2, n, 2, 4)).astype(np.float32) for n in (3, 5, 5))
+    options = {"is_causal": True, "causal_alignment": "bottom_right"}
+    with_workarounds = onnx_gqa.group_query_attention(q, k, v, **options)
+    expected = _load("numpy").attention(
+        *(x.swapaxes(1, 2).astype(np.float64) for x in (q, k, v)), **options
+    )
+    np.testing.assert_allclose(with_workarounds.swapaxes(1, 2), expected, atol=1e-5)
+    monkeypatch.setattr(onnx_gqa, "ONE_ENTRY_AT_A_TIME", False)
+    with pytest.raises(Exception, match="batch_size must be 1 when sequence_length > 1"):
+        onnx_gqa.group_query_attention(q, k, v, **options)
+    monkeypatch.setattr(onnx_gqa, "HEAD_MULTIPLE", 1)
+    with pytest.raises(Exception, match="head_size must be a multiple of 8"):
+        onnx_gqa.group_query_attention(q[:1], k[:1], v[:1], **options)
+
+
+@pytest.mark.clause("15.6")
+def test_the_onnx_attention_operator_has_no_sink_input():
+    """SPEC §15.6: the newest ONNX Attention the installed onnx defines takes no sinks, so
+    the ONNX profiles declare none; GroupQueryAttention's head_sink is ONNX Runtime's."""
+    defs = pytest.importorskip("onnx.defs")
+    schema = defs.get_schema("Attention", defs.onnx_opset_version())
+    names = [i.name for i in schema.inputs]
+    assert "Q" in names and not any("sink" in n.lower() for n in names), names
+
+
 # --- Usage errors ------------------------------------------------------------------------------
 
 

@@ -59,9 +59,18 @@ def _first_line(message: str) -> str:
     return line if len(line) <= 120 else line[:119].rstrip() + "…"
 
 
+#: ONNX Runtime's wrapper around a kernel's message ("[ONNXRuntimeError] : 2 :
+#: INVALID_ARGUMENT : Non-zero status code returned while running X node. Name:'' Status
+#: Message: "): the same for every refusal, and long enough to cut the message itself off.
+_ORT_WRAPPER = re.compile(
+    r"^\[ONNXRuntimeError\] : \d+ : \w+ : "
+    r"(?:Non-zero status code returned while running \w+ node\. Name:'[^']*' Status Message: )?"
+)
+
+
 def raised(err: BaseException) -> str:
     """The behaviour of a function that raised ``err`` on an input the spec accepts."""
-    text = _first_line(str(err))
+    text = _first_line(_ORT_WRAPPER.sub("", str(err).strip()))
     return f"raises {type(err).__name__}" + (f": {text}" if text else "")
 
 

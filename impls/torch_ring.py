@@ -34,7 +34,9 @@ error in the caller, and the next call starts a fresh pool.
 
 Shape legend: B batch · H query heads · K key/value heads (H % K == 0) · G = H // K ·
 T query length · S key/value length · D q/k head dim · E v head dim · P ranks ·
-Tl, Sl the per-rank slice lengths.
+Tl, Sl the per-rank slice lengths, Tp = P·Tl, Sp = P·Sl the padded lengths · Tc, Sc a
+piece's (zigzag: two per slice) · Tr, Sr the query rows and keys of one block (of one
+document in it, when packed).
 
     q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
 
@@ -710,7 +712,7 @@ def _permute(x: np.ndarray, axis: int, perm: np.ndarray) -> np.ndarray:
 def _in_documents(cu: np.ndarray, perm: np.ndarray, shift) -> tuple[np.ndarray, np.ndarray]:
     """Each slot's document (-1 for padding, which belongs to none) and its position
     inside it plus its document's ``shift``; cu (N + 1,) the cumulative lengths, perm the
-    layout's slot -> original position."""
+    layout's slot -> original position, (Lp,) with Lp = Tp for queries, Sp for keys."""
     real = perm < cu[-1]  # (Lp,)
     doc = np.full(len(perm), -1, dtype=np.int64)  # (Lp,)
     # A position t is in document n when cu[n] <= t < cu[n + 1]: empty documents skipped.

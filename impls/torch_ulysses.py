@@ -615,7 +615,7 @@ def _permute(x: np.ndarray, axis: int, perm: np.ndarray) -> np.ndarray:
 def _in_documents(cu: np.ndarray, perm: np.ndarray, shift) -> tuple[np.ndarray, np.ndarray]:
     """Each slot's document (-1 for padding, which belongs to none) and its position
     inside it plus its document's ``shift``; cu (N + 1,) the cumulative lengths, perm the
-    layout's slot -> original position."""
+    layout's slot -> original position, (Lp,) with Lp = Tp for queries, Sp for keys."""
     real = perm < cu[-1]  # (Lp,)
     doc = np.full(len(perm), -1, dtype=np.int64)  # (Lp,)
     # A position t is in document n when cu[n] <= t < cu[n + 1]: empty documents skipped.

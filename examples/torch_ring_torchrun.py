@@ -33,7 +33,9 @@ def main() -> None:
     Tl = T // P
     mine = slice(rank * Tl, (rank + 1) * Tl)  # this rank's contiguous slice
     positions = torch.arange(T)
-    opts = dict(scale=1 / math.sqrt(D), softcap=None, offset=0, lo=-(2**30), hi=0, T=T, S=T)
+    opts = dict(
+        scale=1 / math.sqrt(D), softcap=None, offset=0, lo=-(2**30), hi=0, T=T, S=T, chunk=None
+    )
     out = ring_attention(
         q[:, :, mine], k[:, :, mine], v[:, :, mine], positions[mine], positions[mine], None,
         opts=opts, pieces=1,

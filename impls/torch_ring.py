@@ -34,7 +34,9 @@ error in the caller, and the next call starts a fresh pool.
 
 Shape legend: B batch · H query heads · K key/value heads (H % K == 0) · G = H // K ·
 T query length · S key/value length · D q/k head dim · E v head dim · P ranks ·
-Tl, Sl the per-rank slice lengths.
+Tl, Sl the per-rank slice lengths, Tp = P·Tl, Sp = P·Sl the padded lengths · Tc, Sc a
+piece's (zigzag: two per slice) · Tr, Sr the query rows and keys of one block (of one
+document in it, when packed).
 
     q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
 
@@ -49,8 +51,22 @@ Supports: bool and float masks, causal (both alignments), windows, chunked local
 attention, softcap, attention sinks, ALiBi, GQA (no repeated heads built), every dtype (computed in float32 or float64,
 rounded once), unbatched inputs, and the backward pass (dsinks included). Chunked local
 attention is one more test on the tokens' positions, like the window, so a block with no
-key in its queries' chunks is skipped like one above the causal diagonal. Not supported:
-dropout.
+key in its queries' chunks is skipped like one above the causal diagonal. Also packed
+variable-length sequences (``attention_packed``, SPEC §18, and its backward). Not
+supported: dropout.
+
+Packed documents. The packed tokens are one sequence (B = 1), laid out over the ranks as
+``attention``'s is, padding included. Each token carries its document (padding belongs to
+none) and its position inside it (a query's shifted by S_n − T_n for bottom-right
+alignment) round the ring with its slice, as the positions travel above, so document
+membership is one more test on the tokens, like the window and the chunks: a key is
+allowed only if its document is the query's, then causality and the window are counted on
+the positions inside the document, and a block whose queries and keys share no document
+is skipped. Inside a block that holds several documents each is computed on its own, its
+rows against its keys: one product over the block, with the other documents' keys at
+-inf, would still multiply their weights of 0 by their values, and 0 · NaN = NaN would
+carry one document's NaN into another's rows (SPEC §18.3). The backward splits its blocks
+the same way.
 
 The backward (``ring_attention_backward``) is a second ring, written by hand because
 autograd does not differentiate point-to-point communication. The forward's per-row
@@ -91,8 +107,9 @@ TIMEOUT_S = 120.0  # every collective, and the caller's wait for a result
 
 
 def ring_attention(
-    q, k, v, tpos, spos, mask, sinks=None, slopes=None, *, opts: dict, pieces: int
-) -> torch.Tensor:
+    q, k, v, tpos, spos, mask, sinks=None, slopes=None, tdoc=None, sdoc=None, *,
+    opts: dict, pieces: int,
+) -> torch.Tensor:  # fmt: skip
     """One rank's share: its query slice against every key/value slice in turn.
 
     q (B, H, Tl, D), k (B, K, Sl, D), v (B, K, Sl, E) in the working dtype; tpos (Tl,),
@@ -100,12 +117,20 @@ def ring_attention(
     Tl|1, Sp|1) or None: this rank's rows, every column in the layout's order; sinks (H,)
     and ALiBi's slopes (B, H) in the working dtype, the same on every rank, or None. The
     process group is the default one; every rank calls this with its own shard.
+
+    Packed documents (SPEC §18): tdoc (Tl,) and sdoc (Sl,) int64, each token's document
+    (-1 for padding, which belongs to none), with tpos and spos then the positions inside
+    the document (a query's shifted by S_n − T_n for bottom-right alignment, so that
+    ``opts["offset"]`` is 0) and no mask. Left out (None), the whole sequence is one
+    document and padding is told by tpos >= T, spos >= S.
     """
-    out, _ = _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, opts=opts, pieces=pieces)
+    out, _ = _ring_forward(
+        q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, opts=opts, pieces=pieces
+    )
     return out  # (B, H, Tl, E)
 
 
-def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, *, opts: dict, pieces: int):
+def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, *, opts, pieces):
     """The forward ring: (out (B, H, Tl, E), lse (B, H, Tl)), lse = -inf for a row with
     no key; the sink, if any, is in lse."""
     P, me = dist.get_world_size(), dist.get_rank()
@@ -115,22 +140,22 @@ def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, *, opts: dict, piece
     G = H // K
     Tc, Sc = Tl // pieces, Sl // pieces  # rows and keys per piece (zigzag: two pieces)
     work = q.dtype
-    k, v, spos = (x.contiguous() for x in (k, v, spos))  # what travels must be contiguous
+    # What travels round the ring: the key/value slice and its tokens' positions and
+    # documents; it must be contiguous.
+    travel = [None if x is None else x.contiguous() for x in (k, v, spos, sdoc)]
 
     # 2. Scale, folded into the queries; query head h = κ·G + g shares kv head κ.
     q = (q * opts["scale"]).reshape(B, K, G, Tl, D)  # (B, K, G, Tl, D)
-    qs = [q[:, :, :, a * Tc : (a + 1) * Tc].reshape(B, K, G * Tc, D) for a in range(pieces)]
-    tps = [tpos[a * Tc : (a + 1) * Tc] for a in range(pieces)]  # (Tc,) each
     alibi = None if slopes is None else slopes.reshape(B, K, G, 1, 1)  # (B, K, G, 1, 1)
 
     def update(carry, qa, kb, vb, allowed, used, mb, bias):
-        m, l, acc = carry  # (B, K, G·Tc), (B, K, G·Tc), (B, K, G·Tc, E)
+        m, l, acc = carry  # (B, K, G, Tr), (B, K, G, Tr), (B, K, G, Tr, E)
         # A key no query of this block may see is replaced by 0 before use (0 · NaN is NaN).
-        kb = torch.where(used[..., None], kb, 0.0)  # (B, K, Sc, D)
-        vb = torch.where(used[..., None], vb, 0.0)  # (B, K, Sc, E)
+        kb = torch.where(used[..., None], kb, 0.0)  # (B, K, Sr, D)
+        vb = torch.where(used[..., None], vb, 0.0)  # (B, K, Sr, E)
 
-        # 1. Scores: the local query piece against the key piece now on this rank.
-        x = torch.einsum("bkrd,bksd->bkrs", qa, kb)  # (B, K, G·Tc, Sc)
+        # 1. Scores: the local query rows against the key columns now on this rank.
+        x = torch.einsum("bkgtd,bksd->bkgts", qa, kb)  # (B, K, G, Tr, Sr)
 
         # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
         if opts["softcap"] is not None:
@@ -138,82 +163,72 @@ def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, *, opts: dict, piece
 
         # 4. Mask: ALiBi's linear bias and a float mask are added, then every key a query
         # may not see gets -inf.
-        x = x.reshape(B, K, G, Tc, Sc)  # (B, K, G, Tc, Sc)
         if bias is not None:
             x = x + bias
         if mb is not None and mb.dtype != torch.bool:
             x = x + mb
-        x = torch.where(allowed, x, -torch.inf).reshape(B, K, G * Tc, Sc)
+        x = torch.where(allowed, x, -torch.inf)  # (B, K, G, Tr, Sr)
 
         # 5. Softmax over the keys, online (the stable form: α <= 1, exp of values <= 0).
-        m_new = torch.maximum(m, x.amax(dim=-1))  # (B, K, G·Tc)
-        m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)  # (B, K, G·Tc)
-        alpha = torch.exp(m - m_safe)  # (B, K, G·Tc)
-        p = torch.exp(x - m_safe[..., None])  # (B, K, G·Tc, Sc)
-        l = alpha * l + p.sum(dim=-1)  # (B, K, G·Tc)
+        m_new = torch.maximum(m, x.amax(dim=-1))  # (B, K, G, Tr)
+        m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)  # (B, K, G, Tr)
+        alpha = torch.exp(m - m_safe)  # (B, K, G, Tr)
+        p = torch.exp(x - m_safe[..., None])  # (B, K, G, Tr, Sr)
+        l = alpha * l + p.sum(dim=-1)  # (B, K, G, Tr)
 
         # 7. Weighted sum of the values, accumulated unnormalised.
-        acc = alpha[..., None] * acc + torch.einsum("bkrs,bkse->bkre", p, vb)
+        acc = alpha[..., None] * acc + torch.einsum("bkgts,bkse->bkgte", p, vb)
         return m_new, l, acc
 
-    carry = [
-        (
-            torch.full((B, K, G * Tc), -torch.inf, dtype=work),  # m: running row max
-            torch.zeros((B, K, G * Tc), dtype=work),  # l: running row sum
-            torch.zeros((B, K, G * Tc, E), dtype=work),  # acc: unnormalised output
-        )
-        for _ in range(pieces)
-    ]
+    m = torch.full((B, K, G, Tl), -torch.inf, dtype=work)  # running row max
+    l = torch.zeros((B, K, G, Tl), dtype=work)  # running row sum
+    acc = torch.zeros((B, K, G, Tl, E), dtype=work)  # unnormalised output
     for step in range(P):
         src = (me - step) % P  # whose key/value slice this rank holds now
+        k, v, spos, sdoc = travel
         pending = []
         if step < P - 1:
             # Pass the slice on while computing on it: send to r + 1, receive from r − 1.
-            nxt = [torch.empty_like(x) for x in (k, v, spos)]
-            ops = [dist.P2POp(dist.isend, x, (me + 1) % P) for x in (k, v, spos)]
-            ops += [dist.P2POp(dist.irecv, x, (me - 1) % P) for x in nxt]
-            pending = dist.batch_isend_irecv(ops)
+            travel, pending = _send_on(travel, me, P)
         for a in range(pieces):
             for b in range(pieces):
-                sp = spos[b * Sc : (b + 1) * Sc]  # (Sc,)
-                # Skip a block no query of this piece may see: the causal saving.
-                if not _allowed_keys(tps[a], sp, opts).any():
+                ta, sb = slice(a * Tc, (a + 1) * Tc), slice(b * Sc, (b + 1) * Sc)
+                # Skip a block no query of this piece may see (causality, the window,
+                # padding, no document in common): the causal saving.
+                if not _allowed_keys(tpos, spos, tdoc, sdoc, ta, sb, opts).any():
                     continue
                 mb = _mask_block(mask, a, b, src, Tc, Sc, Sl)
-                allowed, used, mb = _visible(tps[a], sp, mb, opts, K, G)
-                kb = k[:, :, b * Sc : (b + 1) * Sc]  # (B, K, Sc, D)
-                vb = v[:, :, b * Sc : (b + 1) * Sc]  # (B, K, Sc, E)
-                bias = None if alibi is None else _alibi_bias(alibi, tps[a], sp, opts)
-                carry[a] = update(carry[a], qs[a], kb, vb, allowed, used, mb, bias)
+                # One document at a time, so that no product mixes two (SPEC §18.3).
+                for rows, cols in _documents(tdoc, sdoc, ta, sb):
+                    seen = _visible(tpos, spos, tdoc, sdoc, rows, cols, mb, opts, K, G)
+                    bias = _alibi_bias(alibi, tpos[rows], spos[cols], opts)
+                    carry = (m[:, :, :, rows], l[:, :, :, rows], acc[:, :, :, rows])
+                    carry = update(
+                        carry, q[:, :, :, rows], k[:, :, cols], v[:, :, cols], *seen, bias
+                    )
+                    m[:, :, :, rows], l[:, :, :, rows], acc[:, :, :, rows] = carry
         for req in pending:
             req.wait()
-        if pending:
-            k, v, spos = nxt
 
-    outs, lses = [], []
-    for m, l, acc in carry:
-        if sinks is not None:
-            # The sink joins each row's softmax once, now that every key block has been
-            # merged (once per step or per rank, it would count P times).
-            sink = sinks.reshape(1, K, G, 1).expand(B, K, G, Tc)  # (B, K, G, Tc)
-            sink = sink.reshape(B, K, G * Tc)  # (B, K, G·Tc): query head κ·G + g's rows
-            m, l, acc = _add_sink(m, l, acc, sink)
-        # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
-        acc = acc / torch.where(l > 0, l, 1.0)[..., None]  # (B, K, G·Tc, E)
-        outs.append(acc.reshape(B, K, G, Tc, E))
-        m_safe = torch.where(torch.isfinite(m), m, 0.0)  # (B, K, G·Tc)
-        lse = torch.where(l > 0, m_safe + torch.log(torch.where(l > 0, l, 1.0)), -torch.inf)
-        # A row that read a +inf score (q·k overflowed) has l = +inf or NaN: its lse is
-        # NaN, so that in the backward every weight of it is NaN, as its output is (§4.1).
-        lse = torch.where(torch.isnan(l) | (l == torch.inf), torch.nan, lse)  # (B, K, G·Tc)
-        lses.append(lse.reshape(B, K, G, Tc))
-    out = torch.cat(outs, dim=3).reshape(B, H, Tl, E)  # (B, H, Tl, E)
-    return out, torch.cat(lses, dim=3).reshape(B, H, Tl)  # (B, H, Tl)
+    if sinks is not None:
+        # The sink joins each row's softmax once, now that every key block has been
+        # merged (once per step or per rank, it would count P times).
+        sink = sinks.reshape(1, K, G, 1).expand(B, K, G, Tl)  # (B, K, G, Tl)
+        m, l, acc = _add_sink(m, l, acc, sink)
+    # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
+    out = acc / torch.where(l > 0, l, 1.0)[..., None]  # (B, K, G, Tl, E)
+    m_safe = torch.where(torch.isfinite(m), m, 0.0)  # (B, K, G, Tl)
+    lse = torch.where(l > 0, m_safe + torch.log(torch.where(l > 0, l, 1.0)), -torch.inf)
+    # A row that read a +inf score (q·k overflowed) has l = +inf or NaN: its lse is
+    # NaN, so that in the backward every weight of it is NaN, as its output is (§4.1).
+    lse = torch.where(torch.isnan(l) | (l == torch.inf), torch.nan, lse)  # (B, K, G, Tl)
+    return out.reshape(B, H, Tl, E), lse.reshape(B, H, Tl)  # (B, H, Tl, E), (B, H, Tl)
 
 
 def ring_attention_backward(
-    q, k, v, tpos, spos, mask, d_out, sinks=None, slopes=None, *, opts: dict, pieces: int
-):
+    q, k, v, tpos, spos, mask, d_out, sinks=None, slopes=None, tdoc=None, sdoc=None, *,
+    opts: dict, pieces: int,
+):  # fmt: skip
     """One rank's share of the backward: (dq, dk, dv, dmask or None, dsinks or None).
 
     The arguments are ``ring_attention``'s and d_out (B, H, Tl, E), this rank's rows of
@@ -228,20 +243,19 @@ def ring_attention_backward(
     ``numpy_flash`` and ``jax_flash``.
     """
     P, me = dist.get_world_size(), dist.get_rank()
-    out, lse = _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, opts=opts, pieces=pieces)
+    out, lse = _ring_forward(
+        q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, opts=opts, pieces=pieces
+    )
     B, H, Tl, D = q.shape
     _, K, Sl, _ = k.shape
+    E = v.shape[-1]
     G = H // K
     Tc, Sc = Tl // pieces, Sl // pieces
     work = q.dtype
     float_mask = mask is not None and mask.dtype != torch.bool
-    k, v, spos = (x.contiguous() for x in (k, v, spos))
+    travel = [None if x is None else x.contiguous() for x in (k, v, spos, sdoc)]
 
-    def piece(x, a):  # (B, H, Tl, ·) -> (B, K, G·Tc, ·): query piece a, grouped by kv head
-        x = x.reshape(B, K, G, Tl, *x.shape[3:])[:, :, :, a * Tc : (a + 1) * Tc]
-        return x.reshape(B, K, G * Tc, *x.shape[4:])
-
-    qs = q * opts["scale"]  # (B, H, Tl, D)
+    qs = (q * opts["scale"]).reshape(B, K, G, Tl, D)  # (B, K, G, Tl, D)
     # 5'. The softmax's row term, rowsum(dO ⊙ O): one dot product per row.
     d_row = (d_out * out).sum(dim=-1)  # (B, H, Tl)
     some = torch.isfinite(lse)  # (B, H, Tl): the rows that see a key
@@ -254,113 +268,145 @@ def ring_attention_backward(
         dist.all_reduce(dsinks, op=dist.ReduceOp.SUM)
     alibi = None if slopes is None else slopes.reshape(B, K, G, 1, 1)  # (B, K, G, 1, 1)
     lse = torch.where(lse == -torch.inf, torch.inf, lse)  # no key: P = 0; NaN stays (§4.1)
-    dq = torch.zeros((B, H, Tl, D), dtype=work)
+    lse = lse.reshape(B, K, G, Tl)  # (B, K, G, Tl)
+    d_row = d_row.reshape(B, K, G, Tl)  # (B, K, G, Tl)
+    d_out = d_out.reshape(B, K, G, Tl, E)  # (B, K, G, Tl, E)
+    dq = torch.zeros((B, K, G, Tl, D), dtype=work)
     dmask = torch.zeros((B, H, Tl, P * Sl), dtype=work) if float_mask else None
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # travel with their block
 
     for step in range(P):
         src = (me - step) % P  # whose key/value slice this rank holds now
+        k, v, spos, sdoc = travel
         for a in range(pieces):
-            tp = tpos[a * Tc : (a + 1) * Tc]  # (Tc,)
             for b in range(pieces):
-                cols = slice(b * Sc, (b + 1) * Sc)
-                sp = spos[cols]  # (Sc,)
-                if not _allowed_keys(tp, sp, opts).any():
+                ta, sb = slice(a * Tc, (a + 1) * Tc), slice(b * Sc, (b + 1) * Sc)
+                if not _allowed_keys(tpos, spos, tdoc, sdoc, ta, sb, opts).any():
                     continue
                 mb = _mask_block(mask, a, b, src, Tc, Sc, Sl)
-                allowed, used, mb = _visible(tp, sp, mb, opts, K, G)
-                kb = torch.where(used[..., None], k[:, :, cols], 0.0)  # (B, K, Sc, D)
-                vb = torch.where(used[..., None], v[:, :, cols], 0.0)  # (B, K, Sc, E)
+                for rows, cols in _documents(tdoc, sdoc, ta, sb):
+                    seen = _visible(tpos, spos, tdoc, sdoc, rows, cols, mb, opts, K, G)
+                    allowed, used, mbd = seen
+                    kb = torch.where(used[..., None], k[:, :, cols], 0.0)  # (B, K, Sr, D)
+                    vb = torch.where(used[..., None], v[:, :, cols], 0.0)  # (B, K, Sr, E)
 
-                # Forward steps 1-5 again for this block: raw scores, weights from lse.
-                qa = piece(qs, a)  # (B, K, G·Tc, D)
-                raw = torch.einsum("bkrd,bksd->bkrs", qa, kb)  # (B, K, G·Tc, Sc)
-                x = raw
-                if opts["softcap"] is not None:
-                    x = opts["softcap"] * torch.tanh(raw / opts["softcap"])
-                x = x.reshape(B, K, G, Tc, Sc)  # (B, K, G, Tc, Sc)
-                if alibi is not None:
-                    x = x + _alibi_bias(alibi, tp, sp, opts)
-                if float_mask:
-                    x = x + mb
-                x = torch.where(allowed, x, -torch.inf).reshape(B, K, G * Tc, Sc)
-                p = torch.exp(x - piece(lse, a)[..., None])  # (B, K, G·Tc, Sc)
+                    # Forward steps 1-5 again for this block: raw scores, weights from lse.
+                    qa = qs[:, :, :, rows]  # (B, K, G, Tr, D)
+                    raw = torch.einsum("bkgtd,bksd->bkgts", qa, kb)  # (B, K, G, Tr, Sr)
+                    x = raw
+                    if opts["softcap"] is not None:
+                        x = opts["softcap"] * torch.tanh(raw / opts["softcap"])
+                    if alibi is not None:
+                        x = x + _alibi_bias(alibi, tpos[rows], spos[cols], opts)
+                    if float_mask:
+                        x = x + mbd
+                    x = torch.where(allowed, x, -torch.inf)  # (B, K, G, Tr, Sr)
+                    p = torch.exp(x - lse[:, :, :, rows, None])  # (B, K, G, Tr, Sr)
 
-                # 7'. dV = Pᵀ·dO, and dP = dO·Vᵀ.
-                do = piece(d_out, a)  # (B, K, G·Tc, E)
-                dv_b = torch.einsum("bkrs,bkre->bkse", p, do)  # (B, K, Sc, E)
-                dp = torch.einsum("bkre,bkse->bkrs", do, vb)  # (B, K, G·Tc, Sc)
-                # 5'. dZ = P ⊙ (dP − rowsum(dO ⊙ O)).
-                dz = p * (dp - piece(d_row, a)[..., None])  # (B, K, G·Tc, Sc)
-                # 4'. A float mask was added to the scores: its gradient is dZ.
-                if float_mask:
-                    rows = slice(a * Tc, (a + 1) * Tc)
-                    start = src * Sl + b * Sc
-                    dmask[:, :, rows, start : start + Sc] = dz.reshape(B, H, Tc, Sc)
-                # 3'. Softcap: d/dR of c·tanh(R/c) is 1 − tanh²(R/c).
-                if opts["softcap"] is not None:
-                    dz = dz * (1.0 - torch.tanh(raw / opts["softcap"]) ** 2)
-                # 2'-1'. The scale is folded into qa; dq gets it once at the end.
-                dq_a = torch.einsum("bkrs,bksd->bkrd", dz, kb)  # (B, K, G·Tc, D)
-                dq_a = dq_a.reshape(B, K, G, Tc, D).reshape(B, H, Tc, D)
-                dq[:, :, a * Tc : (a + 1) * Tc] += dq_a
-                dk_b = torch.einsum("bkrs,bkrd->bksd", dz, qa)  # (B, K, Sc, D)
-                # The slots replaced by 0 get nothing back.
-                dk[:, :, cols] += torch.where(used[..., None], dk_b, 0.0)
-                dv[:, :, cols] += torch.where(used[..., None], dv_b, 0.0)
+                    # 7'. dV = Pᵀ·dO, and dP = dO·Vᵀ.
+                    do = d_out[:, :, :, rows]  # (B, K, G, Tr, E)
+                    dv_b = torch.einsum("bkgts,bkgte->bkse", p, do)  # (B, K, Sr, E)
+                    dp = torch.einsum("bkgte,bkse->bkgts", do, vb)  # (B, K, G, Tr, Sr)
+                    # 5'. dZ = P ⊙ (dP − rowsum(dO ⊙ O)).
+                    dz = p * (dp - d_row[:, :, :, rows, None])  # (B, K, G, Tr, Sr)
+                    # 4'. A float mask was added to the scores: its gradient is dZ. (A mask
+                    # comes only without documents, so the block is the whole piece.)
+                    if float_mask:
+                        start = src * Sl + b * Sc
+                        dmask[:, :, ta, start : start + Sc] = dz.reshape(B, H, Tc, Sc)
+                    # 3'. Softcap: d/dR of c·tanh(R/c) is 1 − tanh²(R/c).
+                    if opts["softcap"] is not None:
+                        dz = dz * (1.0 - torch.tanh(raw / opts["softcap"]) ** 2)
+                    # 2'-1'. The scale is folded into qa; dq gets it once at the end.
+                    dq[:, :, :, rows] += torch.einsum("bkgts,bksd->bkgtd", dz, kb)
+                    dk_b = torch.einsum("bkgts,bkgtd->bksd", dz, qa)  # (B, K, Sr, D)
+                    # The slots replaced by 0 get nothing back.
+                    dk[:, :, cols] += torch.where(used[..., None], dk_b, 0.0)
+                    dv[:, :, cols] += torch.where(used[..., None], dv_b, 0.0)
         if step < P - 1:
             # The block and its gradients so far go on to r + 1; r − 1's arrive here.
-            k, v, spos, dk, dv = _pass_on((k, v, spos, dk, dv), me, P)
+            *travel, dk, dv = _pass_on((k, v, spos, sdoc, dk, dv), me, P)
     if P > 1:
         # One more hop: the gradients of the block held now belong to rank r + 1.
         dk, dv = _pass_on((dk, dv), me, P)
-    return dq * opts["scale"], dk, dv, dmask, dsinks
+    return (dq * opts["scale"]).reshape(B, H, Tl, D), dk, dv, dmask, dsinks
 
 
 def _add_sink(m, l, acc, sink):
     """Fold each row's sink into its (m, l, acc) after the last key block, as one more
     block of one key whose value row is 0: a row with no key (l = 0) is left alone, and a
     NaN or +inf sink makes a row with a key NaN (SPEC §15.4)."""
-    some = l > 0  # (B, K, G·Tc)
-    sink = torch.where(some, sink, -torch.inf)  # (B, K, G·Tc)
-    m_new = torch.maximum(m, sink)  # (B, K, G·Tc)
-    m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)  # (B, K, G·Tc)
-    alpha = torch.exp(m - m_safe)  # (B, K, G·Tc)
-    l = alpha * l + torch.exp(sink - m_safe)  # (B, K, G·Tc)
-    bad = torch.isnan(sink) | (sink == torch.inf)  # (B, K, G·Tc)
-    acc = torch.where(bad[..., None], torch.nan, alpha[..., None] * acc)  # (B, K, G·Tc, E)
+    some = l > 0  # (B, K, G, Tl)
+    sink = torch.where(some, sink, -torch.inf)  # (B, K, G, Tl)
+    m_new = torch.maximum(m, sink)  # (B, K, G, Tl)
+    m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)  # (B, K, G, Tl)
+    alpha = torch.exp(m - m_safe)  # (B, K, G, Tl)
+    l = alpha * l + torch.exp(sink - m_safe)  # (B, K, G, Tl)
+    bad = torch.isnan(sink) | (sink == torch.inf)  # (B, K, G, Tl)
+    acc = torch.where(bad[..., None], torch.nan, alpha[..., None] * acc)  # (B, K, G, Tl, E)
     return m_new, torch.where(bad, torch.nan, l), acc
 
 
 def _alibi_bias(alibi, tp, sp, opts: dict):
-    """ALiBi's bias on one block, (B, K, G, Tc, Sc): −slope · |t + S − T − s|, t and s the
+    """ALiBi's bias on one block, (B, K, G, Tr, Sr): −slope · |t + S − T − s|, t and s the
     tokens' global positions (which travel with them), so the layout and the padding do
-    not change it; the distance is from the bottom-right diagonal whatever the alignment."""
-    distance = (tp[:, None] + opts["S"] - opts["T"] - sp[None, :]).abs()  # (Tc, Sc)
-    return -alibi * distance.to(alibi.dtype)  # (B, K, G, Tc, Sc)
+    not change it; the distance is from the bottom-right diagonal whatever the alignment.
+    None without ALiBi."""
+    if alibi is None:
+        return None
+    distance = (tp[:, None] + opts["S"] - opts["T"] - sp[None, :]).abs()  # (Tr, Sr)
+    return -alibi * distance.to(alibi.dtype)  # (B, K, G, Tr, Sr)
+
+
+def _send_on(tensors, me: int, P: int):
+    """Start sending each tensor (None stays None) to rank r + 1 and receiving rank
+    r − 1's in its place: (the tensors on their way here, the pending requests)."""
+    nxt = [None if x is None else torch.empty_like(x) for x in tensors]
+    ops = [dist.P2POp(dist.isend, x.contiguous(), (me + 1) % P) for x in tensors if x is not None]
+    ops += [dist.P2POp(dist.irecv, x, (me - 1) % P) for x in nxt if x is not None]
+    return nxt, dist.batch_isend_irecv(ops)
 
 
 def _pass_on(tensors, me: int, P: int):
     """Send each tensor to rank r + 1 and receive rank r − 1's in its place."""
-    nxt = [torch.empty_like(x) for x in tensors]
-    ops = [dist.P2POp(dist.isend, x.contiguous(), (me + 1) % P) for x in tensors]
-    ops += [dist.P2POp(dist.irecv, x, (me - 1) % P) for x in nxt]
-    for req in dist.batch_isend_irecv(ops):
+    nxt, pending = _send_on(tensors, me, P)
+    for req in pending:
         req.wait()
     return nxt
 
 
-def _allowed_keys(tp, sp, opts: dict):
-    """(Tc, Sc): causality, the window, local-attention chunks and padding, from the
-    tokens' original positions. Chunks use floor division: a query at a negative position
-    lies in a chunk of no key."""
-    t = tp[:, None] + opts["offset"]  # (Tc, 1)
-    distance = sp[None, :] - t  # (Tc, Sc)
-    padding = (tp < opts["T"])[:, None] & (sp < opts["S"])[None, :]  # (Tc, Sc)
-    allowed = padding & (distance >= opts["lo"]) & (distance <= opts["hi"])  # (Tc, Sc)
+def _allowed_keys(tpos, spos, tdoc, sdoc, rows, cols, opts: dict):
+    """(Tr, Sr): may query slot rows[i] see key slot cols[j]? Causality, the window,
+    local-attention chunks and padding, from the tokens' original positions; with packed
+    documents, also the same document (padding is in none). Chunks use floor division: a
+    query at a negative position lies in a chunk of no key."""
+    tp, sp = tpos[rows], spos[cols]  # (Tr,), (Sr,)
+    t = tp[:, None] + opts["offset"]  # (Tr, 1)
+    distance = sp[None, :] - t  # (Tr, Sr)
+    if tdoc is None:
+        real = (tp < opts["T"])[:, None] & (sp < opts["S"])[None, :]  # (Tr, Sr)
+    else:
+        td, sd = tdoc[rows], sdoc[cols]  # (Tr,), (Sr,)
+        real = (td[:, None] == sd[None, :]) & (sd >= 0)[None, :]  # (Tr, Sr)
+    allowed = real & (distance >= opts["lo"]) & (distance <= opts["hi"])  # (Tr, Sr)
     if opts["chunk"] is not None:
         allowed = allowed & (t // opts["chunk"] == sp[None, :] // opts["chunk"])
     return allowed
+
+
+def _documents(tdoc, sdoc, rows: slice, cols: slice) -> list:
+    """The (rows, cols) of each document that query slots ``rows`` and key slots ``cols``
+    have in common, as index tensors into the rank's slices; without documents, the block
+    itself. Attending one document at a time is what keeps them apart: one product over
+    two documents would multiply a weight of 0 by the other's values, and 0 · NaN = NaN."""
+    if tdoc is None:
+        return [(rows, cols)]
+    td, sd = tdoc[rows], sdoc[cols]  # (Tc,), (Sc,)
+    shared = [d for d in torch.unique(td).tolist() if d >= 0 and bool((sd == d).any())]
+    return [
+        (torch.nonzero(td == d)[:, 0] + rows.start, torch.nonzero(sd == d)[:, 0] + cols.start)
+        for d in shared
+    ]
 
 
 def _mask_block(mask, a: int, b: int, src: int, Tc: int, Sc: int, Sl: int):
@@ -374,11 +420,11 @@ def _mask_block(mask, a: int, b: int, src: int, Tc: int, Sc: int, Sl: int):
     return mb
 
 
-def _visible(tp, sp, mb, opts: dict, K: int, G: int):
-    """(allowed, used, mb) for one block: which keys each query may see, (Tc, Sc) or
-    (B|1, K|1, G|1, Tc, Sc) with a mask; which keys any of them sees, (Sc,) or
-    (B|1, K|1, Sc); and the mask grouped by key/value head (or None)."""
-    allowed = _allowed_keys(tp, sp, opts)  # (Tc, Sc)
+def _visible(tpos, spos, tdoc, sdoc, rows, cols, mb, opts: dict, K: int, G: int):
+    """(allowed, used, mb) for one block: which keys each query may see, (Tr, Sr) or
+    (B|1, K|1, G|1, Tr, Sr) with a mask; which keys any of them sees, (Sr,) or
+    (B|1, K|1, Sr); and the mask grouped by key/value head (or None)."""
+    allowed = _allowed_keys(tpos, spos, tdoc, sdoc, rows, cols, opts)  # (Tr, Sr)
     if mb is not None:
         mb = _grouped(mb, K, G)  # (B|1, K|1, G|1, Tc|1, Sc|1)
         allowed = allowed & (mb if mb.dtype == torch.bool else mb != -torch.inf)
@@ -479,12 +525,85 @@ def attention_vjp(
     return tuple(grads)
 
 
+def attention_packed(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    world_size: int = 2,
+    layout: str = "zigzag",
+) -> np.ndarray:
+    """Packed variable-length sequences (SPEC §18) on the ring; NumPy in and out.
+
+    q (H, T, D), k (K, S, D), v (K, S, E) hold N documents one after another, document n
+    being queries cu_seqlens_q[n]:cu_seqlens_q[n + 1] and keys cu_seqlens_k[n]:
+    cu_seqlens_k[n + 1]; out (H, T, E). The packed tokens are one sequence (B = 1), laid
+    out over the ranks as ``attention``'s is; each token takes its document and its
+    position inside it round the ring, and a query sees only keys of its own document,
+    causality and the window counted from the document's own start (see ``_Layout``).
+    """
+    # 0. Validate: the input contract every impl shares (contract.py).
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    call, cu_q, cu_k = contract.check_packed(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=is_causal, scale=scale,
+        causal_alignment=causal_alignment, window=window, softcap=softcap,
+    )  # fmt: skip
+    ring = _Layout(call, q, k, v, None, None, world_size, layout, documents=(cu_q, cu_k))
+    outs = run_on_ranks(ring.P, _forward_rank, ring.shards, opts=ring.opts, pieces=ring.pieces)
+    out = ring.rows_back(np.concatenate(outs, axis=2)).astype(q.dtype)  # (1, H, T, E)
+    return out[0]  # (H, T, E)
+
+
+def attention_packed_vjp(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    d_out,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    world_size: int = 2,
+    layout: str = "zigzag",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The backward ring of ``attention_packed``: (dq, dk, dv) for d_out (H, T, E), shaped
+    and typed like q, k and v; the boundaries are integers and get no gradient."""
+    q, k, v, d_out = np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(d_out)
+    call, cu_q, cu_k = contract.check_packed(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=is_causal, scale=scale,
+        causal_alignment=causal_alignment, window=window, softcap=softcap, d_out=d_out,
+    )  # fmt: skip
+    ring = _Layout(call, q, k, v, None, d_out, world_size, layout, documents=(cu_q, cu_k))
+    parts = run_on_ranks(ring.P, _backward_rank, ring.shards, opts=ring.opts, pieces=ring.pieces)
+    dq = ring.rows_back(np.concatenate([g[0] for g in parts], axis=2))  # (1, H, T, D)
+    dk = ring.cols_back(np.concatenate([g[1] for g in parts], axis=2), 2)  # (1, K, S, D)
+    dv = ring.cols_back(np.concatenate([g[2] for g in parts], axis=2), 2)  # (1, K, S, E)
+    return tuple(g[0].astype(q.dtype) for g in (dq, dk, dv))
+
+
 class _Layout:
-    """The sequence laid out over P ranks: the shards each rank gets, and the way back."""
+    """The sequence laid out over P ranks: the shards each rank gets, and the way back.
+
+    With ``documents`` = (cu_seqlens_q, cu_seqlens_k), a packed call (SPEC §18): each slot
+    also gets its document (-1 for padding) and, for its position, the one inside its
+    document, so that every test the ranks make on positions is counted within documents.
+    """
 
     def __init__(
-        self, call, q, k, v, mask, d_out, P: int, layout: str, sinks=None, slopes=None
-    ) -> None:
+        self, call, q, k, v, mask, d_out, P: int, layout: str, sinks=None, slopes=None,
+        documents=None,
+    ) -> None:  # fmt: skip
         if layout not in LAYOUTS:
             raise ValueError(f"layout should be one of {LAYOUTS}, got {layout!r}")
         if call.unbatched:
@@ -510,10 +629,22 @@ class _Layout:
                 mask = _permute(mask, 3, self.perm_s)
         left, right = call.window if call.window is not None else (None, None)
         hi = _FAR if right is None else right
+        offset = 0 if call.causal_alignment == "top_left" else call.S - call.T
+        tpos, spos, tdoc, sdoc = self.perm_t, self.perm_s, None, None
+        if documents is not None:
+            # Packed: a query's position is counted from its document's first query, a
+            # key's from its document's first key; bottom-right alignment shifts document
+            # n's queries by its own S_n − T_n, so the offset below is 0.
+            cu_q, cu_k = (np.asarray(cu, dtype=np.int64) for cu in documents)
+            bottom_right = call.causal_alignment == "bottom_right"
+            shift = np.diff(cu_k) - np.diff(cu_q) if bottom_right else 0  # (N,): S_n − T_n
+            tdoc, tpos = _in_documents(cu_q, self.perm_t, shift)  # (Tp,), (Tp,)
+            sdoc, spos = _in_documents(cu_k, self.perm_s, 0)  # (Sp,), (Sp,)
+            offset = 0
         self.opts = dict(
             scale=call.scale,
             softcap=call.softcap,
-            offset=0 if call.causal_alignment == "top_left" else call.S - call.T,
+            offset=offset,
             lo=-_FAR if left is None else -left,
             hi=min(hi, 0) if call.is_causal else hi,
             T=call.T,
@@ -532,11 +663,12 @@ class _Layout:
             m = None
             if mask is not None:
                 m = mask if mask.shape[2] == 1 else mask[:, :, rows]
-            shard = (q[:, :, rows], k[:, :, cols], v[:, :, cols], self.perm_t[rows])
-            shard += (self.perm_s[cols], m)
+            shard = (q[:, :, rows], k[:, :, cols], v[:, :, cols], tpos[rows], spos[cols], m)
             if d_out is not None:
                 shard += (d_out[:, :, rows],)
-            self.shards.append((*shard, sinks, slopes))
+            shard += (sinks, slopes)
+            shard += (None, None) if documents is None else (tdoc[rows], sdoc[cols])
+            self.shards.append(shard)
 
     def rows_back(self, x: np.ndarray) -> np.ndarray:
         """Axis 2 from the layout's order back to the original one, padding cut off."""
@@ -577,16 +709,31 @@ def _permute(x: np.ndarray, axis: int, perm: np.ndarray) -> np.ndarray:
     return np.take(np.pad(x, pad), perm, axis=axis)
 
 
-def _forward_rank(q, k, v, tpos, spos, mask, sinks, slopes, *, opts: dict, pieces: int):
-    """What a pool worker runs for ``attention``: (B, H, Tl, E)."""
-    return ring_attention(q, k, v, tpos, spos, mask, sinks, slopes, opts=opts, pieces=pieces)
+def _in_documents(cu: np.ndarray, perm: np.ndarray, shift) -> tuple[np.ndarray, np.ndarray]:
+    """Each slot's document (-1 for padding, which belongs to none) and its position
+    inside it plus its document's ``shift``; cu (N + 1,) the cumulative lengths, perm the
+    layout's slot -> original position, (Lp,) with Lp = Tp for queries, Sp for keys."""
+    real = perm < cu[-1]  # (Lp,)
+    doc = np.full(len(perm), -1, dtype=np.int64)  # (Lp,)
+    # A position t is in document n when cu[n] <= t < cu[n + 1]: empty documents skipped.
+    doc[real] = np.searchsorted(cu, perm[real], side="right") - 1
+    pos = perm.astype(np.int64)  # (Lp,): padding keeps its slot's own, never looked at
+    pos[real] = perm[real] - cu[doc[real]] + np.broadcast_to(shift, (len(cu) - 1,))[doc[real]]
+    return doc, pos
 
 
-def _backward_rank(q, k, v, tpos, spos, mask, d_out, sinks, slopes, *, opts: dict, pieces: int):
-    """What a pool worker runs for ``attention_vjp``: (dq, dk, dv, dmask or None, dsinks
-    or None)."""
+def _forward_rank(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, *, opts, pieces):
+    """What a pool worker runs for ``attention`` and ``attention_packed``: (B, H, Tl, E)."""
+    return ring_attention(
+        q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, opts=opts, pieces=pieces
+    )
+
+
+def _backward_rank(q, k, v, tpos, spos, mask, d_out, sinks, slopes, tdoc, sdoc, *, opts, pieces):
+    """What a pool worker runs for ``attention_vjp`` and ``attention_packed_vjp``: (dq, dk,
+    dv, dmask or None, dsinks or None)."""
     return ring_attention_backward(
-        q, k, v, tpos, spos, mask, d_out, sinks, slopes, opts=opts, pieces=pieces
+        q, k, v, tpos, spos, mask, d_out, sinks, slopes, tdoc, sdoc, opts=opts, pieces=pieces
     )
 
 

@@ -43,7 +43,17 @@ Hr the query heads and Kr the key/value heads on this rank.
 Supports: bool and float masks, causal (both alignments), windows, chunked local
 attention, softcap, attention sinks, ALiBi, GQA, every dtype (computed in float32 or float64, rounded once), unbatched
 inputs, and the backward pass (autograd on each rank's attention, dsinks included; the
-all-to-alls' adjoints are the reverse all-to-alls). Not supported: dropout.
+all-to-alls' adjoints are the reverse all-to-alls). Also packed variable-length sequences
+(``attention_packed``, SPEC §18, and its backward). Not supported: dropout.
+
+Packed documents. The packed tokens are one sequence (B = 1), laid out as ``attention``'s
+is; every rank gets each slot's document (padding belongs to none) and its position inside
+it (a query's shifted by S_n − T_n for bottom-right alignment), as it gets the positions
+above. After the first all-to-all the whole sequence is on the rank, so each document is
+attended there on its own, its queries against its own keys, causality and the window
+counted on the positions inside it; one product over the whole sequence with the other
+documents' keys at -inf would multiply their weights of 0 by their values, and 0 · NaN =
+NaN would carry one document's NaN into another's rows (SPEC §18.3).
 """
 
 from __future__ import annotations
@@ -74,8 +84,9 @@ def head_split(H: int, K: int, P: int) -> tuple[list[int], list[int], list[int],
 
 
 def ulysses_attention(
-    q, k, v, tpos, spos, mask, sinks=None, slopes=None, *, opts: dict, heads: tuple
-) -> torch.Tensor:
+    q, k, v, tpos, spos, mask, sinks=None, slopes=None, tdoc=None, sdoc=None, *,
+    opts: dict, heads: tuple,
+) -> torch.Tensor:  # fmt: skip
     """One rank's share: (B, H, Tl, E), its sequence slice of every head's output.
 
     q (B, H, Tl, D), k (B, K, Sl, D), v (B, K, Sl, E) in the working dtype, this rank's
@@ -83,15 +94,22 @@ def ulysses_attention(
     the whole laid-out sequence (padding at >= T, >= S); mask (B|1, Hr|1, Tp|1, Sp|1) or
     None: this rank's heads, the whole sequence; sinks (Hr,) and ALiBi's slopes (B, Hr) of
     this rank's query heads, or None. ``heads`` is ``head_split(H, K, P)``.
+
+    Packed documents (SPEC §18): tdoc (Tp,) and sdoc (Sp,) int64, every slot's document
+    (-1 for padding, which belongs to none), with tpos and spos then the positions inside
+    the document (a query's shifted by S_n − T_n for bottom-right alignment, so that
+    ``opts["offset"]`` is 0) and no mask. Left out (None), the whole sequence is one
+    document and padding is told by tpos >= T, spos >= S.
     """
     qh, kh, vh = _to_heads(q, k, v, heads)
-    out = _attention_on_heads(qh, kh, vh, tpos, spos, mask, sinks, slopes, opts, heads)
+    out = _attention_on_heads(qh, kh, vh, tpos, spos, mask, sinks, slopes, tdoc, sdoc, opts, heads)
     return _to_sequence(out, heads[1])  # (B, H, Tl, E)
 
 
 def ulysses_attention_backward(
-    q, k, v, tpos, spos, mask, d_out, sinks=None, slopes=None, *, opts: dict, heads: tuple
-):
+    q, k, v, tpos, spos, mask, d_out, sinks=None, slopes=None, tdoc=None, sdoc=None, *,
+    opts: dict, heads: tuple,
+):  # fmt: skip
     """One rank's share of the backward: (dq, dk, dv, dmask or None, dsinks or None).
 
     The arguments are ``ulysses_attention``'s and d_out (B, H, Tl, E), this rank's slice
@@ -114,8 +132,12 @@ def ulysses_attention_backward(
         leaves.append(sinks)
     (d_head,) = _to_heads_q(d_out, heads)  # (B, Hr, Tp, E)
     with torch.enable_grad():
-        out = _attention_on_heads(qh, kh, vh, tpos, spos, mask, sinks, slopes, opts, heads)
-    grads = torch.autograd.grad(out, leaves, grad_outputs=d_head, allow_unused=True)
+        out = _attention_on_heads(
+            qh, kh, vh, tpos, spos, mask, sinks, slopes, tdoc, sdoc, opts, heads
+        )
+    grads = [None] * len(leaves)
+    if out.requires_grad:  # packed documents none of which has a key: out is 0, from no input
+        grads = torch.autograd.grad(out, leaves, grad_outputs=d_head, allow_unused=True)
     grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
     dq = _to_sequence(grads[0], heads[1])  # (B, H, Tl, D)
     dk = _kv_to_sequence(grads[1], heads, k.shape[1], me)  # (B, K, Sl, D)
@@ -124,11 +146,13 @@ def ulysses_attention_backward(
     return dq, dk, dv, dmask, grads[-1] if sinks is not None else None
 
 
-def _attention_on_heads(q, k, v, tpos, spos, mask, sinks, slopes, opts: dict, heads: tuple):
+def _attention_on_heads(
+    q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, opts: dict, heads: tuple
+):
     """Attention of this rank's query heads over the whole sequence: (B, Hr, Tp, E).
 
     q (B, Hr, Tp, D), k (B, Kr, Sp, D), v (B, Kr, Sp, E); sinks (Hr,), slopes (B, Hr) or
-    None."""
+    None; tdoc (Tp,), sdoc (Sp,) the packed documents or None."""
     starts, counts, kv_starts, _ = heads
     me = dist.get_rank()
     G = opts["G"]
@@ -137,14 +161,43 @@ def _attention_on_heads(q, k, v, tpos, spos, mask, sinks, slopes, opts: dict, he
     slot = torch.arange(starts[me], starts[me] + counts[me]) // G - kv_starts[me]  # (Hr,)
     k = k[:, slot]  # (B, Hr, Sp, D)
     v = v[:, slot]  # (B, Hr, Sp, E)
+    if tdoc is None:
+        return _attend(q, k, v, tpos, spos, mask, sinks, slopes, None, None, opts)
 
+    # Packed documents: the whole sequence is here, so each document is attended on its
+    # own, its queries against its own keys only. One product over all of them, with the
+    # other documents' keys blocked, would still multiply a weight of 0 by their values,
+    # and 0 · NaN = NaN (SPEC §18.3).
+    out = q.new_zeros((*q.shape[:3], v.shape[-1]))  # (B, Hr, Tp, E): padding, keyless rows 0
+    for d in torch.unique(tdoc).tolist():
+        rows = torch.nonzero(tdoc == d)[:, 0]  # (Tn,): the slots of its queries
+        cols = torch.nonzero(sdoc == d)[:, 0]  # (Sn,): the slots of its keys
+        if d < 0 or len(cols) == 0:
+            continue  # padding, or a document with no key: its rows stay 0
+        part = _attend(
+            q[:, :, rows], k[:, :, cols], v[:, :, cols], tpos[rows], spos[cols],
+            None, sinks, slopes, tdoc[rows], sdoc[cols], opts,
+        )  # fmt: skip  # (B, Hr, Tn, E)
+        out = out.index_copy(2, rows, part)  # (B, Hr, Tp, E)
+    return out
+
+
+def _attend(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, opts: dict):
+    """Attention of q (B, Hr, Tp, D) on k (B, Hr, Sp, D), v (B, Hr, Sp, E), each query
+    head with its own key/value head: (B, Hr, Tp, E). tpos (Tp,), spos (Sp,) are the
+    tokens' positions, tdoc, sdoc their documents or None; Tp and Sp here are the slots
+    given, the whole sequence or one packed document's."""
     # Which keys each query may see: causality, the window, local-attention chunks and
     # padding (from the tokens' original positions), a bool mask, a float mask's -inf
     # entries. Chunks use floor division: a query at a negative position lies in a chunk
-    # of no key.
+    # of no key. With documents the positions are inside them, so padding cannot be told
+    # by position: the test is the same document instead (padding is in none).
     t = tpos[:, None] + opts["offset"]  # (Tp, 1)
     distance = spos[None, :] - t  # (Tp, Sp)
-    allowed = (tpos < opts["T"])[:, None] & (spos < opts["S"])[None, :]  # (Tp, Sp)
+    if tdoc is None:
+        allowed = (tpos < opts["T"])[:, None] & (spos < opts["S"])[None, :]  # (Tp, Sp)
+    else:
+        allowed = (tdoc[:, None] == sdoc[None, :]) & (sdoc >= 0)[None, :]  # (Tp, Sp)
     allowed = allowed & (distance >= opts["lo"]) & (distance <= opts["hi"])
     if opts["chunk"] is not None:
         allowed = allowed & (t // opts["chunk"] == spos[None, :] // opts["chunk"])
@@ -362,13 +415,89 @@ def attention_vjp(
     return tuple(grads)
 
 
+def attention_packed(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    world_size: int = 2,
+    layout: str = "zigzag",
+    run: Runner,
+) -> np.ndarray:
+    """Packed variable-length sequences (SPEC §18) on ``world_size`` ranks run by ``run``;
+    NumPy in and out.
+
+    q (H, T, D), k (K, S, D), v (K, S, E) hold N documents one after another, document n
+    being queries cu_seqlens_q[n]:cu_seqlens_q[n + 1] and keys cu_seqlens_k[n]:
+    cu_seqlens_k[n + 1]; out (H, T, E). The packed tokens are one sequence (B = 1), laid
+    out as ``attention``'s is; every rank gets each slot's document and its position
+    inside it, and after the all-to-all, with the whole sequence at hand, attends each
+    document on its own.
+    """
+    # 0. Validate: the input contract every impl shares (contract.py).
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    call, cu_q, cu_k = contract.check_packed(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=is_causal, scale=scale,
+        causal_alignment=causal_alignment, window=window, softcap=softcap,
+    )  # fmt: skip
+    lay = _Layout(call, q, k, v, None, None, world_size, layout, documents=(cu_q, cu_k))
+    outs = run(ulysses_attention, lay.shards, opts=lay.opts, heads=lay.heads)  # P × (1, H, Tl, E)
+    out = lay.rows_back(np.concatenate(outs, axis=2)).astype(q.dtype)  # (1, H, T, E)
+    return out[0]  # (H, T, E)
+
+
+def attention_packed_vjp(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    d_out,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    world_size: int = 2,
+    layout: str = "zigzag",
+    run: Runner,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The backward of ``attention_packed``: (dq, dk, dv) for d_out (H, T, E), shaped and
+    typed like q, k and v; the boundaries are integers and get no gradient."""
+    q, k, v, d_out = np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(d_out)
+    call, cu_q, cu_k = contract.check_packed(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=is_causal, scale=scale,
+        causal_alignment=causal_alignment, window=window, softcap=softcap, d_out=d_out,
+    )  # fmt: skip
+    lay = _Layout(call, q, k, v, None, d_out, world_size, layout, documents=(cu_q, cu_k))
+    parts = run(ulysses_attention_backward, lay.shards, opts=lay.opts, heads=lay.heads)
+    dq = lay.rows_back(np.concatenate([g[0] for g in parts], axis=2))  # (1, H, T, D)
+    dk = lay.cols_back(np.concatenate([g[1] for g in parts], axis=2), 2)  # (1, K, S, D)
+    dv = lay.cols_back(np.concatenate([g[2] for g in parts], axis=2), 2)  # (1, K, S, E)
+    return tuple(g[0].astype(q.dtype) for g in (dq, dk, dv))
+
+
 class _Layout:
     """The sequence laid out over P ranks and the heads split: each rank's shard, the way
-    back."""
+    back.
+
+    With ``documents`` = (cu_seqlens_q, cu_seqlens_k), a packed call (SPEC §18): every
+    slot also gets its document (-1 for padding) and, for its position, the one inside
+    its document, so that every test on positions is counted within documents.
+    """
 
     def __init__(
-        self, call, q, k, v, mask, d_out, P: int, layout: str, sinks=None, slopes=None
-    ) -> None:
+        self, call, q, k, v, mask, d_out, P: int, layout: str, sinks=None, slopes=None,
+        documents=None,
+    ) -> None:  # fmt: skip
         if layout not in LAYOUTS:
             raise ValueError(f"layout should be one of {LAYOUTS}, got {layout!r}")
         if isinstance(P, bool) or not isinstance(P, int) or P < 1:
@@ -399,10 +528,22 @@ class _Layout:
             self.mask_heads = mask.shape[1] != 1
         left, right = call.window if call.window is not None else (None, None)
         hi = _FAR if right is None else right
+        offset = 0 if call.causal_alignment == "top_left" else call.S - call.T
+        tpos, spos, tdoc, sdoc = self.perm_t, self.perm_s, None, None
+        if documents is not None:
+            # Packed: a query's position is counted from its document's first query, a
+            # key's from its document's first key; bottom-right alignment shifts document
+            # n's queries by its own S_n − T_n, so the offset below is 0.
+            cu_q, cu_k = (np.asarray(cu, dtype=np.int64) for cu in documents)
+            bottom_right = call.causal_alignment == "bottom_right"
+            shift = np.diff(cu_k) - np.diff(cu_q) if bottom_right else 0  # (N,): S_n − T_n
+            tdoc, tpos = _in_documents(cu_q, self.perm_t, shift)  # (Tp,), (Tp,)
+            sdoc, spos = _in_documents(cu_k, self.perm_s, 0)  # (Sp,), (Sp,)
+            offset = 0
         self.opts = dict(
             scale=call.scale,
             softcap=call.softcap,
-            offset=0 if call.causal_alignment == "top_left" else call.S - call.T,
+            offset=offset,
             lo=-_FAR if left is None else -left,
             hi=min(hi, 0) if call.is_causal else hi,
             T=call.T,
@@ -424,11 +565,12 @@ class _Layout:
             m = mask
             if self.mask_heads:
                 m = mask[:, own]  # (B|1, Hr, Tp|1, Sp|1)
-            shard = (q[:, :, rows], k[:, :, cols], v[:, :, cols], self.perm_t, self.perm_s, m)
+            shard = (q[:, :, rows], k[:, :, cols], v[:, :, cols], tpos, spos, m)
             if d_out is not None:
                 shard += (d_out[:, :, rows],)
             shard += (None if sinks is None else sinks[own],)  # (Hr,)
             shard += (None if slopes is None else slopes[:, own],)  # (B, Hr)
+            shard += (tdoc, sdoc)  # (Tp,), (Sp,) or None
             self.shards.append(shard)
 
     def rows_back(self, x: np.ndarray) -> np.ndarray:
@@ -468,6 +610,19 @@ def _permute(x: np.ndarray, axis: int, perm: np.ndarray) -> np.ndarray:
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, len(perm) - x.shape[axis])
     return np.take(np.pad(x, pad), perm, axis=axis)
+
+
+def _in_documents(cu: np.ndarray, perm: np.ndarray, shift) -> tuple[np.ndarray, np.ndarray]:
+    """Each slot's document (-1 for padding, which belongs to none) and its position
+    inside it plus its document's ``shift``; cu (N + 1,) the cumulative lengths, perm the
+    layout's slot -> original position, (Lp,) with Lp = Tp for queries, Sp for keys."""
+    real = perm < cu[-1]  # (Lp,)
+    doc = np.full(len(perm), -1, dtype=np.int64)  # (Lp,)
+    # A position t is in document n when cu[n] <= t < cu[n + 1]: empty documents skipped.
+    doc[real] = np.searchsorted(cu, perm[real], side="right") - 1
+    pos = perm.astype(np.int64)  # (Lp,): padding keeps its slot's own, never looked at
+    pos[real] = perm[real] - cu[doc[real]] + np.broadcast_to(shift, (len(cu) - 1,))[doc[real]]
+    return doc, pos
 
 
 class _Softcap(torch.autograd.Function):

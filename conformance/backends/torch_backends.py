@@ -94,14 +94,15 @@ class TorchRingBackend(_TorchBackend):
     left out, P = 4 and the zigzag layout. The pool starts on first use, is reused, and
     stops at exit; a dead worker raises ``WorkerDied`` and the next call starts a new one.
     The backward pass is a second ring, written by hand (autograd does not differentiate
-    point-to-point communication).
+    point-to-point communication). A packed call (SPEC §18) is one sequence of tokens split
+    over the ranks in the same way, each token carrying its document round the ring.
     """
 
     name = "torch-ring"
     capabilities = (
         (ALL_CAPABILITIES - {"dropout", "module"})
         | (GRAD_CAPABILITIES - {"module_grad"})
-        | {"sharded", "sinks", "chunked", "alibi"}
+        | {"sharded", "sinks", "chunked", "alibi", "packed"}
     )
     conformance_options = MappingProxyType({"shards": 3, "layout": "zigzag"})
     default_shards = 4
@@ -138,6 +139,15 @@ class TorchRingBackend(_TorchBackend):
             q, k, v, d_out, world_size=self.shards, layout=self.layout, **options
         )
 
+    def _attention_packed(self, q, k, v, cu_q, cu_k, **options):
+        # The packed tokens are one sequence, split over the ranks as attention's is.
+        where = {"world_size": self.shards, "layout": self.layout}
+        return self.impl.attention_packed(q, k, v, cu_q, cu_k, **where, **options)
+
+    def _attention_packed_vjp(self, q, k, v, cu_q, cu_k, d_out, **options):
+        where = {"world_size": self.shards, "layout": self.layout}
+        return self.impl.attention_packed_vjp(q, k, v, cu_q, cu_k, d_out, **where, **options)
+
     def release(self) -> None:
         # The worker processes stop here, after each test module, rather than at exit:
         # a run that loads many P would otherwise keep a pool per P (measured: 16 processes,
@@ -172,6 +182,14 @@ class TorchUlyssesBackend(TorchRingBackend):
         return self.impl.attention_vjp(
             q, k, v, d_out, world_size=self.shards, layout=self.layout, run=self._run, **options
         )
+
+    def _attention_packed(self, q, k, v, cu_q, cu_k, **options):
+        where = {"world_size": self.shards, "layout": self.layout, "run": self._run}
+        return self.impl.attention_packed(q, k, v, cu_q, cu_k, **where, **options)
+
+    def _attention_packed_vjp(self, q, k, v, cu_q, cu_k, d_out, **options):
+        where = {"world_size": self.shards, "layout": self.layout, "run": self._run}
+        return self.impl.attention_packed_vjp(q, k, v, cu_q, cu_k, d_out, **where, **options)
 
 
 class TorchNaiveBackend(_TorchBackend):

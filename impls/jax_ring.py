@@ -79,6 +79,21 @@ rows of its own query slice, every column), so it never travels; its column bloc
 key slice at hand is sliced by the slice's index. A mask without a T axis is replicated.
 Per-device mask memory is (T/P) × S.
 
+Packed documents. ``attention_packed`` takes N documents one after another (FlashAttention's
+varlen API, SPEC §18): q (H, T, D) with document n's queries at cu_seqlens_q[n] <= t <
+cu_seqlens_q[n + 1], keys and values likewise. The packed tokens are one sequence (B = 1),
+split over the devices, padded and laid out exactly as ``attention``'s; each token carries
+its document and its place in it, which travel with the slices as the positions do, and
+the document is one more test in the mask: a key is allowed only if its document is the
+query's, and causality and the window are counted on the in-document places (a query's
+place shifted by S_n − T_n under bottom-right alignment, so that each document has its own
+diagonal). Padding is in no document (-1). A block whose pieces share no document is
+skipped like one above the diagonal. Within a block that holds several documents, each
+is computed on its own and each row keeps the result of its own document's pass: a row of
+another document has weights 0, but 0 · NaN is NaN, so a NaN in one document would
+otherwise reach the others through the products. The documents are data, not structure:
+one compiled program serves every packing of lengths in the same band.
+
 Shape legend (heads-first, as in PyTorch):
 
     B batch            H query heads      K key/value heads (H % K == 0)
@@ -94,7 +109,8 @@ windows, softcapping, attention sinks, ALiBi, grouped-query and multi-query atte
 float32 and rounded once), unbatched inputs, and the backward pass with a float mask's
 and the sinks' gradients. Chunked local attention (Llama 4) is one more test on the
 tokens' positions, like the window, so a block none of whose keys shares a chunk with
-the query block's rows is skipped like one above the causal diagonal. Not supported:
+the query block's rows is skipped like one above the causal diagonal; packed documents
+(``attention_packed``, with its backward) are a test of the same kind. Not supported:
 dropout. On a CPU-only machine, P devices need ``jax.config.update("jax_num_cpu_devices",
 P)`` before JAX's first computation (``host_devices`` does it, or says why it cannot).
 The same code runs unchanged over real devices, and over hosts after
@@ -183,11 +199,7 @@ def attention(
         chunk_size=chunk_size,
         alibi_slopes=alibi_slopes,
     )
-    ring = _Ring(run, shards, layout)
-    fn = _ring_fn(ring.mesh, **ring.static)
-    out = fn(*ring.put(run))  # (B, H, Tp, E), sharded along Tp
-    out = ring.unpermute(np.asarray(out), axis=2, n=run.T)  # (B, H, T, E)
-    return out[0] if run.unbatched else out
+    return _run_forward(run, shards, layout)  # (B, H, T, E) or (H, T, E)
 
 
 def attention_vjp(
@@ -237,6 +249,107 @@ def attention_vjp(
         chunk_size=chunk_size,
         alibi_slopes=alibi_slopes,
     )
+    return _run_backward(run, shards, layout)
+
+
+def attention_packed(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    shards: int | None = None,
+    layout: str = "zigzag",
+) -> np.ndarray:
+    """Attention over packed variable-length sequences (FlashAttention's varlen API) on
+    the ring: the packed tokens are one sequence, split and passed round as ``attention``'s.
+
+    N documents lie one after another on the token axis; document n is queries
+    cu_seqlens_q[n]:cu_seqlens_q[n + 1] and keys cu_seqlens_k[n]:cu_seqlens_k[n + 1], and
+    its rows are ``attention`` on that document alone (the module docstring's Packed
+    documents). The documents travel as data: one compiled program serves every packing.
+
+    Args:
+      q: queries of every document, (H, T, D), T = cu_seqlens_q[-1].
+      k: keys, (K, S, D), S = cu_seqlens_k[-1]; K must divide H.
+      v: values, (K, S, E).
+      cu_seqlens_q, cu_seqlens_k: (N + 1,) integer cumulative lengths from 0.
+      is_causal, scale, causal_alignment, window, softcap: as for ``attention``, applied
+        within each document (bottom-right puts document n's diagonal at S_n - T_n).
+      shards, layout: as for ``attention``.
+
+    Returns:
+      out: (H, T, E), as a NumPy array in q's dtype.
+    """
+    # 0. Validate, and give each token its document and its place in it.
+    run = _prepare_packed(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+    )
+    return _run_forward(run, shards, layout)  # (H, T, E)
+
+
+def attention_packed_vjp(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    d_out,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    shards: int | None = None,
+    layout: str = "zigzag",
+) -> tuple[np.ndarray, ...]:
+    """Gradients of ``attention_packed`` by the backward ring: (dq, dk, dv) shaped like
+    q, k, v, for L = Σ d_out · attention_packed(...), d_out (H, T, E) in q's dtype. The
+    boundaries are integers and get no gradient; a key gets nothing from another
+    document's queries."""
+    run = _prepare_packed(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        d_out,
+        is_causal=is_causal,
+        scale=scale,
+        causal_alignment=causal_alignment,
+        window=window,
+        softcap=softcap,
+    )
+    return _run_backward(run, shards, layout)
+
+
+def _run_forward(run, shards: int | None, layout: str) -> np.ndarray:
+    """Lay the checked inputs out over the devices, run the forward ring, gather."""
+    ring = _Ring(run, shards, layout)
+    fn = _ring_fn(ring.mesh, **ring.static)
+    out = fn(*ring.put(run))  # (B, H, Tp, E), sharded along Tp
+    out = ring.unpermute(np.asarray(out), axis=2, n=run.T)  # (B, H, T, E)
+    return out[0] if run.unbatched else out
+
+
+def _run_backward(run, shards: int | None, layout: str) -> tuple[np.ndarray, ...]:
+    """Lay the checked inputs and d_out out, run the backward ring, gather the gradients."""
     ring = _Ring(run, shards, layout)
     float_mask = run.mask is not None and run.mask.dtype != np.bool_
     fn = _ring_vjp_fn(ring.mesh, float_mask, **ring.static)
@@ -264,18 +377,23 @@ def attention_vjp(
 # The per-device ring: steps 1-7, written as for one device; the axis name is the ring.
 
 
-def _ring_body(q, k, v, tpos, spos, mask, sinks, slopes, opts, *, P, pieces, softcap_on):
+def _ring_body(
+    q, k, v, tpos, spos, tdoc, sdoc, mask, sinks, slopes, opts, *, P, pieces, softcap_on
+):
     """One device's share: its query slice against every key/value slice in turn.
 
     q (B, H, Tl, D), k (B, K, Sl, D), v (B, K, Sl, E), tpos (Tl,), spos (Sl,): the original
-    positions of the local queries and keys (padding at positions >= T, >= S); mask
+    positions of the local queries and keys (padding at positions >= T, >= S); tdoc (Tl,)
+    and sdoc (Sl,): for packed documents, each token's document (-1: padding), its
+    position then being its place in the document, or None; mask
     (B|1, H|1, Tl|1, Sp|1) or None; sinks (H,) and ALiBi's slopes (B, H), replicated, or
     None; opts: the scalar options, traced (one compilation serves every scale, alignment,
     window and softcap value). Returns (B, H, Tl, E).
     """
     out, _ = _ring_forward(
-        q, k, v, tpos, spos, mask, sinks, slopes, opts, P=P, pieces=pieces, softcap_on=softcap_on
-    )
+        q, k, v, tpos, spos, tdoc, sdoc, mask, sinks, slopes, opts,
+        P=P, pieces=pieces, softcap_on=softcap_on,
+    )  # fmt: skip
     return out.astype(q.dtype)
 
 
@@ -287,7 +405,9 @@ def _softcap(x, softcap):
     return jnp.where(jnp.abs(ratio) < jnp.finfo(x.dtype).tiny, x, softcap * jnp.tanh(ratio))
 
 
-def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, opts, *, P, pieces, softcap_on):
+def _ring_forward(
+    q, k, v, tpos, spos, tdoc, sdoc, mask, sinks, slopes, opts, *, P, pieces, softcap_on
+):
     """The forward ring, in the working dtype: (out (B, H, Tl, E), lse (B, H, Tl)), with
     lse = -inf for a row that sees no key; the sink, if any, is in lse."""
     B, H, Tl, D = q.shape
@@ -302,15 +422,16 @@ def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, opts, *, P, pieces, 
     # so a kv head's block serves its G query heads, stacked as G·Tc rows.
     qs = _pieces(q.astype(work) * scale, K, pieces)  # (pieces, B, K, G·Tc, D)
     tps = tpos.reshape(pieces, Tc)  # (pieces, Tc)
+    tds = None if tdoc is None else tdoc.reshape(pieces, Tc)  # (pieces, Tc)
     alibi = None if slopes is None else _grouped_slopes(slopes.astype(work), K, G)
 
-    def update(state, a, b, src, kb, vb, sp, mb):
-        """Query piece a's running (m, l, acc) after key piece b of device src's slice."""
-        (ms, ls, accs), travelling = state  # (pieces, B, K, G·Tc), ..., (pieces, B, K, G·Tc, E)
-        m, l, acc, qa = ms[a], ls[a], accs[a], qs[a]  # this piece's, and its queries
+    def attend(m, l, acc, a, kb, vb, sp, mb, docs):
+        """Query piece a's (m, l, acc) (B, K, G·Tc), ..., (B, K, G·Tc, E) after one key
+        piece; docs: the pieces' documents (tokens of no document -1), or None."""
+        qa = qs[a]  # (B, K, G·Tc, D)
         # A key no query of this block may see must have no effect whatever it holds
         # (0 · NaN is NaN): its key and value rows are replaced by 0, by selection.
-        allowed, used, mb = _visible(tps[a], sp, mb, opts, K, G)
+        allowed, used, mb = _visible(tps[a], sp, mb, opts, K, G, docs)
         kb = jnp.where(used[..., None], kb.astype(work), 0.0)  # (B, K, Sc, D)
         vb = jnp.where(used[..., None], vb.astype(work), 0.0)  # (B, K, Sc, E)
 
@@ -346,7 +467,30 @@ def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, opts, *, P, pieces, 
         pv = jnp.einsum(
             "bkrs,bkse->bkre", p, vb, precision=lax.Precision.HIGHEST
         )  # (B, K, G·Tc, E)
-        new = (m_new, l, alpha[..., None] * acc + pv)
+        return m_new, l, alpha[..., None] * acc + pv
+
+    def update(state, a, b, src, kb, vb, sp, sd, mb):
+        """Query piece a's running (m, l, acc) after key piece b of device src's slice."""
+        (ms, ls, accs), travelling = state  # (pieces, B, K, G·Tc), ..., (pieces, B, K, G·Tc, E)
+        piece = (ms[a], ls[a], accs[a])  # this query piece's
+        if sd is None:
+            new = attend(*piece, a, kb, vb, sp, mb, None)
+        else:
+            td = tds[a]  # (Tc,)
+
+            def document(n, piece):
+                # Packed documents: document n's rows against its keys, the other rows
+                # counted in no document for this pass; each row keeps its own
+                # document's pass, since 0 · NaN is NaN (module docstring).
+                mine = td == n  # (Tc,)
+                new = attend(*piece, a, kb, vb, sp, mb, (jnp.where(mine, n, -1), sd))
+                rows = jnp.tile(mine, G)  # (G·Tc,): row g·Tc + t is query t
+                return tuple(
+                    jnp.where(rows if x.ndim == 3 else rows[:, None], y, x)
+                    for x, y in zip(piece, new)
+                )
+
+            new = lax.fori_loop(*_shared_documents(td, sd), document, piece)
         stay = tuple(lax.dynamic_update_index_in_dim(x, y, a, 0) for x, y in zip(state[0], new))
         return stay, travelling
 
@@ -357,7 +501,8 @@ def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, opts, *, P, pieces, 
         jnp.zeros((pieces, B, K, G * Tc), dtype=work),  # l: running row sum
         jnp.zeros((pieces, B, K, G * Tc, E), dtype=work),  # acc: unnormalised output
     )
-    (m, l, acc), _ = _walk(update, stay, (), (k, v, spos), mask, tps, opts, P=P, pieces=pieces)
+    kv = (k, v, spos, sdoc)
+    (m, l, acc), _ = _walk(update, stay, (), kv, mask, tps, tds, opts, P=P, pieces=pieces)
     if sinks is not None:
         # The sink joins each row's softmax once, now that every key block has been merged
         # (once per step or per device, it would count P times).
@@ -375,8 +520,9 @@ def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, opts, *, P, pieces, 
 
 
 def _ring_backward(
-    q, k, v, tpos, spos, mask, sinks, slopes, opts, d_out, *, P, pieces, softcap_on, float_mask
-):
+    q, k, v, tpos, spos, tdoc, sdoc, mask, sinks, slopes, opts, d_out,
+    *, P, pieces, softcap_on, float_mask,
+):  # fmt: skip
     """One device's share of the backward: (dq, dk, dv), then dmask with a float mask and
     dsinks (H,) with sinks, summed over the devices.
 
@@ -394,8 +540,9 @@ def _ring_backward(
     option and layout), where ``jax_flash`` masks by a static band and skips by loop bounds.
     """
     out, lse = _ring_forward(
-        q, k, v, tpos, spos, mask, sinks, slopes, opts, P=P, pieces=pieces, softcap_on=softcap_on
-    )
+        q, k, v, tpos, spos, tdoc, sdoc, mask, sinks, slopes, opts,
+        P=P, pieces=pieces, softcap_on=softcap_on,
+    )  # fmt: skip
     B, H, Tl, D = q.shape
     _, K, Sl, _ = k.shape
     G = H // K
@@ -422,17 +569,27 @@ def _ring_backward(
     lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # (B, H, Tl)
     lses = _pieces(lse[..., None], K, pieces)[..., 0]  # (pieces, B, K, G·Tc)
     tps = tpos.reshape(pieces, Tc)  # (pieces, Tc)
+    tds = None if tdoc is None else tdoc.reshape(pieces, Tc)  # (pieces, Tc)
     alibi = None if slopes is None else _grouped_slopes(slopes.astype(work), K, G)
 
-    def block(state, a, b, src, kb, vb, sp, mb):
-        """The gradients after query piece a against key piece b of device src's slice."""
-        (dq, dm), (dk, dv) = state
-        allowed, used, mbg = _visible(tps[a], sp, mb, opts, K, G)
+    def gradients(a, kb, vb, sp, mb, docs, rows):
+        """Query piece a against one key piece: (dq_a (B, K, G·Tc, D), dk_b (B, K, Sc, D),
+        dv_b (B, K, Sc, E), dZ (B, K, G·Tc, Sc) for the mask). docs: the pieces'
+        documents, or None; rows (G·Tc,): the rows of the one document computed (the
+        others give nothing), or None."""
+        allowed, used, mbg = _visible(tps[a], sp, mb, opts, K, G, docs)
         kb = jnp.where(used[..., None], kb.astype(work), 0.0)  # (B, K, Sc, D)
         vb = jnp.where(used[..., None], vb.astype(work), 0.0)  # (B, K, Sc, E)
+        qa, do, lse_a = qs[a], dos[a], lses[a]  # (B, K, G·Tc, D), (B, K, G·Tc, E), (B, K, G·Tc)
+        if rows is not None:
+            # Only this document's rows carry q, dO and lse into the products: another
+            # document's row (NaN in its q or d_out, or in its lse through its values)
+            # must add nothing, and a product with a weight of 0 would still carry a NaN.
+            qa = jnp.where(rows[:, None], qa, 0.0)  # (B, K, G·Tc, D)
+            do = jnp.where(rows[:, None], do, 0.0)  # (B, K, G·Tc, E)
+            lse_a = jnp.where(rows, lse_a, jnp.inf)  # (B, K, G·Tc)
 
         # Forward steps 1-5 again for this block: raw scores, weights from lse.
-        qa = qs[a]  # (B, K, G·Tc, D)
         raw = jnp.einsum("bkrd,bksd->bkrs", qa, kb, precision=lax.Precision.HIGHEST)
         x = _softcap(raw, softcap) if softcap_on else raw  # (B, K, G·Tc, Sc)
         x = x.reshape(B, K, G, Tc, Sc)  # (B, K, G, Tc, Sc)
@@ -441,28 +598,59 @@ def _ring_backward(
         if float_mask:
             x = x + mbg.astype(work)
         x = jnp.where(allowed, x, -jnp.inf).reshape(B, K, G * Tc, Sc)  # (B, K, G·Tc, Sc)
-        p = jnp.exp(x - lses[a][..., None])  # (B, K, G·Tc, Sc)
+        p = jnp.exp(x - lse_a[..., None])  # (B, K, G·Tc, Sc)
 
         # 7'. dV = Pᵀ·dO, and dP = dO·Vᵀ.
-        do = dos[a]  # (B, K, G·Tc, E)
         dv_b = jnp.einsum("bkrs,bkre->bkse", p, do, precision=lax.Precision.HIGHEST)
         dp = jnp.einsum("bkre,bkse->bkrs", do, vb, precision=lax.Precision.HIGHEST)
         # 5'. dZ = P ⊙ (dP − rowsum(dO ⊙ O)).
         dz = p * (dp - d_row[a][..., None])  # (B, K, G·Tc, Sc)
-        # 4'. A float mask was added to the scores: its gradient is dZ, summed over the
-        # axes the mask broadcasts along.
-        if float_mask:
-            dm = _add_mask_grad(dm, dz.reshape(B, K, G, Tc, Sc), a, b, src, Sl)
+        dz_mask = dz
         # 3'. Softcap: d/dR of c·tanh(R/c) is 1 − tanh²(R/c).
         if softcap_on:
             dz = dz * (1.0 - jnp.tanh(raw / softcap) ** 2)
+        if rows is not None:
+            # A row of another document has P = 0, but its dP = 0 · V (and its softcap
+            # factor) is NaN where this document's values are: selected away, so that
+            # dK gets nothing from it.
+            dz = jnp.where(rows[:, None], dz, 0.0)  # (B, K, G·Tc, Sc)
         # 2'-1'. The scale is folded into qa; dq gets it once at the end.
         dq_a = jnp.einsum("bkrs,bksd->bkrd", dz, kb, precision=lax.Precision.HIGHEST)
-        dq = lax.dynamic_update_index_in_dim(dq, dq[a] + dq_a, a, 0)
         dk_b = jnp.einsum("bkrs,bkrd->bksd", dz, qa, precision=lax.Precision.HIGHEST)
         # The slots replaced by 0 get nothing back.
-        dk = _add_key_piece(dk, jnp.where(used[..., None], dk_b, 0.0), b, Sc)
-        dv = _add_key_piece(dv, jnp.where(used[..., None], dv_b, 0.0), b, Sc)
+        dk_b = jnp.where(used[..., None], dk_b, 0.0)  # (B, K, Sc, D)
+        dv_b = jnp.where(used[..., None], dv_b, 0.0)  # (B, K, Sc, E)
+        return dq_a, dk_b, dv_b, dz_mask
+
+    def block(state, a, b, src, kb, vb, sp, sd, mb):
+        """The gradients after query piece a against key piece b of device src's slice."""
+        (dq, dm), (dk, dv) = state
+        if sd is None:
+            dq_a, dk_b, dv_b, dz = gradients(a, kb, vb, sp, mb, None, None)
+            # 4'. A float mask was added to the scores: its gradient is dZ, summed over
+            # the axes the mask broadcasts along.
+            if float_mask:
+                dm = _add_mask_grad(dm, dz.reshape(B, K, G, Tc, Sc), a, b, src, Sl)
+        else:
+            td = tds[a]  # (Tc,)
+
+            def document(n, sums):
+                # Packed documents: document n's rows against its keys (the forward's
+                # ``document``); a row's dq comes from its own document's pass alone.
+                mine = td == n  # (Tc,)
+                rows = jnp.tile(mine, G)  # (G·Tc,)
+                dq_a, dk_b, dv_b, _ = gradients(
+                    a, kb, vb, sp, None, (jnp.where(mine, n, -1), sd), rows
+                )
+                dq_a = jnp.where(rows[:, None], dq_a, 0.0)  # (B, K, G·Tc, D)
+                return tuple(x + y for x, y in zip(sums, (dq_a, dk_b, dv_b)))
+
+            sums = (jnp.zeros_like(dq[a]), jnp.zeros_like(kb, dtype=work))  # dq_a, dk_b
+            sums += (jnp.zeros_like(vb, dtype=work),)  # dv_b
+            dq_a, dk_b, dv_b = lax.fori_loop(*_shared_documents(td, sd), document, sums)
+        dq = lax.dynamic_update_index_in_dim(dq, dq[a] + dq_a, a, 0)
+        dk = _add_key_piece(dk, dk_b, b, Sc)
+        dv = _add_key_piece(dv, dv_b, b, Sc)
         return (dq, dm), (dk, dv)
 
     # dq and dmask stay on this device; dk and dv travel with the key/value slice.
@@ -471,8 +659,9 @@ def _ring_backward(
         jnp.zeros(mask.shape, dtype=work) if float_mask else None,  # dmask, mask-shaped
     )
     travelling = _varying(jnp.zeros(k.shape, dtype=work), jnp.zeros(v.shape, dtype=work))
+    kv = (k, v, spos, sdoc)
     (dq, dm), (dk, dv) = _walk(
-        block, stay, travelling, (k, v, spos), mask, tps, opts, P=P, pieces=pieces
+        block, stay, travelling, kv, mask, tps, tds, opts, P=P, pieces=pieces
     )
     dq = _unpieces(dq * scale, H)  # (B, H, Tl, D)
     out = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
@@ -485,13 +674,14 @@ def _ring_backward(
     return out
 
 
-def _walk(block, stay, travelling, kv, mask, tps, opts, *, P: int, pieces: int):
+def _walk(block, stay, travelling, kv, mask, tps, tds, opts, *, P: int, pieces: int):
     """The ring itself, the same for the forward and the backward.
 
     At each of the P steps, for every (query piece a, key piece b) that some query of
-    piece a may see, ``state = block(state, a, b, src, kb, vb, sp, mb)``, state being
-    (stay, travelling); then the key/value slice kv = (k, v, spos) moves on to the next
-    device, and ``travelling`` (the backward's dk and dv) with it. After the last step
+    piece a may see, ``state = block(state, a, b, src, kb, vb, sp, sd, mb)``, state being
+    (stay, travelling); then the key/value slice kv = (k, v, spos, sdoc) moves on to the
+    next device (sdoc, the keys' documents, and tds, the query pieces', are None unless
+    the call is packed), and ``travelling`` (the backward's dk and dv) with it. After the last step
     ``travelling`` makes one hop more, home to the device whose slice it belongs to.
     Returns (stay, travelling).
     """
@@ -506,13 +696,14 @@ def _walk(block, stay, travelling, kv, mask, tps, opts, *, P: int, pieces: int):
             # Query piece a against key piece b: one loop body, so that XLA compiles the
             # block once, not once per pair (zigzag has four).
             a, b = c // pieces, c % pieces
-            kb, vb, sp = (_key_piece(x, b, Sc) for x in kv)
+            kb, vb, sp, sd = (None if x is None else _key_piece(x, b, Sc) for x in kv)
             mb = _mask_block(mask, a, b, src, Tc, Sc, Sl)  # (B|1, H|1, Tc|1, Sc|1)
             # Skip a block no query of this piece may see (above the causal diagonal,
-            # outside the window, or all padding): this is the causal saving, and the
-            # source of the contiguous layout's imbalance.
-            visible = jnp.any(_allowed_keys(tps[a], sp, opts))
-            return lax.cond(visible, block, _skip, state, a, b, src, kb, vb, sp, mb)
+            # outside the window, in no shared document, or all padding): this is the
+            # causal saving, and the source of the contiguous layout's imbalance.
+            docs = None if sd is None else (tds[a], sd)
+            visible = jnp.any(_allowed_keys(tps[a], sp, opts, docs))
+            return lax.cond(visible, block, _skip, state, a, b, src, kb, vb, sp, sd, mb)
 
         return lax.fori_loop(0, pieces * pieces, piece_pair, state)
 
@@ -522,7 +713,7 @@ def _walk(block, stay, travelling, kv, mask, tps, opts, *, P: int, pieces: int):
         # Pass the slice on, with its positions and what travels with it: device i sends
         # to i + 1.
         moved = _pass_on((*kv, *travelling), P)
-        return (stay, moved[3:]), moved[:3]
+        return (stay, moved[len(kv) :]), moved[: len(kv)]
 
     # Steps 0 .. P-2 compute and pass the slice on; the last step only computes, so each
     # slice makes P - 1 hops.
@@ -541,6 +732,18 @@ def _working_dtype(dtype):
 
 def _skip(carry, *_):
     return carry  # a block no query may see changes nothing
+
+
+def _shared_documents(td, sd) -> tuple:
+    """The packed documents [first, last) that a query piece td (Tc,) and a key piece
+    sd (Sc,) both hold tokens of (padding, -1, is in none), as loop bounds: a document
+    only one side holds adds nothing to the block."""
+    none = jnp.iinfo(jnp.int32).max
+    first = jnp.maximum(
+        jnp.where(td >= 0, td, none).min(), jnp.where(sd >= 0, sd, none).min()
+    )  # a token of no document is left out of the minimum
+    last = jnp.minimum(td.max(), sd.max()) + 1
+    return first, jnp.maximum(first, last)
 
 
 def _add_sink(m, l, acc, sink):
@@ -586,9 +789,9 @@ def _varying(*xs):
 
 
 def _pass_on(xs, P: int) -> tuple:
-    """Send each array to device i + 1 (mod P) and receive device i − 1's."""
+    """Send each array to device i + 1 (mod P) and receive device i − 1's (None stays)."""
     ring = [(j, (j + 1) % P) for j in range(P)]
-    return tuple(lax.ppermute(x, AXIS, ring) for x in xs)
+    return tuple(None if x is None else lax.ppermute(x, AXIS, ring) for x in xs)
 
 
 def _pieces(x, K: int, pieces: int):
@@ -617,14 +820,16 @@ def _add_key_piece(x, update, b, Sc: int):
     return lax.dynamic_update_slice_in_dim(x, _key_piece(x, b, Sc) + update, b * Sc, axis=2)
 
 
-def _allowed_keys(tp, sp, opts):
-    """(Tc, Sc): causality, the window, local-attention chunks and padding, from the
-    tokens' original positions.
+def _allowed_keys(tp, sp, opts, docs=None):
+    """(Tc, Sc): causality, the window, local-attention chunks, packed documents and
+    padding, from the tokens' original positions (and documents: docs = (td (Tc,),
+    sd (Sc,)), or None).
 
     Query t' = t + offset (its aligned diagonal) sees keys s with lo <= s - t' <= hi and,
     with chunks, ⌊t' / chunk⌋ == ⌊s / chunk⌋ (floor division: a query at a negative
     position lies in a chunk of no key). Padding (a key at position >= S, a query at
-    >= T) attends and is attended by nothing, so that it cannot make a key look used.
+    >= T) attends and is attended by nothing, so that it cannot make a key look used; in
+    a packed call padding is in no document, which the document test refuses.
     """
     t = tp[:, None] + opts["offset"]  # (Tc, 1)
     distance = sp[None, :] - t  # (Tc, Sc)
@@ -632,6 +837,12 @@ def _allowed_keys(tp, sp, opts):
     allowed = padding & (distance >= opts["lo"]) & (distance <= opts["hi"])  # (Tc, Sc)
     if "chunk" in opts:
         allowed = allowed & (t // opts["chunk"] == sp[None, :] // opts["chunk"])  # (Tc, Sc)
+    if docs is not None:
+        # Packed documents: a query sees only its own document's keys (the positions are
+        # then places in the documents); a token of no document (-1) sees nothing.
+        td, sd = docs
+        same = (td[:, None] == sd[None, :]) & (td >= 0)[:, None]  # (Tc, Sc)
+        allowed = allowed & same  # (Tc, Sc)
     return allowed
 
 
@@ -647,12 +858,12 @@ def _mask_block(mask, a, b, src, Tc: int, Sc: int, Sl: int):
     return mb  # (B|1, H|1, Tc|1, Sc|1)
 
 
-def _visible(tp, sp, mb, opts, K: int, G: int):
+def _visible(tp, sp, mb, opts, K: int, G: int, docs=None):
     """(allowed, used, mb) for one block: which keys each query may see, (Tc, Sc) or
     (B|1, K|1, G|1, Tc, Sc) with a mask (a bool mask's False and a float mask's -inf
     block); which keys any of them sees, (Sc,) or (B|1, K|1, Sc); and the mask grouped
-    by key/value head (or None)."""
-    allowed = _allowed_keys(tp, sp, opts)  # (Tc, Sc)
+    by key/value head (or None). docs: as for ``_allowed_keys``."""
+    allowed = _allowed_keys(tp, sp, opts, docs)  # (Tc, Sc)
     if mb is not None:
         mb = _grouped(mb, K, G)  # (B|1, K|1, G|1, Tc|1, Sc|1)
         allowed = allowed & (mb if mb.dtype == jnp.bool_ else mb != -jnp.inf)
@@ -675,27 +886,28 @@ def _add_mask_grad(dm, dz, a, b, src, Sl: int):
     return lax.dynamic_update_slice(dm, old + dz, start)
 
 
-def _specs(mask_spec, sinks_on: bool, alibi_on: bool):
+def _specs(mask_spec, sinks_on: bool, alibi_on: bool, packed_on: bool):
     seq = PS(None, None, AXIS, None)
     sinks, slopes = (PS() if on else None for on in (sinks_on, alibi_on))  # replicated
-    return (seq, seq, seq, PS(AXIS), PS(AXIS), mask_spec, sinks, slopes, PS())
+    docs = PS(AXIS) if packed_on else None  # with the tokens, as their positions
+    return (seq, seq, seq, PS(AXIS), PS(AXIS), docs, docs, mask_spec, sinks, slopes, PS())
 
 
 @functools.lru_cache(maxsize=64)
-def _ring_fn(mesh, mask_spec, sinks_on, alibi_on, **static):
+def _ring_fn(mesh, mask_spec, sinks_on, alibi_on, packed_on, **static):
     body = functools.partial(_ring_body, P=mesh.size, **static)
-    in_specs = _specs(mask_spec, sinks_on, alibi_on)
+    in_specs = _specs(mask_spec, sinks_on, alibi_on, packed_on)
     ring = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=PS(None, None, AXIS, None))
     return jax.jit(ring)
 
 
 @functools.lru_cache(maxsize=64)
-def _ring_vjp_fn(mesh, float_mask, mask_spec, sinks_on, alibi_on, **static):
+def _ring_vjp_fn(mesh, float_mask, mask_spec, sinks_on, alibi_on, packed_on, **static):
     body = functools.partial(_ring_backward, P=mesh.size, float_mask=float_mask, **static)
     seq = PS(None, None, AXIS, None)
     grads = (seq, seq, seq) + ((mask_spec or PS(),) if float_mask else ())
     grads += (PS(),) if sinks_on else ()  # dsinks, summed over the devices
-    in_specs = (*_specs(mask_spec, sinks_on, alibi_on), seq)
+    in_specs = (*_specs(mask_spec, sinks_on, alibi_on, packed_on), seq)
     ring = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=grads)
     return jax.jit(ring)
 
@@ -752,6 +964,47 @@ def _prepare(q, k, v, mask, d_out=None, **options) -> _Run:
         window=call.window,
         softcap=call.softcap,
         chunk=call.chunk_size,
+        docs=None,
+    )
+
+
+def _prepare_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out=None, **options) -> _Run:
+    """Step 0 of a packed call: the input contract (contract.py), then the documents as
+    one sequence of B = 1, each token with its document and its place in it."""
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    cu_q, cu_k = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
+    d_out = None if d_out is None else np.asarray(d_out)
+    call, cu_q, cu_k = contract.check_packed(q, k, v, cu_q, cu_k, d_out=d_out, **options)
+    cu_q, cu_k = np.array(cu_q), np.array(cu_k)  # (N + 1,) each, checked
+    T_n, S_n = np.diff(cu_q), np.diff(cu_k)  # (N,) each
+    doc_q = np.repeat(np.arange(len(T_n)), T_n)  # (T,): each query's document
+    doc_k = np.repeat(np.arange(len(S_n)), S_n)  # (S,)
+    # Places in the documents: causality and the window are counted within each one, and
+    # bottom-right alignment puts document n's diagonal at S_n - T_n, so it is folded
+    # into the query's place (the ring's offset is then 0).
+    place_q = np.arange(call.T) - cu_q[doc_q]  # (T,)
+    if call.causal_alignment == "bottom_right":
+        place_q = place_q + (S_n - T_n)[doc_q]  # (T,)
+    place_k = np.arange(call.S) - cu_k[doc_k]  # (S,)
+    return _Run(
+        sinks=None,
+        slopes=None,
+        q=q[None],  # (1, H, T, D)
+        k=k[None],  # (1, K, S, D)
+        v=v[None],  # (1, K, S, E)
+        d_out=None if d_out is None else d_out[None],  # (1, H, T, E)
+        mask=None,
+        mask_shape=None,
+        unbatched=True,
+        T=call.T,
+        S=call.S,
+        scale=call.scale,
+        is_causal=call.is_causal,
+        offset=0,
+        window=call.window,
+        softcap=call.softcap,
+        chunk=None,
+        docs=(doc_q, place_q, doc_k, place_k),
     )
 
 
@@ -800,6 +1053,7 @@ class _Ring:
             softcap_on=run.softcap is not None,
             sinks_on=run.sinks is not None,
             alibi_on=run.slopes is not None,
+            packed_on=run.docs is not None,
         )
         # The scalar options travel as data, so that one compilation serves them all.
         left, right = run.window if run.window is not None else (None, None)
@@ -813,6 +1067,10 @@ class _Ring:
             T=np.int32(run.T),
             S=np.int32(run.S),
         )
+        if run.docs is not None:
+            # Packed: the positions are places in the documents, which may pass T; the
+            # padding is in no document instead, and the document test refuses it.
+            self.opts.update(T=np.int32(_FAR), S=np.int32(_FAR))
         if run.chunk is not None:
             # Only with chunks: a call without them compiles no chunk test at all. One
             # chunk wider than every position holds them all.
@@ -846,13 +1104,28 @@ class _Ring:
     def shard(self, x: np.ndarray, spec) -> jax.Array:
         return jax.device_put(x, NamedSharding(self.mesh, spec))
 
+    def tokens(self, run) -> tuple:
+        """Each slot's position, (Tp,) and (Sp,): its original one, or for a packed
+        call its place in its document; and its document, (Tp,) and (Sp,), -1 for
+        padding (None unless packed). Host int32 arrays, in slot order."""
+        if run.docs is None:
+            return self.perm["t"].astype(np.int32), self.perm["s"].astype(np.int32), None, None
+        doc_q, place_q, doc_k, place_k = run.docs
+        tdoc = self.permute(doc_q + 1, axis=0, n=run.T, seq="t") - 1  # (Tp,): pads 0 - 1
+        sdoc = self.permute(doc_k + 1, axis=0, n=run.S, seq="s") - 1  # (Sp,)
+        tpos = self.permute(place_q, axis=0, n=run.T, seq="t")  # (Tp,)
+        spos = self.permute(place_k, axis=0, n=run.S, seq="s")  # (Sp,)
+        return tuple(x.astype(np.int32) for x in (tpos, spos, tdoc, sdoc))
+
     def put(self, run: _Run) -> tuple:
         seq = PS(None, None, AXIS, None)
         q = self.shard(self.permute(run.q, axis=2, n=run.T, seq="t"), seq)  # (B, H, Tp, D)
         k = self.shard(self.permute(run.k, axis=2, n=run.S, seq="s"), seq)  # (B, K, Sp, D)
         v = self.shard(self.permute(run.v, axis=2, n=run.S, seq="s"), seq)  # (B, K, Sp, E)
-        tpos = self.shard(self.perm["t"].astype(np.int32), PS(AXIS))  # (Tp,)
-        spos = self.shard(self.perm["s"].astype(np.int32), PS(AXIS))  # (Sp,)
+        # Positions and documents travel with their tokens: sharded like them.
+        tpos, spos, tdoc, sdoc = (
+            None if x is None else self.shard(x, PS(AXIS)) for x in self.tokens(run)
+        )  # (Tp,), (Sp,), (Tp,) or None, (Sp,) or None
         mask = run.mask
         if mask is not None:
             if mask.shape[2] != 1:
@@ -864,7 +1137,7 @@ class _Ring:
         sinks = None if run.sinks is None else self.shard(run.sinks, PS())  # (H,)
         slopes = None if run.slopes is None else self.shard(run.slopes, PS())  # (B, H)
         opts = {n: self.shard(x, PS()) for n, x in self.opts.items()}
-        return q, k, v, tpos, spos, mask, sinks, slopes, opts
+        return q, k, v, tpos, spos, tdoc, sdoc, mask, sinks, slopes, opts
 
 
 def _grouped(x, K: int, G: int):

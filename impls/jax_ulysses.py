@@ -51,6 +51,17 @@ Lengths P does not divide are padded to whole slices; padded keys are never atte
 padded queries are cut off. The ``layout`` option (contiguous or zigzag) permutes the
 sequence as ``jax_ring`` does; the result is the same either way.
 
+Packed documents. ``attention_packed`` (SPEC §18) lays the packed tokens out as one
+sequence (B = 1), as ``jax_ring`` does, each token with its document and its place in it
+(bottom-right alignment folded into the query's place), which every device holds for the
+whole sequence. After the all-to-all the whole sequence is local, so the document is one
+more test in the local step: a key is allowed only if its document is the query's, and
+causality and the window are counted on the places. The local step then runs once per
+document (a loop of N passes, N the documents in the call), on that document's queries,
+every other row kept from its own pass: a row of another document has weights 0, but
+0 · NaN is NaN, so a NaN in one document would otherwise reach the others through the
+products (and, by ``jax.vjp``, their gradients).
+
 Shape legend (heads-first, as in PyTorch):
 
     B batch            H query heads      K key/value heads (H % K == 0)
@@ -60,8 +71,8 @@ Shape legend (heads-first, as in PyTorch):
     Hl = Hp / P query heads and Kl key/value head slots per device
 
 Supports what ``jax_ring`` does (masks, both causal alignments, windows, softcap, GQA,
-attention sinks, chunked local attention, ALiBi, every dtype, unbatched inputs, gradients
-by ``jax.vjp``, dsinks included), batch > 1; not dropout.
+attention sinks, chunked local attention, ALiBi, packed documents, every dtype, unbatched
+inputs, gradients by ``jax.vjp``, dsinks included), batch > 1; not dropout.
 """
 
 from __future__ import annotations
@@ -75,7 +86,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as PS
 
 from . import contract
-from .jax_ring import LAYOUTS, _Ring, host_devices
+from .jax_ring import LAYOUTS, _prepare_packed, _Ring, host_devices
 
 AXIS = "ring"  # the mesh axis jax_ring names
 
@@ -151,8 +162,57 @@ def attention_vjp(
                 alibi_slopes=alibi_slopes)  # fmt: skip
 
 
-def _run(q, k, v, d_out, mask, shards, layout, *, sinks, alibi_slopes, **options):
+def attention_packed(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    shards: int | None = None,
+    layout: str = "contiguous",
+) -> np.ndarray:
+    """Packed variable-length sequences (args as jax_ring.attention_packed): out (H, T, E)."""
+    return _run(q, k, v, None, None, shards, layout, is_causal=is_causal, scale=scale,
+                causal_alignment=causal_alignment, window=window, softcap=softcap,
+                packed=(cu_seqlens_q, cu_seqlens_k))  # fmt: skip
+
+
+def attention_packed_vjp(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    d_out,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    shards: int | None = None,
+    layout: str = "contiguous",
+) -> tuple[np.ndarray, ...]:
+    """Gradients of ``attention_packed`` by ``jax.vjp``: (dq, dk, dv) shaped like q, k, v."""
+    return _run(q, k, v, d_out, None, shards, layout, is_causal=is_causal, scale=scale,
+                causal_alignment=causal_alignment, window=window, softcap=softcap,
+                packed=(cu_seqlens_q, cu_seqlens_k))  # fmt: skip
+
+
+def _run(q, k, v, d_out, mask, shards, layout, *, sinks=None, alibi_slopes=None, packed=None,
+         **options):  # fmt: skip
     # 0. Validate (the shared contract), then lay the heads and the sequence out and shard.
+    docs = None
+    if packed is not None:
+        # A packed call: its own contract (SPEC §18.1) first, and each token's document
+        # and place in it, found as jax_ring finds them; then it is an unbatched call.
+        docs = _prepare_packed(q, k, v, *packed, d_out, **options).docs
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     mask = None if mask is None else np.asarray(mask)
     d_out = None if d_out is None else np.asarray(d_out)
@@ -175,10 +235,12 @@ def _run(q, k, v, d_out, mask, shards, layout, *, sinks, alibi_slopes, **options
     run = type("Run", (), {})()
     run.__dict__.update(
         T=call.T, S=call.S, scale=call.scale, is_causal=call.is_causal,
-        offset=0 if call.causal_alignment == "top_left" else call.S - call.T,
+        # Packed: each document's alignment is already in its queries' places.
+        offset=0 if call.causal_alignment == "top_left" or docs else call.S - call.T,
         window=call.window, softcap=call.softcap, chunk=call.chunk_size,
         mask=None if mask is None else mask.reshape(call.mask_shape),
         sinks=None, slopes=None,  # sharded with the heads below, not as the ring does
+        docs=docs,
     )  # fmt: skip
     ring = _Ring(run, shards, layout)  # the sequence layout and the mesh, as jax_ring's
     P, mesh = ring.P, ring.mesh
@@ -196,9 +258,11 @@ def _run(q, k, v, d_out, mask, shards, layout, *, sinks, alibi_slopes, **options
         ring.shard(ring.permute(k, axis=2, n=call.S, seq="s"), seq),  # (B, P·Kl, Sp, D)
         ring.shard(ring.permute(v, axis=2, n=call.S, seq="s"), seq),  # (B, P·Kl, Sp, E)
         ring.shard(kv_slot, PS(AXIS)),  # (Hp,): sharded with the query heads
-        ring.shard(ring.perm["t"].astype(np.int32), PS()),  # (Tp,) replicated: tiny
-        ring.shard(ring.perm["s"].astype(np.int32), PS()),  # (Sp,)
     ]
+    # Positions (and packed documents) replicated: tiny, and each device attends the
+    # whole sequence.
+    tokens = ring.tokens(run)  # (Tp,), (Sp,), (Tp,) or None, (Sp,) or None
+    args += [None if x is None else ring.shard(x, PS()) for x in tokens]
     m = run.mask
     mask_spec = None
     if m is not None:
@@ -226,6 +290,7 @@ def _run(q, k, v, d_out, mask, shards, layout, *, sinks, alibi_slopes, **options
         softcap_on=call.softcap is not None,
         sinks_on=sinks is not None,
         alibi_on=slopes is not None,
+        documents=None if docs is None else np.asarray(packed[0]).size - 1,  # N
     )
     if d_out is None:
         out = _ulysses_fn(mesh, **static)(*args)  # (B, Hp, Tp, E)
@@ -261,13 +326,17 @@ def _run(q, k, v, d_out, mask, shards, layout, *, sinks, alibi_slopes, **options
     return tuple(out)
 
 
-def _ulysses_body(q, k, v, kv_slot, tpos, spos, mask, sinks, slopes, opts, *, softcap_on):
+def _ulysses_body(
+    q, k, v, kv_slot, tpos, spos, tdoc, sdoc, mask, sinks, slopes, opts, *, softcap_on, documents
+):
     """One device: all-to-all to head shards, attention on whole sequences, and back.
 
     q (B, Hp, Tl, D), k (B, P·Kl, Sl, D), v (B, P·Kl, Sl, E); kv_slot (Hl,) this device's
     query heads' key/value slots (-1: a dummy head); tpos (Tp,), spos (Sp,) the original
-    positions of every slot; mask (B|1, Hl|1, Tp|1, Sp|1) or None; sinks (Hl,) and
-    ALiBi's slopes (B, Hl) of this device's query heads, or None.
+    positions of every slot (for packed documents, their places in them); tdoc (Tp,),
+    sdoc (Sp,) every slot's packed document (-1: padding), or None, with ``documents``
+    = N; mask (B|1, Hl|1, Tp|1, Sp|1) or None; sinks (Hl,) and ALiBi's slopes (B, Hl) of
+    this device's query heads, or None.
     """
     # Sequence shards -> head shards: split the heads into P groups, send group d' to
     # device d', and concatenate what arrives along the sequence.
@@ -286,101 +355,126 @@ def _ulysses_body(q, k, v, kv_slot, tpos, spos, mask, sinks, slopes, opts, *, so
     v = jnp.take(v, slot, axis=1)  # (B, Hl, Sp, E)
 
     # Which keys each query may see: causality, the window, local-attention chunks and
-    # padding (from the tokens' original positions), a real head, a bool mask, a float
-    # mask's -inf entries. Chunks use floor division: a query at a negative position lies
-    # in a chunk of no key.
+    # padding (from the tokens' original positions), a packed document, a real head, a
+    # bool mask, a float mask's -inf entries. Chunks use floor division: a query at a
+    # negative position lies in a chunk of no key.
     t = tpos[:, None] + opts["offset"]  # (Tp, 1)
     distance = spos[None, :] - t  # (Tp, Sp)
     allowed = (tpos < opts["T"])[:, None] & (spos < opts["S"])[None, :]  # (Tp, Sp)
     allowed = allowed & (distance >= opts["lo"]) & (distance <= opts["hi"])
     if "chunk" in opts:
         allowed = allowed & (t // opts["chunk"] == spos[None, :] // opts["chunk"])
+    if tdoc is not None:
+        # Packed: only the query's own document's keys (padding is in none, -1).
+        allowed = allowed & (tdoc[:, None] == sdoc[None, :]) & (tdoc >= 0)[:, None]
     allowed = allowed[None] & (kv_slot >= 0)[:, None, None]  # (Hl, Tp, Sp)
     if mask is not None:
         allowed = allowed & (mask if mask.dtype == jnp.bool_ else mask != -jnp.inf)
-    # A key no query of its head may see must have no effect whatever it holds (0 · NaN
-    # is NaN): its rows are replaced by 0, by selection, before they are used.
-    used = allowed.any(axis=-2)  # (B|1, Hl, Sp)
-    k = jnp.where(used[..., None], k.astype(work), 0.0)  # (B, Hl, Sp, D)
-    v = jnp.where(used[..., None], v.astype(work), 0.0)  # (B, Hl, Sp, E)
 
-    # 1. Scores and 2. scale (folded into q).
-    q = q.astype(work) * scale  # (B, Hl, Tp, D)
-    x = jnp.einsum("bhtd,bhsd->bhts", q, k, precision=lax.Precision.HIGHEST)
-    # x: (B, Hl, Tp, Sp)
+    def attend(q, allowed):
+        """Steps 1-7 of this device's heads over the whole sequence: (B, Hl, Tp, E)."""
+        # A key no query of its head may see must have no effect whatever it holds (0 ·
+        # NaN is NaN): its rows are replaced by 0, by selection, before they are used.
+        used = allowed.any(axis=-2)  # (B|1, Hl, Sp)
+        k_used = jnp.where(used[..., None], k.astype(work), 0.0)  # (B, Hl, Sp, D)
+        v_used = jnp.where(used[..., None], v.astype(work), 0.0)  # (B, Hl, Sp, E)
 
-    # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
-    if softcap_on:
-        # Where x / softcap is subnormal XLA may flush it to 0, and the score with it;
-        # tanh(y) = y there far below rounding, so the score is kept (SPEC §4.2).
-        ratio = x / softcap  # (B, Hl, Tp, Sp)
-        x = jnp.where(jnp.abs(ratio) < jnp.finfo(work).tiny, x, softcap * jnp.tanh(ratio))
+        # 1. Scores and 2. scale (folded into q).
+        q = q.astype(work) * scale  # (B, Hl, Tp, D)
+        x = jnp.einsum("bhtd,bhsd->bhts", q, k_used, precision=lax.Precision.HIGHEST)
+        # x: (B, Hl, Tp, Sp)
 
-    # 4. Mask: ALiBi's linear bias and a float mask are added, then every key a query may
-    # not see gets -inf. ALiBi's distance is from the bottom-right diagonal, on the tokens'
-    # original positions (the layout permutes the slots, not the positions).
-    if slopes is not None:
-        t_diag = tpos[:, None] + opts["S"] - opts["T"]  # (Tp, 1)
-        distance = jnp.abs(t_diag - spos[None, :]).astype(work)  # (Tp, Sp)
-        x = x - slopes.astype(work)[:, :, None, None] * distance  # (B, Hl, Tp, Sp)
-    if mask is not None and mask.dtype != jnp.bool_:
-        x = x + mask.astype(work)
-    x = jnp.where(allowed, x, -jnp.inf)  # (B, Hl, Tp, Sp)
+        # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
+        if softcap_on:
+            # Where x / softcap is subnormal XLA may flush it to 0, and the score with it;
+            # tanh(y) = y there far below rounding, so the score is kept (SPEC §4.2).
+            ratio = x / softcap  # (B, Hl, Tp, Sp)
+            x = jnp.where(jnp.abs(ratio) < jnp.finfo(work).tiny, x, softcap * jnp.tanh(ratio))
 
-    # 5. Softmax over the keys, the row max subtracted; a row with no key gets weights 0.
-    # Both guards select (the "double where"), so gradients through such a row are 0.
-    row_max = x.max(axis=-1, keepdims=True, initial=-jnp.inf)  # (B, Hl, Tp, 1)
-    if sinks is not None:
-        # A sink joins the maximum of every row that has a key; a row with none stays 0.
-        has_key = row_max != -jnp.inf  # (B, Hl, Tp, 1)
-        sink = jnp.where(has_key, sinks.astype(work)[:, None, None], -jnp.inf)  # (B, Hl, Tp, 1)
-        row_max = jnp.maximum(row_max, sink)  # (B, Hl, Tp, 1)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # (B, Hl, Tp, 1)
-    p = jnp.exp(x - row_max)  # (B, Hl, Tp, Sp)
-    row_sum = p.sum(axis=-1, keepdims=True)  # (B, Hl, Tp, 1)
-    if sinks is not None:
-        # The sink takes its share of the sum, and has no value row to give anything back.
-        row_sum = row_sum + jnp.exp(sink - row_max)  # (B, Hl, Tp, 1)
-    # A row that reads +inf has row sum +inf: every weight of it is NaN, not only those of
-    # its +inf scores (SPEC §4.1), so that its gradients reach every key it attends.
-    divisor = jnp.where(row_sum > 0, row_sum, 1.0)  # (B, Hl, Tp, 1)
-    divisor = jnp.where(row_sum == jnp.inf, jnp.nan, divisor)  # (B, Hl, Tp, 1)
-    w = p / divisor  # (B, Hl, Tp, Sp)
-    if sinks is not None:
-        # A NaN or +inf sink makes its row NaN, as +inf - +inf does in the softmax (SPEC
-        # §15.4); the shift by a finite row maximum cannot show it, so it is selected.
-        w = jnp.where(jnp.isnan(sink) | (sink == jnp.inf), jnp.nan, w)  # (B, Hl, Tp, Sp)
+        # 4. Mask: ALiBi's linear bias and a float mask are added, then every key a query
+        # may not see gets -inf. ALiBi's distance is from the bottom-right diagonal, on the
+        # tokens' original positions (the layout permutes the slots, not the positions).
+        if slopes is not None:
+            t_diag = tpos[:, None] + opts["S"] - opts["T"]  # (Tp, 1)
+            distance = jnp.abs(t_diag - spos[None, :]).astype(work)  # (Tp, Sp)
+            x = x - slopes.astype(work)[:, :, None, None] * distance  # (B, Hl, Tp, Sp)
+        if mask is not None and mask.dtype != jnp.bool_:
+            x = x + mask.astype(work)
+        x = jnp.where(allowed, x, -jnp.inf)  # (B, Hl, Tp, Sp)
 
-    # 7. Weighted sum of the values.
-    out = jnp.einsum("bhts,bhse->bhte", w, v, precision=lax.Precision.HIGHEST)
+        # 5. Softmax over the keys, the row max subtracted; a row with no key gets weights
+        # 0. Both guards select (the "double where"), so gradients through such a row are 0.
+        row_max = x.max(axis=-1, keepdims=True, initial=-jnp.inf)  # (B, Hl, Tp, 1)
+        if sinks is not None:
+            # A sink joins the maximum of every row that has a key; a row with none stays 0.
+            has_key = row_max != -jnp.inf  # (B, Hl, Tp, 1)
+            sink = sinks.astype(work)[:, None, None]  # (Hl, 1, 1)
+            sink = jnp.where(has_key, sink, -jnp.inf)  # (B, Hl, Tp, 1)
+            row_max = jnp.maximum(row_max, sink)  # (B, Hl, Tp, 1)
+        row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # (B, Hl, Tp, 1)
+        p = jnp.exp(x - row_max)  # (B, Hl, Tp, Sp)
+        row_sum = p.sum(axis=-1, keepdims=True)  # (B, Hl, Tp, 1)
+        if sinks is not None:
+            # The sink takes its share of the sum, and has no value row to give anything.
+            row_sum = row_sum + jnp.exp(sink - row_max)  # (B, Hl, Tp, 1)
+        # A row that reads +inf has row sum +inf: every weight of it is NaN, not only those
+        # of its +inf scores (SPEC §4.1), so that its gradients reach every key it attends.
+        divisor = jnp.where(row_sum > 0, row_sum, 1.0)  # (B, Hl, Tp, 1)
+        divisor = jnp.where(row_sum == jnp.inf, jnp.nan, divisor)  # (B, Hl, Tp, 1)
+        w = p / divisor  # (B, Hl, Tp, Sp)
+        if sinks is not None:
+            # A NaN or +inf sink makes its row NaN, as +inf - +inf does in the softmax
+            # (SPEC §15.4); the shift by a finite row maximum cannot show it: selected.
+            w = jnp.where(jnp.isnan(sink) | (sink == jnp.inf), jnp.nan, w)  # (B, Hl, Tp, Sp)
+
+        # 7. Weighted sum of the values.
+        return jnp.einsum("bhts,bhse->bhte", w, v_used, precision=lax.Precision.HIGHEST)
+
+    if tdoc is None:
+        out = attend(q, allowed)  # (B, Hl, Tp, E)
+    else:
+        # Packed: the local step once per document, on its queries alone (the others 0,
+        # so that nothing of theirs, not even a NaN, reaches its keys' gradients); each
+        # row keeps its own document's pass (module docstring).
+        def document(n, out):
+            rows = tdoc == n  # (Tp,)
+            q_n = jnp.where(rows[:, None], q, 0.0)  # (B, Hl, Tp, D)
+            out_n = attend(q_n, allowed & rows[:, None])  # (B, Hl, Tp, E)
+            return jnp.where(rows[:, None], out_n, out)  # (B, Hl, Tp, E)
+
+        out = jnp.zeros((*q.shape[:3], v.shape[-1]), dtype=work)  # (B, Hl, Tp, E)
+        out = lax.pcast(out, AXIS, to="varying")  # it differs from device to device
+        out = lax.fori_loop(0, documents, document, out)  # (B, Hl, Tp, E)
     out = out.astype(out_dtype)  # (B, Hl, Tp, E)
 
     # Head shards -> sequence shards: the inverse all-to-all.
     return lax.all_to_all(out, AXIS, split_axis=2, concat_axis=1, tiled=True)  # (B, Hp, Tl, E)
 
 
-def _sharded(mesh, mask_spec, softcap_on, sinks_on, alibi_on):
+def _sharded(mesh, mask_spec, softcap_on, sinks_on, alibi_on, documents):
     seq = PS(None, None, AXIS, None)
     sinks_spec = PS(AXIS) if sinks_on else None  # (Hp,): with the query heads
     slopes_spec = PS(None, AXIS) if alibi_on else None  # (B, Hp)
+    docs = None if documents is None else PS()  # (Tp,), (Sp,): replicated, as positions
     return jax.shard_map(
-        functools.partial(_ulysses_body, softcap_on=softcap_on),
+        functools.partial(_ulysses_body, softcap_on=softcap_on, documents=documents),
         mesh=mesh,
-        in_specs=(seq, seq, seq, PS(AXIS), PS(), PS(), mask_spec, sinks_spec, slopes_spec, PS()),
+        in_specs=(seq, seq, seq, PS(AXIS), PS(), PS(), docs, docs, mask_spec, sinks_spec,
+                  slopes_spec, PS()),
         out_specs=seq,
-    )
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)
-def _ulysses_fn(mesh, mask_spec, softcap_on, sinks_on, alibi_on):
-    return jax.jit(_sharded(mesh, mask_spec, softcap_on, sinks_on, alibi_on))
+def _ulysses_fn(mesh, mask_spec, softcap_on, sinks_on, alibi_on, documents):
+    return jax.jit(_sharded(mesh, mask_spec, softcap_on, sinks_on, alibi_on, documents))
 
 
 @functools.lru_cache(maxsize=64)
-def _ulysses_vjp_fn(mesh, float_mask, mask_spec, softcap_on, sinks_on, alibi_on):
-    f = _sharded(mesh, mask_spec, softcap_on, sinks_on, alibi_on)
+def _ulysses_vjp_fn(mesh, float_mask, mask_spec, softcap_on, sinks_on, alibi_on, documents):
+    f = _sharded(mesh, mask_spec, softcap_on, sinks_on, alibi_on, documents)
 
-    def vjp(q, k, v, kv_slot, tpos, spos, mask, sinks, slopes, opts, d_out):
+    def vjp(q, k, v, kv_slot, tpos, spos, tdoc, sdoc, mask, sinks, slopes, opts, d_out):
         # Differentiated: q, k, v, a float mask and the sinks (dsinks last); the slopes
         # are constants (SPEC §17.3).
         primals = [q, k, v] + [mask] * float_mask + [sinks] * sinks_on
@@ -388,7 +482,7 @@ def _ulysses_vjp_fn(mesh, float_mask, mask_spec, softcap_on, sinks_on, alibi_on)
         def g(q, k, v, *rest):
             m = rest[0] if float_mask else mask
             s = rest[-1] if sinks_on else sinks
-            return f(q, k, v, kv_slot, tpos, spos, m, s, slopes, opts)
+            return f(q, k, v, kv_slot, tpos, spos, tdoc, sdoc, m, s, slopes, opts)
 
         _, pull = jax.vjp(g, *primals)
         return pull(d_out)
@@ -396,4 +490,11 @@ def _ulysses_vjp_fn(mesh, float_mask, mask_spec, softcap_on, sinks_on, alibi_on)
     return jax.jit(vjp)
 
 
-__all__ = ["attention", "attention_vjp", "head_split", "host_devices"]
+__all__ = [
+    "attention",
+    "attention_packed",
+    "attention_packed_vjp",
+    "attention_vjp",
+    "head_split",
+    "host_devices",
+]

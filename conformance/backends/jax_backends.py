@@ -172,6 +172,7 @@ class JaxRingBackend(JaxBackend):
         "sinks",
         "chunked",
         "alibi",
+        "packed",
     }
     default_shards: int | None = None
     conformance_options = MappingProxyType({"shards": 4, "layout": "zigzag"})
@@ -200,6 +201,19 @@ class JaxRingBackend(JaxBackend):
         return self.impl.attention_vjp(
             q, k, v, d_out, shards=self.shards, layout=self.layout, **options
         )
+
+    def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+        # The packed tokens are one sequence, split over the devices as attention's is.
+        return self.impl.attention_packed(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, shards=self.shards, layout=self.layout,
+            **options,
+        )  # fmt: skip
+
+    def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
+        return self.impl.attention_packed_vjp(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, shards=self.shards,
+            layout=self.layout, **options,
+        )  # fmt: skip
 
 
 class JaxUlyssesBackend(JaxRingBackend):

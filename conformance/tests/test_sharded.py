@@ -186,6 +186,53 @@ def test_sinks_and_alibi_at_every_shard_count(backend, P, layout):
     assert_within(as64(out), as64(at_one), 2 * tol, f"{context} vs P=1")
 
 
+#: Packed documents across devices (§14.1, §18), T = 37 and S = 67 in N = 5: (T_n, S_n) = (11, 20), (3, 0),
+#: (14, 30), (0, 12), (9, 5): a document without keys (rows of 0), one without queries, one
+#: with T_n > S_n (bottom-right: its first 4 queries see nothing). At P = 2, 3 and 4 the
+#: boundaries fall inside devices' slices (and zigzag's chunks), and documents run across
+#: them.
+PACKING = ([0, 11, 14, 28, 28, 37], [0, 20, 20, 50, 62, 67])
+
+
+@pytest.mark.clause("14.1", "18.1", "18.5")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("P", [2, 3, 4], ids=lambda P: f"P{P}")
+@requires("packed", "gqa", "causal_bottom_right")
+@uses_dtype("float64")
+def test_packed_at_every_shard_count(backend, P, layout):
+    """Packed documents (SPEC §18) split over the devices, causal bottom-right, GQA: each
+    document's rows are attention on it alone, the oracle's output within §7's tolerance
+    and P = 1's within twice that; the rows of the document without keys exactly 0; at
+    P = 3 the gradients within §12.9's. A ring that lets a query see another document's
+    keys where they share a device, or a step that loses a document's keys on another
+    device, is wrong here."""
+    from conformance.fixtures import oracle
+
+    shape = _shape(backend, B=1, H=6, K=2, T=37, S=67)
+    q, k, v = (x[0] for x in random_qkv(160, **shape))  # (H, T, D), (K, S, D), (K, S, E)
+    cu_q, cu_k = (np.array(x, dtype=np.int32) for x in PACKING)
+    options = {"is_causal": True, "causal_alignment": "bottom_right"}
+    args = (q, k, v, cu_q, cu_k)
+    # The naive float64 run, document by document, stands in for the oracle (§7.2); in
+    # float64 the naive run's own error against it is 0, so §7's tolerance is its floor.
+    ref = oracle.naive_packed_same_precision(*args, np.float64, **options)
+    tol = tolerance("float64", 0.0, ref)
+    at = _sharded(backend, P, layout)
+    out = at.attention_packed(*args, **options)
+    context = f"{backend.name} P={P} {layout}: packed documents"
+    assert_within(as64(out), ref, tol, context)
+    assert np.all(out[:, cu_q[1] : cu_q[2]] == 0), f"{context}: the rows without keys are not 0"
+    at_one = _sharded(backend, 1).attention_packed(*args, **options)
+    assert_within(as64(out), as64(at_one), 2 * tol, f"{context} vs P=1")
+    if P != 3 or "grad" not in backend.capabilities:
+        return
+    d_out = _d_out(161, q, v)  # (H, T, E)
+    grads = at.attention_packed_vjp(*args, d_out, **options)
+    ref_g = oracle.naive_packed_vjp_same_precision(*args, d_out, np.float64, **options)
+    tols = {n: tolerance("float64", 0.0, g) for n, g in ref_g.items()}
+    _check_grads(grads, ref_g, tols, f"{context}, gradients", names=("dq", "dk", "dv"))
+
+
 @pytest.mark.clause("14.3")
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("T,S", [(1, 1), (3, 2), (9, 3), (5, 17)], ids=lambda x: str(x))

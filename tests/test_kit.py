@@ -240,6 +240,28 @@ def test_declared_capabilities_are_checked_against_the_signature(registry):
         impl.resolve_impl("examples.my_attention:attention", capabilities="flash")
     with pytest.raises(ValueError, match="unknown \\['float8'\\]"):
         impl.resolve_impl("examples.my_attention:attention", dtypes="float8")
+    with pytest.raises(ValueError, match=r"declares 'sinks'.*no 'sinks' parameter"):
+        impl.resolve_impl("examples.my_attention:attention", capabilities="sinks")
+    with pytest.raises(ValueError, match="'packed' needs a second function"):
+        impl.resolve_impl("examples.my_attention:attention", capabilities="packed")
+
+
+def forwarding_attention(q, k, v, **options):
+    """The reference's attention behind a signature that takes any keyword."""
+    return load_backend("numpy").attention(q, k, v, **options)
+
+
+@pytest.mark.clause("13.1", "15.1", "16.1", "17.1")
+def test_a_function_declares_the_variants_beside_all(registry):
+    """ "all" is what a function could declare before the variants; sinks, chunked and
+    alibi are named beside it, and the function gets them as its keywords."""
+    b = impl.resolve_impl("test_kit:forwarding_attention", capabilities="all,sinks,alibi,chunked")
+    assert {"sinks", "alibi", "chunked", "window", "softcap"} <= b.capabilities
+    assert "packed" not in b.capabilities and "module" not in b.capabilities
+    q = np.zeros((1, 2, 4, 1))
+    v = np.arange(8.0).reshape(1, 1, 4, 2).repeat(2, axis=1)
+    expected = load_backend("numpy").attention(q, q, v, chunk_size=2, sinks=np.zeros(2))
+    np.testing.assert_array_equal(b.attention(q, q, v, chunk_size=2, sinks=np.zeros(2)), expected)
 
 
 @pytest.mark.clause("13.1")

@@ -394,8 +394,16 @@ def resolve_impl(
     if framework != "numpy":
         # torch autograd or jax.vjp differentiate the function itself.
         allowed = allowed | (GRAD_CAPABILITIES - {"module_grad"})
-    if caps == ["all"]:
-        caps = sorted(FUNCTION_CAPABILITIES)
+    if caps and "all" in caps:
+        # "all" is the capabilities a function had before the variants; they are named
+        # beside it ("all,sinks").
+        caps = sorted(FUNCTION_CAPABILITIES | (set(caps) - {"all"}))
+    if caps and "packed" in caps and packed is None:
+        raise ValueError(
+            "--impl-capabilities: 'packed' needs a second function for attention_packed, "
+            "which a profile's 'packed' key names (SPEC §13.12); a plain --impl has one, "
+            "attention"
+        )
     if dts == ["all"]:
         dts = list(DTYPES)
     unknown = sorted(set(caps or ()) - allowed)

@@ -148,7 +148,7 @@ def check(
         raise ValueError(
             f"causal_alignment should be one of {ALIGNMENTS}, got {causal_alignment!r}"
         )
-    window = _check_window(window)
+    window = check_window(window)
     chunk_size = check_chunk_size(chunk_size)
     softcap = None if softcap is None else _softcap(softcap, _dtype_name(q))
     dropout_p = _probability("dropout_p", dropout_p)
@@ -372,14 +372,23 @@ def check_packed(
                 f"after another), got rank {len(shape)} with shape {shape}"
             )
     call = check(q, k, v, **options)
-    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, call.T, "T")
-    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, call.S, "S")
+    cu_q, cu_k = check_boundaries(cu_seqlens_q, cu_seqlens_k, call.T, call.S)
+    return call, cu_q, cu_k
+
+
+def check_boundaries(
+    cu_seqlens_q: Any, cu_seqlens_k: Any, T: int, S: int
+) -> tuple[list[int], list[int]]:
+    """Both boundary arrays of a packed call (SPEC §18.1), as Python ints: each checked by
+    ``check_cu_seqlens``, and the same number of documents N in both."""
+    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, T, "T")
+    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, S, "S")
     if len(cu_q) != len(cu_k):
         raise ValueError(
             f"cu_seqlens_k should have the same number of documents N as cu_seqlens_q, "
             f"shape (N + 1,) = ({len(cu_q)},), got shape ({len(cu_k)},)"
         )
-    return call, cu_q, cu_k
+    return cu_q, cu_k
 
 
 def check_cu_seqlens(name: str, cu_seqlens: Any, total: int, letter: str) -> list[int]:
@@ -526,7 +535,7 @@ def check_paged(
                     f"seq_lens[{b}] should be at least T = {T} with is_causal (the queries "
                     f"are the last T positions of each sequence), got {n}"
                 )
-    window = _check_window(window)
+    window = check_window(window)
     softcap = None if softcap is None else _softcap(softcap, _dtype_name(q))
     scale = 1.0 / math.sqrt(D) if scale is None else _positive("scale", scale)
     if d_out is not None:
@@ -633,7 +642,7 @@ def _check_bool(name: str, value: Any) -> bool:
     raise TypeError(f"{name} should be a bool, got {value!r}")
 
 
-def _check_window(window: Any) -> tuple[int | None, int | None] | None:
+def check_window(window: Any) -> tuple[int | None, int | None] | None:
     """A pair (left, right) of ints >= 0 or None, as a tuple (hashable, for jax.jit)."""
     if window is None:
         return None

@@ -38,13 +38,12 @@ def attention_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **keywords):
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
         return jax.nn.dot_product_attention(q, k, v, **keywords)
     T, S = q.shape[0], k.shape[0]
-    cu_q = np.asarray(contract.check_cu_seqlens("cu_seqlens_q", np.asarray(cu_seqlens_q), T, "T"))
-    cu_k = np.asarray(contract.check_cu_seqlens("cu_seqlens_k", np.asarray(cu_seqlens_k), S, "S"))
-    if len(cu_q) != len(cu_k):
-        raise ValueError(
-            f"cu_seqlens_k should have the same number of documents N as cu_seqlens_q, "
-            f"shape (N + 1,) = ({len(cu_q)},), got shape ({len(cu_k)},)"
+    cu_q, cu_k = (
+        np.asarray(bounds)
+        for bounds in contract.check_boundaries(
+            np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k), T, S
         )
+    )
     lengths_q, lengths_k = np.diff(cu_q), np.diff(cu_k)  # (N,)
     padded_q = _pad(q, cu_q, lengths_q)  # (N, Tn, H, D)
     padded_k, padded_v = _pad(k, cu_k, lengths_k), _pad(v, cu_k, lengths_k)  # (N, Sn, K, D)

@@ -74,6 +74,8 @@ from typing import Any
 
 import numpy as np
 
+from conformance.impls import contract
+
 #: The operator's inputs in order; an input not given is an empty name.
 INPUTS = (
     "query",
@@ -152,13 +154,7 @@ def _window(window: tuple[int | None, int | None] | None, is_causal: bool) -> di
     """The causal and local_window_size attributes for a spec window (left, right)."""
     if window is None:
         return {}
-    if not (
-        isinstance(window, tuple)
-        and len(window) == 2
-        and all(w is None or (isinstance(w, int) and w >= 0) for w in window)
-    ):
-        raise ValueError(f"window should be (left, right) of ints >= 0 or None, got {window!r}")
-    left, right = window
+    left, right = contract.check_window(window)
     if left is None and right is None:
         return {}
     if not (right == 0 or (right is None and is_causal)):

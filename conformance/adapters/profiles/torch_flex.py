@@ -123,13 +123,7 @@ def attention_packed(
         return flex_attention(q, k, v, scale=scale, enable_gqa=True)
     H, T, D = q.shape
     S = k.shape[-2]
-    cu_q = contract.check_cu_seqlens("cu_seqlens_q", _host(cu_seqlens_q), T, "T")
-    cu_k = contract.check_cu_seqlens("cu_seqlens_k", _host(cu_seqlens_k), S, "S")
-    if len(cu_q) != len(cu_k):
-        raise ValueError(
-            f"cu_seqlens_k should have the same number of documents N as cu_seqlens_q, "
-            f"shape (N + 1,) = ({len(cu_q)},), got shape ({len(cu_k)},)"
-        )
+    cu_q, cu_k = contract.check_boundaries(_host(cu_seqlens_q), _host(cu_seqlens_k), T, S)
     # Each token's document, and where the document starts; bottom-right puts document
     # n's diagonal at S_n - T_n.
     doc_q = torch.as_tensor(np.searchsorted(cu_q, np.arange(T), side="right") - 1)  # (T,)
@@ -185,12 +179,7 @@ def _check_options(causal_alignment, window, softcap, chunk_size) -> None:
         raise ValueError(
             f"causal_alignment should be 'top_left' or 'bottom_right', got {causal_alignment!r}"
         )
-    if window is not None and not (
-        isinstance(window, tuple)
-        and len(window) == 2
-        and all(w is None or (isinstance(w, int) and w >= 0) for w in window)
-    ):
-        raise ValueError(f"window should be (left, right) of ints >= 0 or None, got {window!r}")
+    contract.check_window(window)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap should be positive, got {softcap!r}")
     if chunk_size is not None:

@@ -1,0 +1,314 @@
+"""Scaled dot-product attention in NumPy: the reference every other page mirrors.
+
+    out = softmax(scale · q kᵀ + mask) v
+
+For one query row t of one head, with the scale 1/√D by default:
+
+    score[s]  = scale · Σ_d q[t, d] · k[s, d]
+    w[s]      = exp(score[s] - max_s score) / Σ_s exp(score[s] - max_s score)
+    out[t, e] = Σ_s w[s] · v[s, e]
+
+Why 1/√D: if q's and k's entries have unit variance, q·k sums D such products and has
+variance D. Dividing by √D keeps the scores near unit variance at any head size, so the
+softmax neither saturates (one-hot weights, vanishing gradients) nor flattens.
+
+Shape legend (heads-first, as in PyTorch):
+
+    B batch            H query heads      K key/value heads (H % K == 0)
+    G = H // K         T query length     S key/value length
+    D q/k head dim     E v head dim
+
+    q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
+    mask: bool (True = may attend) or floating (added to the scores), broadcastable to
+    (B, H, T, S). Unbatched q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
+
+Supports: bool and float masks; causal masks aligned top-left or bottom-right; sliding
+windows; chunked local attention (Llama 4); ALiBi; softcapping (Gemma 2); attention sinks
+(gpt-oss); grouped- and multi-query attention (K < H); dropout with a
+``numpy.random.Generator``; float64, float32, float16 and bfloat16 (``ml_dtypes``). A query
+row with no key left to attend returns exactly 0. Each variant is one helper, called from
+its step and defined below ``attention``; the Notes at the end say why each is written so.
+
+Imports: the standard library, NumPy and ``contract.py``, the input contract every page
+checks as its step 0. Where the rest lives, in this package: ``backward.py`` (the backward
+pass by hand), ``flash.py`` (blockwise, never the whole (T, S) matrix), ``kv_cache.py``,
+``packed.py`` (variable-length documents, SPEC §18), ``paged.py`` (a paged KV cache, §19)
+and ``layers.py`` (the multi-head layer and a GPT block).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import contract
+
+
+# A score that overflows is ±inf and a row that reads +inf or NaN is NaN: answers the SPEC
+# defines (§4.1, §3.8), not errors, so NumPy is not to warn about them.
+@np.errstate(over="ignore", invalid="ignore")
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    mask: np.ndarray | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    rng: np.random.Generator | None = None,
+    sinks: np.ndarray | None = None,
+    chunk_size: int | None = None,
+    alibi_slopes: np.ndarray | None = None,
+) -> np.ndarray:
+    """Scaled dot-product attention.
+
+    Args:
+      q, k, v: (B, H, T, D), (B, K, S, D), (B, K, S, E), or unbatched without B.
+      mask: bool (True = may attend) or floating (added), broadcastable to (B, H, T, S).
+      is_causal: query t attends only keys on or before its diagonal.
+      scale: multiplies q·k; defaults to 1/√D.
+      causal_alignment: "top_left" (key s <= t) or "bottom_right" (s <= t + S - T, the
+        last query sees the last key, as in a KV cache); also places windows and chunks.
+      window: (left, right): keys within left before and right after the diagonal.
+      softcap: scores become softcap · tanh(scores / softcap).
+      dropout_p, rng: drop each weight with probability dropout_p, drawn from rng.
+      sinks: (H,), one logit per query head that joins the softmax and has no value.
+      chunk_size: attend only within the same chunk of chunk_size positions.
+      alibi_slopes: (H,) or (B, H): add -slope · |t + S - T - s| to the scores.
+
+    Returns:
+      out: (B, H, T, E), or (H, T, E) for unbatched input; q's dtype.
+    """
+    # 0. Validate with the input contract every page shares: an error names the argument,
+    # the expected shape and what was given.
+    q, k, v, mask, sinks, alibi_slopes = _arrays(q, k, v, mask, sinks, alibi_slopes)
+    call = contract.check(
+        q, k, v, mask=mask, is_causal=is_causal, scale=scale, causal_alignment=causal_alignment,
+        window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size,
+        alibi_slopes=alibi_slopes, random=_random_source(rng),
+    )  # fmt: skip
+    dtype = q.dtype
+    q, k, v, mask = _batched(q, k, v, mask, call)  # (B, H, T, D), (B, K, S, D), (B, K, S, E)
+    k, v = _repeat_heads(k, call.G), _repeat_heads(v, call.G)  # (B, H, S, D), (B, H, S, E)
+    allowed = _allowed(mask, call)  # (B|1, H|1, T, S)
+    k, v = _unseen_slots_zeroed(k, v, allowed)  # (B, H, S, D), (B, H, S, E)
+
+    # 1. Scores: every query against every key of its head.
+    scores = np.einsum("bhtd,bhsd->bhts", q, k)  # (B, H, T, S)
+
+    # 2. Scale, so that the scores' spread does not grow with the head size D.
+    scores = scores * call.scale  # (B, H, T, S)
+
+    # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
+    scores = _softcap(scores, call.softcap)  # (B, H, T, S)
+
+    # 4. Mask: ALiBi's bias and a float mask are added; every key a query may not see
+    # gets -inf.
+    scores = scores + _alibi_bias(alibi_slopes, call, scores.dtype)  # (B|1, H, T, S)
+    scores = scores + _float_mask(mask, call, scores.dtype)  # (B, H, T, S)
+    scores = np.where(allowed, scores, -np.inf)  # (B, H, T, S)
+
+    # 5. Softmax over the keys; a row with no key left gets weights of exactly 0.
+    weights = _softmax(scores, sinks)  # (B, H, T, S)
+
+    # 6. Dropout: zero each weight with probability dropout_p, rescale the rest.
+    weights = _dropout(weights, call.dropout_p, rng)  # (B, H, T, S)
+
+    # 7. Weighted sum of the values.
+    out = np.einsum("bhts,bhse->bhte", weights, v)  # (B, H, T, E)
+    return _as_given(out, dtype, call)  # (B, H, T, E), or (H, T, E) unbatched
+
+
+# --- Step 0: the inputs ---------------------------------------------------------------------
+
+
+def _arrays(*xs):
+    """The arrays as NumPy arrays, None left as it is."""
+    return tuple(None if x is None else np.asarray(x) for x in xs)
+
+
+def _random_source(rng):
+    """What the contract checks dropout's random source against: a NumPy Generator."""
+    return ("rng", rng, isinstance(rng, np.random.Generator), "a numpy.random.Generator")
+
+
+def _batched(q, k, v, mask, call: contract.Checked):
+    """q, k, v with a batch axis, in the working precision; the mask reshaped to broadcast
+    against the (B, H, T, S) scores. Float16 and bfloat16 are computed in float32 and
+    rounded once at the end (see Notes: working precision)."""
+    work = np.float64 if q.dtype == np.float64 else np.float32
+    if call.unbatched:
+        q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
+    if mask is not None:
+        mask = mask.reshape(call.mask_shape)  # (B|1, H|1, T|1, S|1)
+    return q.astype(work), k.astype(work), v.astype(work), mask
+
+
+def _repeat_heads(x: np.ndarray, G: int) -> np.ndarray:
+    """Grouped-query attention: query head h uses key/value head h // G, so each key/value
+    head is repeated for its G query heads (see Notes: grouped-query attention)."""
+    return np.repeat(x, G, axis=1)  # (B, H, S, D|E)
+
+
+def _allowed(mask: np.ndarray | None, call: contract.Checked) -> np.ndarray:
+    """Which keys each query may see, (B|1, H|1, T, S) bool: those that a bool mask, the
+    causal triangle, the window and the chunk allow and a float mask does not set to -inf."""
+    T, S, window, chunk = call.T, call.S, call.window, call.chunk_size
+    # Query t's diagonal is key t (top-left) or key t + S - T (bottom-right, so that the
+    # last query lines up with the last key).
+    offset = 0 if call.causal_alignment == "top_left" else S - T
+    t = np.arange(T)[:, None]  # (T, 1)
+    s = np.arange(S)[None, :]  # (1, S)
+    distance = s - (t + offset)  # (T, S)
+    allowed = np.ones((1, 1, T, S), dtype=bool)  # (1, 1, T, S)
+    if call.is_causal:
+        allowed = allowed & (distance <= 0)  # (1, 1, T, S)
+    if window is not None and window[0] is not None:
+        allowed = allowed & (distance >= -window[0])  # (1, 1, T, S)
+    if window is not None and window[1] is not None:
+        allowed = allowed & (distance <= window[1])  # (1, 1, T, S)
+    if chunk is not None:
+        # Same chunk only; floor division puts a negative position in a chunk of no key.
+        allowed = allowed & ((t + offset) // chunk == s // chunk)  # (1, 1, T, S)
+    if mask is not None and call.mask_is_bool:
+        allowed = allowed & mask  # (B|1, H|1, T, S)
+    elif mask is not None:
+        allowed = allowed & (mask != -np.inf)  # (B|1, H|1, T, S)
+    return allowed
+
+
+def _unseen_slots_zeroed(k: np.ndarray, v: np.ndarray, allowed: np.ndarray):
+    """k and v with every slot that no query of its head may see replaced by 0, so that
+    whatever it holds (NaN, inf) has no effect (see Notes: blocked keys)."""
+    used = allowed.any(axis=2)[..., None]  # (B|1, H|1, S, 1)
+    return np.where(used, k, 0.0), np.where(used, v, 0.0)  # (B, H, S, D), (B, H, S, E)
+
+
+# --- Steps 3 and 4: the variants of the scores ----------------------------------------------
+
+
+def _softcap(scores: np.ndarray, softcap: float | None) -> np.ndarray:
+    """Gemma 2's softcap, softcap · tanh(scores / softcap); a score far above the softcap
+    overflows to ±inf in the division, whose tanh is exactly ±1."""
+    if softcap is None:
+        return scores
+    return softcap * np.tanh(scores / softcap)  # (B, H, T, S)
+
+
+def _alibi_bias(slopes: np.ndarray | None, call: contract.Checked, work) -> np.ndarray:
+    """ALiBi's bias, (B|1, H, T, S): −slope · |t + S − T − s|, so that a key weighs less
+    the farther it lies from the query. The distance is from the bottom-right diagonal
+    whatever the causal alignment: the last query sits at the last key (see Notes: ALiBi)."""
+    if slopes is None:
+        return np.zeros((), dtype=work)
+    T, S, H = call.T, call.S, call.H
+    t = np.arange(T)[:, None]  # (T, 1)
+    s = np.arange(S)[None, :]  # (1, S)
+    distance = np.abs(t + S - T - s).astype(work)  # (T, S)
+    return -slopes.astype(work).reshape(-1, H, 1, 1) * distance  # (B|1, H, T, S)
+
+
+def _float_mask(mask: np.ndarray | None, call: contract.Checked, work) -> np.ndarray:
+    """What a float mask adds to the scores; a bool mask (or none) adds nothing, it only
+    blocks (in ``_allowed``)."""
+    if mask is None or call.mask_is_bool:
+        return np.zeros((), dtype=work)
+    return mask.astype(work)  # (B|1, H|1, T|1, S|1)
+
+
+# --- Steps 5 and 6: the weights -------------------------------------------------------------
+
+
+def _softmax(scores: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
+    """The softmax over the keys, less the row maximum so that exp() <= 1. A row with no key
+    left has maximum -inf and gets weights of exactly 0 (see Notes: empty rows); a sink
+    joins the maximum and the sum but has no value row (see Notes: sinks)."""
+    H = scores.shape[1]
+    row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)  # (B, H, T, 1)
+    sink = _sink_logits(sinks, row_max, H)  # (B, H, T, 1)
+    row_max = np.maximum(row_max, sink)  # (B, H, T, 1)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
+    p = np.exp(scores - row_max)  # (B, H, T, S)
+    row_sum = p.sum(axis=-1, keepdims=True) + np.exp(sink - row_max)  # (B, H, T, 1)
+    weights = p / np.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
+    # A NaN or +inf sink makes its row NaN, as +inf - +inf does in the softmax (SPEC §15.4);
+    # the shift by a finite row maximum above cannot show it, so it is selected.
+    return np.where(np.isnan(sink) | (sink == np.inf), np.nan, weights)  # (B, H, T, S)
+
+
+def _sink_logits(sinks: np.ndarray | None, row_max: np.ndarray, H: int) -> np.ndarray:
+    """Each row's sink logit, (B, H, T, 1): sinks[h] in the rows of head h that have a key,
+    and -inf (no sink: exp(-inf) = 0) in a row with none, or without sinks."""
+    if sinks is None:
+        return np.full_like(row_max, -np.inf)  # (B, H, T, 1)
+    has_key = row_max != -np.inf  # (B, H, T, 1); NaN != -inf: a NaN row has keys
+    logits = sinks.astype(row_max.dtype).reshape(1, H, 1, 1)  # (1, H, 1, 1)
+    return np.where(has_key, logits, -np.inf)  # (B, H, T, 1)
+
+
+def _dropout(weights: np.ndarray, dropout_p: float, rng) -> np.ndarray:
+    """Zero each weight with probability dropout_p and rescale the survivors by
+    1 / (1 - dropout_p), so that the expected output is unchanged."""
+    if dropout_p == 0:
+        return weights
+    keep = rng.random(weights.shape) >= dropout_p  # (B, H, T, S)
+    return weights * keep / (1.0 - dropout_p)  # (B, H, T, S)
+
+
+# --- Step 7: the output ---------------------------------------------------------------------
+
+
+def _as_given(out: np.ndarray, dtype: np.dtype, call: contract.Checked) -> np.ndarray:
+    """The output rounded once to the inputs' dtype, without the batch axis it was given
+    for unbatched inputs."""
+    out = out.astype(dtype)  # (B, H, T, E)
+    return out[0] if call.unbatched else out  # (B, H, T, E) or (H, T, E)
+
+
+# --- Notes ----------------------------------------------------------------------------------
+#
+# Working precision. Float16 and bfloat16 inputs are computed in float32 and the result is
+# rounded once: exp() of a float16 score overflows past 11.09, and summing many weights in
+# float16 loses the small ones.
+#
+# Grouped-query attention (K < H). Each key/value head serves G = H // K consecutive query
+# heads, so query head h uses key/value head h // G (PyTorch's repeat_interleave, not
+# tiling). Repeating every key/value head G times turns it into plain multi-head attention;
+# with K = H (G = 1) nothing changes.
+#
+# Blocked keys. Blocked scores are replaced by -inf in step 4, not only pushed down by
+# adding -inf, since NaN + -inf is NaN. A key that no query of its head may see (padding, a
+# KV-cache slot not yet written) must have no effect, whatever it holds: a weight of 0 does
+# not cancel it, because 0 · NaN and 0 · inf are NaN. Its key and value rows are replaced by
+# 0 before they are used, by selection, so that their gradients are exactly 0 as well.
+#
+# Empty rows (step 5). A row with every key blocked has max -inf; it is given weights of
+# exactly 0 (as PyTorch SDPA and FlashAttention do) instead of the NaN that exp(-inf - -inf)
+# would give. With S = 0 every row is such a row: the maximum starts from -inf, since an
+# empty axis has no maximum of its own.
+#
+# Overflow (steps 2, 5). A score that overflows is ±inf, as SPEC §4.1 defines: +inf makes
+# its row NaN (inf / inf), -inf gives weight 0. Those are the answers, so NumPy's overflow
+# and invalid-value warnings are silenced for this one function (the decorator).
+#
+# Sinks (step 5). An attention sink (gpt-oss; StreamingLLM's sink tokens in masking form) is
+# one more logit per query head in every row's softmax, with no value row: its weight goes
+# "nowhere", so a head can attend to nothing in particular. It joins the row maximum, so
+# exp() stays <= 1 even for a sink of 1e4, and the sum, not the numerator: the keys' weights
+# then add up to 1 - p_sink. It is not scaled, softcapped, masked or dropped. A row with no
+# key has no softmax at all and stays 0 (SPEC §15.3), so its sink is left out.
+#
+# ALiBi (step 4). Press et al.'s attention with linear biases replaces position embeddings
+# by a penalty −slope · distance on every score, one slope per query head (the usual slopes
+# are 2^(-8 (h + 1) / H)). The distance is |t + S − T − s|, from the bottom-right diagonal,
+# as FlashAttention's alibi_slopes define it: with a KV cache the T queries are the last T
+# of the S positions, so that is where each query really sits. It is computed in the
+# working precision and added like a float mask, after the softcap; the slopes are
+# constants, with no gradient.
+#
+# Chunked local attention (step 0, ``_allowed``). Llama 4's chunks: query t sees key s only
+# if both lie in the same chunk of chunk_size positions, (t + offset) // c == s // c, the
+# offset placed by causal_alignment as for causality.

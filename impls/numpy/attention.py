@@ -84,17 +84,17 @@ def attention(
     """
     # 0. Validate with the input contract every page shares: an error names the argument,
     # the expected shape and what was given.
-    q, k, v, mask, sinks, alibi_slopes = _arrays(q, k, v, mask, sinks, alibi_slopes)
+    q, k, v, mask, sinks, alibi_slopes = as_arrays(q, k, v, mask, sinks, alibi_slopes)
     call = contract.check(
         q, k, v, mask=mask, is_causal=is_causal, scale=scale, causal_alignment=causal_alignment,
         window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size,
-        alibi_slopes=alibi_slopes, random=_random_source(rng),
+        alibi_slopes=alibi_slopes, random=random_source(rng),
     )  # fmt: skip
     dtype = q.dtype
-    q, k, v, mask = _batched(q, k, v, mask, call)  # (B, H, T, D), (B, K, S, D), (B, K, S, E)
-    k, v = _repeat_heads(k, call.G), _repeat_heads(v, call.G)  # (B, H, S, D), (B, H, S, E)
-    allowed = _allowed(mask, call)  # (B|1, H|1, T, S)
-    k, v = _unseen_slots_zeroed(k, v, allowed)  # (B, H, S, D), (B, H, S, E)
+    q, k, v, mask = batched(q, k, v, mask, call)  # (B, H, T, D), (B, K, S, D), (B, K, S, E)
+    k, v = repeat_heads(k, call.G), repeat_heads(v, call.G)  # (B, H, S, D), (B, H, S, E)
+    allowed = allowed_keys(mask, call)  # (B|1, H|1, T, S)
+    k, v = unseen_slots_zeroed(k, v, allowed)  # (B, H, S, D), (B, H, S, E)
 
     # 1. Scores: every query against every key of its head.
     scores = np.einsum("bhtd,bhsd->bhts", q, k)  # (B, H, T, S)
@@ -103,39 +103,39 @@ def attention(
     scores = scores * call.scale  # (B, H, T, S)
 
     # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
-    scores = _softcap(scores, call.softcap)  # (B, H, T, S)
+    scores = softcapped(scores, call.softcap)  # (B, H, T, S)
 
     # 4. Mask: ALiBi's bias and a float mask are added; every key a query may not see
     # gets -inf.
-    scores = scores + _alibi_bias(alibi_slopes, call, scores.dtype)  # (B|1, H, T, S)
-    scores = scores + _float_mask(mask, call, scores.dtype)  # (B, H, T, S)
+    scores = scores + alibi_bias(alibi_slopes, call, scores.dtype)  # (B|1, H, T, S)
+    scores = scores + float_mask(mask, call, scores.dtype)  # (B, H, T, S)
     scores = np.where(allowed, scores, -np.inf)  # (B, H, T, S)
 
     # 5. Softmax over the keys; a row with no key left gets weights of exactly 0.
-    weights = _softmax(scores, sinks)  # (B, H, T, S)
+    weights = softmax(scores, sinks)  # (B, H, T, S)
 
     # 6. Dropout: zero each weight with probability dropout_p, rescale the rest.
-    weights = _dropout(weights, call.dropout_p, rng)  # (B, H, T, S)
+    weights = dropped_out(weights, call.dropout_p, rng)  # (B, H, T, S)
 
     # 7. Weighted sum of the values.
     out = np.einsum("bhts,bhse->bhte", weights, v)  # (B, H, T, E)
-    return _as_given(out, dtype, call)  # (B, H, T, E), or (H, T, E) unbatched
+    return as_given(out, dtype, call)  # (B, H, T, E), or (H, T, E) unbatched
 
 
 # --- Step 0: the inputs ---------------------------------------------------------------------
 
 
-def _arrays(*xs):
+def as_arrays(*xs):
     """The arrays as NumPy arrays, None left as it is."""
     return tuple(None if x is None else np.asarray(x) for x in xs)
 
 
-def _random_source(rng):
+def random_source(rng):
     """What the contract checks dropout's random source against: a NumPy Generator."""
     return ("rng", rng, isinstance(rng, np.random.Generator), "a numpy.random.Generator")
 
 
-def _batched(q, k, v, mask, call: contract.Checked):
+def batched(q, k, v, mask, call: contract.Checked):
     """q, k, v with a batch axis, in the working precision; the mask reshaped to broadcast
     against the (B, H, T, S) scores. Float16 and bfloat16 are computed in float32 and
     rounded once at the end (see Notes: working precision)."""
@@ -147,13 +147,13 @@ def _batched(q, k, v, mask, call: contract.Checked):
     return q.astype(work), k.astype(work), v.astype(work), mask
 
 
-def _repeat_heads(x: np.ndarray, G: int) -> np.ndarray:
+def repeat_heads(x: np.ndarray, G: int) -> np.ndarray:
     """Grouped-query attention: query head h uses key/value head h // G, so each key/value
     head is repeated for its G query heads (see Notes: grouped-query attention)."""
     return np.repeat(x, G, axis=1)  # (B, H, S, D|E)
 
 
-def _allowed(mask: np.ndarray | None, call: contract.Checked) -> np.ndarray:
+def allowed_keys(mask: np.ndarray | None, call: contract.Checked) -> np.ndarray:
     """Which keys each query may see, (B|1, H|1, T, S) bool: those that a bool mask, the
     causal triangle, the window and the chunk allow and a float mask does not set to -inf."""
     T, S, window, chunk = call.T, call.S, call.window, call.chunk_size
@@ -180,7 +180,7 @@ def _allowed(mask: np.ndarray | None, call: contract.Checked) -> np.ndarray:
     return allowed
 
 
-def _unseen_slots_zeroed(k: np.ndarray, v: np.ndarray, allowed: np.ndarray):
+def unseen_slots_zeroed(k: np.ndarray, v: np.ndarray, allowed: np.ndarray):
     """k and v with every slot that no query of its head may see replaced by 0, so that
     whatever it holds (NaN, inf) has no effect (see Notes: blocked keys)."""
     used = allowed.any(axis=2)[..., None]  # (B|1, H|1, S, 1)
@@ -190,7 +190,7 @@ def _unseen_slots_zeroed(k: np.ndarray, v: np.ndarray, allowed: np.ndarray):
 # --- Steps 3 and 4: the variants of the scores ----------------------------------------------
 
 
-def _softcap(scores: np.ndarray, softcap: float | None) -> np.ndarray:
+def softcapped(scores: np.ndarray, softcap: float | None) -> np.ndarray:
     """Gemma 2's softcap, softcap · tanh(scores / softcap); a score far above the softcap
     overflows to ±inf in the division, whose tanh is exactly ±1."""
     if softcap is None:
@@ -198,7 +198,7 @@ def _softcap(scores: np.ndarray, softcap: float | None) -> np.ndarray:
     return softcap * np.tanh(scores / softcap)  # (B, H, T, S)
 
 
-def _alibi_bias(slopes: np.ndarray | None, call: contract.Checked, work) -> np.ndarray:
+def alibi_bias(slopes: np.ndarray | None, call: contract.Checked, work) -> np.ndarray:
     """ALiBi's bias, (B|1, H, T, S): −slope · |t + S − T − s|, so that a key weighs less
     the farther it lies from the query. The distance is from the bottom-right diagonal
     whatever the causal alignment: the last query sits at the last key (see Notes: ALiBi)."""
@@ -211,9 +211,9 @@ def _alibi_bias(slopes: np.ndarray | None, call: contract.Checked, work) -> np.n
     return -slopes.astype(work).reshape(-1, H, 1, 1) * distance  # (B|1, H, T, S)
 
 
-def _float_mask(mask: np.ndarray | None, call: contract.Checked, work) -> np.ndarray:
+def float_mask(mask: np.ndarray | None, call: contract.Checked, work) -> np.ndarray:
     """What a float mask adds to the scores; a bool mask (or none) adds nothing, it only
-    blocks (in ``_allowed``)."""
+    blocks (in ``allowed_keys``)."""
     if mask is None or call.mask_is_bool:
         return np.zeros((), dtype=work)
     return mask.astype(work)  # (B|1, H|1, T|1, S|1)
@@ -222,13 +222,13 @@ def _float_mask(mask: np.ndarray | None, call: contract.Checked, work) -> np.nda
 # --- Steps 5 and 6: the weights -------------------------------------------------------------
 
 
-def _softmax(scores: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
+def softmax(scores: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
     """The softmax over the keys, less the row maximum so that exp() <= 1. A row with no key
     left has maximum -inf and gets weights of exactly 0 (see Notes: empty rows); a sink
     joins the maximum and the sum but has no value row (see Notes: sinks)."""
     H = scores.shape[1]
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)  # (B, H, T, 1)
-    sink = _sink_logits(sinks, row_max, H)  # (B, H, T, 1)
+    sink = sink_logits(sinks, row_max, H)  # (B, H, T, 1)
     row_max = np.maximum(row_max, sink)  # (B, H, T, 1)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
     p = np.exp(scores - row_max)  # (B, H, T, S)
@@ -239,7 +239,7 @@ def _softmax(scores: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
     return np.where(np.isnan(sink) | (sink == np.inf), np.nan, weights)  # (B, H, T, S)
 
 
-def _sink_logits(sinks: np.ndarray | None, row_max: np.ndarray, H: int) -> np.ndarray:
+def sink_logits(sinks: np.ndarray | None, row_max: np.ndarray, H: int) -> np.ndarray:
     """Each row's sink logit, (B, H, T, 1): sinks[h] in the rows of head h that have a key,
     and -inf (no sink: exp(-inf) = 0) in a row with none, or without sinks."""
     if sinks is None:
@@ -249,7 +249,7 @@ def _sink_logits(sinks: np.ndarray | None, row_max: np.ndarray, H: int) -> np.nd
     return np.where(has_key, logits, -np.inf)  # (B, H, T, 1)
 
 
-def _dropout(weights: np.ndarray, dropout_p: float, rng) -> np.ndarray:
+def dropped_out(weights: np.ndarray, dropout_p: float, rng) -> np.ndarray:
     """Zero each weight with probability dropout_p and rescale the survivors by
     1 / (1 - dropout_p), so that the expected output is unchanged."""
     if dropout_p == 0:
@@ -261,7 +261,7 @@ def _dropout(weights: np.ndarray, dropout_p: float, rng) -> np.ndarray:
 # --- Step 7: the output ---------------------------------------------------------------------
 
 
-def _as_given(out: np.ndarray, dtype: np.dtype, call: contract.Checked) -> np.ndarray:
+def as_given(out: np.ndarray, dtype: np.dtype, call: contract.Checked) -> np.ndarray:
     """The output rounded once to the inputs' dtype, without the batch axis it was given
     for unbatched inputs."""
     out = out.astype(dtype)  # (B, H, T, E)
@@ -309,6 +309,6 @@ def _as_given(out: np.ndarray, dtype: np.dtype, call: contract.Checked) -> np.nd
 # working precision and added like a float mask, after the softcap; the slopes are
 # constants, with no gradient.
 #
-# Chunked local attention (step 0, ``_allowed``). Llama 4's chunks: query t sees key s only
+# Chunked local attention (step 0, ``allowed_keys``). Llama 4's chunks: query t sees key s only
 # if both lie in the same chunk of chunk_size positions, (t + offset) // c == s // c, the
 # offset placed by causal_alignment as for causality.

@@ -49,7 +49,7 @@ from conformance.backends import (
     load_backend,
     registered_backends,
 )
-from conformance.suite import behaviours, known_failures, replay, rootdir, scheduling
+from conformance.suite import behaviours, compiles, known_failures, replay, rootdir, scheduling
 from conformance.suite.clauses import clause_titles
 
 #: What the plugin keeps for a run, in pytest's stash: the backends under test, the
@@ -329,6 +329,7 @@ def pytest_configure(config: pytest.Config) -> None:
         except BackendUnavailable as err:
             raise pytest.UsageError(str(err)) from err
     config.stash[BACKENDS] = names
+    config.pluginmanager.register(compiles.ProgramCounter(), "conformance-programs-compiled")
     path = config.getoption("--known-failures")
     try:
         config.stash[KNOWN_FAILURES] = known_failures.read_known_failures(path) if path else {}

@@ -304,6 +304,28 @@ def sink_softmax_in_numerator(scores, sinks):
     return p / np.where(row_sum > 0, row_sum, 1.0)
 
 
+#: The key tile of the blockwise mutant: the size real kernels use.
+KEY_TILE = 128
+
+
+def softmax_tiles_max_kept_at_zero(scores, dtype):
+    """BUG: a blockwise softmax over key tiles of 128, whose running max, after a row's
+    first tile is fully masked, keeps the 0 it takes in place of -inf: a row whose later
+    scores are all far below 0 then underflows, to a sum of 0 (the row comes back 0) or
+    of subnormals."""
+    m = np.full((*scores.shape[:-1], 1), -np.inf, dtype=scores.dtype)  # (B, H, T, 1)
+    total = np.zeros_like(m)  # (B, H, T, 1)
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        for s0 in range(0, scores.shape[-1], KEY_TILE):
+            x = scores[..., s0 : s0 + KEY_TILE]  # (B, H, T, Sb)
+            m_new = np.maximum(m, x.max(axis=-1, keepdims=True))
+            m_new = np.where(np.isfinite(m_new), m_new, 0.0)  # the bug: kept as the max
+            total = np.exp(m - m_new) * total + np.exp(x - m_new).sum(axis=-1, keepdims=True)
+            m = m_new
+        p = np.exp(scores - m)  # (B, H, T, S)
+        return p / np.where(total > 0, total, 1.0)
+
+
 def softmax_no_identity(scores, dtype):
     """BUG: the row max of an empty key axis (S = 0) raises instead of starting at -inf."""
     row_max = scores.max(axis=-1, keepdims=True)
@@ -915,6 +937,12 @@ MUTANTS = {
         _mutant("mutant-nan-rows-zero", "softmax", softmax_nan_as_empty),
         {"4.9"},
         "",
+    ),
+    # Blockwise kernels (issue 31): rows whose first key tile is fully masked.
+    "mutant-tiles-max-kept-at-zero": (
+        _mutant("mutant-tiles-max-kept-at-zero", "softmax", softmax_tiles_max_kept_at_zero),
+        {"4.4"},
+        "test_tile_boundary_cases",
     ),
     "mutant-empty-keys-raise": (
         _mutant("mutant-empty-keys-raise", "softmax", softmax_no_identity),

@@ -518,3 +518,34 @@ def test_shard_count_table_keeps_the_worst_difference_per_p():
     assert agreement([m(2, "plain", 1e-16)], ["torch-ring"]) == {"outputs": {}, "gradients": {}}
     md = "\n".join(render_shard_counts(found))
     assert "| torch-ring | 2 | 5e-16 (`P=2 causal`) |" in md
+
+
+@pytest.mark.clause("13.15", "13.16")
+def test_one_cause_across_dtypes_is_one_departure():
+    """A misreading the diagnosis names in three dtypes is one line, which says so."""
+    from conformance.report.markdown import departure_line
+    from conformance.report.outcomes import departures
+
+    cause = (
+        "is_causal is ignored when a mask is given: the output equals attention with the mask alone"
+    )
+    rows = [
+        {
+            "test": f"test_fixtures.py::test_fixture_case[f-causal-bool-mask-{dtype}]",
+            "backend": "f",
+            "clause": "3.4",
+            "outcome": "failed",
+            "reason": "",
+            "message": "",
+            "behaviour": cause,
+            "reproduce": "",
+            "call": [dtype, "bool mask", "is_causal"],
+        }
+        for dtype in ("float64", "float32", "float16")
+    ]
+    (entry,) = departures(rows)["f"]
+    assert entry["dtypes"] == ["float64", "float32", "float16"]
+    assert departure_line(entry) == (
+        f"{cause}: §3.4 (3 tests; every call: bool mask, is_causal; 3 dtypes: float64, "
+        "float32, float16)"
+    )

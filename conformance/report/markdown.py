@@ -111,6 +111,9 @@ def departure_line(entry: dict) -> str:
     if entry["known"]:
         counts += ", all known failures" if entry["known"] == n else f", {entry['known']} known"
     common = f"; {entry['common']}" if entry.get("common") else ""
+    dtypes = entry.get("dtypes", [])
+    if len(dtypes) > 1:
+        common += f"; {len(dtypes)} dtypes: {', '.join(dtypes)}"
     return f"{entry['behaviour']}: {_sections(entry['clauses'])} ({counts}{common})"
 
 

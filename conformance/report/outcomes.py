@@ -187,7 +187,7 @@ def grouped_known_failures(rows: list[dict]) -> list[dict]:
 def departures(rows: list[dict]) -> dict[str, list[dict]]:
     """What each backend does differently from the spec, one entry per distinct behaviour:
     {backend: [{"behaviour", "covers", "clauses", "tests", "known", "example",
-    "reproduce", "common"}]}, the behaviour touching most tests first.
+    "reproduce", "common", "dtypes"}]}, the behaviour touching most tests first.
 
     Failed tests and known failures both count ("known": how many of them were listed as
     known failures). Behaviours of one family (``behaviours.FAMILIES``: inputs accepted
@@ -218,6 +218,8 @@ def departures(rows: list[dict]) -> dict[str, list[dict]]:
                     "example": members[0]["test"],
                     "reproduce": next((r["reproduce"] for r in members if r["reproduce"]), ""),
                     "common": describe_common([r.get("call", []) for r in members]),
+                    # One cause across dtypes is one entry, which says which it spans.
+                    "dtypes": [d for d in DTYPES if any(d in r.get("call", []) for r in members)],
                 }
             )
         result[backend] = sorted(entries, key=lambda e: (-e["tests"], e["behaviour"]))

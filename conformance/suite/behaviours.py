@@ -15,8 +15,10 @@ Where the sentence comes from, first match wins:
    first line of its message, numbers in it replaced by "N".
 3. A ``Departure`` raised by the suite's assertions (``conformance/suite/tolerance.py``), which
    carries what it saw: rows that should be 0 because they attend nothing, NaN that
-   appeared or vanished, an error that is exactly what a lower precision makes. These
-   causes cut across clauses, so they are named before the test's own words.
+   appeared or vanished, an output that equals a known misreading of attention computed
+   by the oracle (``conformance/suite/diagnosis.py``), an error that is exactly what a
+   lower precision makes. These causes cut across clauses, so they are named before the
+   test's own words.
 4. The test's own sentence for what it checks (``behaviour=`` of the assertion).
 5. Else: the clause the test checks, by its title.
 """
@@ -28,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from conformance.suite import diagnosis
 from conformance.suite.requirements import SuiteError
 from conformance.suite.tolerance import EPS, Departure, Seen
 
@@ -117,7 +120,12 @@ def _precision(seen: Seen, calls) -> str | None:
 
 
 def of_seen(seen: Seen, calls) -> str | None:
-    """The cross-cutting cause a comparison shows, if any."""
+    """The cross-cutting cause a comparison shows, if any: a misreading of attention that
+    explains the whole output first, since it explains the rows with no key too."""
+    if seen.actual is not None:
+        named = diagnosis.diagnose(seen.actual, calls, seen.tolerance)
+        if named:
+            return named
     if seen.empty_rows_wrong:
         if calls and calls[-1][2] == "attention_vjp":
             what = "NaN" if seen.nan_in_empty_rows else "not 0"

@@ -172,3 +172,61 @@ def with_nan(q, k, v, at: str):
             v2[b, kv, 0, 1] = np.nan
         reading[b, kv * G : (kv + 1) * G] = True
     return q2, k2, v2, reading
+
+
+# --- Rows that reach the key tiles of blockwise kernels (issue 31) --------------------------
+
+#: Key tiles real kernels use are 64 to 256 keys: rows of 300 keys put tile boundaries at
+#: 128 and 256 inside the masked regions below.
+TILE_S = 300
+#: How a row's first or last key tiles end up fully masked: (options, capabilities, the
+#: batch and query counts). Few queries where few do, since the 50-digit oracle costs
+#: about 80 µs a key a row.
+TILE_SETUPS = {
+    # Row t attends keys up to t + 252: for rows 0-3 the tile from 256 on is fully masked.
+    "bottom-right-T<S": (
+        {"is_causal": True, "causal_alignment": "bottom_right"},
+        ["causal_bottom_right"],
+        (1, 48),
+    ),
+    # Batch element 1 is 100 keys long: its tiles from 128 on are all padding.
+    "padding": ({"mask": "right-padding"}, [], (2, 8)),
+    # Batch element 1 is padded on the left, as a batch of prompts for generation is: its
+    # first 200 keys, the first tile and half the second, are blocked.
+    "left-padding": ({"mask": "left-padding"}, [], (2, 8)),
+    # The 41 keys up to each row's bottom-right diagonal: every row's first tiles blocked.
+    "window": (
+        {"window": (40, 0), "causal_alignment": "bottom_right"},
+        ["window", "causal_bottom_right"],
+        (2, 8),
+    ),
+    # Holes across the tile boundaries 128 and 256, in ordinary rows.
+    "holes": ({"mask": "holes"}, [], (2, 8)),
+}
+#: The scores' offset: ordinary scores, and rows whose scores are all far below 0.
+TILE_OFFSETS = {"scores-0": 0.0, "scores-100": -100.0, "scores-1e4": -1e4}
+
+
+def tile_problem(setup: str, offset: float, dtype: str, E: int = 4):
+    """q, k, v and options of a tile-boundary case: H = K = 1, D = 4, S = 300 keys, B and T
+    as ``TILE_SETUPS`` gives them, scores ``offset`` + about N(0, 0.75) at the default
+    scale 1/√D = 1/2 (q's first channel 1, k's 2 · offset, the rest normal)."""
+    options, _, (B, T) = TILE_SETUPS[setup]
+    options = dict(options)
+    H, D, S = 1, 4, TILE_S
+    rng = np.random.default_rng(120)
+    q = rng.standard_normal((B, H, T, D))  # (B, H, T, D)
+    k = rng.standard_normal((B, H, S, D))  # (B, K, S, D)
+    v = rng.standard_normal((B, H, S, E))  # (B, K, S, E)
+    q[..., 0] = 1.0
+    k[..., 0] = 2.0 * offset
+    keys = np.arange(S)
+    if options.get("mask") == "right-padding":
+        options["mask"] = (keys < np.array([[S], [100]]))[:, None, None, :]  # (B, 1, 1, S)
+    elif options.get("mask") == "left-padding":
+        options["mask"] = (keys >= np.array([[0], [200]]))[:, None, None, :]  # (B, 1, 1, S)
+    elif options.get("mask") == "holes":
+        holes = ((keys >= 120) & (keys < 140)) | ((keys >= 250) & (keys < 262))
+        options["mask"] = np.broadcast_to(~holes, (T, S)).copy()  # (T, S)
+    t = numpy_dtype(dtype)
+    return q.astype(t), k.astype(t), v.astype(t), options

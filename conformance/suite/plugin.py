@@ -52,6 +52,17 @@ from conformance.backends import (
 from conformance.suite import behaviours, compiles, known_failures, replay, rootdir, scheduling
 from conformance.suite.clauses import clause_titles
 
+# A user's function that kills its process fails one test (SPEC §13.13): these hooks
+# belong to this plugin, so they live wherever it is loaded.
+from conformance.suite.isolation import (  # noqa: F401
+    pytest_cmdline_main,
+    pytest_configure_node,
+    pytest_handlecrashitem,
+    pytest_runtest_protocol,
+    pytest_sessionfinish,
+    pytest_sessionstart,
+)
+
 #: What the plugin keeps for a run, in pytest's stash: the backends under test, the
 #: known failures listed by ``--known-failures``, the profiles (loaded, unavailable), and
 #: the directory of the saved failing calls.

@@ -41,6 +41,9 @@ class Seen:
     nan_in_empty_rows: bool = False
     #: Some of those rows: (index of the row, the values it holds), a few at most.
     empty_rows: list = field(default_factory=list)
+    #: The output compared, float64, for ``conformance.suite.diagnosis`` to hold against
+    #: the misreadings of the call that made it.
+    actual: np.ndarray | None = field(default=None, repr=False)
 
 
 class Departure(AssertionError):
@@ -119,10 +122,19 @@ def describe_error(actual: np.ndarray, expected: np.ndarray) -> str:
     where = tuple(int(i) for i in where)
     with np.errstate(over="ignore"):  # an error beside an expected 0 is infinitely relative
         rel = diff / np.maximum(np.abs(np.where(both, expected, 1.0)), np.finfo(np.float64).tiny)
-    got, want = (f"{float(x[where]):.17g}" if diff.size else "none" for x in (actual, expected))
+    if not diff.size:
+        return "max abs error 0.000e+00 (no entries)"
+    got, want = (f"{float(x[where]):.17g}" for x in (actual, expected))
+    # Relative to an expected 0 an error is infinite or absurd (1.8e307): said in words.
+    relative = rel[np.abs(np.where(both, expected, 0.0)) > 0]
     return (
-        f"max abs error {diff.max(initial=0.0):.3e} at index {where} "
-        f"(got {got}, expected {want}); max rel error {rel.max(initial=0.0):.3e}"
+        f"max abs error {diff.max(initial=0.0):.3e} at index {where}: returned {got} where "
+        f"the answer is {want}"
+        + (
+            f"; max rel error {relative.max():.3e} where the answer is not 0"
+            if relative.size
+            else ""
+        )
     )
 
 
@@ -139,6 +151,7 @@ def _seen(actual: np.ndarray, expected: np.ndarray, tol: float) -> Seen:
         scale=max(1.0, float(np.max(np.abs(np.where(both, expected, 0.0)), initial=0.0))),
         nan_where_number=bool((np.isnan(actual) & ~np.isnan(expected)).any()),
         number_where_nan=bool((~np.isnan(actual) & np.isnan(expected)).any()),
+        actual=actual,
     )
     if actual.ndim >= 1 and actual.size:
         empty = (expected == 0).all(axis=-1)  # rows with no key to attend

@@ -1,0 +1,208 @@
+"""A function under test that kills its process fails one test, and the run goes on (SPEC §13.13).
+
+A user's function (``--impl``, ``--impl-profile``) may abort, segfault, raise SIGFPE or hang
+in compiled code, where no Python exception can catch it. Such a run is given to one
+pytest-xdist worker process (``-n 1``), unless the user chose ``-n`` themselves: xdist
+reports a test whose worker died as failed and starts a new worker for the rest. Here that
+failure gets its words: the signal, read from the worker's ``faulthandler`` output, and
+the case (the test's id), as its message and its behaviour; a known failure that lists
+the test makes it an expected failure, as in the worker. A hang is stopped by
+pytest-timeout's per-test limit (``DEFAULT_TIMEOUT`` seconds unless ``--timeout`` or its
+ini or environment setting says otherwise), with its ``thread`` method, which ends a
+worker stuck in compiled code too, and is named as a hang.
+
+Only a plain command-line run of user functions is isolated: the shipped backends' runs
+(``--backend``) are ours and never crash, and keep their speed; a ``pytest.main`` inside
+another process (a test, a tool) keeps its own process model, since xdist's workers see
+the sys.path of their parent's start.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+#: The per-test time limit of an isolated run, in seconds, where none is set.
+DEFAULT_TIMEOUT = 300.0
+#: Worker restarts allowed: one per crashing test, for a function that crashes often.
+MAX_RESTARTS = "100000"
+#: How much of faulthandler's traceback a crash's message keeps.
+TRACEBACK_LINES = 12
+#: faulthandler's words for the fatal signals it catches.
+SIGNALS = {
+    "Aborted": "SIGABRT",
+    "Segmentation fault": "SIGSEGV",
+    "Floating-point exception": "SIGFPE",
+    "Floating point exception": "SIGFPE",
+    "Bus error": "SIGBUS",
+    "Illegal instruction": "SIGILL",
+}
+_CRASH_DIR = "conformance_crash_dir"
+_CRASH = pytest.StashKey[Path]()
+_HANDLER_FILE = pytest.StashKey[object]()
+
+
+def _from_command_line(config: pytest.Config) -> bool:
+    return tuple(config.invocation_params.args) == tuple(sys.argv[1:])
+
+
+def wanted(config: pytest.Config) -> bool:
+    """Whether this run is isolated: a command-line run of user functions, with
+    pytest-xdist installed, no ``-n`` given, no debugger, not a worker itself."""
+    option = config.option
+    user = getattr(option, "impl", None) is not None or bool(getattr(option, "impl_profile", []))
+    return (
+        user
+        and config.pluginmanager.hasplugin("xdist")
+        and not hasattr(config, "workerinput")
+        and getattr(option, "numprocesses", None) is None
+        and not getattr(option, "usepdb", False)
+        and not getattr(option, "collectonly", False)
+        and _from_command_line(config)
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_cmdline_main(config: pytest.Config):
+    """Before xdist reads its options: one worker, restarted after each crash, and a
+    per-test time limit, for an isolated run."""
+    if wanted(config):
+        config.option.numprocesses = 1
+        if config.option.maxworkerrestart is None:
+            config.option.maxworkerrestart = MAX_RESTARTS
+        timeout_set = (
+            getattr(config.option, "timeout", None) is not None
+            or config.getini("timeout")
+            or os.environ.get("PYTEST_TIMEOUT")
+        )
+        if config.pluginmanager.hasplugin("timeout") and not timeout_set:
+            config.option.timeout = DEFAULT_TIMEOUT
+            if getattr(config.option, "timeout_method", None) is None:
+                config.option.timeout_method = "thread"
+        config.stash[_CRASH] = Path(tempfile.mkdtemp(prefix="attention-conformance-crash-"))
+    return (yield)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """Tell each worker where to write what faulthandler sees when it dies."""
+    folder = node.config.stash.get(_CRASH, None)
+    if folder is not None:
+        node.workerinput[_CRASH_DIR] = str(folder)
+
+
+def _crash_file(folder: str | Path, worker: str, what: str = "faulthandler") -> Path:
+    return Path(folder) / f"{worker}.{what}.txt"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """In a worker of an isolated run: faulthandler writes a fatal signal's traceback to
+    the worker's file (after pytest's own faulthandler setup, which it replaces)."""
+    workerinput = getattr(session.config, "workerinput", {})
+    if _CRASH_DIR in workerinput:
+        path = _crash_file(workerinput[_CRASH_DIR], workerinput["workerid"])
+        session.config.stash[_HANDLER_FILE] = handle = open(path, "w")
+        faulthandler.enable(file=handle, all_threads=False)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem) -> None:
+    """In a worker of an isolated run: when the test started, for the crash to tell a
+    hang (the time limit's end) from another death."""
+    workerinput = getattr(item.config, "workerinput", {})
+    if _CRASH_DIR in workerinput:
+        path = _crash_file(workerinput[_CRASH_DIR], workerinput["workerid"], "started")
+        path.write_text(f"{time.time()!r}\t{item.nodeid}")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    handle = session.config.stash.get(_HANDLER_FILE, None)
+    if handle is not None:
+        faulthandler.disable()
+        handle.close()
+
+
+def what_killed(text: str) -> tuple[str, str]:
+    """(the signal's name, faulthandler's first traceback line in the function) from a
+    worker's faulthandler output; ("", "") where it shows no fatal signal."""
+    found = re.search(r"Fatal Python error: ([A-Za-z -]+)", text)
+    if not found:
+        return "", ""
+    name = SIGNALS.get(found[1].strip(), found[1].strip())
+    frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', text)
+    ours = [f for f in frames if "_pytest" not in f[0] and "pluggy" not in f[0]]
+    where = f"{ours[0][2]} ({ours[0][0]}:{ours[0][1]})" if ours else ""
+    return name, where
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem: str, report, sched) -> None:
+    """The test whose worker died: a failure of the test (not an error of the run) that
+    names the signal and the case, with the behaviour the report lists."""
+    from conformance.suite import behaviours
+
+    node = getattr(report, "node", None)
+    config = getattr(node, "config", None)
+    folder = None if config is None else config.stash.get(_CRASH, None)
+    worker = getattr(getattr(node, "gateway", None), "id", "")
+    text, started = "", ""
+    if folder is not None and worker:
+        path, begun = _crash_file(folder, worker), _crash_file(folder, worker, "started")
+        text = path.read_text(errors="replace") if path.exists() else ""
+        started = begun.read_text() if begun.exists() else ""
+    signal, where = what_killed(text)
+    limit = getattr(config.option, "timeout", None) if config is not None else None
+    when, _, nodeid = started.partition("\t")
+    hung = bool(not signal and limit and nodeid == crashitem)
+    hung = hung and time.time() - float(when) >= float(limit)
+    if signal:
+        found = f"kills its process with {signal}"
+        said = f"the function under test killed its process with {signal}" + (
+            f" in {where}" if where else ""
+        )
+    elif hung:
+        found = "hangs: no answer within the time limit"
+        said = f"the function under test gave no answer within {limit:g} s; its process was ended"
+    else:
+        found = "ends its process (no Python error, no fatal signal faulthandler saw)"
+        said = "the function under test ended its process"
+    report.longrepr = (
+        f"{said} while running {crashitem}; the run went on in a new worker process"
+        + ("\n" + "\n".join(text.strip().splitlines()[:TRACEBACK_LINES]) if text.strip() else "")
+    )
+    report.when = "call"
+    path, _, name = crashitem.rpartition("::")
+    report.location = (path, None, name)
+    report.user_properties = [*report.user_properties, (behaviours.PROPERTY, found)]
+    reason = _known_reason(config, crashitem)
+    if reason is not None:
+        report.outcome = "skipped"
+        report.wasxfail = reason
+
+
+def _known_reason(config: pytest.Config | None, nodeid: str) -> str | None:
+    """The known-failure reason that lists ``nodeid`` (``--known-failures`` or a profile's),
+    as the worker would have marked it; None where none does."""
+    if config is None or config.getoption("--ignore-known-failures"):
+        return None
+    from conformance.suite import known_failures, plugin
+
+    keys = known_failures.known_failure_keys(nodeid)
+    listed = config.stash.get(plugin.KNOWN_FAILURES, {})
+    hits = [reason for test_id, reason in listed.items() if test_id in keys]
+    loaded, _ = config.stash.get(plugin.PROFILES, ([], []))
+    for profile in loaded:
+        if f"[{profile.name}-" not in nodeid and f"[{profile.name}]" not in nodeid:
+            continue
+        for text, reason in profile.known_failures.items():
+            if any(known_failures.pattern(text).match(k) for k in keys):
+                hits.append(reason)
+    return "known failure: " + "; ".join(hits) if hits else None

@@ -1,0 +1,212 @@
+"""SPEC §13.16: a departure is named by the misreading of attention it shows.
+
+Each misreading of ``conformance/suite/diagnosis.py`` is planted in a correct function (the
+NumPy reference, ``load_backend("numpy")``, called with the misread inputs, or one of
+``tests/mutants.py`` where no input can express it); its output is compared with the
+50-digit oracle as a test compares it, and the failure's behaviour must name the
+misreading. A right answer, and a wrong one no misreading explains, are named by nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from mutants import MUTANTS
+
+from conformance import load_backend
+from conformance.suite.behaviours import behaviour
+from conformance.suite.diagnosis import BY_NAME, MISREADINGS, diagnose
+from conformance.suite.helpers import oracle_attention, random_qkv, random_tolerance
+from conformance.suite.tolerance import Departure, assert_within
+
+pytestmark = pytest.mark.clause("13.16")
+_CLOCK = itertools.count()
+REFERENCE = load_backend("numpy")
+
+
+def _without(options: dict, *names: str) -> dict:
+    return {n: x for n, x in options.items() if n not in names}
+
+
+def _reference(**changes):
+    """The reference with ``changes`` planted: each a function of (q, k, v, options)
+    returning the new (q, k, v, options)."""
+
+    def run(q, k, v, **options):
+        for change in changes.values():
+            q, k, v, options = change(q, k, v, options)
+        return REFERENCE.attention(q, k, v, **options)
+
+    return run
+
+
+def _set(**values):
+    return lambda q, k, v, o: (q, k, v, {**o, **values})
+
+
+def _drop(*names):
+    return lambda q, k, v, o: (q, k, v, _without(o, *names))
+
+
+def _mask(fn):
+    return lambda q, k, v, o: (q, k, v, {**o, "mask": fn(o["mask"], q)})
+
+
+def _band(offset):
+    """Causality as a bool mask whose diagonal is ``offset`` keys off."""
+
+    def change(q, k, v, o):
+        T, S = q.shape[2], k.shape[2]
+        return q, k, v, {**_without(o, "is_causal"), "mask": np.tri(T, S, offset, dtype=bool)}
+
+    return change
+
+
+def _tiled(q, k, v, o):
+    H, K = q.shape[1], k.shape[1]
+    heads = [h % K for h in range(H)]
+    return q, k[:, heads], v[:, heads], o  # (B, H, S, ·)
+
+
+def _mutant(name):
+    return MUTANTS[name][0]().attention
+
+
+def _empty_rows_as(fill):
+    def run(q, k, v, **options):
+        out = REFERENCE.attention(q, k, v, **options)
+        empty = np.broadcast_to(~options["mask"].any(axis=-1), out.shape[:-1])  # (B, H, T)
+        mean = np.broadcast_to(v.mean(axis=2, keepdims=True), out.shape)  # (B, H, T, E)
+        out[empty] = np.nan if fill == "nan" else mean[empty]
+        return out
+
+    return run
+
+
+def _softcap_after_mask(q, k, v, *, mask, softcap):
+    scores = np.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(q.shape[-1])  # (B, H, T, S)
+    scores = softcap * np.tanh((scores + np.where(mask, 0.0, -np.inf)) / softcap)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return np.einsum("bhts,bhse->bhte", weights / weights.sum(axis=-1, keepdims=True), v)
+
+
+def _problem(name: str, seed: int = 5):
+    """The inputs (q, k, v, options) a misreading is planted in, and the planted function."""
+    rng = np.random.default_rng(seed)
+    T, S, D, E, H, K = 5, 5, 4, 4, 2, 2
+    if name in ("bottom-right-for-top-left", "top-left-for-bottom-right"):
+        T, S = 3, 6
+    if name == "scale-1-over-sqrt-e":
+        E = 9
+    if name == "gqa-tiled":
+        H, K = 4, 2
+    q, k, v = random_qkv(seed, B=2, H=H, K=K, T=T, S=S, D=D, E=E)
+    bool_mask = rng.random((2, 1, T, S)) < 0.7
+    bool_mask[..., 0] = True
+    padding = np.arange(S) < np.array([[3], [5]])  # (B, S)
+    padding = padding[:, None, None, :]  # (B, 1, 1, S)
+    # Zeros among the entries, as in the usual 0 / -inf mask, and other numbers.
+    float_mask = np.where(
+        rng.random(bool_mask.shape) < 0.5, 0.0, rng.standard_normal(bool_mask.shape)
+    )
+    float_mask = np.where(bool_mask, float_mask, -np.inf)  # (B, 1, T, S)
+    empty = bool_mask.copy()
+    empty[0, 0, 1] = False  # (B, 1, T, S): batch 0's row 1 attends nothing
+    sinks = rng.standard_normal(H)
+    plans = {
+        "causal-ignored-with-mask": ({"mask": bool_mask, "is_causal": True}, _drop("is_causal")),
+        "causal-ignored": ({"is_causal": True}, _drop("is_causal")),
+        "mask-ignored": ({"mask": bool_mask}, _drop("mask")),
+        "bottom-right-for-top-left": (
+            {"is_causal": True},
+            _set(causal_alignment="bottom_right"),
+        ),
+        "top-left-for-bottom-right": (
+            {"is_causal": True, "causal_alignment": "bottom_right"},
+            _set(causal_alignment="top_left"),
+        ),
+        "diagonal-without-own-key": ({"is_causal": True}, _band(-1)),
+        "diagonal-with-next-key": ({"is_causal": True}, _band(1)),
+        "window-left-wider": ({"window": (1, 1)}, _set(window=(2, 1))),
+        "window-left-narrower": ({"window": (2, 1)}, _set(window=(1, 1))),
+        "window-right-wider": ({"window": (1, 1)}, _set(window=(1, 2))),
+        "window-right-narrower": ({"window": (1, 2)}, _set(window=(1, 1))),
+        "scale-1-over-sqrt-e": ({}, _set(scale=1 / 3)),
+        "scale-1-over-d": ({}, _set(scale=1 / D)),
+        "scale-ignored": ({"scale": 0.7}, _drop("scale")),
+        "scale-1": ({"scale": 0.7}, _set(scale=1.0)),
+        "scale-twice": ({"scale": 0.7}, _set(scale=0.49)),
+        "float-mask-as-bool": ({"mask": float_mask}, _mask(lambda m, q: m != 0)),
+        "bool-mask-added": ({"mask": bool_mask}, _mask(lambda m, q: m.astype(q.dtype))),
+        "bool-mask-flipped": ({"mask": bool_mask}, _mask(lambda m, q: ~m)),
+        "gqa-tiled": ({"is_causal": True}, _tiled),
+        "sink-scaled": ({"sinks": sinks}, _set(sinks=sinks / 2)),
+    }
+    if name in plans:
+        options, change = plans[name]
+        return q, k, v, options, _reference(change=change)
+    if name.startswith("empty-rows-"):
+        return q, k, v, {"mask": empty}, _empty_rows_as(name.rsplit("-", 1)[-1])
+    if name.startswith("blocked-slot-"):
+        k, v = k.copy(), v.copy()
+        k[0, :, 4, 1] = np.nan  # batch 0's keys 3 and 4 are padding
+        v[0, :, 3, 0] = np.inf
+        mutant = "mutant-unused-slots-read"
+        if name == "blocked-slot-read":
+            return q, k, v, {"mask": np.where(padding, 0.0, -np.inf)}, _additive_padding
+        return q, k, v, {"mask": padding}, _mutant(mutant)
+    if name == "softcap-after-mask":
+        return q, k, v, {"mask": padding, "softcap": 2.0}, _softcap_after_mask
+    return q, k, v, {"sinks": sinks}, _mutant("mutant-sink-in-numerator")
+
+
+def _additive_padding(q, k, v, *, mask):
+    """Blocking by adding the float mask to scores computed from every slot."""
+    scores = np.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(q.shape[-1]) + mask  # (B, H, T, S)
+    top = np.nanmax(np.where(np.isnan(scores), -np.inf, scores), axis=-1, keepdims=True)
+    weights = np.exp(scores - top)
+    return np.einsum("bhts,bhse->bhte", weights / weights.sum(axis=-1, keepdims=True), v)
+
+
+def _named(out, q, k, v, options):
+    """The behaviour a test comparing ``out`` with the oracle would name."""
+    expected = oracle_attention(q, k, v, **options)
+    tol = random_tolerance(q, k, v, "float64", **options)
+    calls = [(next(_CLOCK), REFERENCE, "attention", (q, k, v), options)]
+    with pytest.raises(Departure) as info:
+        assert_within(out, expected, tol, "the test's comparison", behaviour="the test's words")
+    return behaviour(info.value, calls, "7.1", "Tolerance")
+
+
+@pytest.mark.parametrize("name", sorted(BY_NAME))
+def test_a_planted_misreading_is_named(name):
+    with np.errstate(all="ignore"):
+        q, k, v, options, planted = _problem(name)
+        out = np.asarray(planted(q, k, v, **options), dtype=np.float64)
+    assert _named(out, q, k, v, options) == BY_NAME[name].sentence
+
+
+def test_every_misreading_of_the_issue_is_listed():
+    assert len(MISREADINGS) == len(BY_NAME) >= 20
+
+
+def test_a_right_or_unexplained_output_is_named_by_nothing():
+    q, k, v = random_qkv(6, B=1, H=2, T=4, S=6, D=3)
+    options = {"is_causal": True}
+    calls = [(0, REFERENCE, "attention", (q, k, v), options)]
+    right = oracle_attention(q, k, v, **options)
+    assert diagnose(right, calls, 1e-12) is None
+    assert _named(right + 0.3, q, k, v, options) == "the test's words"
+
+
+def test_a_misreading_the_inputs_cannot_show_is_not_named():
+    """With every score equal, a missing scale changes nothing: the unscaled output is the
+    right one, and a wrong output is not blamed on the scale."""
+    q = np.zeros((1, 1, 3, 2))
+    k, v = random_qkv(7, B=1, H=1, T=3, S=4, D=2)[1:]
+    options = {"scale": 0.5}
+    wrong = oracle_attention(q, k, v, **options) + 1.0
+    assert _named(wrong, q, k, v, options) == "the test's words"

@@ -1,12 +1,13 @@
 """Other libraries' own attention functions against the whole spec: every shipped profile
-(``conformance/profiles``) run through the suite, the README's lists and table made from
-that run, and the profiles' known failures measured by it.
+(``conformance/profiles``) run through the suite, the documentation's lists and table made
+from that run (the page docs/other-libraries.md), and the profiles' known failures measured
+by it.
 
-    python -m conformance frameworks                          # run, report, print the table
-    python -m conformance frameworks --readme README.md       # and rewrite the README's part
-    python -m conformance frameworks --check README.md        # fail if the README's is not this
-    python -m conformance frameworks --update-profiles        # re-measure the known failures
-                                                              # (then --readme, in a run of its own)
+    python -m conformance frameworks                                # run, report, print the table
+    python -m conformance frameworks --page docs/other-libraries.md   # and rewrite the page's part
+    python -m conformance frameworks --check docs/other-libraries.md  # fail if the page's is not this
+    python -m conformance frameworks --update-profiles              # re-measure the known failures
+                                                                    # (then --page, in a run of its own)
 
 The run is ``python -m conformance report --impl-profile all -m "not pairwise"``: the
 report (``--out``) holds every test, the clause × function matrix, the versions and the
@@ -15,9 +16,9 @@ behaviour its failing tests show (``conformance/suite/behaviours.py``), with the
 number of tests. Then the table, a row per SPEC clause where some function departs from
 the spec and a cell per function: ✅ every test of the clause passes, ❌ how many fail and
 which of the function's departures they show (by number), — the function does not declare
-what the clause needs. Behaviours hold no error size, so the README means the same on any
-machine with the same versions. ``--readme`` replaces only the text between ``START`` and
-``END``; ``--check`` compares the behaviours and the marks (✅ ❌ —).
+what the clause needs. Behaviours hold no error size, so the page means the same on any
+machine with the same versions. ``--page`` (or its older name ``--readme``) replaces only the
+text between ``START`` and ``END`` of the file it names; ``--check`` compares the behaviours and the marks (✅ ❌ —).
 
 ``--update-profiles`` runs with ``--ignore-known-failures`` and rewrites each profile's
 ``[known_failures]`` from what failed, each test's reason its behaviour: a test function
@@ -184,12 +185,12 @@ def table(found: dict) -> str:
 
 
 def block(found: dict) -> str:
-    """What goes between the README's markers: the lists, the table and the command."""
+    """What goes between the page's markers: the lists, the table and the command."""
     return (
         f"{START}\n"
         f"{table(found)}\n"
         "Measured on the versions in the headings (CPU) by `python -m conformance frameworks "
-        "--readme README.md`, which runs the whole spec on each shipped profile "
+        "--page docs/other-libraries.md`, which runs the whole spec on each shipped profile "
         "(`--impl-profile all`) and writes these lists and this table; each line is one "
         "behaviour, with the clauses it breaks and the tests that show it, and each ❌ cell "
         "names the behaviours its failures show. The run's report has every test, message "
@@ -247,7 +248,7 @@ def _split_row(line: str) -> list[str]:
     return [*parts, cell]
 
 
-def rewrite_readme(path: Path, found: dict) -> bool:
+def rewrite_page(path: Path, found: dict) -> bool:
     """Replace the table between the markers in ``path``; whether anything changed."""
     text = path.read_text(encoding="utf-8")
     if text.count(START) != 1 or text.count(END) != 1:
@@ -320,7 +321,13 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--out", type=Path, default=Path("frameworks-report"), help="report here")
     parser.add_argument("--workers", default="auto", help="test processes, as for the report")
-    parser.add_argument("--readme", type=Path, help=f"rewrite the table between {START} and {END}")
+    parser.add_argument(
+        "--page",
+        "--readme",
+        dest="page",
+        type=Path,
+        help=f"rewrite the table between {START} and {END} of this file",
+    )
     parser.add_argument("--check", type=Path, help="fail if this file's table has other marks")
     parser.add_argument(
         "--update-profiles",
@@ -328,12 +335,13 @@ def main(argv: list[str]) -> int:
         help="run without the profiles' known failures and rewrite them from what fails",
     )
     args, extra = parser.parse_known_args(argv)
-    if args.update_profiles and (args.readme or args.check):
+    if args.update_profiles and (args.page or args.check):
         # That run ignores the known failures: its counts would include them and its
-        # processor-dependent tests would show as ordinary failures, not the README's lines.
+        # processor-dependent tests would show as ordinary failures, not the page's lines.
         parser.error(
-            "--update-profiles ignores the known failures, so its table is not the README's: "
-            "rewrite or check the README in a run of its own afterwards (--readme README.md)"
+            "--update-profiles ignores the known failures, so its table is not the page's: "
+            "rewrite or check the page in a run of its own afterwards "
+            "(--page docs/other-libraries.md)"
         )
     code, data = run(args.out, args.workers, args.update_profiles, extra)
     found = matrix(data)
@@ -351,9 +359,9 @@ def main(argv: list[str]) -> int:
                 print(f"rewrote the known failures of {profile.path}")
         # Without its known failures the run fails by design; what counts is what it wrote.
         code = 0
-    if args.readme:
-        changed = rewrite_readme(args.readme, found)
-        print(f"{'rewrote' if changed else 'unchanged:'} the table in {args.readme}")
+    if args.page:
+        changed = rewrite_page(args.page, found)
+        print(f"{'rewrote' if changed else 'unchanged:'} the table in {args.page}")
     if args.check:
         return check(args.check, found, data) or code
     return code
@@ -384,7 +392,7 @@ def check(path: Path, found: dict, data: dict) -> int:
     for problem in problems:
         print(
             f"{path}: not what this run measured: {problem}; rerun python -m conformance "
-            f"frameworks --readme {path}",
+            f"frameworks --page {path}",
             file=sys.stderr,
         )
     return 1 if problems else 0

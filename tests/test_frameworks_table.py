@@ -1,6 +1,6 @@
-"""The README's table of how other libraries' functions meet the spec is made from a run of
-the spec on their profiles (``python -m conformance frameworks``; ``tox -e frameworks``
-checks the committed table against a fresh run). Here: how a run becomes the table, and
+"""The table of how other libraries' functions meet the spec (docs/other-libraries.md) is
+made from a run of the spec on their profiles (``python -m conformance frameworks``;
+``tox -e frameworks`` checks the committed table against a fresh run). Here: how a run becomes the table, and
 how its failures become a profile's known failures."""
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def test_refusals_of_one_kind_share_a_line():
     assert found["clauses"]["8.1"]["torch.sdpa"] == (frameworks.FAIL, "4/4 (#1, #2)")
 
 
-def test_marks_read_back_and_the_readme_rewrites_only_the_table(tmp_path):
+def test_marks_read_back_and_the_page_rewrites_only_the_table(tmp_path):
     rows = [
         _row("torch.sdpa", "test_a[torch.sdpa]", "4.3", "xfailed", ACCEPTS),
         _row(
@@ -127,23 +127,23 @@ def test_marks_read_back_and_the_readme_rewrites_only_the_table(tmp_path):
     marks = frameworks.marks(frameworks.block(found))
     assert marks["§4.3", "torch.sdpa"] == frameworks.FAIL
     assert marks["§4.3", "jax.nn.dot_product_attention"] == frameworks.PASS
-    readme = tmp_path / "README.md"
-    readme.write_text(
+    page = tmp_path / "other-libraries.md"
+    page.write_text(
         f"# Title\n\nbefore\n\n{frameworks.START}\nstale | table\n{frameworks.END}\n\nafter\n"
     )
-    assert frameworks.rewrite_readme(readme, found)
-    text = readme.read_text()
+    assert frameworks.rewrite_page(page, found)
+    text = page.read_text()
     assert text.startswith("# Title\n\nbefore\n\n") and text.endswith("\n\nafter\n")
     assert "stale" not in text and frameworks.marks(text) == marks
-    assert not frameworks.rewrite_readme(readme, found)  # a second run changes nothing
+    assert not frameworks.rewrite_page(page, found)  # a second run changes nothing
 
 
-def test_the_readme_table_has_a_column_per_shipped_profile():
+def test_the_pages_table_has_a_column_per_shipped_profile():
     """The committed table is a run of every shipped profile (``tox -e frameworks`` checks
     its marks against a fresh run; here, that it has them all)."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "other-libraries.md").read_text(encoding="utf-8")
     marks = frameworks.marks(text)
-    assert marks, "no table between the README's frameworks-table markers"
+    assert marks, "no table between the page's frameworks-table markers"
     block = text.split(frameworks.START, 1)[1].split(frameworks.END, 1)[0]
     elsewhere = set(re.findall(r"^Not run here: `([^`]+)`, needs ", block, flags=re.M))
     assert {name for _, name in marks} | elsewhere == set(shipped_profiles())
@@ -237,11 +237,11 @@ def test_processor_dependent_tests_read_the_same_failed_or_passed():
     assert entries == {f"test_nan[{p}-float32]": ACCEPTS}
 
 
-def test_update_profiles_does_not_rewrite_or_check_the_readme(capsys):
+def test_update_profiles_does_not_rewrite_or_check_the_page(capsys):
     """A run that re-measures the known failures ignores them, so its table (counts, the
-    processor-dependent lines) is not the README's: the command refuses before running."""
-    for flag in ("--readme", "--check"):
+    processor-dependent lines) is not the page's: the command refuses before running."""
+    for flag in ("--page", "--readme", "--check"):
         with pytest.raises(SystemExit) as exit_info:
-            frameworks.main(["--update-profiles", flag, "README.md"])
+            frameworks.main(["--update-profiles", flag, "docs/other-libraries.md"])
         assert exit_info.value.code == 2
         assert "in a run of its own" in capsys.readouterr().err

@@ -1,0 +1,80 @@
+"""mkdocs hooks (mkdocs.yml names this file; it is not a page).
+
+- Every clause of the spec gets an anchor of its number: ``**4.1 Scale.**`` becomes the
+  target of ``spec.md#4.1``. It runs after pymdownx.snippets has included SPEC.md, so the
+  anchors are known to mkdocs' own check of every link's anchor.
+- The reference page of the impls (reference/impls.md) lists every page of every framework
+  package under impls/, the core pages first, so that a new page is documented by being
+  written.
+- A link from a page to a file of the repository outside docs/ (``../impls/contract.py``,
+  as the Markdown reads on a forge) cannot be a link of the site: it becomes the file's
+  path in code, and a link to a path that does not exist fails the build.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path, PurePosixPath
+
+from markdown import Extension
+from markdown.preprocessors import Preprocessor
+
+ROOT = Path(__file__).resolve().parent.parent
+CLAUSE = re.compile(r"^\*\*(\d+\.\d+) ([^*]+)\*\*")
+LINK = re.compile(r"\[([^\]]+)\]\(((?:\.\./)+[^)#\s]+)\)")
+log = logging.getLogger("mkdocs.hooks")
+PACKAGES = {"numpy": "NumPy", "jax": "JAX", "torch": "PyTorch"}
+CORE = ("attention", "naive", "module", "sdpa")
+
+
+class ClauseAnchors(Preprocessor):
+    def run(self, lines: list[str]) -> list[str]:
+        return [CLAUSE.sub(r"**\1 \2**{ #\1 }", line) for line in lines]
+
+
+class ClauseAnchorsExtension(Extension):
+    def extendMarkdown(self, md) -> None:
+        # Below pymdownx.snippets (32), so that included files get their anchors too.
+        md.preprocessors.register(ClauseAnchors(md), "clause-anchors", 31)
+
+
+def on_config(config):
+    config.markdown_extensions.append(ClauseAnchorsExtension())
+    return config
+
+
+def impl_pages() -> str:
+    """A ``:::`` directive per page of each framework package, the core pages first."""
+    lines = []
+    for package, title in PACKAGES.items():
+        names = [p.stem for p in (ROOT / "impls" / package).glob("*.py") if p.stem != "__init__"]
+        names.sort(key=lambda n: (n not in CORE, CORE.index(n) if n in CORE else 0, n))
+        lines += [f"## {title}", ""]
+        for name in names:
+            lines += [
+                f"::: impls.{package}.{name}",
+                "    options:",
+                f"      heading: conformance.impls.{package}.{name}",
+                "      heading_level: 3",
+                "      show_source: true",
+                "",
+            ]
+    return "\n".join(lines)
+
+
+def on_page_markdown(markdown: str, page, **kwargs) -> str:
+    if page.file.src_uri == "reference/impls.md":
+        markdown = markdown.replace("<!-- impls: every page -->", impl_pages())
+    here = PurePosixPath("docs") / PurePosixPath(page.file.src_uri).parent
+
+    def outside(match: re.Match) -> str:
+        text, target = match.groups()
+        path = (ROOT / here / target).resolve()
+        if not path.is_relative_to(ROOT / "docs"):
+            if not path.exists():
+                log.warning("%s links to %s, which does not exist", page.file.src_uri, target)
+            return text if text.startswith("`") else f"`{text}`"
+        return match[0]
+
+    return LINK.sub(outside, markdown)

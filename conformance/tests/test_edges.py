@@ -19,7 +19,14 @@ from conformance.backends import numpy_dtype
 from conformance.fixtures import oracle
 from conformance.suite import edges
 from conformance.suite.gradients import random_d_out
-from conformance.suite.helpers import as64, oracle_attention, random_qkv, random_tolerance
+from conformance.suite.helpers import (
+    as64,
+    causal_param,
+    causal_where_taken,
+    oracle_attention,
+    random_qkv,
+    random_tolerance,
+)
 from conformance.suite.requirements import requires, value_dims
 from conformance.suite.tolerance import (
     assert_identical,
@@ -37,7 +44,12 @@ GRADS = ("dq", "dk", "dv", "dmask")
 
 # --- §2.5 and §12.12: empty sequences -----------------------------------------------------
 
-EMPTY = ["plain", "causal", "bool-mask", "float-mask"]
+EMPTY = [
+    "plain",
+    pytest.param("causal", marks=requires("causal", "causal_top_left"), id="causal"),
+    "bool-mask",
+    "float-mask",
+]
 #: The ways an empty sequence meets an option a backend may lack: the option's capability
 #: forward, and what its gradient needs besides "grad" (§12.2).
 EMPTY_NEEDS = {"softcap": ("softcap", "grad_softcap")}
@@ -77,7 +89,7 @@ def test_empty_sequences_unbatched(backend, dtype):
     """Unbatched, S = 0 gives (H, T, E) of zeros and T = S = 0 an empty (H, 0, E)."""
     D, E = value_dims(backend, 3, 2)
     q, k, v = random_qkv(71, B=1, H=2, T=4, S=0, D=D, E=E, dtype=dtype)
-    out = backend.attention(q[0], k[0], v[0], is_causal=True)
+    out = backend.attention(q[0], k[0], v[0], **causal_where_taken(backend, 4, 0))
     expect(
         out.shape == (2, 4, E),
         "returns the wrong shape for an empty sequence",
@@ -133,7 +145,10 @@ INERT = {
     "padding": ([], "a batch of unequal lengths, padding masked by a (B, 1, 1, S) bool mask"),
     "bool-column": ([], "mask columns all False"),
     "float-column": ([], "float mask columns all -inf"),
-    "causal-T<S": ([], "top-left causal with T < S: keys after every query"),
+    "causal-T<S": (
+        ["causal", "causal_top_left"],
+        "top-left causal with T < S: keys after every query",
+    ),
     "window": (["window", "causal_bottom_right"], "keys before a bottom-right window"),
     "gqa-group": (["gqa"], "a key blocked in every query head of its group, not others"),
 }
@@ -261,10 +276,10 @@ def test_unused_slot_gradients(backend, how, garbage, dtype):
 # --- §4.8: keys that some rows attend -----------------------------------------------------
 
 SHARED = {
-    "causal": ([], "causal"),
+    "causal": (["causal", "causal_top_left"], "causal"),
     "bool-mask": ([], "a bool mask"),
     "float-mask": ([], "a float mask (-inf)"),
-    "window": (["window"], "a window"),
+    "window": (["window", "causal_top_left", "window_right"], "a window"),
 }
 
 
@@ -317,10 +332,10 @@ def test_keys_some_rows_attend(backend, how, slot, garbage, dtype):
 NAN_AT = ["q", "k-first", "k-middle", "k-all", "v"]
 STRUCTURES = {
     "plain": ([], {}),
-    "causal": ([], {"is_causal": True}),
+    "causal": (["causal"], {"is_causal": True}),
     "float-mask": ([], {"mask": "float"}),
-    "gqa-causal": (["gqa"], {"is_causal": True}),
-    "softcap-causal": (["softcap"], {"is_causal": True, "softcap": 2.0}),
+    "gqa-causal": (["gqa", "causal"], {"is_causal": True}),
+    "softcap-causal": (["softcap", "causal"], {"is_causal": True, "softcap": 2.0}),
 }
 
 
@@ -400,7 +415,7 @@ def test_nan_propagates(backend, structure, at, dtype):
 
 
 @pytest.mark.clause("3.8")
-@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+@pytest.mark.parametrize("causal", [pytest.param(False, id="plain"), causal_param()])
 @dtypes
 def test_float_mask_nan_and_inf(backend, causal, dtype):
     """NaN or +inf in a float mask, at a key the row may attend, makes that row NaN in every
@@ -509,8 +524,9 @@ _HUGE_SCALE = {"float64": 1e300, "float32": 1e30}
 
 @pytest.mark.clause("4.1")
 @pytest.mark.parametrize("D", [1, 4], ids=["D1", "D4"])
-@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+@pytest.mark.parametrize("causal", [pytest.param(False, id="plain"), causal_param()])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
+@requires("scale")
 def test_large_finite_scores(backend, causal, D, dtype):
     """A scale of 1e300 (1e30 in float32) makes the scores huge but finite: the softmax
     puts all the weight on each row's largest score, and the output is the oracle's
@@ -560,6 +576,7 @@ def _overflow_problem(backend, dtype: str):
 
 @pytest.mark.clause("4.1")
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
+@requires("scale")
 def test_overflowing_scores(backend, dtype):
     """A score that overflows is ±inf: a row that attends a +inf score is NaN in every
     channel, a -inf score has weight 0, and a row whose scores are all -inf is 0; the
@@ -585,7 +602,7 @@ def test_overflowing_scores(backend, dtype):
 
 @pytest.mark.clause("4.1", "4.2")
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@requires("softcap")
+@requires("softcap", "scale")
 def test_overflowing_scores_with_softcap(backend, dtype):
     """Under a softcap an overflowed score becomes ±softcap and its row is ordinary: the
     oracle's output, within §7 (the oracle's scores never overflow; capped, they agree)."""
@@ -603,7 +620,7 @@ def test_overflowing_scores_with_softcap(backend, dtype):
 
 @pytest.mark.clause("4.1", "12.2")
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@requires("grad")
+@requires("grad", "scale")
 def test_overflowing_score_gradients(backend, dtype):
     """A NaN row (it attends a +inf score) makes its dq row NaN and the dk and dv rows of
     every key it attends with a score above -inf NaN; every other gradient row is finite

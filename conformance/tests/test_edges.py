@@ -624,10 +624,13 @@ def test_overflowing_scores_with_softcap(backend, dtype):
 def test_overflowing_score_gradients(backend, dtype):
     """A NaN row (it attends a +inf score) makes its dq row NaN and the dk and dv rows of
     every key it attends with a score above -inf NaN; every other gradient row is finite
-    (batch 1 has no NaN row; its row of -inf scores contributes nothing)."""
+    (batch 1 has no NaN row; its row of -inf scores contributes nothing). A gradient row
+    that is the oracle's exact one (no overflow, as a function computing in a wider
+    precision gives it) is right too (SPEC §12.2)."""
     q, k, v, scale, _, nan_rows = _overflow_problem(backend, dtype)
     d_out = np.ones((*q.shape[:-1], v.shape[-1]), dtype=q.dtype)
     dq, dk, dv = (as64(g) for g in backend.attention_vjp(q, k, v, d_out, scale=scale)[:3])
+    exact = oracle.attention_vjp(as64(q), as64(k), as64(v), as64(d_out), scale=scale)
     context = f"{backend.name}: scale={scale:g} ({dtype})"
     # Batch 0: each key has a score of 0 or +inf in one of the NaN rows 0 and 3.
     want = {
@@ -638,10 +641,13 @@ def test_overflowing_score_gradients(backend, dtype):
     want["dk"][0], want["dv"][0] = True, True
     for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
         nan, ok = np.isnan(g), np.isfinite(g)
+        ieee = ((nan == want[name]) & (ok == ~want[name])).all(axis=-1)  # per row
+        y = exact[name]
+        close = (np.abs(g - y) <= tolerance(dtype, 0.0, y)).all(axis=-1)  # NaN: not close
         expect(
-            (nan == want[name]).all() and (ok == ~want[name]).all(),
+            (ieee | close).all(),
             "scores that overflow give another NaN pattern in the gradients than the spec's",
             f"{context}: {name} should be NaN exactly at {np.argwhere(want[name]).tolist()} "
-            f"and finite elsewhere; NaN at {np.argwhere(nan).tolist()}, non-finite "
+            f"and finite elsewhere (or each row the oracle's exact one); NaN at {np.argwhere(nan).tolist()}, non-finite "
             f"{np.argwhere(~ok).tolist()}",
         )

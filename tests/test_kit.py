@@ -483,7 +483,8 @@ def attention(q, k, v, *, mask=None, is_causal=False, scale=None):
 @pytest.mark.clause("12.1", "12.2")
 def test_a_function_computing_wider_passes_the_gradient_edges(tmp_path):
     """The kit refuses a d_out of the wrong shape itself, in the contract's words, before
-    autograd sees it; and the exact gradients at overflowing float32 scores pass."""
+    autograd sees it; and the exact gradients at overflowing float32 scores pass. (In
+    float64 the function is torch's own kernel, and is judged as such.)"""
     pytest.importorskip("torch")
     (tmp_path / "wider.py").write_text(WIDER)
     run = _pytest(
@@ -491,11 +492,11 @@ def test_a_function_computing_wider_passes_the_gradient_edges(tmp_path):
         "--impl-framework=torch",
         "--impl-capabilities=grad",
         "-k",
-        "test_overflowing_score_gradients or test_d_out_of_the_wrong_shape_is_refused",
+        "test_overflowing_score_gradients and float32 or test_d_out_of_the_wrong_shape",
         "-p",
         "no:randomly",
         cwd=tmp_path,
     )
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-3000:]
-    assert "3 passed" in out, out[-2000:]
+    assert "2 passed" in out, out[-2000:]

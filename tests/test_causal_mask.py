@@ -173,13 +173,13 @@ def test_the_mask_holds_the_visibility_combined_with_the_case_mask():
     backend = FunctionBackend(
         attend, name="m", capabilities=["window", "causal_bottom_right"], call=call
     )
-    q = np.zeros((1, 1, 3, 2))
-    k = v = np.zeros((1, 1, 5, 2))
-    padding = np.array([True, True, True, True, False])
+    q = np.zeros((1, 1, 3, 2))  # (B, H, T, D)
+    k = v = np.zeros((1, 1, 5, 2))  # (B, K, S, D)
+    padding = np.array([True, True, True, True, False])  # (S,)
     backend.attention(q, k, v, mask=padding, is_causal=True)
     assert (seen["mask"] == np.tril(np.ones((3, 5), bool)) & padding).all()
     backend.attention(q, k, v, is_causal=True, causal_alignment="bottom_right", window=(1, 0))
-    want = np.array([[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]], bool)
+    want = np.array([[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]], bool)  # (T, S)
     assert (seen["mask"] == want).all()
     backend.attention(q, k, v)
     assert seen["mask"] is None
@@ -192,7 +192,7 @@ def test_an_additive_mask_fills_blocked_keys_with_the_profile_value():
     converted = call.mask("f", mask, np.dtype("float32"))["bias"]
     assert converted.dtype == np.float32
     assert converted[0, 1] == np.finfo(np.float32).min and converted[1, 0] == 0
-    float_mask = np.array([[0.5, np.nan], [np.inf, -1.0]], np.float32)
+    float_mask = np.array([[0.5, np.nan], [np.inf, -1.0]], np.float32)  # (T, S)
     _, combined = forms.through_the_mask({"is_causal": True}, float_mask, 2, 2, {}, "-inf")
     # The blocked key's NaN is replaced, as model code fills it; the others are added.
     assert combined[0, 1] == -np.inf and np.isinf(combined[1, 0]) and combined[1, 1] == -1
@@ -236,7 +236,7 @@ def test_a_form_not_taken_is_the_suites_error_and_a_skip_by_name():
         name, capabilities, dtypes = "taker", frozenset({"window"}), ("float64",)
         forms = frozenset({"causal"})
 
-    q, k, v = np.zeros((1, 1, 3, 2)), np.zeros((1, 1, 4, 2)), np.zeros((1, 1, 4, 2))
+    q, k, v = np.zeros((1, 1, 3, 2)), np.zeros((1, 1, 4, 2)), np.zeros((1, 1, 4, 2))  # T3, S4
     found = undeclared(Taker(), "attention", (q, k, v), {"is_causal": True, "scale": 0.5})
     assert [f.split(" (")[0] for f in found] == ["form 'causal_top_left'", "form 'scale'"]
     square = undeclared(Taker(), "attention", (q, k[:, :, :3], v[:, :, :3]), {"is_causal": True})

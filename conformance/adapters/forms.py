@@ -138,11 +138,11 @@ def through_the_mask(
         return rest, visible
     mask = np.asarray(mask)
     if mask.dtype == np.bool_:
-        return rest, np.logical_and(visible, mask)
+        return rest, np.logical_and(visible, mask)  # (..., T, S)
     if not (np.issubdtype(mask.dtype, np.floating) or mask.dtype.name == "bfloat16"):
         return rest, mask  # an integer mask, passed on for the function to refuse
-    fill = np.asarray(blocked_value(blocked, mask.dtype), dtype=mask.dtype)
-    return rest, np.where(visible, mask, fill)
+    fill = np.asarray(blocked_value(blocked, mask.dtype), dtype=mask.dtype)  # ()
+    return rest, np.where(visible, mask, fill)  # (..., T, S)
 
 
 def declared_forms(

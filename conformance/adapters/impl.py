@@ -295,6 +295,35 @@ _OPTIONS = {
 }
 
 
+def _check_keywords(spec: str, target: Callable, caps: Iterable[str], call: OptionMap) -> None:
+    """Each declared capability's options have a keyword ``target`` takes, or are built into
+    the mask (causality through the mask); "packed" needs is_causal as a keyword.
+
+    Raises:
+      ValueError: naming the capability and the missing keyword or parameter.
+    """
+    if call.causal == "mask" and "packed" in caps:
+        raise ValueError(
+            f"--impl {spec!r} takes causality through the mask, which the suite cannot build "
+            "for attention_packed's documents: 'packed' needs is_causal as a keyword"
+        )
+    for cap in caps:
+        for option in _OPTIONS.get(cap, ()):
+            if call.causal == "mask" and option in MASK_OPTIONS and option not in call.options:
+                continue  # built into the mask
+            keyword = call.options.get(option)
+            if keyword is None:
+                raise ValueError(
+                    f"--impl {spec!r} declares {cap!r}, but its profile maps no keyword for "
+                    f"the spec's {option!r}"
+                )
+            if keyword != "global" and not _accepts(target, keyword):
+                raise ValueError(
+                    f"--impl {spec!r} declares {cap!r}, but {target.__name__}() has no "
+                    f"{keyword!r} parameter"
+                )
+
+
 def _accepts(func: Callable, option: str) -> bool:
     """Whether ``func`` takes the keyword ``option`` (or ``**kwargs``)."""
     try:
@@ -455,26 +484,7 @@ def resolve_impl(
     if bad:
         raise ValueError(f"--impl-dtypes: unknown {bad}; known: {', '.join(DTYPES)}")
     call = call or _impl_call(layout, causal, mask)
-    if call.causal == "mask" and caps and "packed" in caps:
-        raise ValueError(
-            f"--impl {spec!r} takes causality through the mask, which the suite cannot build "
-            "for attention_packed's documents: 'packed' needs is_causal as a keyword"
-        )
-    for cap in caps or ():
-        for option in _OPTIONS.get(cap, ()):
-            if call.causal == "mask" and option in MASK_OPTIONS and option not in call.options:
-                continue  # built into the mask
-            keyword = call.options.get(option)
-            if keyword is None:
-                raise ValueError(
-                    f"--impl {spec!r} declares {cap!r}, but its profile maps no keyword for "
-                    f"the spec's {option!r}"
-                )
-            if keyword != "global" and not _accepts(target, keyword):
-                raise ValueError(
-                    f"--impl {spec!r} declares {cap!r}, but {target.__name__}() has no "
-                    f"{keyword!r} parameter"
-                )
+    _check_keywords(spec, target, caps or (), call)
     try:
         return FunctionBackend(
             target,

@@ -255,41 +255,7 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
         raise ProfileError(
             f"{where}: [mask] bool_true should be one of {', '.join(BOOL_MEANINGS)}, got {bool_true!r}"
         )
-    forms = _check_forms(data, where)
-    blocked = mask.get("blocked", "-inf")
-    if blocked not in BLOCKED:
-        raise ProfileError(
-            f"{where}: [mask] blocked should be one of {', '.join(BLOCKED)}, got {blocked!r}"
-        )
-    mapped = {k: v for k, v in options.items() if v}
-    try:
-        call = OptionMap(
-            options=mapped,
-            mask_bool=mask.get("bool") or None,
-            bool_true=bool_true,
-            mask_float=mask.get("float") or None,
-            fixed=dict(data.get("fixed", {})),
-            layout=data.get("layout", "BHTD"),
-            causal=forms.get("causal", "keyword" if "is_causal" in mapped else "none"),
-            blocked=blocked,
-        )
-    except ValueError as err:
-        raise ProfileError(f"{where}: [options], [mask], [forms]: {err}") from err
-    if forms.get("scale", "scale" in mapped) != ("scale" in mapped):
-        raise ProfileError(
-            f"{where}: [forms] scale = {forms['scale']} but [options] maps "
-            f"{'a' if 'scale' in mapped else 'no'} scale keyword"
-        )
-    if call.causal == "mask" and "packed" in data.get("capabilities", ()):
-        raise ProfileError(
-            f"{where}: causality through the mask cannot reach attention_packed's documents; "
-            "'packed' needs is_causal as a keyword"
-        )
-    takes = declared_forms(
-        call,
-        tuple(forms.get("alignments", ALIGNMENTS)),
-        tuple(forms.get("window_sides", WINDOW_SIDES)),
-    )
+    call, takes = _call_and_forms(data, where, options, mask, bool_true)
     needs = data.get("needs", [])
     if not isinstance(needs, list) or not all(n in HARDWARE for n in needs):
         raise ProfileError(
@@ -341,6 +307,47 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
         probe=probe,
         packed=packed,
         forms=takes,
+    )
+
+
+def _call_and_forms(
+    data: dict[str, Any], where: str, options: dict, mask: dict, bool_true: str
+) -> tuple[OptionMap, frozenset[str]]:
+    """The profile's ``OptionMap`` and the forms of the core it takes (SPEC §13.16)."""
+    forms = _check_forms(data, where)
+    blocked = mask.get("blocked", "-inf")
+    if blocked not in BLOCKED:
+        raise ProfileError(
+            f"{where}: [mask] blocked should be one of {', '.join(BLOCKED)}, got {blocked!r}"
+        )
+    mapped = {k: v for k, v in options.items() if v}
+    try:
+        call = OptionMap(
+            options=mapped,
+            mask_bool=mask.get("bool") or None,
+            bool_true=bool_true,
+            mask_float=mask.get("float") or None,
+            fixed=dict(data.get("fixed", {})),
+            layout=data.get("layout", "BHTD"),
+            causal=forms.get("causal", "keyword" if "is_causal" in mapped else "none"),
+            blocked=blocked,
+        )
+    except ValueError as err:
+        raise ProfileError(f"{where}: [options], [mask], [forms]: {err}") from err
+    if forms.get("scale", "scale" in mapped) != ("scale" in mapped):
+        raise ProfileError(
+            f"{where}: [forms] scale = {forms['scale']} but [options] maps "
+            f"{'a' if 'scale' in mapped else 'no'} scale keyword"
+        )
+    if call.causal == "mask" and "packed" in data.get("capabilities", ()):
+        raise ProfileError(
+            f"{where}: causality through the mask cannot reach attention_packed's documents; "
+            "'packed' needs is_causal as a keyword"
+        )
+    return call, declared_forms(
+        call,
+        tuple(forms.get("alignments", ALIGNMENTS)),
+        tuple(forms.get("window_sides", WINDOW_SIDES)),
     )
 
 

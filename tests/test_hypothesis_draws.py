@@ -76,3 +76,45 @@ def test_a_conformance_run_draws_from_no_local_constants(tmp_path):
         "test_matches_the_reference",
     )
     assert "local constants: 0" in out, out[-2000:]
+
+
+def test_draws_use_only_the_forms_a_backend_takes():
+    """SPEC §13.17: a backend without causality, a scale, top-left alignment or a window's
+    right side is never handed one by the property tests' strategies; one taking every
+    form still draws them all."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from conformance.adapters.forms import ALL_FORMS, forms_used
+    from conformance.tests import test_properties
+
+    class Drawn:
+        name, dtypes = "drawn", ("float64",)
+        capabilities = frozenset({"window", "gqa"})
+
+        def __init__(self, forms):
+            self.forms = frozenset(forms)
+
+    def used(backend) -> set:
+        seen: set = set()
+
+        @settings(
+            max_examples=60,
+            derandomize=True,
+            database=None,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(st.data())
+        def draw(data):
+            for strategy in (test_properties.problems, test_properties.packings):
+                p = data.draw(strategy(backend))
+                T, S = p.q.shape[-2], p.k.shape[-2]
+                packed = strategy is test_properties.packings
+                seen.update(forms_used(p.options, *(() if packed else (T, S))))
+
+        draw()
+        return seen
+
+    assert used(Drawn(ALL_FORMS)) == set(ALL_FORMS)
+    assert used(Drawn(())) == set()

@@ -459,3 +459,44 @@ def test_a_profile_path_does_not_move_the_rootdir(tmp_path):
         )
     assert ids[0] == ids[1] and len(ids[0]) == 2, ids
     assert not any(i.startswith("..") for i in ids[0]), ids
+
+
+# --- Gradients through the kit, judged on the function (SPEC §12.1, §12.2) ---------------------
+
+#: A correct torch function that computes float32 inputs in float64: its gradients at
+#: overflowing scores are the oracle's exact ones, and it has no d_out of its own to check.
+WIDER = """
+import torch
+import torch.nn.functional as F
+
+
+def attention(q, k, v, *, mask=None, is_causal=False, scale=None):
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.double()
+    out = F.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=mask, is_causal=is_causal, scale=scale
+    )
+    return out.to(q.dtype)
+"""
+
+
+@pytest.mark.clause("12.1", "12.2")
+def test_a_function_computing_wider_passes_the_gradient_edges(tmp_path):
+    """The kit refuses a d_out of the wrong shape itself, in the contract's words, before
+    autograd sees it; and the exact gradients at overflowing float32 scores pass. (In
+    float64 the function is torch's own kernel, and is judged as such.)"""
+    pytest.importorskip("torch")
+    (tmp_path / "wider.py").write_text(WIDER)
+    run = _pytest(
+        "--impl=wider:attention",
+        "--impl-framework=torch",
+        "--impl-capabilities=grad",
+        "-k",
+        "test_overflowing_score_gradients and float32 or test_d_out_of_the_wrong_shape",
+        "-p",
+        "no:randomly",
+        cwd=tmp_path,
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    assert "2 passed" in out, out[-2000:]

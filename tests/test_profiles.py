@@ -422,6 +422,15 @@ def _write_profile(tmp_path: Path, text: str) -> Path:
         ),
         ('name = "x"\ntarget = "numpy:add"\n[processor_dependent]\n"t" = ""\n', "needs a reason"),
         ('name = "x"\ntarget = "numpy:add"\ncapabilities = ["packed"]\n', "go together"),
+        ('name = "x"\ntarget = "numpy:add"\n[forms]\ncausality = "mask"\n', "[forms] has unknown"),
+        ('name = "x"\ntarget = "numpy:add"\n[forms]\ncausal = "sometimes"\n', "keyword, mask"),
+        ('name = "x"\ntarget = "numpy:add"\n[forms]\nscale = true\n', "maps no scale keyword"),
+        ('name = "x"\ntarget = "numpy:add"\n[forms]\nalignments = []\n', "non-empty list"),
+        ('name = "x"\ntarget = "numpy:add"\n[mask]\nblocked = "-1e9"\n', "blocked should be"),
+        (
+            'name = "x"\ntarget = "numpy:add"\n[mask]\nbool = false\n[forms]\ncausal = "mask"\n',
+            "needs a mask keyword",
+        ),
         ('name = "x"\ntarget = "numpy:add"\npacked = "numpy:add"\n', "go together"),
         (
             'name = "x"\ntarget = "numpy:add"\ncapabilities = ["packed"]\npacked = "add"\n',

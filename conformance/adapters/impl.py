@@ -34,9 +34,11 @@ from typing import Any
 
 import numpy as np
 
+from conformance.adapters.forms import MASK_OPTIONS, declared_forms, through_the_mask
 from conformance.adapters.native import (
     FRAMEWORKS,
     LAYOUTS,
+    SPEC_OPTIONS,
     OptionMap,
     framework_of,
     make_framework,
@@ -91,6 +93,8 @@ class FunctionBackend(Backend):
       packed: the function for ``attention_packed`` (SPEC §18), taking q, k, v (unbatched,
         in ``call``'s layout), cu_seqlens_q and cu_seqlens_k as the framework's arrays
         and the same keywords as ``func``; needed to declare "packed".
+      forms: the forms of causality, window and scale ``func`` takes
+        (``conformance.adapters.forms``); default: those ``call`` gives it.
     """
 
     def __init__(
@@ -105,6 +109,7 @@ class FunctionBackend(Backend):
         libraries: Iterable[str] = (),
         jit: bool = False,
         packed: Callable[..., Any] | None = None,
+        forms: Iterable[str] | None = None,
     ) -> None:
         self.func = func
         self.packed = packed
@@ -116,6 +121,7 @@ class FunctionBackend(Backend):
         self.call = call or OptionMap()
         self.libraries = tuple(libraries)
         self.func_name = getattr(func, "__qualname__", None) or repr(func)
+        self.forms = frozenset(declared_forms(self.call) if forms is None else forms)
         if jit:
             # The packed function is an adapter's: it reads the boundaries on the host to
             # build its call, and compiles the library's function itself.
@@ -140,7 +146,16 @@ class FunctionBackend(Backend):
 
     def _prepare(self, q, k, v, mask, options) -> tuple[list, dict]:
         """Steps 1, 2 and 4 of ``conformance.adapters.native``: the framework's q, k, v and the
-        library's keywords (the mask among them, converted)."""
+        library's keywords (the mask among them, converted); causality through the mask
+        first, where the function takes it so."""
+        if self.call.causal == "mask":
+            if np.ndim(q) >= 2 and np.ndim(k) >= 2:
+                T, S = np.shape(q)[-2], np.shape(k)[-2]
+                options, mask = through_the_mask(
+                    options, mask, T, S, self.call.options, self.call.blocked
+                )
+            else:  # malformed inputs, for the function to refuse: nothing to build on
+                options = {o: x for o, x in options.items() if o not in MASK_OPTIONS}
         keywords = {
             **self.call.keywords(self.func_name, options, self.arrays),
             **{
@@ -200,6 +215,7 @@ class FunctionBackend(Backend):
         ``jax.vjp``) through the same call as ``attention``; a float mask is
         differentiated too when the backend declares ``grad_mask``."""
         self._refuse_undeclared(options, grad=True)
+        _check_d_out(q, v, d_out)
         (q, k, v), keywords = self._prepare(q, k, v, mask, options)
         # Differentiated beside q, k, v, in the order SPEC §12.1 and §15.5 return them: a
         # float mask (with "grad_mask"), then the sinks.
@@ -242,6 +258,20 @@ class FunctionBackend(Backend):
         return found
 
 
+def _check_d_out(q, v, d_out) -> None:
+    """SPEC §12.1: a d_out not shaped like the output is refused here, in the contract's
+    words, before the framework's differentiation sees it: the function has no d_out of its
+    own to check, so an error raised inside autograd is not the function's."""
+    if np.ndim(q) < 3 or np.ndim(v) < 3 or np.ndim(q) != np.ndim(v):
+        return  # malformed inputs: refusing them is the function's part
+    want = (*np.shape(q)[:-1], np.shape(v)[-1])
+    letters = "(H, T, E)" if len(want) == 3 else "(B, H, T, E)"
+    if tuple(np.shape(d_out)) != want:
+        raise ValueError(
+            f"d_out shape should be the output's {letters} = {want}, got {tuple(np.shape(d_out))}"
+        )
+
+
 #: The capability each optional spec option needs (SPEC §8.5).
 _CAPABILITY_OF = {
     "causal_alignment": "causal_bottom_right",
@@ -263,6 +293,35 @@ _OPTIONS = {
     "chunked": ("chunk_size",),
     "alibi": ("alibi_slopes",),
 }
+
+
+def _check_keywords(spec: str, target: Callable, caps: Iterable[str], call: OptionMap) -> None:
+    """Each declared capability's options have a keyword ``target`` takes, or are built into
+    the mask (causality through the mask); "packed" needs is_causal as a keyword.
+
+    Raises:
+      ValueError: naming the capability and the missing keyword or parameter.
+    """
+    if call.causal == "mask" and "packed" in caps:
+        raise ValueError(
+            f"--impl {spec!r} takes causality through the mask, which the suite cannot build "
+            "for attention_packed's documents: 'packed' needs is_causal as a keyword"
+        )
+    for cap in caps:
+        for option in _OPTIONS.get(cap, ()):
+            if call.causal == "mask" and option in MASK_OPTIONS and option not in call.options:
+                continue  # built into the mask
+            keyword = call.options.get(option)
+            if keyword is None:
+                raise ValueError(
+                    f"--impl {spec!r} declares {cap!r}, but its profile maps no keyword for "
+                    f"the spec's {option!r}"
+                )
+            if keyword != "global" and not _accepts(target, keyword):
+                raise ValueError(
+                    f"--impl {spec!r} declares {cap!r}, but {target.__name__}() has no "
+                    f"{keyword!r} parameter"
+                )
 
 
 def _accepts(func: Callable, option: str) -> bool:
@@ -336,6 +395,9 @@ def resolve_impl(
     libraries: Iterable[str] = (),
     jit: bool = False,
     packed: str | None = None,
+    causal: str | None = None,
+    mask: str | None = None,
+    forms: Iterable[str] | None = None,
 ) -> Backend:
     """The backend ``spec`` ('package.module:attr') names, not yet registered.
 
@@ -344,7 +406,10 @@ def resolve_impl(
     ("all" = every dtype of the spec), taking ``framework``'s arrays ("numpy", "torch",
     "jax", or "auto": from the target's module) in ``layout`` ("BHTD" or "BTHD"); ``call``
     maps the spec's options to its keywords (a profile's, ``conformance.adapters.profiles``);
-    ``packed`` ('package.module:attr') names the function for ``attention_packed``. A
+    ``packed`` ('package.module:attr') names the function for ``attention_packed``;
+    ``causal`` ("keyword", "mask" or "none") and ``mask`` ("both", "additive" or
+    "additive-min") say how causality and masks reach a function without a profile
+    (``--impl-causal``, ``--impl-mask``), ``forms`` what it takes (a profile's). A
     Backend subclass is instantiated, an instance is used as it is; both declare their own
     capabilities and dtypes.
 
@@ -365,11 +430,14 @@ def resolve_impl(
             or layout != "BHTD"
             or call is not None
             or packed is not None
+            or causal is not None
+            or mask is not None
         ):
             raise ValueError(
                 f"--impl {spec!r} is a Backend, which declares its own capabilities and "
                 "dtypes and converts its own arrays; --impl-capabilities, --impl-dtypes, "
-                "--impl-framework, --impl-layout and profiles are for plain functions"
+                "--impl-framework, --impl-layout, --impl-causal, --impl-mask and profiles "
+                "are for plain functions"
             )
         backend = target
         if name:
@@ -415,20 +483,8 @@ def resolve_impl(
     bad = sorted(set(dts or ()) - set(DTYPES))
     if bad:
         raise ValueError(f"--impl-dtypes: unknown {bad}; known: {', '.join(DTYPES)}")
-    call = call or OptionMap(layout=layout)
-    for cap in caps or ():
-        for option in _OPTIONS.get(cap, ()):
-            keyword = call.options.get(option)
-            if keyword is None:
-                raise ValueError(
-                    f"--impl {spec!r} declares {cap!r}, but its profile maps no keyword for "
-                    f"the spec's {option!r}"
-                )
-            if keyword != "global" and not _accepts(target, keyword):
-                raise ValueError(
-                    f"--impl {spec!r} declares {cap!r}, but {target.__name__}() has no "
-                    f"{keyword!r} parameter"
-                )
+    call = call or _impl_call(layout, causal, mask)
+    _check_keywords(spec, target, caps or (), call)
     try:
         return FunctionBackend(
             target,
@@ -440,9 +496,34 @@ def resolve_impl(
             libraries=libraries,
             jit=jit,
             packed=None if packed is None else import_target(packed),
+            forms=forms,
         )
     except LookupError as err:  # the framework is not installed
         raise ImplUnavailable(f"--impl {spec!r}: {err}") from err
+
+
+#: ``--impl-mask``: the mask keywords of a function without a profile, and what an additive
+#: mask holds on a blocked key.
+IMPL_MASKS = {
+    "both": {"mask_bool": "mask", "mask_float": "mask"},
+    "additive": {"mask_bool": None, "mask_float": "mask", "blocked": "-inf"},
+    "additive-min": {"mask_bool": None, "mask_float": "mask", "blocked": "min"},
+}
+IMPL_CAUSALITY = ("keyword", "mask", "none")
+
+
+def _impl_call(layout: str, causal: str | None, mask: str | None) -> OptionMap:
+    """The ``OptionMap`` of an ``--impl`` function: the spec's keywords, but for what
+    ``causal`` ("mask": is_causal, causal_alignment, window and chunk_size are built into
+    the mask; "none": no is_causal) and ``mask`` (``IMPL_MASKS``) leave out."""
+    causal, mask = causal or "keyword", mask or "both"
+    if causal not in IMPL_CAUSALITY:
+        raise ValueError(f"--impl-causal {causal!r} is unknown; known: {', '.join(IMPL_CAUSALITY)}")
+    if mask not in IMPL_MASKS:
+        raise ValueError(f"--impl-mask {mask!r} is unknown; known: {', '.join(IMPL_MASKS)}")
+    gone = {"mask": MASK_OPTIONS, "none": ("is_causal",)}.get(causal, ())
+    options = {name: name for name in SPEC_OPTIONS if name not in gone}
+    return OptionMap(options=options, layout=layout, causal=causal, **IMPL_MASKS[mask])
 
 
 def load_impl(
@@ -453,6 +534,8 @@ def load_impl(
     dtypes: Iterable[str] | str | None = None,
     framework: str = "numpy",
     layout: str = "BHTD",
+    causal: str | None = None,
+    mask: str | None = None,
 ) -> Backend:
     """Import the implementation ``spec`` names, register it and return it loaded (a
     profile is loaded by ``conformance.adapters.profiles.load_profile``).
@@ -469,6 +552,8 @@ def load_impl(
         dtypes=dtypes,
         framework=framework,
         layout=layout,
+        causal=causal,
+        mask=mask,
     )
     plain = isinstance(backend, FunctionBackend)
     loader = {
@@ -478,6 +563,7 @@ def load_impl(
         "dtypes": list(backend.dtypes) if plain else None,
         "framework": backend.framework if plain else "numpy",
         "layout": backend.call.layout if plain else "BHTD",
+        **({"causal": causal, "mask": mask} if plain and (causal or mask) else {}),
     }
     return register_loaded(backend, loader)
 

@@ -7,8 +7,11 @@ library's call and the result comes back, in four visible steps:
 
 1. **mask** (NumPy, before anything else): a bool mask goes to the library's bool keyword,
    inverted if the library's True means "blocked"; a library that takes only an additive
-   float mask gets ``where(mask, 0, -inf)`` in q's dtype. A float mask goes to its float
-   keyword unchanged. Any other mask (an integer one, which the spec refuses) is passed
+   float mask gets ``where(mask, 0, blocked)`` in q's dtype, blocked being -inf or the
+   dtype's finfo.min as the profile says. A float mask goes to its float keyword
+   unchanged. For a library whose causality comes through the mask, causality (and a
+   window and chunks it has no keyword for) are first built into the mask
+   (``conformance.adapters.forms``). Any other mask (an integer one, which the spec refuses) is passed
    on as it is, to the bool keyword if there is one: refusing it is the library's job.
 2. **arrays** (``Framework.from_numpy``): NumPy to the framework's arrays, dtype kept
    (float16 and bfloat16 stay what they are).
@@ -41,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from conformance.adapters.forms import BLOCKED, CAUSALITY, blocked_value
 from conformance.backends.arrays import (  # noqa: F401  (re-exported: native's arrays)
     FRAMEWORKS,
     Framework,
@@ -99,6 +103,10 @@ class OptionMap:
         raises ``NotImplementedError``).
       fixed: keywords passed on every call, as they are.
       layout: "BHTD" (the spec's) or "BTHD".
+      causal: how ``is_causal`` reaches the library (``forms.CAUSALITY``): its keyword
+        (``options["is_causal"]``), "mask" (built into the mask, with the alignment, and a
+        window and chunks that have no keyword), or "none".
+      blocked: an additive mask's entry for a blocked key: "-inf" or "min" (finfo.min).
     """
 
     options: Mapping[str, str] = field(
@@ -109,6 +117,8 @@ class OptionMap:
     mask_float: str | None = "mask"
     fixed: Mapping[str, Any] = field(default_factory=dict)
     layout: str = "BHTD"
+    causal: str = "keyword"
+    blocked: str = "-inf"
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.options) - set(SPEC_OPTIONS))
@@ -122,6 +132,14 @@ class OptionMap:
             raise ValueError(
                 f"bool_true should be one of {', '.join(BOOL_MEANINGS)}, got {self.bool_true!r}"
             )
+        if self.causal not in CAUSALITY:
+            raise ValueError(f"causal should be one of {', '.join(CAUSALITY)}, got {self.causal!r}")
+        if self.blocked not in BLOCKED:
+            raise ValueError(f"blocked should be one of {', '.join(BLOCKED)}, got {self.blocked!r}")
+        if self.causal == "keyword" and "is_causal" not in self.options:
+            raise ValueError("causal = 'keyword' needs a keyword for is_causal in options")
+        if self.causal == "mask" and self.mask_bool is None and self.mask_float is None:
+            raise ValueError("causal = 'mask' needs a mask keyword (bool or float)")
 
     def static_keywords(self, func: Callable) -> list[str]:
         """The keywords that are options, not arrays (everything but the mask), among
@@ -166,7 +184,8 @@ class OptionMap:
             if self.mask_bool is not None:
                 return {self.mask_bool: ~mask if self.bool_true == "blocked" else mask}
             if self.mask_float is not None:
-                additive = np.where(mask, 0.0, -np.inf).astype(dtype)
+                blocked = blocked_value(self.blocked, np.dtype(dtype))
+                additive = np.where(mask, 0.0, blocked).astype(dtype)  # (..., T, S)
                 return {self.mask_float: additive}
         elif np.issubdtype(mask.dtype, np.floating) or mask.dtype.name == "bfloat16":
             if self.mask_float is not None:

@@ -11,6 +11,7 @@ import itertools
 import numpy as np
 import pytest
 
+from conformance.adapters.forms import forms_of, forms_used
 from conformance.backends import numpy_dtype
 from conformance.suite.requirements import requires
 from conformance.suite.tolerance import expect, tolerance
@@ -108,13 +109,18 @@ def all_pairs(axes: dict[str, dict[str, object]]) -> list[tuple[dict[str, str], 
     ]
 
 
-def setup_params(setups: dict[str, tuple[dict, tuple[str, ...]]], grad: bool = False) -> list:
+def setup_params(
+    setups: dict[str, tuple[dict, tuple[str, ...]]], grad: bool = False, uses: dict | None = None
+) -> list:
     """pytest parameters, one per named setup ``{name: (options, capabilities)}``, each
-    marked with the capabilities it needs; with ``grad``, also those of its backward:
-    "grad", "grad_softcap" with a softcap, "grad_mask" with a float mask (SPEC §12.2-§12.3)."""
+    marked with the capabilities it needs and the forms of the core its options use
+    (``causal_top_left`` is dropped where the test's size is square); with ``grad``, also
+    those of its backward: "grad", "grad_softcap" with a softcap, "grad_mask" with a float
+    mask (SPEC §12.2-§12.3). ``uses``: options every setup is called with besides its own
+    (a chunk_size), for the forms they need."""
     params = []
     for name, (options, caps) in setups.items():
-        needs = list(caps)
+        needs = [*caps, *forms_used({**options, **(uses or {})})]
         if grad:
             needs.append("grad")
             if "softcap" in options:
@@ -141,6 +147,31 @@ def pairwise_params(setups: list, **axes: dict[str, object]) -> list:
         )
         for ids, values in rows
     ]
+
+
+def causal_where_taken(backend, T: int, S: int) -> dict:
+    """``{"is_causal": True}`` where ``backend`` takes top-left causality at these sizes, else
+    ``{}``: for a test whose clause is not about causality, which runs causal where it can
+    and unmasked on a function that takes no causality (SPEC §13.17)."""
+    forms = forms_of(backend)
+    if "causal" in forms and (T == S or "causal_top_left" in forms):
+        return {"is_causal": True}
+    return {}
+
+
+def fixture_marks(entry: dict, *clauses: str) -> list:
+    """A fixture case's marks (``cases.case_marks``) and the forms of the core its options
+    use at its sizes (SPEC §13.17)."""
+    from conformance.suite.cases import case_marks
+
+    shape = entry["shape"]
+    forms = forms_used(entry.get("options", {}), shape.get("T"), shape.get("S"))
+    return case_marks(entry, *clauses) + ([requires(*forms)] if forms else [])
+
+
+def causal_param(value: bool = True, id: str = "causal"):
+    """A ``causal`` parameter (top-left ``is_causal``), marked with the forms it needs."""
+    return pytest.param(value, marks=requires("causal", "causal_top_left"), id=id)
 
 
 #: The oracle's results, most recently used last; at most ``_ORACLE_CACHE_SIZE`` of them.

@@ -170,6 +170,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "spec's; BTHD: (B, T, H, D)); the mask keeps the spec's (B, H, T, S)",
     )
     group.addoption(
+        "--impl-causal",
+        default=None,
+        choices=list(impl.IMPL_CAUSALITY),
+        help="how causality reaches an --impl function (SPEC §13.17; default: keyword, "
+        "is_causal=): 'mask', built into the mask with causal_alignment, window and "
+        "chunk_size; 'none': it takes none, and causal tests are skipped by name",
+    )
+    group.addoption(
+        "--impl-mask",
+        default=None,
+        choices=list(impl.IMPL_MASKS),
+        help="what an --impl function's mask= takes (default: both, bool and float); "
+        "additive: float only, blocked keys -inf; additive-min: blocked keys finfo(dtype).min",
+    )
+    group.addoption(
         "--impl-profile",
         action="append",
         default=[],
@@ -254,6 +269,8 @@ def _load_impl(config: pytest.Config) -> str | None:
             "--impl-name",
             "--impl-framework",
             "--impl-layout",
+            "--impl-causal",
+            "--impl-mask",
         ):
             if config.getoption(flag) is not None:
                 raise pytest.UsageError(f"{flag} describes an --impl; give --impl MODULE:ATTR")
@@ -266,6 +283,8 @@ def _load_impl(config: pytest.Config) -> str | None:
             dtypes=config.getoption("--impl-dtypes"),
             framework=config.getoption("--impl-framework") or "numpy",
             layout=config.getoption("--impl-layout") or "BHTD",
+            causal=config.getoption("--impl-causal"),
+            mask=config.getoption("--impl-mask"),
         )
     except (BackendUnavailable, ValueError) as err:
         raise pytest.UsageError(str(err)) from err

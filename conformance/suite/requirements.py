@@ -8,6 +8,13 @@ missing, for a backend that does not declare it (SPEC §10.3)::
     @pytest.mark.parametrize("dtype", DTYPES)         # a dtype parameter, or per case:
     pytest.param(case_id, marks=uses_dtype("float16"))
     @refuses("window")                                # SPEC §8.5: runs where NOT declared
+    @requires("causal", "scale")                      # forms of the core (SPEC §13.17)
+
+Beside the capabilities, ``requires`` names the forms of the core a function may not take
+(``conformance.adapters.forms.FORMS``: ``causal``, ``causal_top_left``, ``window_right``,
+``scale``); a backend that does not say takes them all. ``causal_top_left`` is needed only
+where T ≠ S: a test whose ``size`` parameter (or ``T`` and ``S`` parameters) has T = S
+does not need it.
 
 A test without a dtype of its own takes the ``dtype`` fixture: the most precise dtype its
 backends all declare. ``requires`` and ``uses_dtype`` check their names against the
@@ -16,7 +23,7 @@ error, never a test that silently never runs.
 
 Behind the declarations stands a guard: every call a test makes goes through
 ``undeclared``, which names anything in it the backend did not declare (a dtype, E ≠ D,
-unbatched or grouped inputs, an option, a backward pass). Such a call is the suite's bug,
+unbatched or grouped inputs, an option, a form of the core, a backward pass). Such a call is the suite's bug,
 not the backend's, and raises ``SuiteError`` instead of reaching the backend. Only a test
 marked ``refuses`` or ``refusal`` (SPEC §8.5: what is undeclared must be refused) may make
 one.
@@ -30,6 +37,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from conformance.adapters.forms import FORMS, forms_of, forms_used
 from conformance.backends import CAPABILITIES, DTYPES
 
 #: The option each optional capability governs, with the value that means "not used".
@@ -55,10 +63,11 @@ class SuiteError(Exception):
 
 def _check_capabilities(names: Iterable[str]) -> tuple[str, ...]:
     names = tuple(names)
-    unknown = [n for n in names if n not in CAPABILITIES]
+    unknown = [n for n in names if n not in CAPABILITIES and n not in FORMS]
     if unknown:
         raise ValueError(
-            f"unknown capabilities {unknown} in a test's requirements; known: {sorted(CAPABILITIES)}"
+            f"unknown capabilities {unknown} in a test's requirements; known: "
+            f"{sorted(CAPABILITIES)} and the forms {sorted(FORMS)}"
         )
     return names
 
@@ -93,6 +102,8 @@ def item_needs(item: pytest.Item) -> tuple[tuple[str, ...], tuple[str, ...]]:
     for mark in reversed(list(item.iter_markers("requires"))):
         caps += _check_capabilities(mark.args)
     params = getattr(getattr(item, "callspec", None), "params", {})
+    if "causal_top_left" in caps and _square(params):
+        caps = [c for c in caps if c != "causal_top_left"]
     dtypes = [params["dtype"]] if isinstance(params.get("dtype"), str) else []
     for mark in item.iter_markers("dtypes"):
         dtypes += mark.args
@@ -102,11 +113,24 @@ def item_needs(item: pytest.Item) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(dict.fromkeys(caps)), tuple(dict.fromkeys(dtypes))
 
 
+def _square(params: Mapping[str, Any]) -> bool:
+    """Whether a test's parameters fix T = S (a ``size`` dict, or ``T`` and ``S``)."""
+    size = params.get("size")
+    if isinstance(size, Mapping) and "T" in size and "S" in size:
+        return size["T"] == size["S"]
+    T, S = params.get("T"), params.get("S")
+    return isinstance(T, int) and isinstance(S, int) and T == S
+
+
 def lacking(backend: Any, capabilities: Iterable[str], dtypes: Iterable[str]) -> str | None:
-    """Why ``backend`` cannot run a test needing these: "<name> lacks capability 'x'" or
-    "<name> lacks dtype 'd'", or None."""
+    """Why ``backend`` cannot run a test needing these: "<name> lacks capability 'x'",
+    "<name> lacks form 'f': what it is" or "<name> lacks dtype 'd'", or None."""
+    forms = forms_of(backend)
     for cap in capabilities:
-        if cap not in backend.capabilities:
+        if cap in FORMS:
+            if cap not in forms:
+                return f"{backend.name} lacks form {cap!r}: {FORMS[cap]}"
+        elif cap not in backend.capabilities:
             return f"{backend.name} lacks capability {cap!r}"
     for dtype in dtypes:
         if dtype not in backend.dtypes:
@@ -190,6 +214,8 @@ def undeclared(backend: Any, method: str, args: tuple, kwargs: Mapping[str, Any]
     for option, (cap, default) in OPTION_CAPABILITIES.items():
         if option in kwargs and _differs(kwargs[option], default) and cap not in caps:
             found.append(f"{option}={kwargs[option]!r} (capability {cap!r})")
+    # A packed call's T and S are its documents', not the arrays': alignment assumed.
+    found += _undeclared_forms(backend, [None, None] if packed else shapes, kwargs)
     if method in ("attention_vjp", "attention_packed_vjp"):
         if "grad" not in caps:
             found.append(f"{method} (capability 'grad')")
@@ -197,6 +223,21 @@ def undeclared(backend: Any, method: str, args: tuple, kwargs: Mapping[str, Any]
             if option in kwargs and _differs(kwargs[option], default) and cap not in caps:
                 found.append(f"{option} in attention_vjp (capability {cap!r})")
     return found
+
+
+def _undeclared_forms(backend: Any, shapes: list, kwargs: Mapping[str, Any]) -> list[str]:
+    """The forms of the core (``is_causal``, top-left alignment with T ≠ S, a window's right
+    side, ``scale``) that a call uses and ``backend`` does not take."""
+    q, k = shapes[0], shapes[1]
+    sizes = (
+        (q[-2], k[-2]) if q is not None and k is not None and len(q) >= 2 and len(k) >= 2 else ()
+    )
+    takes = forms_of(backend)
+    try:
+        used = forms_used(kwargs, *sizes)
+    except (TypeError, ValueError):  # a malformed option, for the backend to refuse
+        return []
+    return [f"form {f!r} ({FORMS[f]})" for f in used if f not in takes]
 
 
 def _undeclared_paged(

@@ -17,6 +17,8 @@ from conformance.suite.helpers import (
     DTYPE_AXIS,
     SIZES,
     as64,
+    causal_param,
+    causal_where_taken,
     oracle_attention,
     pairwise_params,
     random_qkv,
@@ -108,7 +110,10 @@ def _setup(name: str, size: dict, dtype: str, seed: int):
 
 
 @pytest.mark.clause("17.1", "11.1")
-@pytest.mark.parametrize("key", ["non_causal", "causal", "one_query_top_left"])
+@pytest.mark.parametrize(
+    "key",
+    ["non_causal", causal_param("causal"), "one_query_top_left"],
+)
 def test_alibi_worked_example(backend, key, dtype):
     """The hand-checked example (fixtures/worked_example.json, "alibi"): every score 0 and
     the slope ln 2, so each key weighs 2^(-distance); one top-left query is still measured
@@ -154,7 +159,10 @@ def test_alibi_matches_the_oracle(backend, setup, size, dtype):
 @sizes
 @pytest.mark.parametrize(
     "alignment",
-    ["top_left", pytest.param("bottom_right", marks=requires("causal_bottom_right"))],
+    [
+        pytest.param("top_left", marks=requires("causal", "causal_top_left")),
+        pytest.param("bottom_right", marks=requires("causal_bottom_right", "causal")),
+    ],
 )
 @pytest.mark.parametrize("per_batch", [False, True], ids=["H", "BH"])
 def test_alibi_is_its_float_mask(backend, size, alignment, per_batch, dtype):
@@ -183,9 +191,10 @@ def test_alibi_is_its_float_mask(backend, size, alignment, per_batch, dtype):
 def test_zero_slopes_are_no_alibi(backend, dtype):
     """Slopes of 0 give attention without ALiBi."""
     q, k, v = random_qkv(113, T=7, S=13, dtype=dtype)
-    plain = backend.attention(q, k, v, is_causal=True)
-    out = backend.attention(q, k, v, is_causal=True, alibi_slopes=np.zeros(3, np.float32))
-    _, tol = _oracle(q, k, v, dtype, is_causal=True)
+    causal = causal_where_taken(backend, 7, 13)
+    plain = backend.attention(q, k, v, **causal)
+    out = backend.attention(q, k, v, alibi_slopes=np.zeros(3, np.float32), **causal)
+    _, tol = _oracle(q, k, v, dtype, **causal)
     assert_within(
         out,
         plain,

@@ -17,6 +17,7 @@ from conformance.suite.helpers import (
     DTYPE_AXIS,
     SIZES,
     as64,
+    causal_where_taken,
     oracle_attention,
     pairwise_params,
     random_qkv,
@@ -102,8 +103,8 @@ def _setup(name: str, size: dict, dtype: str, seed: int):
     "key",
     [
         "non_causal",
-        "causal",
-        pytest.param("bottom_right_last_two", marks=requires("causal_bottom_right")),
+        pytest.param("causal", marks=requires("causal"), id="causal"),
+        pytest.param("bottom_right_last_two", marks=requires("causal_bottom_right", "causal")),
     ],
 )
 def test_chunked_worked_example(backend, key, dtype):
@@ -131,7 +132,7 @@ def test_chunked_worked_example(backend, key, dtype):
 @pytest.mark.parametrize(
     ("setup", "size", "dtype", "chunk"),
     pairwise_params(
-        setup_params(SETUPS),
+        setup_params(SETUPS, uses={"chunk_size": 1}),
         size=SIZES,
         dtype=DTYPE_AXIS,
         chunk={f"chunk{c}": c for c in (1, 3, 5)},
@@ -157,7 +158,10 @@ def test_chunked_matches_the_oracle(backend, setup, size, dtype, chunk):
 @sizes
 @pytest.mark.parametrize(
     "alignment",
-    ["top_left", pytest.param("bottom_right", marks=requires("causal_bottom_right"))],
+    [
+        pytest.param("top_left", marks=requires("causal", "causal_top_left")),
+        pytest.param("bottom_right", marks=requires("causal_bottom_right", "causal")),
+    ],
 )
 def test_chunks_are_the_dense_mask(backend, size, alignment, dtype):
     """chunk_size gives the output of the same call with the chunks written out as a bool
@@ -183,6 +187,7 @@ def test_chunks_are_the_dense_mask(backend, size, alignment, dtype):
 
 @pytest.mark.clause("16.1")
 @sizes
+@requires("causal_top_left")
 def test_no_leakage_across_chunks(backend, size, dtype):
     """Changing the keys and values of one chunk leaves the rows of every other chunk bit
     for bit unchanged."""
@@ -208,13 +213,15 @@ def test_no_leakage_across_chunks(backend, size, dtype):
 
 
 @pytest.mark.clause("16.2")
+@requires("causal_top_left")
 def test_chunk_above_every_position_is_no_chunk(backend, dtype):
     """A chunk_size above every key index and query position puts all in chunk 0:
     attention without chunks, bit for bit in the reference's terms (within §7)."""
     q, k, v = random_qkv(93, T=7, S=13, dtype=dtype)
-    plain = backend.attention(q, k, v, is_causal=True)
-    out = backend.attention(q, k, v, is_causal=True, chunk_size=13)
-    _, tol = _oracle(q, k, v, dtype, is_causal=True)
+    causal = causal_where_taken(backend, 7, 13)
+    plain = backend.attention(q, k, v, **causal)
+    out = backend.attention(q, k, v, chunk_size=13, **causal)
+    _, tol = _oracle(q, k, v, dtype, **causal)
     assert_within(
         out,
         plain,
@@ -275,7 +282,7 @@ def _vjp(backend, q, k, v, d_out, **options) -> dict[str, np.ndarray]:
 
 @pytest.mark.clause("16.3", "12.9")
 @dtypes
-@pytest.mark.parametrize("setup", setup_params(SETUPS, grad=True))
+@pytest.mark.parametrize("setup", setup_params(SETUPS, grad=True, uses={"chunk_size": 1}))
 def test_chunked_gradients_match_the_oracle(backend, dtype, setup):
     """dq, dk, dv (dmask) with chunks against the 50-digit oracle, within SPEC §12.9 (the
     naive backward in the dtype against the oracle); the same tuple as without chunks."""

@@ -14,6 +14,7 @@ import math
 import numpy as np
 import pytest
 
+from conformance.adapters.forms import forms_used
 from conformance.backends import numpy_dtype
 from conformance.fixtures.oracle import naive_same_precision
 from conformance.suite.helpers import random_qkv, random_tolerance
@@ -33,7 +34,11 @@ def _case(name, expected, options=None, inputs=None, needs=(), normal=None, dtyp
     """A battery case: the options (or a function of q, k, v giving new q, k, v), the
     spec's answer, the capabilities and dtypes it needs beyond the test's own, and the
     options in their normal form for the tolerance's naive run (default: the options
-    themselves)."""
+    themselves). The forms of the core the options use are needed too (SPEC §13.17)."""
+    try:
+        needs = (*needs, *forms_used({**(options or {}), **(normal or {})}, T, S))
+    except (TypeError, ValueError):  # a malformed window: no form can be read from it
+        pass
     marks = [requires(*needs)] if needs else []
     if dtypes:
         marks.append(uses_dtype(*dtypes))

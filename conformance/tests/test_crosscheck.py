@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conformance.adapters.forms import forms_used
 from conformance.suite.helpers import random_qkv, random_tolerance
 from conformance.suite.measure import publish
 from conformance.suite.requirements import requires, value_dims
@@ -45,7 +46,11 @@ SETUPS = {
 @pytest.mark.pairwise
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize(
-    "setup", [pytest.param(name, marks=requires(*needs)) for name, (_, needs) in SETUPS.items()]
+    "setup",
+    [
+        pytest.param(name, marks=requires(*needs, *forms_used(options)))
+        for name, (options, needs) in SETUPS.items()
+    ],
 )
 def test_backends_agree(backend_pair, dtype, setup, request):
     a, b = backend_pair

@@ -142,6 +142,7 @@ CASES = [
         ValueError,
         ["scale", "positive", "0.0"],
         lambda q, k, v, o: (q, k, v, {**o, "scale": 0.0}),
+        ["scale"],
     ),
     _case(
         "scale-negative",
@@ -149,6 +150,7 @@ CASES = [
         ValueError,
         ["scale", "positive", "-1.0"],
         lambda q, k, v, o: (q, k, v, {**o, "scale": -1.0}),
+        ["scale"],
     ),
     _case(
         "scale-nan",
@@ -156,6 +158,7 @@ CASES = [
         ValueError,
         ["scale", "positive", "nan"],
         lambda q, k, v, o: (q, k, v, {**o, "scale": float("nan")}),
+        ["scale"],
     ),
     _case(
         "integer-inputs",
@@ -177,7 +180,7 @@ CASES = [
         ValueError,
         ["causal_alignment", "top_left", "'middle'"],
         lambda q, k, v, o: (q, k, v, {**o, "is_causal": True, "causal_alignment": "middle"}),
-        ["causal_bottom_right"],
+        ["causal_bottom_right", "causal"],
     ),
     _case(
         "window-negative",

@@ -12,10 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conformance.adapters.forms import forms_used
 from conformance.backends import numpy_dtype
 from conformance.suite import gradients
-from conformance.suite.cases import case_entries, case_marks, load_case
-from conformance.suite.helpers import SIZES, as64, random_qkv
+from conformance.suite.cases import case_entries, load_case
+from conformance.suite.helpers import SIZES, as64, fixture_marks, random_qkv
 from conformance.suite.measure import publish
 from conformance.suite.requirements import SuiteError, requires, uses_dtype, value_dims
 from conformance.suite.tolerance import (
@@ -41,7 +42,7 @@ GRADIENT_FIXTURE_BEHAVIOURS = {
 
 def _grad_case_params():
     return [
-        pytest.param(e["id"], marks=case_marks(e, "12.9"), id=e["id"])
+        pytest.param(e["id"], marks=fixture_marks(e, "12.9"), id=e["id"])
         for e in case_entries(("attention_grad",))
     ]
 
@@ -124,8 +125,8 @@ def test_d_out_of_the_wrong_shape_is_refused(backend, dtype):
     [
         "bool-mask",
         pytest.param("float-mask", marks=requires("grad_mask")),
-        pytest.param("bottom-right-T>S", marks=requires("causal_bottom_right")),
-        pytest.param("window", marks=requires("window")),
+        pytest.param("bottom-right-T>S", marks=requires("causal_bottom_right", "causal")),
+        pytest.param("window", marks=requires("window", "causal_top_left")),
     ],
 )
 @dtypes
@@ -188,7 +189,7 @@ def test_fully_masked_rows_have_zero_gradients(backend, how, dtype):
 @pytest.mark.clause("12.5")
 @sizes
 @dtypes
-@requires("grad")
+@requires("grad", "causal", "causal_top_left")
 def test_no_gradient_from_the_future(backend, size, dtype):
     """Causal (top-left): for a loss on outputs <= i only, keys and values after i get a
     gradient of exactly 0, and so do the queries after i."""
@@ -258,7 +259,7 @@ def test_blocked_key_gets_no_gradient(backend, size, dtype, mask_kind):
 
 @pytest.mark.clause("12.6")
 @dtypes
-@requires("grad", "window")
+@requires("grad", "window", "causal_top_left", "window_right")
 def test_keys_outside_every_window_get_no_gradient(backend, dtype):
     """Keys no query's window reaches (window (1, 1) on T = 4, S = 9: keys 5-8) get
     dk = dv = 0 exactly."""
@@ -279,8 +280,8 @@ def test_keys_outside_every_window_get_no_gradient(backend, dtype):
 @pytest.mark.parametrize(
     "setup",
     [
-        pytest.param(name, marks=requires(*needs))
-        for name, (_, needs) in gradients.SUM_SETUPS.items()
+        pytest.param(name, marks=requires(*needs, *forms_used(options)))
+        for name, (options, needs) in gradients.SUM_SETUPS.items()
     ],
 )
 @requires("grad")
@@ -365,8 +366,8 @@ def test_module_parameter_gradients(backend, case_id):
 @pytest.mark.parametrize(
     "setup",
     [
-        pytest.param(name, marks=requires(*needs))
-        for name, (_, needs) in gradients.PAIR_SETUPS.items()
+        pytest.param(name, marks=requires(*needs, *forms_used(options)))
+        for name, (options, needs) in gradients.PAIR_SETUPS.items()
     ],
 )
 @requires("grad")

@@ -14,6 +14,8 @@ from conformance.backends import numpy_dtype
 from conformance.suite.helpers import (
     SIZES,
     as64,
+    causal_param,
+    causal_where_taken,
     expect_no_weight_on_future_keys,
     random_qkv,
     random_tolerance,
@@ -52,7 +54,8 @@ def test_unbatched_shape(backend, dtype):
     """(H, T, D) inputs give (H, T, E), equal to the batched call on one batch."""
     D, E = value_dims(backend, 5, 3)
     q, k, v = random_qkv(2, B=1, T=7, S=13, D=D, E=E, dtype=dtype)
-    out = backend.attention(q[0], k[0], v[0], is_causal=True)
+    causal = causal_where_taken(backend, 7, 13)
+    out = backend.attention(q[0], k[0], v[0], **causal)
     expect(
         out.shape == (3, 7, E),
         "returns the wrong shape for unbatched inputs",
@@ -60,7 +63,7 @@ def test_unbatched_shape(backend, dtype):
     )
     assert_identical(
         out,
-        backend.attention(q, k, v, is_causal=True)[0],
+        backend.attention(q, k, v, **causal)[0],
         f"{backend.name}: unbatched vs batched",
         behaviour="unbatched inputs give another result than the same call with a batch of one",
     )
@@ -69,7 +72,7 @@ def test_unbatched_shape(backend, dtype):
 @pytest.mark.clause("6.2")
 @sizes
 @dtypes
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("causal", [pytest.param(False, id="full"), causal_param()])
 def test_weight_rows_sum_to_one(backend, size, dtype, causal):
     """With V = identity (E = S) the output is the weight matrix: rows >= 0 summing to 1,
     and exactly 0 on keys a causal mask blocks. (Where E ≠ D is not declared, D = S too.)"""
@@ -98,6 +101,7 @@ def test_weight_rows_sum_to_one(backend, size, dtype, causal):
 @pytest.mark.clause("6.3")
 @sizes
 @dtypes
+@requires("causal", "causal_top_left")
 def test_no_future_leakage(backend, size, dtype):
     """Under causal masking, changing keys and values after position i leaves outputs at
     positions <= i bit-for-bit unchanged (top-left: query t sees keys s <= t)."""
@@ -175,7 +179,7 @@ def test_permutation(backend, size, dtype):
 @pytest.mark.clause("6.6")
 @sizes
 @dtypes
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("causal", [pytest.param(False, id="full"), causal_param()])
 def test_convex_hull(backend, size, dtype, causal):
     """Each output is a convex combination of the value rows it may see, so every channel
     lies within [min, max] of those values (allowing SPEC §7's rounding)."""
@@ -236,6 +240,7 @@ def test_key_shift_invariance(backend, size, dtype, shift):
 @sizes
 @dtypes
 @pytest.mark.parametrize("c", [2.0, 0.25, 3.0])
+@requires("scale")
 def test_scale_homogeneity(backend, size, dtype, c):
     """attention(c·q, scale=s) == attention(q, scale=c·s)."""
     T, S = size["T"], size["S"]
@@ -262,14 +267,15 @@ def test_batch_and_head_independence(backend, size, dtype):
     changing another batch or head does not change it."""
     T, S = size["T"], size["S"]
     q, k, v = random_qkv(10, B=3, H=4, T=T, S=S, dtype=dtype)
-    full = backend.attention(q, k, v, is_causal=True)
-    tol = 2 * random_tolerance(q, k, v, dtype, is_causal=True)
+    causal = causal_where_taken(backend, T, S)
+    full = backend.attention(q, k, v, **causal)
+    tol = 2 * random_tolerance(q, k, v, dtype, **causal)
     for b, h in ((0, 0), (2, 3), (1, 2)):
         alone = backend.attention(
             q[b : b + 1, h : h + 1],
             k[b : b + 1, h : h + 1],
             v[b : b + 1, h : h + 1],
-            is_causal=True,
+            **causal,
         )
         assert_within(
             alone[0, 0],
@@ -281,7 +287,7 @@ def test_batch_and_head_independence(backend, size, dtype):
     q2 = q.copy()
     q2[1:] = q2[1:] * np.asarray(-3, dtype=q.dtype)
     q2[0, 1:] = q2[0, 1:] * np.asarray(5, dtype=q.dtype)
-    out = backend.attention(q2, k, v, is_causal=True)
+    out = backend.attention(q2, k, v, **causal)
     assert_within(
         out[0, 0],
         full[0, 0],
@@ -297,10 +303,11 @@ def test_determinism(backend, dtype):
     """The same call, repeated, gives bit-for-bit the same output."""
     q, k, v = random_qkv(11, T=7, S=13, dtype=dtype)
     mask = np.random.default_rng(3).random((7, 13)) < 0.8
-    first = backend.attention(q, k, v, mask=mask, is_causal=True)
+    causal = causal_where_taken(backend, 7, 13)
+    first = backend.attention(q, k, v, mask=mask, **causal)
     for _ in range(3):
         assert_identical(
-            backend.attention(q, k, v, mask=mask, is_causal=True),
+            backend.attention(q, k, v, mask=mask, **causal),
             first,
             f"{backend.name}: repeated call",
             behaviour="the same call, repeated, gives different bits",
@@ -313,8 +320,8 @@ def test_determinism(backend, dtype):
     [
         "bool-mask",
         "float-mask",
-        pytest.param("bottom-right-T>S", marks=requires("causal_bottom_right")),
-        pytest.param("window", marks=requires("window")),
+        pytest.param("bottom-right-T>S", marks=requires("causal_bottom_right", "causal")),
+        pytest.param("window", marks=requires("window", "causal_top_left")),
     ],
 )
 @dtypes

@@ -117,9 +117,11 @@ def _keyless_rows(cu_q, cu_k, options) -> np.ndarray:
     "key",
     [
         "non_causal",
-        "causal",
-        "unequal_top_left",
-        pytest.param("unequal_bottom_right", marks=requires("causal_bottom_right")),
+        pytest.param("causal", marks=requires("causal", "causal_top_left"), id="causal"),
+        pytest.param(
+            "unequal_top_left", marks=requires("causal", "causal_top_left"), id="unequal_top_left"
+        ),
+        pytest.param("unequal_bottom_right", marks=requires("causal_bottom_right", "causal")),
     ],
 )
 def test_packed_worked_example(backend, key, dtype):
@@ -175,6 +177,7 @@ def test_packed_matches_the_oracle(backend, dtype, packing, setup):
         pytest.param("bfloat16", marks=uses_dtype("bfloat16")),
     ],
 )
+@requires("causal", "causal_top_left")
 def test_packed_low_precision(backend, dtype):
     """float16 and bfloat16, causal, on the packing with an empty and a keyless document:
     within SPEC §7 of the oracle (computed in float32, §4.5)."""
@@ -192,7 +195,7 @@ def test_packed_low_precision(backend, dtype):
 
 
 @pytest.mark.clause("18.1")
-@requires("causal_bottom_right")
+@requires("causal_bottom_right", "causal")
 def test_packed_is_attention_per_document(backend, dtype):
     """Each document's rows are ``attention`` on that document alone, (1, H, T_n, D), with
     the same options (bottom-right causal, so each document's diagonal is its own
@@ -371,7 +374,7 @@ def test_packed_gradients_match_the_oracle(backend, dtype, packing, setup):
 
 
 @pytest.mark.clause("18.5", "18.3")
-@requires("grad")
+@requires("grad", "causal", "causal_top_left")
 def test_packed_gradients_are_isolated(backend, dtype):
     """NaN in one document's q, k, v and d_out leaves every other document's gradients
     bit for bit unchanged, causal."""

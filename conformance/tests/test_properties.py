@@ -34,6 +34,7 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
+from conformance.adapters.forms import forms_of, forms_used
 from conformance.backends import DTYPES, numpy_dtype
 from conformance.fixtures import oracle
 from conformance.suite.helpers import as64, oracle_attention, random_tolerance
@@ -93,8 +94,9 @@ class Problem:
 
 @st.composite
 def problems(draw, backend) -> Problem:
-    """A problem using only what ``backend`` declares: its dtypes and capabilities."""
-    caps = backend.capabilities
+    """A problem using only what ``backend`` declares: its dtypes, capabilities and forms
+    (SPEC §13.17; a backend taking every form draws what it drew before forms existed)."""
+    caps, forms = backend.capabilities, forms_of(backend)
     dtype = draw(st.sampled_from([d for d in DTYPES if d in backend.dtypes]))
     H = draw(st.integers(1, 4))
     K = draw(st.sampled_from([K for K in range(1, H + 1) if H % K == 0])) if "gqa" in caps else H
@@ -119,16 +121,19 @@ def problems(draw, backend) -> Problem:
             options["mask"] = keep
         else:
             options["mask"] = np.where(keep, rng.standard_normal(shape), -np.inf).astype(dt)
-    if draw(st.booleans(), label="is_causal"):
+    if "causal" in forms and draw(st.booleans(), label="is_causal"):
         options["is_causal"] = True
     if "causal_bottom_right" in caps and draw(st.booleans(), label="bottom_right"):
         options["causal_alignment"] = "bottom_right"
     if "window" in caps and draw(st.booleans(), label="window"):
         side = st.none() | st.integers(0, max(T, S))
-        options["window"] = (draw(side, label="left"), draw(side, label="right"))
+        left = draw(side, label="left")
+        options["window"] = (left, draw(side, label="right") if "window_right" in forms else 0)
     if "softcap" in caps and draw(st.booleans(), label="softcap"):
         options["softcap"] = draw(st.sampled_from([0.5, 2.0, 20.0]), label="softcap value")
-    scale = draw(st.none() | st.sampled_from([0.25, 1.0, 2.0]), label="scale / default")
+    scale = None
+    if "scale" in forms:
+        scale = draw(st.none() | st.sampled_from([0.25, 1.0, 2.0]), label="scale / default")
     if scale is not None:
         options["scale"] = scale / np.sqrt(D)
     # Drawn last, so that a backend without "sinks" draws exactly what it drew before.
@@ -140,6 +145,7 @@ def problems(draw, backend) -> Problem:
     # And ALiBi after that.
     if "alibi" in caps and draw(st.booleans(), label="alibi"):
         options["alibi_slopes"] = rng.uniform(0.0, 1.0, H).astype(np.float32)  # (H,)
+    _align_as_taken(options, caps, forms, T, S)
     problem = Problem(q, k, v, dtype, unbatched, options)
     note(
         f"B={B} H={H} K={K} T={T} S={S} D={D} E={E} {dtype}"
@@ -150,6 +156,19 @@ def problems(draw, backend) -> Problem:
         )
     )
     return problem
+
+
+def _align_as_taken(options: dict, caps, forms: frozenset, T: int, S: int) -> None:
+    """For a backend without top-left alignment at T ≠ S (a KV-cache operator): a drawn
+    causality, window or chunk goes bottom-right where it may, and is dropped otherwise."""
+    if "causal_top_left" in forms or T == S:
+        return
+    if "causal_top_left" in forms_used(options, T, S):
+        if "causal_bottom_right" in caps:
+            options["causal_alignment"] = "bottom_right"
+        else:
+            for name in ("is_causal", "window", "chunk_size"):
+                options.pop(name, None)
 
 
 @pytest.mark.clause("1.2", "7.1", "2.4")
@@ -272,17 +291,21 @@ def packings(draw, backend) -> Packing:
     v = rng.standard_normal((K, S, E)).astype(dt)
 
     options: dict = {}
-    if draw(st.booleans(), label="is_causal"):
+    forms = forms_of(backend)
+    if "causal" in forms and draw(st.booleans(), label="is_causal"):
         options["is_causal"] = True
     if "causal_bottom_right" in caps and draw(st.booleans(), label="bottom_right"):
         options["causal_alignment"] = "bottom_right"
     if "window" in caps and draw(st.booleans(), label="window"):
         side = st.sampled_from([None, 0, 2])
-        options["window"] = (draw(side, label="left"), draw(side, label="right"))
+        left = draw(side, label="left")
+        options["window"] = (left, draw(side, label="right") if "window_right" in forms else 0)
     if "softcap" in caps and draw(st.booleans(), label="softcap"):
         options["softcap"] = 2.0
-    if draw(st.booleans(), label="scale"):
+    if "scale" in forms and draw(st.booleans(), label="scale"):
         options["scale"] = 0.5
+    # Documents' T and S differ whatever the totals: alignment as the backend takes it.
+    _align_as_taken(options, caps, forms, 0, 1)
     note(
         f"H={H} K={K} T={T} S={S} D={D} E={E} {dtype}; cu_seqlens_q={cu_q.tolist()} "
         f"cu_seqlens_k={cu_k.tolist()}; "

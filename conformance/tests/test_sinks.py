@@ -16,6 +16,8 @@ from conformance.suite.helpers import (
     DTYPE_AXIS,
     SIZES,
     as64,
+    causal_param,
+    causal_where_taken,
     expect_no_weight_on_future_keys,
     oracle_attention,
     pairwise_params,
@@ -91,7 +93,13 @@ def _setup(name: str, size: dict, dtype: str, seed: int):
 
 
 @pytest.mark.clause("15.1", "11.1")
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
+@pytest.mark.parametrize(
+    "causal",
+    [
+        pytest.param(True, marks=requires("causal"), id="causal"),
+        pytest.param(False, id="non-causal"),
+    ],
+)
 def test_sinks_worked_example(backend, causal, dtype):
     """The hand-checked example (fixtures/worked_example.json, "sinks"): all scores and the
     sink 0, so each attended key and the sink weigh alike: causal rows v0/2 and (v0+v1)/3."""
@@ -137,9 +145,10 @@ def test_minus_inf_sink_is_no_sink(backend, dtype):
     q, k, v = random_qkv(61, T=7, S=13, H=3, dtype=dtype)
     sinks = _sinks(62, 3, dtype)
     sinks[1] = -np.inf
-    plain = backend.attention(q, k, v, is_causal=True)
-    out = backend.attention(q, k, v, is_causal=True, sinks=sinks)
-    expected, tol = _oracle(q, k, v, dtype, is_causal=True, sinks=sinks)
+    causal = causal_where_taken(backend, 7, 13)
+    plain = backend.attention(q, k, v, **causal)
+    out = backend.attention(q, k, v, sinks=sinks, **causal)
+    expected, tol = _oracle(q, k, v, dtype, sinks=sinks, **causal)
     assert_within(
         out,
         expected,
@@ -154,7 +163,7 @@ def test_minus_inf_sink_is_no_sink(backend, dtype):
         f"{backend.name}: the head with sink -inf against the call without sinks ({dtype})",
         behaviour="a sink of -inf is not the same as no sink",
     )
-    all_off = backend.attention(q, k, v, is_causal=True, sinks=np.full(3, -np.inf, q.dtype))
+    all_off = backend.attention(q, k, v, sinks=np.full(3, -np.inf, q.dtype), **causal)
     assert_within(
         all_off,
         plain,
@@ -167,7 +176,7 @@ def test_minus_inf_sink_is_no_sink(backend, dtype):
 @pytest.mark.clause("15.1")
 @sizes
 @dtypes
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("causal", [pytest.param(False, id="full"), causal_param()])
 def test_sink_takes_weight(backend, size, dtype, causal):
     """With V = identity (E = S) the output is the key weights: entries >= 0, each row
     summing to 1 - p_sink < 1 (the oracle's weights), 0 on keys a causal mask blocks."""
@@ -214,7 +223,9 @@ def test_sink_takes_weight(backend, size, dtype, causal):
         pytest.param("bool-mask", id="bool-mask"),
         pytest.param("S0", id="S0"),
         pytest.param(
-            "bottom-right-T>S", marks=requires("causal_bottom_right"), id="bottom-right-T>S"
+            "bottom-right-T>S",
+            marks=requires("causal_bottom_right", "causal"),
+            id="bottom-right-T>S",
         ),
     ],
 )
@@ -250,8 +261,9 @@ def test_sinks_are_per_query_head_under_gqa(backend, dtype):
     shares its keys and values with another."""
     q, k, v = random_qkv(67, H=4, K=2, T=7, S=9, dtype=dtype)
     sinks = _sinks(68, 4, dtype)
-    grouped = backend.attention(q, k, v, is_causal=True, sinks=sinks)
-    expected, tol = _oracle(q, k, v, dtype, is_causal=True, sinks=sinks)
+    causal = causal_where_taken(backend, 7, 9)
+    grouped = backend.attention(q, k, v, sinks=sinks, **causal)
+    expected, tol = _oracle(q, k, v, dtype, sinks=sinks, **causal)
     assert_within(
         grouped,
         expected,
@@ -261,7 +273,7 @@ def test_sinks_are_per_query_head_under_gqa(backend, dtype):
     )
     changed = sinks.copy()
     changed[1] = changed[1] + 3
-    other = backend.attention(q, k, v, is_causal=True, sinks=changed)
+    other = backend.attention(q, k, v, sinks=changed, **causal)
     assert_identical(
         other[:, [0, 2, 3]],
         grouped[:, [0, 2, 3]],

@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance.suite.helpers import SIZES, as64, random_qkv, random_tolerance
+from conformance.suite.helpers import (
+    SIZES,
+    as64,
+    causal_where_taken,
+    random_qkv,
+    random_tolerance,
+)
 from conformance.suite.requirements import requires, value_dims
 from conformance.suite.tolerance import assert_identical, assert_within, expect, tolerance
 
@@ -18,7 +24,7 @@ dtypes = pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize(
     "chunks", [[1] * 9, [4, 1, 3, 1]], ids=["token-by-token", "continued-prefill"]
 )
-@requires("causal_bottom_right")
+@requires("causal_bottom_right", "causal")
 def test_kv_cache_decode_matches_full_causal(backend, dtype, chunks):
     """Feeding the sequence in chunks, each attending to every key so far with bottom-right
     causal alignment (a KV-cache decode loop), reproduces the full causal output."""
@@ -48,7 +54,7 @@ def test_kv_cache_decode_matches_full_causal(backend, dtype, chunks):
 
 @pytest.mark.clause("3.5")
 @dtypes
-@requires("causal_bottom_right")
+@requires("causal_bottom_right", "causal")
 def test_bottom_right_equals_top_left_when_square(backend, dtype):
     """With T == S both alignments put the diagonal in the same place."""
     q, k, v = random_qkv(21, T=8, S=8, dtype=dtype)
@@ -65,9 +71,9 @@ def test_bottom_right_equals_top_left_when_square(backend, dtype):
 
 @pytest.mark.clause("3.5")
 @dtypes
-@requires("causal_bottom_right")
+@requires("causal_bottom_right", "causal")
 def test_bottom_right_single_query_sees_every_key(backend, dtype):
-    """A decode step (T = 1) under bottom-right causal attends every key; top-left sees key 0 only."""
+    """A decode step (T = 1) under bottom-right causal attends every key."""
     q, k, v = random_qkv(22, T=1, S=9, dtype=dtype)
     full = backend.attention(q, k, v)
     tol = 2 * random_tolerance(q, k, v, dtype)
@@ -78,6 +84,16 @@ def test_bottom_right_single_query_sees_every_key(backend, dtype):
         f"{backend.name}: T=1 bottom-right",
         behaviour="a single query under bottom-right causal does not see every key",
     )
+
+
+@pytest.mark.clause("3.4")
+@dtypes
+@requires("causal", "causal_top_left")
+def test_top_left_single_query_sees_key_zero(backend, dtype):
+    """A single query (T = 1, S > 1) under top-left causal sees key 0 only: its output is
+    v's first row, for every backend that takes is_causal, whatever alignments it has."""
+    q, k, v = random_qkv(22, T=1, S=9, dtype=dtype)
+    tol = 2 * random_tolerance(q, k, v, dtype)
     assert_within(
         backend.attention(q, k, v, is_causal=True),
         v[..., :1, :],
@@ -97,13 +113,14 @@ def test_gqa_equals_repeat_interleave(backend, size, dtype, K):
     repeated with repeat_interleave: query head h uses key/value head h // (H // K)."""
     H = 4
     q, k, v = random_qkv(23, H=H, K=K, **size, dtype=dtype)
-    grouped = backend.attention(q, k, v, is_causal=True)
+    causal = causal_where_taken(backend, size["T"], size["S"])
+    grouped = backend.attention(q, k, v, **causal)
     k_rep, v_rep = np.repeat(k, H // K, axis=1), np.repeat(v, H // K, axis=1)
-    expanded = backend.attention(q, k_rep, v_rep, is_causal=True)
+    expanded = backend.attention(q, k_rep, v_rep, **causal)
     assert_within(
         grouped,
         expanded,
-        2 * random_tolerance(q, k_rep, v_rep, dtype, is_causal=True),
+        2 * random_tolerance(q, k_rep, v_rep, dtype, **causal),
         f"{backend.name}: H={H} K={K} vs repeat_interleave",
         behaviour="grouped-query attention differs from repeating each key/value head for its query heads (repeat_interleave)",
     )
@@ -112,7 +129,7 @@ def test_gqa_equals_repeat_interleave(backend, size, dtype, K):
 @pytest.mark.clause("6.13", "3.6")
 @sizes
 @dtypes
-@requires("window")
+@requires("window", "causal_top_left", "causal")
 def test_window_identities(backend, size, dtype):
     """window (None, None) is no window; window (left, 0) equals window (left, None) with
     causal; window (0, 0) on a square problem returns each query's own value row."""

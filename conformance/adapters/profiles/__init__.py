@@ -33,6 +33,13 @@ conversion itself is ``conformance/adapters/native.py``; a profile only says wha
     bool = "attn_mask"                       # keyword for a bool mask (false: none)
     bool_true = "attend"                     # or "blocked": inverted on the way in
     float = "attn_mask"                      # keyword for an additive float mask
+    blocked = "-inf"                         # an additive mask's blocked key: or "min"
+
+    [forms]                                  # what it takes of the core (SPEC §13.17)
+    causal = "keyword"                       # or "mask" (built into the mask), "none"
+    alignments = ["top_left", "bottom_right"]  # a KV-cache operator: ["bottom_right"]
+    window_sides = ["left", "right"]         # a window with no right side: ["left"]
+    scale = true                             # false: no scale keyword
 
     [fixed]                                  # passed on every call
     enable_gqa = true
@@ -65,6 +72,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from conformance.adapters.forms import BLOCKED, CAUSALITY, declared_forms
 from conformance.adapters.impl import (
     ImplUnavailable,
     import_target,
@@ -94,8 +102,12 @@ KEYS = {
     "needs",
     "probe",
     "packed",
+    "forms",
 }
-MASK_KEYS = {"bool", "bool_true", "float"}
+MASK_KEYS = {"bool", "bool_true", "float", "blocked"}
+FORMS_KEYS = {"causal", "alignments", "window_sides", "scale"}
+ALIGNMENTS = ("top_left", "bottom_right")
+WINDOW_SIDES = ("left", "right")
 #: What a profile's ``needs`` may name: hardware a function requires beyond its libraries.
 HARDWARE = {"cuda"}
 
@@ -129,6 +141,7 @@ class Profile:
     needs: tuple[str, ...] = ()
     probe: str = ""
     packed: str | None = None
+    forms: frozenset[str] | None = None
 
     def missing(self) -> list[str]:
         """The distributions in ``requires`` that are not installed here."""
@@ -178,6 +191,7 @@ class Profile:
                 libraries=self.requires,
                 jit=self.jit,
                 packed=self.packed,
+                forms=self.forms,
             )
         except (ImplUnavailable, ValueError) as err:
             raise ProfileError(f"profile {self.name!r} ({self.path}): {err}") from err
@@ -233,23 +247,15 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
     mask = data.get("mask", {})
     bad = sorted(set(mask) - MASK_KEYS)
     if bad:
-        raise ProfileError(f"{where}: [mask] has unknown keys {bad}; known: bool, bool_true, float")
+        raise ProfileError(
+            f"{where}: [mask] has unknown keys {bad}; known: {', '.join(sorted(MASK_KEYS))}"
+        )
     bool_true = mask.get("bool_true", "attend")
     if bool_true not in BOOL_MEANINGS:
         raise ProfileError(
             f"{where}: [mask] bool_true should be one of {', '.join(BOOL_MEANINGS)}, got {bool_true!r}"
         )
-    try:
-        call = OptionMap(
-            options={k: v for k, v in options.items() if v},
-            mask_bool=mask.get("bool") or None,
-            bool_true=bool_true,
-            mask_float=mask.get("float") or None,
-            fixed=dict(data.get("fixed", {})),
-            layout=data.get("layout", "BHTD"),
-        )
-    except ValueError as err:
-        raise ProfileError(f"{where}: {err}") from err
+    call, takes = _call_and_forms(data, where, options, mask, bool_true)
     needs = data.get("needs", [])
     if not isinstance(needs, list) or not all(n in HARDWARE for n in needs):
         raise ProfileError(
@@ -300,7 +306,76 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
         needs=tuple(needs),
         probe=probe,
         packed=packed,
+        forms=takes,
     )
+
+
+def _call_and_forms(
+    data: dict[str, Any], where: str, options: dict, mask: dict, bool_true: str
+) -> tuple[OptionMap, frozenset[str]]:
+    """The profile's ``OptionMap`` and the forms of the core it takes (SPEC §13.17)."""
+    forms = _check_forms(data, where)
+    blocked = mask.get("blocked", "-inf")
+    if blocked not in BLOCKED:
+        raise ProfileError(
+            f"{where}: [mask] blocked should be one of {', '.join(BLOCKED)}, got {blocked!r}"
+        )
+    mapped = {k: v for k, v in options.items() if v}
+    try:
+        call = OptionMap(
+            options=mapped,
+            mask_bool=mask.get("bool") or None,
+            bool_true=bool_true,
+            mask_float=mask.get("float") or None,
+            fixed=dict(data.get("fixed", {})),
+            layout=data.get("layout", "BHTD"),
+            causal=forms.get("causal", "keyword" if "is_causal" in mapped else "none"),
+            blocked=blocked,
+        )
+    except ValueError as err:
+        raise ProfileError(f"{where}: [options], [mask], [forms]: {err}") from err
+    if forms.get("scale", "scale" in mapped) != ("scale" in mapped):
+        raise ProfileError(
+            f"{where}: [forms] scale = {forms['scale']} but [options] maps "
+            f"{'a' if 'scale' in mapped else 'no'} scale keyword"
+        )
+    if call.causal == "mask" and "packed" in data.get("capabilities", ()):
+        raise ProfileError(
+            f"{where}: causality through the mask cannot reach attention_packed's documents; "
+            "'packed' needs is_causal as a keyword"
+        )
+    return call, declared_forms(
+        call,
+        tuple(forms.get("alignments", ALIGNMENTS)),
+        tuple(forms.get("window_sides", WINDOW_SIDES)),
+    )
+
+
+def _check_forms(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """The ``[forms]`` table, its keys and values checked."""
+    forms = data.get("forms", {})
+    bad = sorted(set(forms) - FORMS_KEYS)
+    if bad:
+        raise ProfileError(
+            f"{where}: [forms] has unknown keys {bad}; known: {', '.join(sorted(FORMS_KEYS))}"
+        )
+    if forms.get("causal", "keyword") not in CAUSALITY:
+        raise ProfileError(
+            f"{where}: [forms] causal should be one of {', '.join(CAUSALITY)}, got "
+            f"{forms['causal']!r}"
+        )
+    for key, allowed in (("alignments", ALIGNMENTS), ("window_sides", WINDOW_SIDES)):
+        value = forms.get(key, list(allowed))
+        if not isinstance(value, list) or not value or not set(value) <= set(allowed):
+            raise ProfileError(
+                f"{where}: [forms] {key} should be a non-empty list of {list(allowed)}, got "
+                f"{value!r}"
+            )
+    if not isinstance(forms.get("scale", True), bool):
+        raise ProfileError(
+            f"{where}: [forms] scale should be true or false, got {forms['scale']!r}"
+        )
+    return forms
 
 
 def load_profiles(names: Iterable[str]) -> tuple[list[Profile], list[Profile]]:

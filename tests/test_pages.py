@@ -126,9 +126,7 @@ def _structure(page: str) -> dict[str, list[str]]:
 @pytest.mark.parametrize("part", ["step comments", "helpers", "sections"])
 def test_the_core_pages_diff_line_against_line(page, part):
     reference = _structure(PARALLEL_PAGES[0])[part]
-    assert _structure(page)[part] == reference, (
-        f"{page}'s {part} differ from {PARALLEL_PAGES[0]}'s"
-    )
+    assert _structure(page)[part] == reference, f"{page}'s {part} differ from {PARALLEL_PAGES[0]}'s"
 
 
 @pytest.mark.parametrize("page", sorted(CORE_PAGES))
@@ -141,9 +139,9 @@ def test_a_core_page_imports_only_its_framework_and_the_contract(page):
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             names = [node.module.split(".")[0]]
         elif isinstance(node, ast.ImportFrom):
-            assert (node.level, node.module) == (2, None) and [
-                a.name for a in node.names
-            ] == ["contract"], f"{page} imports {ast.unparse(node)!r}: only '..contract' may be"
+            assert (node.level, node.module) == (2, None) and [a.name for a in node.names] == [
+                "contract"
+            ], f"{page} imports {ast.unparse(node)!r}: only '..contract' may be"
             continue
         else:
             continue

@@ -120,7 +120,9 @@ class FunctionBackend(Backend):
         self.framework = self.arrays.name
         self.call = call or OptionMap()
         self.libraries = tuple(libraries)
-        self.func_name = getattr(func, "__qualname__", None) or repr(func)
+        # Messages name the function as its profile (or --impl) names it: an adapter's own
+        # name (``attend``, ``call``) tells a reader nothing about the library.
+        self.func_name = name or getattr(func, "__qualname__", None) or repr(func)
         self.forms = frozenset(declared_forms(self.call) if forms is None else forms)
         if jit:
             # The packed function is an adapter's: it reads the boundaries on the host to

@@ -57,6 +57,14 @@ skipped, and a block that spans a chunk boundary masks key by key. That is where
 kernels get their 2× causal speed-up. (A user-supplied mask is an input: its tiles are
 sliced, and a fully blocked tile is still computed.)
 
+Scale. Every tile's product starts from the same query tile, so the scale is applied to
+it once, (scale·q)·kᵀ: Tb·D multiplies instead of Tb·S. Under a huge scale that order can
+overflow where the core page's (q·kᵀ)·scale does not: scale·q itself, or a partial sum of
+the product (scale 1e308, q·k = 1.36 gives a finite score of 1.36e308; SPEC §4.1 says such
+a score is ordinary). So where the scale could make that happen at all, an entry of the
+prescaled product that is not finite is computed again in the core page's order
+(``flash_tiles.KeyTiles.rescored``): it is then ±inf exactly where the score overflows.
+Elsewhere no entry can overflow, and nothing is checked.
 
 The backward pass, ``attention_vjp``, is FlashAttention-2's: it keeps no T × S matrix
 either, because the forward's log-sum-exp per row is enough to recompute any tile's
@@ -165,7 +173,7 @@ def attention(
         # 1. Scores: every query of the block against every key, one key tile at a time
         # (KeyTiles.scores). Every tile's product starts from this query tile, so
         # 2. Scale, so that the scores' spread does not grow with the head size D, is
-        # applied to it once, here: Tb·D multiplies instead of Tb·S.
+        # applied to it once, here: Tb·D multiplies instead of Tb·S (see Scale above).
         qs = query_tile(q, t0, t1, call.scale, tiles.work)  # (B·K, G·Tb, D)
 
         # Steps 3-5 and 7, key tile by key tile: the online softmax (online_softmax,
@@ -423,7 +431,8 @@ def backward_block(
         # with no key has lse = +inf and so P = 0; a row that read a +inf score (q·k
         # overflowed) has l = +inf and lse = NaN, so that every weight of it is NaN, as
         # in the forward (SPEC §4.1), not only its +inf ones (exp(Z − inf) would be 0).
-        with np.errstate(invalid="ignore"):
+        # Under a huge scale Z − lse may overflow to -inf: weight 0, as it should be.
+        with np.errstate(invalid="ignore", over="ignore"):
             z -= lse  # (B·K, G·Tb, Sb)
         p = np.exp(z, out=z)  # (B·K, G·Tb, Sb)
         kb = tiles.keys(s0, s1, used)  # (B·K, Sb, D)
@@ -449,7 +458,10 @@ def backward_block(
         # 2'-1'. Scores, R = scale · q·kᵀ: the scale is in qs (so dk has it already);
         # dq gets it once, at the end of the block.
         dq += np.matmul(dz, kb)  # (B·K, G·Tb, D)
-        dk_b = np.matmul(dz.transpose(0, 2, 1), qs)  # (B·K, Sb, D)
+        with np.errstate(invalid="ignore"):  # 0 · inf where scale·q overflowed: see below
+            dk_b = np.matmul(dz.transpose(0, 2, 1), qs)  # (B·K, Sb, D)
+        if tiles.queries is not None:
+            tiles.rescored_key_grads(dk_b, dz, t0, t1)
 
         # The slots replaced by 0 get nothing back: a selection passes the gradient only
         # to the branch it took.

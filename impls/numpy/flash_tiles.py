@@ -80,6 +80,8 @@ def prepare(
         G,
         block_k,
         work,
+        queries=q if may_overflow(q, k, call.scale, work) else None,
+        scale=call.scale,
     )
     return call, q, tiles  # (B·K, G, T, D)
 
@@ -87,8 +89,26 @@ def prepare(
 def query_tile(q: np.ndarray, t0: int, t1: int, scale: float, work: type) -> np.ndarray:
     """Query rows [t0, t1) of every head, scaled, as G·Tb rows per key/value head."""
     BK, G, _, D = q.shape
-    qs = q[:, :, t0:t1].astype(work) * work(scale)  # (B·K, G, Tb, D), a copy
+    # Under a huge scale scale·q may overflow: the key tiles then compute the scores it
+    # spoils again (KeyTiles.rescored), so the inf is expected here.
+    with np.errstate(over="ignore"):
+        qs = q[:, :, t0:t1].astype(work) * work(scale)  # (B·K, G, Tb, D), a copy
     return qs.reshape(BK, G * (t1 - t0), D)  # (B·K, G·Tb, D)
+
+
+def may_overflow(q: np.ndarray, k: np.ndarray, scale: float, work: type) -> bool:
+    """Whether the prescaled product (scale·q)·kᵀ could overflow anywhere (flash.py's
+    docstring, Scale): its terms and partial sums are at most D · scale · max|q| · max|k|
+    in size. A NaN or an inf in q or k (garbage in a slot no query sees) counts as could."""
+    if q.size == 0 or k.size == 0:
+        return False
+    largest = _largest_magnitude(q) * _largest_magnitude(k)
+    return not q.shape[-1] * scale * largest < float(np.finfo(work).max) / 2
+
+
+def _largest_magnitude(x: np.ndarray) -> float:
+    """max |x|, NaN if x holds one; max and -min read x twice but copy nothing."""
+    return max(float(x.max()), -float(x.min()))
 
 
 class KeyTiles:
@@ -108,6 +128,8 @@ class KeyTiles:
         G: int,
         block_k: int,
         work: type,
+        queries: np.ndarray | None = None,
+        scale: float = 1.0,
     ) -> None:
         self.k, self.v = k, v  # (B·K, S, D), (B·K, S, E)
         self.S = k.shape[1]
@@ -119,6 +141,9 @@ class KeyTiles:
         self.ones = np.ones(block_k, dtype=work)  # (Sb,): row sums as a matrix-vector product
         self.buffer = np.empty(0, dtype=work)  # the score tile, reused
         self.tanh = np.empty(0, dtype=work)  # the last tile's tanh(R/c), for the backward
+        # The unscaled queries (B·K, G, T, D) where the prescaled product may overflow
+        # (``may_overflow``), to compute such scores again; None where it cannot.
+        self.queries, self.scale = queries, scale
 
     def ranges(self, t0: int, t1: int) -> Iterator[tuple[int, int, bool]]:
         """(s0, s1, whole) for each key tile query rows [t0, t1) visit, in key order.
@@ -157,6 +182,8 @@ class KeyTiles:
         x = self.buffer[: BK * R * Sb].reshape(BK, R, Sb)  # (B·K, G·Tb, Sb)
         with np.errstate(invalid="ignore", over="ignore"):
             np.matmul(qs, kb.transpose(0, 2, 1), out=x)  # (B·K, G·Tb, Sb)
+        if self.queries is not None:
+            self.rescored(x, kb, t0, t1)
 
         # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
         if self.softcap is not None:
@@ -194,6 +221,35 @@ class KeyTiles:
         used = allowed.any(axis=(2, 3))  # (B|1, K|1, Sb)
         used = np.broadcast_to(used, (BK // self.K, self.K, Sb))  # (B, K, Sb)
         return x, used.reshape(BK, Sb, 1)  # (B·K, Sb, 1)
+
+    def rescored(self, x: np.ndarray, kb: np.ndarray, t0: int, t1: int) -> None:
+        """Step 1 again, in place, for the entries of the tile x (B·K, G·Tb, Sb) that the
+        prescaled product left inf or NaN: (q·kᵀ)·scale, as the core page orders it, is
+        ±inf where the score overflows and finite where it does not (flash.py's
+        docstring, Scale). A NaN from a NaN in q or k stays NaN."""
+        bad = ~np.isfinite(x)  # (B·K, G·Tb, Sb)
+        if not bad.any():
+            return
+        BK, R, _ = x.shape  # R = G·Tb rows
+        q = self.queries[:, :, t0:t1].astype(self.work)  # (B·K, G, Tb, D)
+        with np.errstate(invalid="ignore", over="ignore"):
+            exact = np.matmul(q.reshape(BK, R, -1), kb.transpose(0, 2, 1))  # (B·K, G·Tb, Sb)
+            exact *= self.work(self.scale)  # (B·K, G·Tb, Sb)
+        np.copyto(x, exact, where=bad)  # (B·K, G·Tb, Sb)
+
+    def rescored_key_grads(self, dk: np.ndarray, dz: np.ndarray, t0: int, t1: int) -> None:
+        """1'. The tile's dk (B·K, Sb, D) again, in place, where the prescaled queries left
+        it inf or NaN: dZᵀ·(scale·q) is 0 · inf where scale·q overflowed and dZ is 0, but
+        (dZᵀ·q)·scale is the gradient (``rescored``, for the backward)."""
+        bad = ~np.isfinite(dk)  # (B·K, Sb, D)
+        if not bad.any():
+            return
+        BK, R, _ = dz.shape  # R = G·Tb rows
+        q = self.queries[:, :, t0:t1].astype(self.work)  # (B·K, G, Tb, D)
+        with np.errstate(invalid="ignore", over="ignore"):
+            exact = np.matmul(dz.transpose(0, 2, 1), q.reshape(BK, R, -1))  # (B·K, Sb, D)
+            exact *= self.work(self.scale)  # (B·K, Sb, D)
+        np.copyto(dk, exact, where=bad)  # (B·K, Sb, D)
 
     def alibi_bias(self, t0: int, t1: int, s0: int, s1: int) -> np.ndarray:
         """ALiBi's bias on tile (t0:t1, s0:s1), (B|1, K, G, Tb, Sb): −slope · |t + S − T −

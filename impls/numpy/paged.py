@@ -33,7 +33,7 @@ from .. import contract
 from .attention import attention
 from .backward import attention_backward
 from .flash import backward_block, fast_online_softmax, log_sum_exp, normalise
-from .flash_tiles import Band, KeyTiles, query_tile
+from .flash_tiles import Band, KeyTiles, may_overflow, query_tile
 
 
 def attention_paged(
@@ -243,13 +243,13 @@ def attention_paged_flash(
       out: (B, H, T, E), same dtype as q; a sequence with no key gives rows of 0.
     """
     # 0. Validate with the input contract every page shares (contract.py).
-    call, q = prepare_paged(q, k_pages, v_pages, block_table, seq_lens, block_q, locals())
+    call, q, queries = prepare_paged(q, k_pages, v_pages, block_table, seq_lens, block_q, locals())
     B, H, K, G, T, E = call.B, call.H, call.K, call.G, call.T, call.E
     out = np.empty((B, K, G, T, E), dtype=q.dtype)  # (B, K, G, T, E)
 
     for b in range(B):
         # Sequence b's pages as its key tiles (PageTiles).
-        tiles = page_tiles(k_pages, v_pages, call, b)
+        tiles = page_tiles(k_pages, v_pages, call, b, queries)
         for t0 in range(0, T, block_q):
             t1 = min(t0 + block_q, T)
             # Steps 1-5 and 7 as in ``flash.attention``, over the pages the block's rows may see.
@@ -289,7 +289,7 @@ def attention_paged_flash_vjp(
     """
     # 0. Validate as the forward does, and d_out against the output's shape and dtype.
     d_out = np.asarray(d_out)
-    call, q = prepare_paged(q, k_pages, v_pages, block_table, seq_lens, block_q, locals())
+    call, q, queries = prepare_paged(q, k_pages, v_pages, block_table, seq_lens, block_q, locals())
     B, H, K, G, T, D, E, L = call.B, call.H, call.K, call.G, call.T, call.D, call.E, call.L
     d_out = d_out.reshape(B, K, G, T, E)  # (B, K, G, T, E), a view
     dq = np.empty((B, K, G, T, D), dtype=q.dtype)  # (B, K, G, T, D)
@@ -298,7 +298,7 @@ def attention_paged_flash_vjp(
     dv_pages = np.zeros(np.shape(v_pages), dtype=work)  # (N, K, L, E)
 
     for b in range(B):
-        tiles = page_tiles(k_pages, v_pages, call, b)
+        tiles = page_tiles(k_pages, v_pages, call, b, queries)
         n = call.seq_lens[b]
         dk = np.zeros((K, n, D), dtype=work)  # (K, n, D): sequence b's keys
         dv = np.zeros((K, n, E), dtype=work)  # (K, n, E)
@@ -334,7 +334,9 @@ def attention_paged_flash_vjp(
 
 
 def prepare_paged(q, k_pages, v_pages, block_table, seq_lens, block_q, given: dict):
-    """Step 0 of a paged call: the checked call and q as (B, K, G, T, D), a view."""
+    """Step 0 of a paged call: the checked call, q as (B, K, G, T, D), a view, and the
+    same q where the prescaled product may overflow (``flash_tiles.may_overflow``), else
+    None: the queries the key tiles compute such scores again from."""
     q = np.asarray(q)
     options = {n: given[n] for n in ("is_causal", "scale", "window", "softcap")}
     if "d_out" in given:
@@ -343,19 +345,28 @@ def prepare_paged(q, k_pages, v_pages, block_table, seq_lens, block_q, given: di
     call = contract.check_paged(q, *arrays, **options)
     if isinstance(block_q, bool) or not isinstance(block_q, int) or block_q <= 0:
         raise ValueError(f"block_q should be a positive int, got {block_q!r}")
-    return call, q.reshape(call.B, call.K, call.G, call.T, call.D)  # (B, K, G, T, D)
+    q = q.reshape(call.B, call.K, call.G, call.T, call.D)  # (B, K, G, T, D)
+    work = np.float64 if q.dtype == np.float64 else np.float32
+    return call, q, q if may_overflow(q, np.asarray(k_pages), call.scale, work) else None
 
 
-def page_tiles(k_pages, v_pages, call: contract.PagedChecked, b: int) -> PageTiles:
+def page_tiles(
+    k_pages, v_pages, call: contract.PagedChecked, b: int, queries: np.ndarray | None
+) -> PageTiles:
     """Sequence b's keys and values as key tiles of whole pages, with its band: causality
-    and the window from the bottom-right diagonal of its own length."""
+    and the window from the bottom-right diagonal of its own length. ``queries``: those of
+    ``prepare_paged``, or None."""
     n, dtype = call.seq_lens[b], np.asarray(k_pages).dtype
     work = np.float64 if dtype == np.float64 else np.float32
     band = Band(n - call.T, call.is_causal, call.window)
     pages = call.pages[b]  # the ⌈n / L⌉ pages sequence b reads
     k = PageRows(np.asarray(k_pages), pages, n)  # (K, n, D), read through the pages
     v = PageRows(np.asarray(v_pages), pages, n)  # (K, n, E)
-    return PageTiles(k, v, None, band, call.softcap, None, call.T, call.K, call.G, call.L, work)
+    rows = None if queries is None else queries[b]  # (K, G, T, D)
+    return PageTiles(
+        k, v, None, band, call.softcap, None, call.T, call.K, call.G, call.L, work,
+        queries=rows, scale=call.scale,
+    )  # fmt: skip
 
 
 class PageRows:

@@ -12,7 +12,7 @@ import json
 import os
 
 import numpy as np
-from conformance.impls.numpy_attention import attention as reference
+from conformance.impls.numpy.attention import attention as reference
 
 
 def _describe(x) -> dict | None:

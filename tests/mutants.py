@@ -1,6 +1,6 @@
 """Deliberately broken NumPy attention backends: the suite must fail every one of them.
 
-Each mutant is the reference algorithm of ``impls/numpy_attention.py`` with exactly one
+Each mutant is the reference algorithm of ``impls/numpy/attention.py`` with exactly one
 step replaced by a small broken function. The steps are plain module-level functions;
 a mutant backend names the one it swaps out. Input validation is borrowed from the
 reference so that a mutant differs from it only in the one broken step.
@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 from conformance.impls import contract
-from conformance.impls.numpy_attention import gelu, layer_norm, linear
+from conformance.impls.numpy.layers import gelu, layer_norm, linear
 
 from conformance.backends import ALL_CAPABILITIES, DTYPES, Backend
 
@@ -563,7 +563,7 @@ class Steps:
 
 
 class BackwardSteps:
-    """The reference backward (``impls/numpy_attention.py:attention_backward``), cut into
+    """The reference backward (``impls/numpy/backward.py:attention_backward``), cut into
     steps; a gradient mutant replaces one of these staticmethods."""
 
     weights = staticmethod(backward_weights)

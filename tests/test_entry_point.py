@@ -120,7 +120,7 @@ def test_load_backend_defaults_are_what_users_get():
     """Without options a backend is the fast default; the suite's tiles are an option."""
     import inspect
 
-    from conformance.impls import numpy_flash
+    from conformance.impls.numpy import flash as numpy_flash
 
     from conformance.suite.plugin import conformance_backend
 

@@ -15,7 +15,11 @@ import jax
 import numpy as np
 import pytest
 from conformance.fixtures.oracle import naive_vjp_same_precision
-from conformance.impls import jax_flash, numpy_attention, numpy_flash
+from conformance.impls import jax_flash
+from conformance.impls.numpy import attention as numpy_attention
+from conformance.impls.numpy import flash as numpy_flash
+from conformance.impls.numpy import packed as numpy_packed
+from conformance.impls.numpy import paged as numpy_paged
 
 from conformance.suite.helpers import random_qkv, random_tolerance
 from conformance.suite.tolerance import assert_identical, assert_within, tolerance
@@ -299,10 +303,10 @@ def test_numpy_flash_skips_tiles_across_documents(monkeypatch, cu_seqlens, tiles
     d_out = np.random.default_rng(65).standard_normal(q.shape).astype(np.float32)
     cu = np.array(cu_seqlens)
     monkeypatch.setattr(numpy_flash.np, "matmul", counting)
-    numpy_flash.attention_packed(q, k, v, cu, cu, is_causal=False, block_q=512, block_k=512)
+    numpy_packed.attention_packed_flash(q, k, v, cu, cu, is_causal=False, block_q=512, block_k=512)
     assert len(calls) == 2 * tiles, f"{len(calls)} matmuls, expected {2 * tiles}"
     calls.clear()
-    numpy_flash.attention_packed_vjp(q, k, v, cu, cu, d_out, block_q=512, block_k=512)
+    numpy_packed.attention_packed_flash_vjp(q, k, v, cu, cu, d_out, block_q=512, block_k=512)
     assert len(calls) == 7 * tiles, f"{len(calls)} backward matmuls, expected {7 * tiles}"
 
 
@@ -349,7 +353,7 @@ def test_numpy_flash_paged_reads_only_the_pages_it_needs(monkeypatch, window, pa
     Forward and backward. Without a window each page is one tile: 2 products per page
     forward, 7 backward."""
     calls, read = [], []
-    real, real_rows = np.matmul, numpy_flash._PageRows.__getitem__
+    real, real_rows = np.matmul, numpy_paged.PageRows.__getitem__
 
     def counting(*args, **kwargs):
         calls.append(1)
@@ -367,13 +371,13 @@ def test_numpy_flash_paged_reads_only_the_pages_it_needs(monkeypatch, window, pa
     lens = np.array([1100, 0])
     d_out = rng.standard_normal(q.shape).astype(np.float32)
     monkeypatch.setattr(numpy_flash.np, "matmul", counting)
-    monkeypatch.setattr(numpy_flash._PageRows, "__getitem__", reading)
-    numpy_flash.attention_paged(q, k_pages, v_pages, table, lens, window=window)
+    monkeypatch.setattr(numpy_paged.PageRows, "__getitem__", reading)
+    numpy_paged.attention_paged_flash(q, k_pages, v_pages, table, lens, window=window)
     assert sorted(set(read)) == sorted(pages), f"read pages {sorted(set(read))}, expected {pages}"
     if window is None:
         assert len(calls) == 2 * 3, f"{len(calls)} matmuls, expected {2 * 3}"
     calls.clear(), read.clear()
-    numpy_flash.attention_paged_vjp(q, k_pages, v_pages, table, lens, d_out, window=window)
+    numpy_paged.attention_paged_flash_vjp(q, k_pages, v_pages, table, lens, d_out, window=window)
     assert sorted(set(read)) == sorted(pages), (
         f"backward read {sorted(set(read))}, expected {pages}"
     )

@@ -7,7 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conformance.impls import jax_attention, numpy_attention, torch_module, torch_naive, torch_sdpa
+from conformance.impls import jax_attention, torch_module, torch_naive, torch_sdpa
+from conformance.impls.numpy import attention as numpy_attention
+from conformance.impls.numpy import kv_cache as numpy_kv_cache
 
 from conformance.suite.helpers import random_qkv, random_tolerance
 from conformance.suite.tolerance import assert_within
@@ -32,7 +34,7 @@ def test_kv_cache_class_reproduces_full_causal(framework):
     jax.config.update("jax_enable_x64", True)
     q, k, v = random_qkv(40, H=4, K=2, T=9, S=9)
     impl, wrap = {
-        "numpy": (numpy_attention, np.asarray),
+        "numpy": (numpy_kv_cache, np.asarray),
         "jax": (jax_attention, jax.numpy.asarray),
         "torch": (torch_naive, torch.from_numpy),
     }[framework]

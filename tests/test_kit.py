@@ -43,7 +43,7 @@ class KitBackend(Backend):
     dtypes = ("float64",)
 
     def _attention(self, q, k, v, **options):
-        from conformance.impls.numpy_attention import attention
+        from conformance.impls.numpy.attention import attention
 
         return attention(q, k, v, **options)
 

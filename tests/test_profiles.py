@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conformance.impls.numpy_attention import attention as reference
+from conformance.impls.numpy.attention import attention as reference
 
 from conformance.adapters import impl, native, profiles
 from conformance.backends import numpy_dtype, unregister_backend

@@ -42,7 +42,7 @@ def test_walkthrough_numbers_are_the_seed_values():
 
 @pytest.mark.clause("11.1")
 def test_committed_backward_walkthrough_is_regenerated_text():
-    """The backward page (docs/walkthrough/backward.md) is what impls/numpy_flash.py and
+    """The backward page (docs/walkthrough/backward.md) is what impls/numpy/flash.py and
     the generator's own tile-by-tile arithmetic give today; if this fails, run
     `python -m conformance walkthrough --out docs/walkthrough`."""
     committed = COMMITTED.parent / "backward.md"
@@ -63,7 +63,7 @@ def test_backward_walkthrough_shows_delta_replacing_the_row_sum():
 
 @pytest.mark.clause("15.1")
 def test_committed_sinks_walkthrough_is_regenerated_text():
-    """docs/walkthrough/sinks.md is what impls/numpy_attention.py gives today on the
+    """docs/walkthrough/sinks.md is what impls/numpy/attention.py gives today on the
     worked example's `sinks` (the generator refuses numbers other than the hand values);
     if this fails, run `python -m conformance walkthrough --out docs/walkthrough`."""
     committed = COMMITTED.parent / "sinks.md"
@@ -80,12 +80,13 @@ def test_sinks_walkthrough_shows_the_sink_taking_weight_and_the_empty_row():
     assert "| 1 | 0.0000 | 0.0000 | 1.0000 |" in text
     assert "| 1 | 0.0000 | 0.0000 |" in text
     assert "= −5.5833" in text
-    assert "_sink_logits" in text and "row_sum = row_sum + np.exp(sink - row_max)" in text
+    assert "def sink_logits" in text
+    assert "row_sum = p.sum(axis=-1, keepdims=True) + np.exp(sink - row_max)" in text
 
 
 @pytest.mark.clause("19.1")
 def test_committed_paged_walkthrough_is_regenerated_text():
-    """docs/walkthrough/paged.md is what impls/numpy_attention.py's attention_paged gives
+    """docs/walkthrough/paged.md is what impls/numpy/paged.py's attention_paged gives
     today on the worked example's `paged`; if this fails, run
     `python -m conformance walkthrough --out docs/walkthrough`."""
     committed = COMMITTED.parent / "paged.md"
@@ -101,7 +102,7 @@ def test_paged_walkthrough_gathers_through_the_table():
     assert "| 3 | 1 | 0 | 1 | (100.0000, 100.0000) | no: s ≥ seq_lens[0] = 3 |" in text
     assert "| 0 | 3.0000 | 6.0000 |" in text
     assert "| 0 | 3.0000 | 4.5000 |" in text
-    assert "def _paged_allowed" not in text and "distance = s - (t + n - T)" in text
+    assert "def paged_allowed" not in text and "distance = s - (t + n - T)" in text
 
 
 @pytest.mark.clause("11.1")

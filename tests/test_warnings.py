@@ -23,7 +23,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The modules held to it, by the name their warnings carry.
-IMPLS = ("conformance.impls.numpy_attention", "conformance.impls.numpy_flash")
+IMPLS = tuple(
+    f"conformance.impls.numpy.{page}"
+    for page in ("attention", "backward", "flash", "flash_tiles", "packed", "paged")
+)
 #: The conformance tests that feed the edge cases (fixtures: the nan-*, inert-*,
 #: large-logits-* ones among others).
 EDGE_TESTS = ("test_edges.py", "test_fixtures.py", "test_invariants.py", "test_contract.py")

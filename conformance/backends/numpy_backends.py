@@ -18,13 +18,20 @@ class NumpyBackend(Backend):
     )
     dtypes = DTYPES
 
-    impl_module = "conformance.impls.numpy_attention"
-    #: The hand-written backward pass, a teaching page of its own.
-    backward_module = "conformance.impls.numpy_attention_backward"
+    #: The core page; the others build on it, each a teaching page of its own (the
+    #: hand-written backward pass among them).
+    impl_module = "conformance.impls.numpy.attention"
+    backward_module = "conformance.impls.numpy.backward"
+    packed_module = "conformance.impls.numpy.packed"
+    paged_module = "conformance.impls.numpy.paged"
+    layers_module = "conformance.impls.numpy.layers"
 
     def __init__(self) -> None:
         self.impl = importlib.import_module(self.impl_module)
         self.backward = importlib.import_module(self.backward_module)
+        self.packed = importlib.import_module(self.packed_module)
+        self.paged = importlib.import_module(self.paged_module)
+        self.layers = importlib.import_module(self.layers_module)
 
     def _attention(self, q, k, v, *, seed=None, **options):
         if seed is not None:
@@ -32,39 +39,39 @@ class NumpyBackend(Backend):
         return self.impl.attention(q, k, v, **options)
 
     def multi_head_attention(self, params, x, *, n_heads, mask=None, is_causal=False):
-        return self.impl.multi_head_attention(
+        return self.layers.multi_head_attention(
             params, x, n_heads=n_heads, mask=mask, is_causal=is_causal
         )
 
     def gpt_block(self, params, x, *, n_heads):
-        return self.impl.gpt_block(params, x, n_heads=n_heads)
+        return self.layers.gpt_block(params, x, n_heads=n_heads)
 
     def _attention_vjp(self, q, k, v, d_out, **options):
         return self.backward.attention_backward(q, k, v, d_out, **options)
 
     def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
-        return self.impl.attention_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+        return self.packed.attention_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
 
     def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
-        return self.backward.attention_packed_backward(
+        return self.packed.attention_packed_backward(
             q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options
         )
 
     def _attention_paged(self, q, k_pages, v_pages, block_table, seq_lens, **options):
-        return self.impl.attention_paged(q, k_pages, v_pages, block_table, seq_lens, **options)
+        return self.paged.attention_paged(q, k_pages, v_pages, block_table, seq_lens, **options)
 
     def _attention_paged_vjp(self, q, k_pages, v_pages, block_table, seq_lens, d_out, **options):
-        return self.backward.attention_paged_backward(
+        return self.paged.attention_paged_backward(
             q, k_pages, v_pages, block_table, seq_lens, d_out, **options
         )
 
     def module_param_grads(self, kind, params, x, d_out, *, n_heads, is_causal=False):
         if kind == "mha":
-            d_x, grads = self.backward.multi_head_attention_backward(
+            d_x, grads = self.layers.multi_head_attention_backward(
                 params, x, d_out, n_heads=n_heads, is_causal=is_causal
             )
         else:
-            d_x, grads = self.backward.gpt_block_backward(params, x, d_out, n_heads=n_heads)
+            d_x, grads = self.layers.gpt_block_backward(params, x, d_out, n_heads=n_heads)
         return {**grads, "x": d_x}
 
 
@@ -118,13 +125,18 @@ class NumpyFlashBackend(Backend):
     """Blockwise attention with the online softmax: never builds the (T, S) matrix."""
 
     name = "numpy-flash"
-    impl_module = "conformance.impls.numpy_flash"
+    #: The blockwise walk; its packed and paged entry points are on the variants' pages.
+    impl_module = "conformance.impls.numpy.flash"
+    packed_module = "conformance.impls.numpy.packed"
+    paged_module = "conformance.impls.numpy.paged"
     capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged"}
     dtypes = DTYPES
     conformance_options = Blockwise.CONFORMANCE_OPTIONS
 
     def __init__(self, *, block_q: int | None = None, block_k: int | None = None) -> None:
         self.impl = importlib.import_module(self.impl_module)
+        self.packed = importlib.import_module(self.packed_module)
+        self.paged = importlib.import_module(self.paged_module)
         self.tiles = Blockwise(self.impl, block_q=block_q, block_k=block_k)
         self.options = self.tiles.options
 
@@ -135,17 +147,18 @@ class NumpyFlashBackend(Backend):
         return self.tiles.attention_vjp(q, k, v, d_out, **options)
 
     def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
-        return self.impl.attention_packed(
+        return self.packed.attention_packed_flash(
             q, k, v, cu_seqlens_q, cu_seqlens_k, **self.tiles.options, **options
         )
 
     def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
-        return self.impl.attention_packed_vjp(
+        return self.packed.attention_packed_flash_vjp(
             q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **self.tiles.options, **options
         )
 
+    # A page is a key tile (SPEC §19.6): only the query tile is the backend's option.
     def _attention_paged(self, *arrays, **options):
-        return self.tiles.attention_paged(*arrays, **options)
+        return self.paged.attention_paged_flash(*arrays, **self.tiles._query_tiles(), **options)
 
     def _attention_paged_vjp(self, *arrays, **options):
-        return self.tiles.attention_paged_vjp(*arrays, **options)
+        return self.paged.attention_paged_flash_vjp(*arrays, **self.tiles._query_tiles(), **options)

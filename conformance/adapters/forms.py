@@ -88,7 +88,7 @@ def visibility(T: int, S: int, options: Mapping[str, Any]) -> np.ndarray | None:
     """SPEC §1's visibility of ``options``' causality, window and chunks, (T, S) bool, or
     None when they allow every key. The options are checked as the contract checks them
     (the function has no keyword to refuse them with)."""
-    is_causal = contract._check_bool("is_causal", options.get("is_causal", False))
+    is_causal = contract.check_bool("is_causal", options.get("is_causal", False))
     alignment = options.get("causal_alignment", "top_left")
     if not isinstance(alignment, str) or alignment not in contract.ALIGNMENTS:
         raise ValueError(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from conformance.impls.contract import OPTIONS
+
 #: Optional features of the spec. A backend lists those it implements; tests of the others
 #: are reported as skipped with the capability's name (SPEC §10.3).
 CAPABILITIES = {
@@ -62,19 +64,20 @@ ALL_CAPABILITIES = (
 )
 
 #: The options of ``Backend.attention``, each with the value that means "not set": an
-#: option left at it is not passed on. The one table of the suite's option defaults;
-#: the impls' own (``conformance.impls.contract``) names the same values.
+#: option left at it is not passed on. Read from the impls' one table
+#: (``conformance.impls.contract.OPTIONS``), with the suite's ``seed`` for dropout in place
+#: of each framework's own random source.
 OPTION_DEFAULTS = {
-    "is_causal": False,
-    "scale": None,
-    "causal_alignment": "top_left",
-    "window": None,
-    "softcap": None,
-    "dropout_p": 0.0,
-    "seed": None,
-    "sinks": None,
-    "chunk_size": None,
-    "alibi_slopes": None,
+    name: value
+    for option, spec in OPTIONS.items()
+    for name, value in (
+        (option, spec.default),
+        *((("seed", None),) if option == "dropout_p" else ()),
+    )
+}
+#: The capability each optional option needs (SPEC §8.5), the same table's.
+OPTION_CAPABILITIES = {
+    option: spec.capability for option, spec in OPTIONS.items() if spec.capability
 }
 
 

@@ -248,13 +248,13 @@ def test_a_form_not_taken_is_the_suites_error_and_a_skip_by_name():
 
 def test_impl_causal_mask_builds_windows_and_chunks_into_the_mask():
     backend = resolve_impl(
-        "conformance.impls.numpy_attention:attention",
+        "conformance.impls.numpy.attention:attention",
         capabilities="causal_bottom_right,window",
         causal="mask",
     )
     assert backend.call.causal == "mask" and "window" not in backend.call.options
     assert backend.forms == forms.ALL_FORMS
-    none = resolve_impl("conformance.impls.numpy_attention:attention", causal="none")
+    none = resolve_impl("conformance.impls.numpy.attention:attention", causal="none")
     assert "causal" not in none.forms
     with pytest.raises(ValueError, match="--impl-causal 'sometimes' is unknown"):
-        resolve_impl("conformance.impls.numpy_attention:attention", causal="sometimes")
+        resolve_impl("conformance.impls.numpy.attention:attention", causal="sometimes")

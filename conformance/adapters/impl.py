@@ -54,7 +54,7 @@ from conformance.backends import (
     register_backend,
     registered_backends,
 )
-from conformance.vocabulary import VARIANT_CAPABILITIES, option_is_set
+from conformance.vocabulary import OPTION_CAPABILITIES, VARIANT_CAPABILITIES, option_is_set
 
 #: What a plain function can declare: everything but the module layers, which a single
 #: attention function does not provide ("all" on the command line means these).
@@ -274,26 +274,15 @@ def _check_d_out(q, v, d_out) -> None:
         )
 
 
-#: The capability each optional spec option needs (SPEC §8.5).
-_CAPABILITY_OF = {
-    "causal_alignment": "causal_bottom_right",
-    "window": "window",
-    "softcap": "softcap",
-    "dropout_p": "dropout",
-    "sinks": "sinks",
-    "chunk_size": "chunked",
-    "alibi_slopes": "alibi",
-}
+#: The capability each optional spec option needs (SPEC §8.5): the vocabulary's table.
+_CAPABILITY_OF = OPTION_CAPABILITIES
 
-#: The keyword arguments a function needs for each capability it declares.
+#: The keyword arguments a function needs for each capability it declares: the options that
+#: need it, and dropout's seed.
 _OPTIONS = {
-    "causal_bottom_right": ("causal_alignment",),
-    "window": ("window",),
-    "softcap": ("softcap",),
-    "dropout": ("dropout_p", "seed"),
-    "sinks": ("sinks",),
-    "chunked": ("chunk_size",),
-    "alibi": ("alibi_slopes",),
+    capability: tuple(o for o, c in OPTION_CAPABILITIES.items() if c == capability)
+    + (("seed",) if capability == "dropout" else ())
+    for capability in OPTION_CAPABILITIES.values()
 }
 
 

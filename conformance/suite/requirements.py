@@ -39,16 +39,13 @@ import pytest
 
 from conformance.adapters.forms import FORMS, forms_of, forms_used
 from conformance.backends import CAPABILITIES, DTYPES
+from conformance.vocabulary import OPTION_CAPABILITIES as VOCABULARY_OPTION_CAPABILITIES
+from conformance.vocabulary import OPTION_DEFAULTS
 
 #: The option each optional capability governs, with the value that means "not used".
 OPTION_CAPABILITIES = {
-    "causal_alignment": ("causal_bottom_right", "top_left"),
-    "window": ("window", None),
-    "softcap": ("softcap", None),
-    "dropout_p": ("dropout", 0.0),
-    "sinks": ("sinks", None),
-    "chunk_size": ("chunked", None),
-    "alibi_slopes": ("alibi", None),
+    option: (capability, OPTION_DEFAULTS[option])
+    for option, capability in VOCABULARY_OPTION_CAPABILITIES.items()
 }
 #: What a backward call needs beyond "grad", by option.
 GRAD_OPTION_CAPABILITIES = {"softcap": ("grad_softcap", None)}

@@ -60,7 +60,9 @@ from __future__ import annotations
 
 from .core import (
     ALIGNMENTS,
+    OPTIONS,
     Checked,
+    Option,
     check,
     check_alibi_slopes,
     check_d_out,
@@ -73,7 +75,9 @@ from .numbers import check_bool, check_chunk_size, check_window
 
 __all__ = [
     "ALIGNMENTS",
+    "OPTIONS",
     "Checked",
+    "Option",
     "PagedChecked",
     "check",
     "check_alibi_slopes",

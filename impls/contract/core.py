@@ -149,10 +149,11 @@ def check(
         alibi_slopes=alibi_slopes is not None,
     )
     for option, why in (unsupported or {}).items():
-        value, default = getattr(checked, option), _DEFAULTS[option]
+        value = getattr(checked, option)
+        default = False if option in _ARRAY_OPTIONS else OPTIONS[option].default
         if value != default:
             # sinks and alibi_slopes are arrays; Checked records only that they were given.
-            array = option in ("sinks", "alibi_slopes")
+            array = option in _ARRAY_OPTIONS
             given, unset = ("an array", "None") if array else (repr(value), repr(default))
             raise NotImplementedError(
                 f"{option}={given} is not supported ({why}); leave it at {unset}"
@@ -160,17 +161,32 @@ def check(
     return checked
 
 
-#: The value of each option that means "not used", for ``unsupported``.
-_DEFAULTS = {
-    "is_causal": False,
-    "causal_alignment": "top_left",
-    "window": None,
-    "softcap": None,
-    "dropout_p": 0.0,
-    "sinks": False,
-    "chunk_size": None,
-    "alibi_slopes": False,
+@dataclass(frozen=True)
+class Option:
+    """An option of ``attention``: the value that means "not set", and the capability a
+    backend declares to take any other value (None: the core, which every backend takes)."""
+
+    default: Any
+    capability: str | None = None
+
+
+#: Every option of ``attention``, in the signature's order: the one table of the options,
+#: their defaults and the capabilities they need. The impls' signatures spell these
+#: defaults; the suite (``conformance.vocabulary``, its requirements, the kit) reads them
+#: from here.
+OPTIONS = {
+    "is_causal": Option(False),
+    "scale": Option(None),
+    "causal_alignment": Option("top_left", "causal_bottom_right"),
+    "window": Option(None, "window"),
+    "softcap": Option(None, "softcap"),
+    "dropout_p": Option(0.0, "dropout"),
+    "sinks": Option(None, "sinks"),
+    "chunk_size": Option(None, "chunked"),
+    "alibi_slopes": Option(None, "alibi"),
 }
+#: The options ``Checked`` records only as given or not (arrays: sinks, slopes).
+_ARRAY_OPTIONS = ("sinks", "alibi_slopes")
 
 
 def _check_qkv(q: Any, k: Any, v: Any) -> bool:

@@ -260,6 +260,8 @@ def softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
     # A row that reads +inf is NaN whole, not only at its +inf scores (see Notes: overflow).
     divisor = torch.where(row_sum == math.inf, math.nan, divisor)  # (B, H, T, 1)
     weights = p / divisor  # (B, H, T, S)
+    if sinks is None:
+        return weights  # no sink to be NaN: the weights are not passed over once more
     # A NaN or +inf sink makes its row NaN, as +inf - +inf does in the softmax (SPEC §15.4);
     # the shift by a finite row maximum above cannot show it, so it is selected.
     return torch.where(torch.isnan(sink) | (sink == math.inf), math.nan, weights)  # (B, H, T, S)

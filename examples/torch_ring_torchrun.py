@@ -6,7 +6,7 @@
 Every rank builds the same full inputs from one seed (only to check the result here: in a
 real model each rank would hold only its own slice), keeps its contiguous slice of the
 queries, keys and values, and calls ``ring_attention``, the per-rank function the
-``torch_ring`` impl runs in its worker pool. Rank 0 then gathers the slices and compares
+``impls/torch/ring.py`` page runs in its worker pool. Rank 0 then gathers the slices and compares
 them with plain attention on the whole sequence.
 """
 
@@ -17,7 +17,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from conformance.impls.torch_ring import ring_attention
+from conformance.impls.torch.ring import ring_attention
 
 
 def main() -> None:

@@ -7,9 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conformance.impls import jax_attention, torch_module, torch_naive, torch_sdpa
+from conformance.impls import jax_attention
 from conformance.impls.numpy import attention as numpy_attention
 from conformance.impls.numpy import kv_cache as numpy_kv_cache
+from conformance.impls.torch import kv_cache as torch_kv_cache
+from conformance.impls.torch import module as torch_module
+from conformance.impls.torch import naive as torch_naive
+from conformance.impls.torch import sdpa as torch_sdpa
 
 from conformance.suite.helpers import random_qkv, random_tolerance
 from conformance.suite.tolerance import assert_within
@@ -36,7 +40,7 @@ def test_kv_cache_class_reproduces_full_causal(framework):
     impl, wrap = {
         "numpy": (numpy_kv_cache, np.asarray),
         "jax": (jax_attention, jax.numpy.asarray),
-        "torch": (torch_naive, torch.from_numpy),
+        "torch": (torch_kv_cache, torch.from_numpy),
     }[framework]
     cache = impl.KVCache()
     outs = [

@@ -1,6 +1,6 @@
-"""The torch.distributed worker pool (impls/torch_ring.py, shared by torch-ulysses): its
-processes never outlive the run that started them, on any path, and a start-up failure
-names its cause.
+"""The torch.distributed worker pool (impls/torch/process_pool.py, shared by torch-ring and
+torch-ulysses): its processes never outlive the run that started them, on any path, and a
+start-up failure names its cause.
 
 Each run is a subprocess whose environment carries a fresh tag; every process it starts
 inherits the tag, so afterwards /proc lists whatever is left, even processes adopted by
@@ -143,7 +143,7 @@ def test_module_level_script_names_the_start_method_and_the_guard(tmp_path):
     run = _run([sys.executable, str(bare)], tag)
     assert run.returncode != 0, f"the unguarded script ran:\n{run.stdout}"
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("conformance.impls.torch_ring.WorkerDied"), run.stderr[-3000:]
+    assert last.startswith("conformance.impls.torch.process_pool.WorkerDied"), run.stderr[-3000:]
     for part in ("'forkserver' start method", 'if __name__ == "__main__":', str(bare)):
         assert part in last, f"the parent's error does not name {part!r}: {last}"
 

@@ -3,6 +3,7 @@ ring and Ulysses backends on a pool of worker processes."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import MappingProxyType
 
@@ -53,7 +54,7 @@ class _TorchBackend(Backend):
         return self.arrays.vjp(call, primals, d_out, check=_check_d_out)
 
     def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
-        return self.impl.attention_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+        return self.packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
 
     def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
         # Autograd through the packed forward; the boundaries are integers, not leaves.
@@ -63,7 +64,7 @@ class _TorchBackend(Backend):
         return self.arrays.vjp(call, [q, k, v], d_out, check=_check_d_out)
 
     def _attention_paged(self, q, k_pages, v_pages, block_table, seq_lens, **options):
-        return self.impl.attention_paged(q, k_pages, v_pages, block_table, seq_lens, **options)
+        return self.paged(q, k_pages, v_pages, block_table, seq_lens, **options)
 
     def _attention_paged_vjp(self, q, k_pages, v_pages, block_table, seq_lens, d_out, **options):
         # Autograd through the paged forward: q and the pages are the leaves (the table
@@ -73,6 +74,11 @@ class _TorchBackend(Backend):
             return self._attention_paged(q, k_pages, v_pages, block_table, seq_lens, **options)
 
         return self.arrays.vjp(call, [q, k_pages, v_pages], d_out, check=_check_d_out)
+
+
+def _pages(name: str):
+    """A page of the impls/torch package, imported when a backend is made (never at import)."""
+    return importlib.import_module(f"conformance.impls.torch.{name}")
 
 
 def _check_d_out(out, d_out) -> None:
@@ -106,21 +112,22 @@ class TorchRingBackend(_TorchBackend):
     )
     conformance_options = MappingProxyType({"shards": 3, "layout": "zigzag"})
     default_shards = 4
-    impl_module = "conformance.impls.torch_ring"
+    impl_module = "conformance.impls.torch.ring"
 
     def __init__(
         self, *, shards: int | None = None, world_size: int | None = None, layout: str = "zigzag"
     ) -> None:
         super().__init__()
-        #: The ring impl owns the worker pools (torch-ulysses runs its ranks on them too).
-        self.ring = importlib.import_module("conformance.impls.torch_ring")
+        #: The worker pools, shared with torch-ulysses, which runs its ranks on them too.
+        self.pool = _pages("process_pool")
         self.impl = importlib.import_module(self.impl_module)
+        layouts = _pages("ring_layout").LAYOUTS
         P = shards if shards is not None else world_size
         P = self.default_shards if P is None else P
         if isinstance(P, bool) or not isinstance(P, int) or P < 1:
             raise ValueError(f"shards should be a positive int (P processes), got {P!r}")
-        if layout not in self.ring.LAYOUTS:
-            raise ValueError(f"layout should be one of {self.ring.LAYOUTS}, got {layout!r}")
+        if layout not in layouts:
+            raise ValueError(f"layout should be one of {layouts}, got {layout!r}")
         self.shards, self.layout = P, layout
         self.options = {"shards": P, "layout": layout}
 
@@ -152,7 +159,7 @@ class TorchRingBackend(_TorchBackend):
         # The worker processes stop here, after each test module, rather than at exit:
         # a run that loads many P would otherwise keep a pool per P (measured: 16 processes,
         # 4.6 GiB, at P = 7 and 8). The next call starts a pool again.
-        self.ring.shutdown()
+        self.pool.shutdown()
 
 
 class TorchUlyssesBackend(TorchRingBackend):
@@ -160,18 +167,18 @@ class TorchUlyssesBackend(TorchRingBackend):
     from sequence to head shards and back, uneven splits for any H and K.
 
     ``load_backend("torch-ulysses", shards=P, layout=...)``, defaults as torch-ring's. The
-    impl stands alone (its ranks are run by whatever ``run`` it is given); this backend
-    gives it torch-ring's pool, so both backends share one set of P processes. The
+    impl takes its ranks' runner as ``run``; this backend gives it the worker pool
+    torch-ring runs on, so both backends share one set of P processes. The
     backward is autograd on each rank's attention between the two hand-written reverse
     all-to-alls.
     """
 
     name = "torch-ulysses"
-    impl_module = "conformance.impls.torch_ulysses"
+    impl_module = "conformance.impls.torch.ulysses"
     capabilities = TorchRingBackend.capabilities | {"sharded_heads"}
 
     def _run(self, fn, shards, **kwargs):
-        return self.ring.run_on_ranks(self.shards, fn, shards, **kwargs)
+        return self.pool.run_on_ranks(self.shards, fn, shards, **kwargs)
 
     def _attention(self, q, k, v, *, seed=None, **options):
         return self.impl.attention(
@@ -202,7 +209,9 @@ class TorchNaiveBackend(_TorchBackend):
 
     def __init__(self) -> None:
         super().__init__()
-        self.impl = importlib.import_module("conformance.impls.torch_naive")
+        self.impl = _pages("naive")
+        self.packed = _pages("packed").attention_packed
+        self.paged = _pages("paged").attention_paged
 
     def _attention(self, q, k, v, *, seed=None, **options):
         if seed is not None:
@@ -220,7 +229,12 @@ class TorchModuleBackend(_TorchBackend):
 
     def __init__(self) -> None:
         super().__init__()
-        self.impl = importlib.import_module("conformance.impls.torch_module")
+        self.impl = _pages("module")
+        # Packed and paged calls go to the module's own attention, document by document.
+        self.packed = functools.partial(
+            _pages("packed").attention_packed, attend=self.impl.attention
+        )
+        self.paged = functools.partial(_pages("paged").attention_paged, attend=self.impl.attention)
 
     def _attention(self, q, k, v, *, seed=None, dropout_p=0.0, **options):
         # dropout_p arrives only when it is not 0 (Backend.attention): whatever it is, it
@@ -282,7 +296,9 @@ class TorchSdpaBackend(_TorchBackend):
 
     def __init__(self) -> None:
         super().__init__()
-        self.impl = importlib.import_module("conformance.impls.torch_sdpa")
+        self.impl = _pages("sdpa")
+        self.packed = _pages("packed").attention_packed_sdpa
+        self.paged = functools.partial(_pages("paged").attention_paged, attend=self.impl.attention)
 
     def _attention(self, q, k, v, *, seed=None, **options):
         if seed is not None:

@@ -1,11 +1,11 @@
 """Ring attention with torch.distributed: P processes, key/value blocks passed round a ring.
 
-The same algorithm as ``jax_ring`` (read its docstring for why the merge is exact and where
-the causal imbalance comes from), written the way PyTorch runs it: one process per rank,
-a process group created once (gloo on CPU, nccl with CUDA), and the ring as point-to-point
-``batch_isend_irecv``. Rank r keeps its query slice; at step j it holds the key/value slice
-of rank (r − j) mod P, and while it computes on it, the slice is already on its way to
-rank r + 1:
+The same algorithm as JAX's ``jax/ring.py`` (read its docstring for why the merge is exact
+and where the causal imbalance comes from), written the way PyTorch runs it: one process
+per rank, a process group created once (gloo on CPU, nccl with CUDA), and the ring as
+point-to-point ``batch_isend_irecv``. Rank r keeps its query slice; at step j it holds the
+key/value slice of rank (r − j) mod P, and while it computes on it, the slice is already on
+its way to rank r + 1:
 
     step          rank 0        rank 1        rank 2        rank 3
     0             q0 · kv0      q1 · kv1      q2 · kv2      q3 · kv3
@@ -17,20 +17,13 @@ rank r + 1:
 Each rank merges the blocks by the online softmax (running max m, running sum l,
 unnormalised output a; α = exp(m_old − m_new) <= 1, the stable form), skips a block no query
 of its slice may see (causal, window, padding), and returns a / l (0 for a row with no
-key). The zigzag layout (rank r holds chunks r and 2P − 1 − r of 2P) balances causal work,
-exactly as in ``jax_ring``; positions travel with the keys, so every mask decision is taken
-on the original positions. Padding (T or S not a multiple of the chunk count) is never
-attended.
+key). How the sequence is laid out over the ranks (contiguous, or zigzag to balance causal
+work), and how positions and documents travel with the tokens: ``ring_layout.py``.
 
 ``ring_attention`` is the per-rank function: a user's own ``torchrun`` script calls it on
 its shards (``examples/torch_ring_torchrun.py``). ``attention`` is the single-process
-entry: it lays the sequence out, hands each rank its shard through a pool of P worker
-processes (started on first use and reused, at most ``MAX_POOLS`` of them alive, shut
-down at exit; a worker also ends itself when the process that started it is gone), and
-gathers the result. The torch-ulysses backend runs its ranks on the same pools
-(``run_on_ranks``).
-Every collective has the process group's timeout; a worker that dies raises a clear
-error in the caller, and the next call starts a fresh pool.
+entry: it lays the sequence out, runs each rank's shard on the worker pool of
+``process_pool.py`` (``run_on_ranks``), and gathers the result.
 
 Shape legend: B batch · H query heads · K key/value heads (H % K == 0) · G = H // K ·
 T query length · S key/value length · D q/k head dim · E v head dim · P ranks ·
@@ -40,7 +33,7 @@ document in it, when packed).
 
     q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
 
-Sinks and ALiBi, as in ``jax_ring``: a sink joins each row's softmax once, folded into
+Sinks and ALiBi, as in JAX's ring: a sink joins each row's softmax once, folded into
 (m, l, a) after the last step of the ring (once per step it would count P times), and its
 gradient dsinks[h] = −Σ_t p_sink·(dO·O) is summed over this rank's rows and then over the
 ranks (``dist.all_reduce``); ALiBi's bias −slope·|t + S − T − s| is computed per block from
@@ -48,31 +41,26 @@ the tokens' global positions, which travel with them, so it holds in both layout
 with padding. Sinks (H,) and slopes (B, H) are small: every rank gets all of them.
 
 Supports: bool and float masks, causal (both alignments), windows, chunked local
-attention, softcap, attention sinks, ALiBi, GQA (no repeated heads built), every dtype (computed in float32 or float64,
-rounded once), unbatched inputs, and the backward pass (dsinks included). Chunked local
-attention is one more test on the tokens' positions, like the window, so a block with no
-key in its queries' chunks is skipped like one above the causal diagonal. Also packed
-variable-length sequences (``attention_packed``, SPEC §18, and its backward). Not
-supported: dropout.
+attention, softcap, attention sinks, ALiBi, GQA (no repeated heads built), every dtype
+(computed in float32 or float64, rounded once), unbatched inputs, and the backward pass
+(dsinks included). Chunked local attention is one more test on the tokens' positions, like
+the window, so a block with no key in its queries' chunks is skipped like one above the
+causal diagonal. Also packed variable-length sequences (``attention_packed``, SPEC §18,
+and its backward). Not supported: dropout.
 
-Packed documents. The packed tokens are one sequence (B = 1), laid out over the ranks as
-``attention``'s is, padding included. Each token carries its document (padding belongs to
-none) and its position inside it (a query's shifted by S_n − T_n for bottom-right
-alignment) round the ring with its slice, as the positions travel above, so document
-membership is one more test on the tokens, like the window and the chunks: a key is
-allowed only if its document is the query's, then causality and the window are counted on
-the positions inside the document, and a block whose queries and keys share no document
-is skipped. Inside a block that holds several documents each is computed on its own, its
-rows against its keys: one product over the block, with the other documents' keys at
--inf, would still multiply their weights of 0 by their values, and 0 · NaN = NaN would
-carry one document's NaN into another's rows (SPEC §18.3). The backward splits its blocks
-the same way.
+Packed documents. Each token carries its document and its position inside it round the
+ring, so document membership is one more test on the tokens: a key is allowed only if its
+document is the query's, and a block whose queries and keys share no document is skipped.
+Inside a block that holds several documents each is computed on its own, its rows against
+its keys: one product over the block, with the other documents' keys at -inf, would still
+multiply their weights of 0 by their values, and 0 · NaN = NaN would carry one document's
+NaN into another's rows (SPEC §18.3). The backward splits its blocks the same way.
 
 The backward (``ring_attention_backward``) is a second ring, written by hand because
 autograd does not differentiate point-to-point communication. The forward's per-row
 log-sum-exp L = m + log l fixes every weight on its own, P = exp(x − L), so each key/value
-block's share of the gradient needs only that block (numpy_attention_backward.py derives
-the steps):
+block's share of the gradient needs only that block (NumPy's ``backward.py`` derives the
+steps):
 
     dV_j += Pᵀ·dO        dP = dO·V_jᵀ        dZ = P ⊙ (dP − rowsum(dO ⊙ O))
     dK_j += dRᵀ·q        dq += dR·K_j        (dR: dZ through softcap and the scale)
@@ -85,25 +73,13 @@ owner. Every step computes with the block it holds, so a stale block cannot pass
 
 from __future__ import annotations
 
-import atexit
-import datetime
-import os
-import queue
-import socket
-import sys
-import threading
-import time
-
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from . import contract
-
-LAYOUTS = ("contiguous", "zigzag")
-_FAR = 2**30  # "unbounded" for a window side
-TIMEOUT_S = 120.0  # every collective, and the caller's wait for a result
+from .. import contract
+from .process_pool import run_on_ranks
+from .ring_layout import Layout, sum_to
 
 
 def ring_attention(
@@ -237,10 +213,10 @@ def ring_attention_backward(
     with a float mask: its rows, every column in the layout's order; dsinks (H,) with
     sinks, summed over every rank's rows (the same on every rank).
 
-    Its block body is its own: torch has no single-device blockwise backward in impls/ to
-    share one with (and an impl may import only contract.py), and its blocks are decided
-    by the tokens' travelling positions, not by a static band and block index as in
-    ``numpy_flash`` and ``jax_flash``.
+    Its block body is its own: this package has no single-device blockwise backward to
+    share one with (and no page imports another framework's), and its blocks are decided
+    by the tokens' travelling positions, not by a static band and block index as in the
+    NumPy and JAX ``flash.py`` pages.
     """
     P, me = dist.get_world_size(), dist.get_rank()
     out, lse = _ring_forward(
@@ -472,9 +448,9 @@ def attention(
         dropout_p=dropout_p, unsupported={"dropout_p": "torch-ring has no dropout"},
         sinks=sinks, chunk_size=chunk_size, alibi_slopes=slopes,
     )  # fmt: skip
-    ring = _Layout(call, q, k, v, mask, None, world_size, layout, sinks, slopes)
-    outs = run_on_ranks(ring.P, _forward_rank, ring.shards, opts=ring.opts, pieces=ring.pieces)
-    out = ring.rows_back(np.concatenate(outs, axis=2)).astype(q.dtype)  # (B, H, T, E)
+    lay = Layout(call, q, k, v, mask, None, world_size, layout, sinks, slopes)
+    outs = run_on_ranks(lay.P, ring_attention, _shards(lay), opts=lay.opts, pieces=lay.pieces)
+    out = lay.rows_back(np.concatenate(outs, axis=2)).astype(q.dtype)  # (B, H, T, E)
     return out[0] if call.unbatched else out
 
 
@@ -508,18 +484,17 @@ def attention_vjp(
         causal_alignment=causal_alignment, window=window, softcap=softcap, d_out=d_out,
         sinks=sinks, chunk_size=chunk_size, alibi_slopes=slopes,
     )  # fmt: skip
-    ring = _Layout(call, q, k, v, mask, d_out, world_size, layout, sinks, slopes)
-    parts = run_on_ranks(ring.P, _backward_rank, ring.shards, opts=ring.opts, pieces=ring.pieces)
-    dq = ring.rows_back(np.concatenate([g[0] for g in parts], axis=2))  # (B, H, T, D)
-    dk = ring.cols_back(np.concatenate([g[1] for g in parts], axis=2), 2)  # (B, K, S, D)
-    dv = ring.cols_back(np.concatenate([g[2] for g in parts], axis=2), 2)  # (B, K, S, E)
-    grads = [g.astype(q.dtype) for g in (dq, dk, dv)]
+    lay = Layout(call, q, k, v, mask, d_out, world_size, layout, sinks, slopes)
+    parts = run_on_ranks(
+        lay.P, ring_attention_backward, _shards(lay), opts=lay.opts, pieces=lay.pieces
+    )
+    grads = lay.qkv_grads(parts, q.dtype)  # (B, H, T, D), (B, K, S, D), (B, K, S, E)
     if call.unbatched:
         grads = [g[0] for g in grads]
     if mask is not None and mask.dtype != np.bool_:
-        d_full = ring.cols_back(ring.rows_back(np.concatenate([g[3] for g in parts], axis=2)), 3)
+        d_full = lay.cols_back(lay.rows_back(np.concatenate([g[3] for g in parts], axis=2)), 3)
         d_full = d_full[0] if call.unbatched else d_full  # (B, H, T, S) or (H, T, S)
-        grads.append(_sum_to(d_full, mask.shape).astype(mask.dtype))
+        grads.append(sum_to(d_full, mask.shape).astype(mask.dtype))
     if sinks is not None:
         grads.append(parts[0][4].astype(sinks.dtype))  # (H,): all-reduced, alike on every rank
     return tuple(grads)
@@ -547,7 +522,7 @@ def attention_packed(
     cu_seqlens_k[n + 1]; out (H, T, E). The packed tokens are one sequence (B = 1), laid
     out over the ranks as ``attention``'s is; each token takes its document and its
     position inside it round the ring, and a query sees only keys of its own document,
-    causality and the window counted from the document's own start (see ``_Layout``).
+    causality and the window counted from the document's own start (see ``Layout``).
     """
     # 0. Validate: the input contract every impl shares (contract.py).
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
@@ -555,9 +530,9 @@ def attention_packed(
         q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=is_causal, scale=scale,
         causal_alignment=causal_alignment, window=window, softcap=softcap,
     )  # fmt: skip
-    ring = _Layout(call, q, k, v, None, None, world_size, layout, documents=(cu_q, cu_k))
-    outs = run_on_ranks(ring.P, _forward_rank, ring.shards, opts=ring.opts, pieces=ring.pieces)
-    out = ring.rows_back(np.concatenate(outs, axis=2)).astype(q.dtype)  # (1, H, T, E)
+    lay = Layout(call, q, k, v, None, None, world_size, layout, documents=(cu_q, cu_k))
+    outs = run_on_ranks(lay.P, ring_attention, _shards(lay), opts=lay.opts, pieces=lay.pieces)
+    out = lay.rows_back(np.concatenate(outs, axis=2)).astype(q.dtype)  # (1, H, T, E)
     return out[0]  # (H, T, E)
 
 
@@ -584,350 +559,30 @@ def attention_packed_vjp(
         q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=is_causal, scale=scale,
         causal_alignment=causal_alignment, window=window, softcap=softcap, d_out=d_out,
     )  # fmt: skip
-    ring = _Layout(call, q, k, v, None, d_out, world_size, layout, documents=(cu_q, cu_k))
-    parts = run_on_ranks(ring.P, _backward_rank, ring.shards, opts=ring.opts, pieces=ring.pieces)
-    dq = ring.rows_back(np.concatenate([g[0] for g in parts], axis=2))  # (1, H, T, D)
-    dk = ring.cols_back(np.concatenate([g[1] for g in parts], axis=2), 2)  # (1, K, S, D)
-    dv = ring.cols_back(np.concatenate([g[2] for g in parts], axis=2), 2)  # (1, K, S, E)
-    return tuple(g[0].astype(q.dtype) for g in (dq, dk, dv))
-
-
-class _Layout:
-    """The sequence laid out over P ranks: the shards each rank gets, and the way back.
-
-    With ``documents`` = (cu_seqlens_q, cu_seqlens_k), a packed call (SPEC §18): each slot
-    also gets its document (-1 for padding) and, for its position, the one inside its
-    document, so that every test the ranks make on positions is counted within documents.
-    """
-
-    def __init__(
-        self, call, q, k, v, mask, d_out, P: int, layout: str, sinks=None, slopes=None,
-        documents=None,
-    ) -> None:  # fmt: skip
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout should be one of {LAYOUTS}, got {layout!r}")
-        if call.unbatched:
-            q, k, v = q[None], k[None], v[None]
-            d_out = None if d_out is None else d_out[None]
-        # Low precision is computed in float32 (inputs are exact there) and rounded once.
-        work = np.float64 if q.dtype == np.float64 else np.float32
-        self.P, self.T, self.S = P, call.T, call.S
-        self.pieces = 2 if layout == "zigzag" else 1
-        self.perm_t = _perm(call.T, P, self.pieces, layout)
-        self.perm_s = _perm(call.S, P, self.pieces, layout)
-        q = _permute(q.astype(work), 2, self.perm_t)  # (B, H, Tp, D)
-        k = _permute(k.astype(work), 2, self.perm_s)  # (B, K, Sp, D)
-        v = _permute(v.astype(work), 2, self.perm_s)  # (B, K, Sp, E)
-        if d_out is not None:
-            d_out = _permute(d_out.astype(work), 2, self.perm_t)  # (B, H, Tp, E)
-        if mask is not None:
-            mask = mask.reshape(call.mask_shape)
-            mask = mask if mask.dtype == np.bool_ else mask.astype(work)
-            if mask.shape[2] != 1:
-                mask = _permute(mask, 2, self.perm_t)
-            if mask.shape[3] != 1:
-                mask = _permute(mask, 3, self.perm_s)
-        left, right = call.window if call.window is not None else (None, None)
-        hi = _FAR if right is None else right
-        offset = 0 if call.causal_alignment == "top_left" else call.S - call.T
-        tpos, spos, tdoc, sdoc = self.perm_t, self.perm_s, None, None
-        if documents is not None:
-            # Packed: a query's position is counted from its document's first query, a
-            # key's from its document's first key; bottom-right alignment shifts document
-            # n's queries by its own S_n − T_n, so the offset below is 0.
-            cu_q, cu_k = (np.asarray(cu, dtype=np.int64) for cu in documents)
-            bottom_right = call.causal_alignment == "bottom_right"
-            shift = np.diff(cu_k) - np.diff(cu_q) if bottom_right else 0  # (N,): S_n − T_n
-            tdoc, tpos = _in_documents(cu_q, self.perm_t, shift)  # (Tp,), (Tp,)
-            sdoc, spos = _in_documents(cu_k, self.perm_s, 0)  # (Sp,), (Sp,)
-            offset = 0
-        self.opts = dict(
-            scale=call.scale,
-            softcap=call.softcap,
-            offset=offset,
-            lo=-_FAR if left is None else -left,
-            hi=min(hi, 0) if call.is_causal else hi,
-            T=call.T,
-            S=call.S,
-            chunk=None if call.chunk_size is None else min(call.chunk_size, _FAR),
-        )
-        # Sinks (H,) and slopes (B, H), in the working dtype, go to every rank whole.
-        sinks = None if sinks is None else sinks.astype(work)  # (H,)
-        if slopes is not None:
-            slopes = np.broadcast_to(slopes.astype(work).reshape(-1, call.H), (call.B, call.H))
-        Tl, Sl = len(self.perm_t) // P, len(self.perm_s) // P
-        self.shards = []
-        for r in range(P):
-            rows = slice(r * Tl, (r + 1) * Tl)
-            cols = slice(r * Sl, (r + 1) * Sl)
-            m = None
-            if mask is not None:
-                m = mask if mask.shape[2] == 1 else mask[:, :, rows]
-            shard = (q[:, :, rows], k[:, :, cols], v[:, :, cols], tpos[rows], spos[cols], m)
-            if d_out is not None:
-                shard += (d_out[:, :, rows],)
-            shard += (sinks, slopes)
-            shard += (None, None) if documents is None else (tdoc[rows], sdoc[cols])
-            self.shards.append(shard)
-
-    def rows_back(self, x: np.ndarray) -> np.ndarray:
-        """Axis 2 from the layout's order back to the original one, padding cut off."""
-        back = np.empty_like(x)
-        back[:, :, self.perm_t] = x
-        return back[:, :, : self.T]
-
-    def cols_back(self, x: np.ndarray, axis: int) -> np.ndarray:
-        """The key axis from the layout's order back to the original one, padding cut off."""
-        back = np.empty_like(x)
-        index = [slice(None)] * x.ndim
-        index[axis] = self.perm_s
-        back[tuple(index)] = x
-        index[axis] = slice(0, self.S)
-        return back[tuple(index)]
-
-
-def _sum_to(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Undo broadcasting: sum x over the axes along which an array of ``shape`` was broadcast."""
-    x = x.sum(axis=tuple(range(x.ndim - len(shape))))  # drop the leading axes
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
-    return x.sum(axis=axes, keepdims=True).reshape(shape)
-
-
-def _perm(n: int, P: int, pieces: int, layout: str) -> np.ndarray:
-    """perm[slot] = original position (>= n: padding); slots are rank-major."""
-    chunks = P * pieces
-    c = max(1, -(-n // chunks))
-    if layout == "contiguous":
-        return np.arange(chunks * c)
-    order = [i for r in range(P) for i in (r, 2 * P - 1 - r)]
-    return np.concatenate([np.arange(i * c, (i + 1) * c) for i in order])
-
-
-def _permute(x: np.ndarray, axis: int, perm: np.ndarray) -> np.ndarray:
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, len(perm) - x.shape[axis])
-    return np.take(np.pad(x, pad), perm, axis=axis)
-
-
-def _in_documents(cu: np.ndarray, perm: np.ndarray, shift) -> tuple[np.ndarray, np.ndarray]:
-    """Each slot's document (-1 for padding, which belongs to none) and its position
-    inside it plus its document's ``shift``; cu (N + 1,) the cumulative lengths, perm the
-    layout's slot -> original position, (Lp,) with Lp = Tp for queries, Sp for keys."""
-    real = perm < cu[-1]  # (Lp,)
-    doc = np.full(len(perm), -1, dtype=np.int64)  # (Lp,)
-    # A position t is in document n when cu[n] <= t < cu[n + 1]: empty documents skipped.
-    doc[real] = np.searchsorted(cu, perm[real], side="right") - 1
-    pos = perm.astype(np.int64)  # (Lp,): padding keeps its slot's own, never looked at
-    pos[real] = perm[real] - cu[doc[real]] + np.broadcast_to(shift, (len(cu) - 1,))[doc[real]]
-    return doc, pos
-
-
-def _forward_rank(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, *, opts, pieces):
-    """What a pool worker runs for ``attention`` and ``attention_packed``: (B, H, Tl, E)."""
-    return ring_attention(
-        q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, opts=opts, pieces=pieces
+    lay = Layout(call, q, k, v, None, d_out, world_size, layout, documents=(cu_q, cu_k))
+    parts = run_on_ranks(
+        lay.P, ring_attention_backward, _shards(lay), opts=lay.opts, pieces=lay.pieces
     )
+    return tuple(g[0] for g in lay.qkv_grads(parts, q.dtype))  # (H, T, D), (K, S, D), (K, S, E)
 
 
-def _backward_rank(q, k, v, tpos, spos, mask, d_out, sinks, slopes, tdoc, sdoc, *, opts, pieces):
-    """What a pool worker runs for ``attention_vjp`` and ``attention_packed_vjp``: (dq, dk,
-    dv, dmask or None, dsinks or None)."""
-    return ring_attention_backward(
-        q, k, v, tpos, spos, mask, d_out, sinks, slopes, tdoc, sdoc, opts=opts, pieces=pieces
-    )
-
-
-# ----------------------------------------------------------------------------------------
-# The pool: the only place processes are started or stopped. The torch-ulysses backend
-# runs its ranks on the same pools (``run_on_ranks``), so one set of P processes serves both.
-
-
-class WorkerDied(RuntimeError):
-    """A pool worker process died or stopped answering; the pool is shut down."""
-
-
-def run_on_ranks(P: int, fn, shards, **kwargs) -> list:
-    """Run ``fn(*shards[r], **kwargs)`` on rank r of the pool of P gloo processes; return
-    the P results (NumPy), in rank order.
-
-    ``fn`` is a module-level function (a worker imports it by name); the arrays of
-    ``shards[r]`` arrive as tensors (None stays None), and its tensor results (or a tuple
-    of them, None allowed) come back as NumPy arrays. It runs inside the process group, so
-    it may call collectives. The pool starts on first use, is reused, and stops when this
-    process exits or ``shutdown`` is called; a worker that dies raises ``WorkerDied`` and
-    the next call starts a fresh pool.
-    """
-    return _pool(P).run(fn, shards, kwargs)
-
-
-class _Pool:
-    def __init__(self, P: int) -> None:
-        # A fork server that has imported this module (and so torch) once forks each
-        # worker from itself: a worker starts in milliseconds instead of importing torch
-        # anew in a fresh interpreter, as "spawn" would (seconds each), and no worker is
-        # forked from a caller that may already run threads, as plain "fork" would be.
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])
-        with socket.socket() as s:  # a free port for the process group's rendezvous
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.P = P
-        self.tasks = [ctx.Queue() for _ in range(P)]
-        self.results = ctx.Queue()
-        self.procs = [
-            ctx.Process(target=_worker, args=(r, P, port, self.tasks[r], self.results), daemon=True)
-            for r in range(P)
-        ]
-        for p in self.procs:
-            p.start()
-        # Each worker says it has started: one that dies before it does failed while
-        # starting, and the caller is told the usual cause.
-        ready: set[int] = set()
-        deadline = time.monotonic() + TIMEOUT_S
-        while len(ready) < P:
-            try:
-                rank, _ = self.results.get(timeout=0.2)
-                ready.add(rank)
-            except queue.Empty:
-                for r, p in enumerate(self.procs):
-                    if r not in ready and not p.is_alive():
-                        self._fail(_start_failure(r, p))
-                if time.monotonic() > deadline:
-                    self._fail(f"not every worker started within {TIMEOUT_S:.0f} s")
-
-    def run(self, fn, shards, kwargs) -> list:
-        for r, shard in enumerate(shards):
-            self.tasks[r].put((fn, shard, kwargs))
-        outs: dict[int, object] = {}
-        deadline = time.monotonic() + TIMEOUT_S
-        while len(outs) < self.P:
-            try:
-                rank, result = self.results.get(timeout=1.0)
-            except queue.Empty:
-                self._check_alive()
-                if time.monotonic() > deadline:
-                    self._fail(f"no answer within {TIMEOUT_S:.0f} s")
-                continue
-            if isinstance(result, BaseException):
-                self._fail(f"rank {rank} raised {result!r}")
-            outs[rank] = result
-        return [outs[r] for r in range(self.P)]
-
-    def _check_alive(self) -> None:
-        for r, p in enumerate(self.procs):
-            if not p.is_alive():
-                self._fail(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}")
-
-    def _fail(self, why: str):
-        self.close()
-        raise WorkerDied(
-            f"torch.distributed worker pool (P={self.P}, gloo) failed: {why}; the pool was "
-            f"shut down and the next call starts a fresh one"
-        )
-
-    def close(self) -> None:
-        for t in self.tasks:
-            try:
-                t.put(None)
-            except (OSError, ValueError):
-                pass
-        for p in self.procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        if _POOLS.get(self.P) is self:
-            del _POOLS[self.P]
-
-
-def _start_failure(rank: int, proc) -> str:
-    """Why a worker died before it started: multiprocessing's bootstrapping rule, when
-    there is a main script it re-imports."""
-    said = f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode} while starting"
-    main = getattr(sys.modules.get("__main__"), "__file__", None)
-    if main is None:
-        return f"{said} (its error is in its stderr)"
-    return (
-        f"{said}, before it ran any of the pool's code. The pool starts its workers with "
-        f"multiprocessing's 'forkserver' start method, and each worker first re-imports the "
-        f"main module, {main}, as under 'spawn': a script that uses the backend at module "
-        f'level, outside an `if __name__ == "__main__":` guard, has every worker start a '
-        f"pool of its own while it is still starting, which multiprocessing refuses (its "
-        f"RuntimeError about the bootstrapping phase is in the workers' stderr). Put the "
-        f"script's code under "
-        f'`if __name__ == "__main__":`'
-    )
-
-
-_POOLS: dict[int, _Pool] = {}  # by P, the most recently used last
-#: Pools kept alive at once: a caller comparing P with P = 1 needs two, and one per P
-#: (P = 1 to 8 is 36 processes) would hold gigabytes.
-MAX_POOLS = 2
-
-
-def _pool(P: int) -> _Pool:
-    """The pool of P workers, started on first use and reused. A pool with a dead worker
-    raises WorkerDied and is shut down; the next call starts a fresh one. Starting one
-    more than ``MAX_POOLS`` stops the least recently used."""
-    pool = _POOLS.pop(P, None)
-    if pool is not None:
-        _POOLS[P] = pool
-        pool._check_alive()  # a worker that died since the last call is an error, once
-        return pool
-    while len(_POOLS) >= MAX_POOLS:
-        next(iter(_POOLS.values())).close()
-    pool = _POOLS[P] = _Pool(P)
-    return pool
-
-
-@atexit.register
-def shutdown(P: int | None = None) -> None:
-    """Stop the pool of P workers, or every pool (also run at exit)."""
-    for pool in list(_POOLS.values()):
-        if P is None or pool.P == P:
-            pool.close()
-
-
-def _worker(rank: int, P: int, port: int, tasks, results) -> None:
-    results.put((rank, "started"))
-    _exit_with_parent()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=P,
-        timeout=datetime.timedelta(seconds=TIMEOUT_S),
-    )
-    try:
-        while (task := tasks.get()) is not None:
-            fn, shard, kwargs = task
-            try:
-                args = [None if x is None else torch.from_numpy(np.array(x)) for x in shard]
-                out = fn(*args, **kwargs)
-                if isinstance(out, tuple):
-                    out = tuple(None if g is None else g.numpy() for g in out)
-                else:
-                    out = out.numpy()
-                results.put((rank, out))
-            except Exception as err:  # the caller raises it, naming the rank
-                results.put((rank, err))
-    finally:
-        dist.destroy_process_group()
-
-
-def _exit_with_parent() -> None:
-    """End this worker as soon as the process that started it is gone.
-
-    The parent stops its pools at exit, but a parent that is killed, or that leaves by
-    ``os._exit`` (as a pytest-xdist worker can), runs no exit handler: without this its
-    workers, and the resource tracker they keep open, would live on, adopted by init.
-    """
-    parent = mp.parent_process()
-
-    def watch() -> None:
-        parent.join()  # returns when the parent's sentinel closes: the parent has exited
-        os._exit(0)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+def _shards(lay: Layout) -> list[tuple]:
+    """Each rank's shard, in ``ring_attention``'s (or, with d_out, the backward's) order
+    of arguments: its query slice and key/value slice with their positions, its rows of
+    the mask (every column, in the layout's order), of d_out, all sinks and slopes, and
+    its slices' documents."""
+    shards = []
+    for r in range(lay.P):
+        rows = slice(r * lay.Tl, (r + 1) * lay.Tl)
+        cols = slice(r * lay.Sl, (r + 1) * lay.Sl)
+        m = None
+        if lay.mask is not None:
+            m = lay.mask if lay.mask.shape[2] == 1 else lay.mask[:, :, rows]
+        shard = (lay.q[:, :, rows], lay.k[:, :, cols], lay.v[:, :, cols])
+        shard += (lay.tpos[rows], lay.spos[cols], m)
+        if lay.d_out is not None:
+            shard += (lay.d_out[:, :, rows],)
+        shard += (lay.sinks, lay.slopes)
+        shard += (None, None) if lay.tdoc is None else (lay.tdoc[rows], lay.sdoc[cols])
+        shards.append(shard)
+    return shards

@@ -1,7 +1,7 @@
 """DeepSpeed-Ulysses attention with torch.distributed: an all-to-all trades sequence shards
 for head shards.
 
-The same algorithm as ``jax_ulysses`` (read its docstring for why it is exact), written
+The same algorithm as JAX's ``jax/ulysses.py`` (read its docstring for why it is exact), written
 the way PyTorch runs it: one process per rank, and the two all-to-alls as
 ``dist.all_to_all_single``, which gloo implements on the CPU with uneven splits (measured
 with torch 2.13.0: even and uneven split sizes, zero included). Rank r starts with slice
@@ -28,10 +28,12 @@ original positions, which every rank holds for the whole sequence.
 
 Who runs the ranks. ``ulysses_attention`` and ``ulysses_attention_backward`` are the
 per-rank functions, for a script under ``torchrun``. ``attention`` and ``attention_vjp``
-are the single-process entries: they lay the sequence out (the ``layout`` option,
-contiguous or zigzag, as ``torch_ring``; the result is the same either way), and hand
-each rank its shard through ``run``, the caller's runner of P ranks; the torch-ulysses
-backend passes the torch-ring pool, so one set of P processes serves both backends.
+are the single-process entries: they lay the sequence out with ``ring_layout.Layout``, as
+``ring.py`` does (contiguous or zigzag; the result is the same either way), and hand each
+rank its shard through ``run``, the caller's runner of P ranks; the torch-ulysses backend
+passes ``process_pool.run_on_ranks``, so one set of P processes serves both backends.
+Each rank's attention on its heads is ``naive.py``'s steps on the tokens' positions, with
+its softcap and softmax (``naive.softcapped``, ``naive.softmax``).
 
 Shape legend: B batch · H query heads · K key/value heads (H % K == 0) · G = H // K ·
 T query length · S key/value length · D q/k head dim · E v head dim · P ranks ·
@@ -58,17 +60,15 @@ NaN would carry one document's NaN into another's rows (SPEC §18.3).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import contract
-
-LAYOUTS = ("contiguous", "zigzag")
-_FAR = 2**30  # "unbounded" for a window side
+from .. import contract
+from .naive import softcapped, softmax
+from .ring_layout import Layout, sum_to
 
 
 def head_split(H: int, K: int, P: int) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -213,8 +213,7 @@ def _attend(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, opts: dict):
     x = torch.einsum("bhtd,bhsd->bhts", q * opts["scale"], k)  # (B, Hr, Tp, Sp)
 
     # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
-    if opts["softcap"] is not None:
-        x = _Softcap.apply(x, opts["softcap"])  # (B, Hr, Tp, Sp)
+    x = softcapped(x, opts["softcap"])  # (B, Hr, Tp, Sp)
 
     # 4. Mask: ALiBi's linear bias and a float mask are added, then every key a query may
     # not see gets -inf. ALiBi's distance is from the bottom-right diagonal, on the tokens'
@@ -226,29 +225,9 @@ def _attend(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, opts: dict):
         x = x + mask
     x = torch.where(allowed, x, -torch.inf)  # (B, Hr, Tp, Sp)
 
-    # 5. Softmax over the keys, the row max subtracted; a row with no key gets weights 0.
-    # Both guards select (the "double where"), so gradients through such a row are 0.
-    row_max = x.amax(dim=-1, keepdim=True)  # (B, Hr, Tp, 1)
-    if sinks is not None:
-        # A sink joins the maximum of every row that has a key; a row with none stays 0.
-        has_key = row_max != -torch.inf  # (B, Hr, Tp, 1)
-        sink = torch.where(has_key, sinks[:, None, None], -torch.inf)  # (B, Hr, Tp, 1)
-        row_max = torch.maximum(row_max, sink)  # (B, Hr, Tp, 1)
-    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # (B, Hr, Tp, 1)
-    p = torch.exp(x - row_max)  # (B, Hr, Tp, Sp)
-    row_sum = p.sum(dim=-1, keepdim=True)  # (B, Hr, Tp, 1)
-    if sinks is not None:
-        # The sink takes its share of the sum, and has no value row to give anything back.
-        row_sum = row_sum + torch.exp(sink - row_max)  # (B, Hr, Tp, 1)
-    # A row that reads +inf has row sum +inf: every weight of it is NaN, not only those of
-    # its +inf scores (SPEC §4.1), so that its gradients reach every key it attends.
-    divisor = torch.where(row_sum > 0, row_sum, 1.0)  # (B, Hr, Tp, 1)
-    divisor = torch.where(row_sum == math.inf, math.nan, divisor)  # (B, Hr, Tp, 1)
-    w = p / divisor  # (B, Hr, Tp, Sp)
-    if sinks is not None:
-        # A NaN or +inf sink makes its row NaN, as +inf - +inf does in the softmax (SPEC
-        # §15.4); the shift by a finite row maximum cannot show it, so it is selected.
-        w = torch.where(torch.isnan(sink) | (sink == torch.inf), torch.nan, w)
+    # 5. Softmax over the keys, the row max subtracted; a row with no key gets weights 0,
+    # and a sink joins the max and the sum (naive.py's softmax: its Notes say why).
+    w = softmax(x, sinks)  # (B, Hr, Tp, Sp)
 
     # 7. Weighted sum of the values.
     return torch.einsum("bhts,bhse->bhte", w, v)  # (B, Hr, Tp, E)
@@ -354,8 +333,11 @@ def attention(
         dropout_p=dropout_p, unsupported={"dropout_p": "torch-ulysses has no dropout"},
         sinks=sinks, chunk_size=chunk_size, alibi_slopes=slopes,
     )  # fmt: skip
-    lay = _Layout(call, q, k, v, mask, None, world_size, layout, sinks, slopes)
-    outs = run(ulysses_attention, lay.shards, opts=lay.opts, heads=lay.heads)  # P × (B, H, Tl, E)
+    lay = Layout(call, q, k, v, mask, None, world_size, layout, sinks, slopes)
+    heads = head_split(call.H, call.K, lay.P)
+    outs = run(
+        ulysses_attention, _shards(lay, heads), opts=lay.opts, heads=heads
+    )  # P × (B, H, Tl, E)
     out = lay.rows_back(np.concatenate(outs, axis=2)).astype(q.dtype)  # (B, H, T, E)
     return out[0] if call.unbatched else out
 
@@ -391,24 +373,22 @@ def attention_vjp(
         causal_alignment=causal_alignment, window=window, softcap=softcap, d_out=d_out,
         sinks=sinks, chunk_size=chunk_size, alibi_slopes=slopes,
     )  # fmt: skip
-    lay = _Layout(call, q, k, v, mask, d_out, world_size, layout, sinks, slopes)
-    parts = run(ulysses_attention_backward, lay.shards, opts=lay.opts, heads=lay.heads)
-    dq = lay.rows_back(np.concatenate([g[0] for g in parts], axis=2))  # (B, H, T, D)
-    dk = lay.cols_back(np.concatenate([g[1] for g in parts], axis=2), 2)  # (B, K, S, D)
-    dv = lay.cols_back(np.concatenate([g[2] for g in parts], axis=2), 2)  # (B, K, S, E)
-    grads = [g.astype(q.dtype) for g in (dq, dk, dv)]
+    lay = Layout(call, q, k, v, mask, d_out, world_size, layout, sinks, slopes)
+    heads = head_split(call.H, call.K, lay.P)
+    parts = run(ulysses_attention_backward, _shards(lay, heads), opts=lay.opts, heads=heads)
+    grads = lay.qkv_grads(parts, q.dtype)  # (B, H, T, D), (B, K, S, D), (B, K, S, E)
     if call.unbatched:
         grads = [g[0] for g in grads]
     if mask is not None and mask.dtype != np.bool_:
         dm = [g[3] for g in parts]  # P × (B|1, Hr|1, Tp|1, Sp|1)
         # Per-head masks come back as each rank's heads; a mask without a head axis was
         # the same on every rank, so its gradient is the sum of theirs.
-        dm = np.concatenate(dm, axis=1) if lay.mask_heads else np.sum(dm, axis=0)
+        dm = np.concatenate(dm, axis=1) if lay.mask.shape[1] != 1 else np.sum(dm, axis=0)
         if dm.shape[2] != 1:
             dm = lay.rows_back(dm)
         if dm.shape[3] != 1:
             dm = lay.cols_back(dm, 3)
-        grads.append(_sum_to(dm, mask.shape).astype(mask.dtype))
+        grads.append(sum_to(dm, mask.shape).astype(mask.dtype))
     if sinks is not None:
         # Each rank's heads' dsinks, gathered in head order (the ranks hold heads in order).
         grads.append(np.concatenate([g[4] for g in parts]).astype(sinks.dtype))  # (H,)
@@ -447,8 +427,11 @@ def attention_packed(
         q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=is_causal, scale=scale,
         causal_alignment=causal_alignment, window=window, softcap=softcap,
     )  # fmt: skip
-    lay = _Layout(call, q, k, v, None, None, world_size, layout, documents=(cu_q, cu_k))
-    outs = run(ulysses_attention, lay.shards, opts=lay.opts, heads=lay.heads)  # P × (1, H, Tl, E)
+    lay = Layout(call, q, k, v, None, None, world_size, layout, documents=(cu_q, cu_k))
+    heads = head_split(call.H, call.K, lay.P)
+    outs = run(
+        ulysses_attention, _shards(lay, heads), opts=lay.opts, heads=heads
+    )  # P × (1, H, Tl, E)
     out = lay.rows_back(np.concatenate(outs, axis=2)).astype(q.dtype)  # (1, H, T, E)
     return out[0]  # (H, T, E)
 
@@ -477,166 +460,31 @@ def attention_packed_vjp(
         q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=is_causal, scale=scale,
         causal_alignment=causal_alignment, window=window, softcap=softcap, d_out=d_out,
     )  # fmt: skip
-    lay = _Layout(call, q, k, v, None, d_out, world_size, layout, documents=(cu_q, cu_k))
-    parts = run(ulysses_attention_backward, lay.shards, opts=lay.opts, heads=lay.heads)
-    dq = lay.rows_back(np.concatenate([g[0] for g in parts], axis=2))  # (1, H, T, D)
-    dk = lay.cols_back(np.concatenate([g[1] for g in parts], axis=2), 2)  # (1, K, S, D)
-    dv = lay.cols_back(np.concatenate([g[2] for g in parts], axis=2), 2)  # (1, K, S, E)
-    return tuple(g[0].astype(q.dtype) for g in (dq, dk, dv))
+    lay = Layout(call, q, k, v, None, d_out, world_size, layout, documents=(cu_q, cu_k))
+    heads = head_split(call.H, call.K, lay.P)
+    parts = run(ulysses_attention_backward, _shards(lay, heads), opts=lay.opts, heads=heads)
+    return tuple(g[0] for g in lay.qkv_grads(parts, q.dtype))  # (H, T, D), (K, S, D), (K, S, E)
 
 
-class _Layout:
-    """The sequence laid out over P ranks and the heads split: each rank's shard, the way
-    back.
-
-    With ``documents`` = (cu_seqlens_q, cu_seqlens_k), a packed call (SPEC §18): every
-    slot also gets its document (-1 for padding) and, for its position, the one inside
-    its document, so that every test on positions is counted within documents.
-    """
-
-    def __init__(
-        self, call, q, k, v, mask, d_out, P: int, layout: str, sinks=None, slopes=None,
-        documents=None,
-    ) -> None:  # fmt: skip
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout should be one of {LAYOUTS}, got {layout!r}")
-        if isinstance(P, bool) or not isinstance(P, int) or P < 1:
-            raise ValueError(f"world_size should be a positive int (P ranks), got {P!r}")
-        if call.unbatched:
-            q, k, v = q[None], k[None], v[None]
-            d_out = None if d_out is None else d_out[None]
-        # Low precision is computed in float32 (inputs are exact there) and rounded once.
-        work = np.float64 if q.dtype == np.float64 else np.float32
-        self.P, self.T, self.S = P, call.T, call.S
-        self.heads = head_split(call.H, call.K, P)
-        pieces = 2 if layout == "zigzag" else 1
-        self.perm_t = _perm(call.T, P, pieces, layout)
-        self.perm_s = _perm(call.S, P, pieces, layout)
-        q = _permute(q.astype(work), 2, self.perm_t)  # (B, H, Tp, D)
-        k = _permute(k.astype(work), 2, self.perm_s)  # (B, K, Sp, D)
-        v = _permute(v.astype(work), 2, self.perm_s)  # (B, K, Sp, E)
-        if d_out is not None:
-            d_out = _permute(d_out.astype(work), 2, self.perm_t)  # (B, H, Tp, E)
-        self.mask_heads = False
-        if mask is not None:
-            mask = mask.reshape(call.mask_shape)  # (B|1, H|1, T|1, S|1)
-            mask = mask if mask.dtype == np.bool_ else mask.astype(work)
-            if mask.shape[2] != 1:
-                mask = _permute(mask, 2, self.perm_t)
-            if mask.shape[3] != 1:
-                mask = _permute(mask, 3, self.perm_s)
-            self.mask_heads = mask.shape[1] != 1
-        left, right = call.window if call.window is not None else (None, None)
-        hi = _FAR if right is None else right
-        offset = 0 if call.causal_alignment == "top_left" else call.S - call.T
-        tpos, spos, tdoc, sdoc = self.perm_t, self.perm_s, None, None
-        if documents is not None:
-            # Packed: a query's position is counted from its document's first query, a
-            # key's from its document's first key; bottom-right alignment shifts document
-            # n's queries by its own S_n − T_n, so the offset below is 0.
-            cu_q, cu_k = (np.asarray(cu, dtype=np.int64) for cu in documents)
-            bottom_right = call.causal_alignment == "bottom_right"
-            shift = np.diff(cu_k) - np.diff(cu_q) if bottom_right else 0  # (N,): S_n − T_n
-            tdoc, tpos = _in_documents(cu_q, self.perm_t, shift)  # (Tp,), (Tp,)
-            sdoc, spos = _in_documents(cu_k, self.perm_s, 0)  # (Sp,), (Sp,)
-            offset = 0
-        self.opts = dict(
-            scale=call.scale,
-            softcap=call.softcap,
-            offset=offset,
-            lo=-_FAR if left is None else -left,
-            hi=min(hi, 0) if call.is_causal else hi,
-            T=call.T,
-            S=call.S,
-            G=call.H // call.K,
-            chunk=None if call.chunk_size is None else min(call.chunk_size, _FAR),
-        )
-        # Sinks (H,) and slopes (B, H) in the working dtype, split with the query heads.
-        sinks = None if sinks is None else sinks.astype(work)  # (H,)
-        if slopes is not None:
-            slopes = np.broadcast_to(slopes.astype(work).reshape(-1, call.H), (call.B, call.H))
-        Tl, Sl = len(self.perm_t) // P, len(self.perm_s) // P
-        starts, counts, _, _ = self.heads
-        self.shards = []
-        for r in range(P):
-            rows = slice(r * Tl, (r + 1) * Tl)
-            cols = slice(r * Sl, (r + 1) * Sl)
-            own = slice(starts[r], starts[r] + counts[r])  # this rank's query heads
-            m = mask
-            if self.mask_heads:
-                m = mask[:, own]  # (B|1, Hr, Tp|1, Sp|1)
-            shard = (q[:, :, rows], k[:, :, cols], v[:, :, cols], tpos, spos, m)
-            if d_out is not None:
-                shard += (d_out[:, :, rows],)
-            shard += (None if sinks is None else sinks[own],)  # (Hr,)
-            shard += (None if slopes is None else slopes[:, own],)  # (B, Hr)
-            shard += (tdoc, sdoc)  # (Tp,), (Sp,) or None
-            self.shards.append(shard)
-
-    def rows_back(self, x: np.ndarray) -> np.ndarray:
-        """Axis 2 from the layout's order back to the original one, padding cut off."""
-        back = np.empty_like(x)
-        back[:, :, self.perm_t] = x
-        return back[:, :, : self.T]
-
-    def cols_back(self, x: np.ndarray, axis: int) -> np.ndarray:
-        """The key axis from the layout's order back to the original one, padding cut off."""
-        back = np.empty_like(x)
-        index = [slice(None)] * x.ndim
-        index[axis] = self.perm_s
-        back[tuple(index)] = x
-        index[axis] = slice(0, self.S)
-        return back[tuple(index)]
-
-
-def _sum_to(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Undo broadcasting: sum x over the axes along which an array of ``shape`` was broadcast."""
-    x = x.sum(axis=tuple(range(x.ndim - len(shape))))  # drop the leading axes
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
-    return x.sum(axis=axes, keepdims=True).reshape(shape)
-
-
-def _perm(n: int, P: int, pieces: int, layout: str) -> np.ndarray:
-    """perm[slot] = original position (>= n: padding); slots are rank-major."""
-    chunks = P * pieces
-    c = max(1, -(-n // chunks))
-    if layout == "contiguous":
-        return np.arange(chunks * c)
-    order = [i for r in range(P) for i in (r, 2 * P - 1 - r)]
-    return np.concatenate([np.arange(i * c, (i + 1) * c) for i in order])
-
-
-def _permute(x: np.ndarray, axis: int, perm: np.ndarray) -> np.ndarray:
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, len(perm) - x.shape[axis])
-    return np.take(np.pad(x, pad), perm, axis=axis)
-
-
-def _in_documents(cu: np.ndarray, perm: np.ndarray, shift) -> tuple[np.ndarray, np.ndarray]:
-    """Each slot's document (-1 for padding, which belongs to none) and its position
-    inside it plus its document's ``shift``; cu (N + 1,) the cumulative lengths, perm the
-    layout's slot -> original position, (Lp,) with Lp = Tp for queries, Sp for keys."""
-    real = perm < cu[-1]  # (Lp,)
-    doc = np.full(len(perm), -1, dtype=np.int64)  # (Lp,)
-    # A position t is in document n when cu[n] <= t < cu[n + 1]: empty documents skipped.
-    doc[real] = np.searchsorted(cu, perm[real], side="right") - 1
-    pos = perm.astype(np.int64)  # (Lp,): padding keeps its slot's own, never looked at
-    pos[real] = perm[real] - cu[doc[real]] + np.broadcast_to(shift, (len(cu) - 1,))[doc[real]]
-    return doc, pos
-
-
-class _Softcap(torch.autograd.Function):
-    """softcap · tanh(scores / softcap), whose derivative 1 − tanh²(scores / softcap) is
-    applied as it is: autograd's own chain through the product and the division forms
-    d · softcap, which overflows to ±inf for a softcap near the largest float (SPEC §4.2)."""
-
-    @staticmethod
-    def forward(ctx, scores: torch.Tensor, softcap: float) -> torch.Tensor:
-        tanh = torch.tanh(scores / softcap)  # (B, Hr, Tp, Sp)
-        ctx.save_for_backward(tanh)
-        return softcap * tanh  # (B, Hr, Tp, Sp)
-
-    @staticmethod
-    def backward(ctx, d_capped: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (tanh,) = ctx.saved_tensors
-        return d_capped * (1.0 - tanh * tanh), None  # (B, Hr, Tp, Sp)
+def _shards(lay: Layout, heads: tuple) -> list[tuple]:
+    """Each rank's shard, in ``ulysses_attention``'s (or, with d_out, the backward's) order
+    of arguments: its sequence slice of q, k, v (and d_out), every slot's position and
+    document, and of the mask (the whole sequence), the sinks (H,) and the slopes (B, H)
+    the part of its own query heads."""
+    starts, counts, _, _ = heads
+    shards = []
+    for r in range(lay.P):
+        rows = slice(r * lay.Tl, (r + 1) * lay.Tl)
+        cols = slice(r * lay.Sl, (r + 1) * lay.Sl)
+        own = slice(starts[r], starts[r] + counts[r])  # this rank's query heads
+        m = lay.mask
+        if m is not None and m.shape[1] != 1:
+            m = m[:, own]  # (B|1, Hr, Tp|1, Sp|1)
+        shard = (lay.q[:, :, rows], lay.k[:, :, cols], lay.v[:, :, cols], lay.tpos, lay.spos, m)
+        if lay.d_out is not None:
+            shard += (lay.d_out[:, :, rows],)
+        shard += (None if lay.sinks is None else lay.sinks[own],)  # (Hr,)
+        shard += (None if lay.slopes is None else lay.slopes[:, own],)  # (B, Hr)
+        shard += (lay.tdoc, lay.sdoc)  # (Tp,), (Sp,) or None
+        shards.append(shard)
+    return shards

@@ -1,0 +1,403 @@
+"""Scaled dot-product attention through PyTorch's fused ``F.scaled_dot_product_attention``.
+
+    out = softmax(scale · q kᵀ + mask) v
+
+SDPA computes the steps of ``naive.py`` in one fused call: the scores, the scale (1/√D by
+default, so that the scores' spread does not grow with the head size D), the softmax, the
+dropout and the weighted sum. What it cannot take as an argument, this page builds (step
+4): the one ``attn_mask`` SDPA adds to the scaled scores holds the float mask, ALiBi's
+bias and every key a query may not see (bottom-right causality, windows, chunks).
+
+Shape legend (heads-first, as in PyTorch, whose docs call T "L" and E "Ev"):
+
+    B batch            H query heads      K key/value heads (H % K == 0)
+    G = H // K         T query length     S key/value length
+    D q/k head dim     E v head dim
+
+    q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
+    mask: bool (True = may attend) or floating (added to the scores), broadcastable to
+    (B, H, T, S). Unbatched q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
+
+Supports: bool and float masks; causal masks aligned top-left or bottom-right; sliding
+windows; chunked local attention; ALiBi; softcapping (through ``flex_attention``, forward
+only on the CPU); grouped- and multi-query attention (K < H); dropout, seeded by
+``torch.manual_seed``; float64 to bfloat16; autograd (SDPA's own backward). A query row
+with no key left to attend returns exactly 0. No attention sinks: SDPA has none.
+
+Imports: the standard library, PyTorch and ``contract.py`` (step 0's input contract). The
+Notes say what goes to SDPA and what of SDPA's behaviour this page relies on.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .. import contract
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    chunk_size: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention through ``F.scaled_dot_product_attention``.
+
+    Args:
+      q, k, v: (B, H, T, D), (B, K, S, D), (B, K, S, E), or unbatched without B.
+      mask: bool (True = may attend) or floating (added), broadcastable to (B, H, T, S).
+      is_causal, scale, causal_alignment, window, chunk_size, alibi_slopes: as in
+        ``naive.attention``.
+      softcap: scores become softcap · tanh(scores / softcap), through flex_attention
+        (not with dropout_p > 0, nor with gradients on the CPU).
+      dropout_p: drop each weight with this probability, drawn from PyTorch's global
+        generator.
+
+    Returns:
+      out: (B, H, T, E), or (H, T, E) for unbatched input; q's dtype.
+    """
+    # 0. Validate with the input contract every page shares: an error names the argument,
+    # the expected shape and what was given.
+    q, k, v, mask, alibi_slopes = as_arrays(q, k, v, mask, alibi_slopes)
+    call = contract.check(
+        q, k, v, mask=mask, is_causal=is_causal, scale=scale, causal_alignment=causal_alignment,
+        window=window, softcap=softcap, dropout_p=dropout_p, chunk_size=chunk_size,
+        alibi_slopes=alibi_slopes,
+    )  # fmt: skip
+    q, k, v, mask = batched(q, k, v, mask, call)  # (B, H, T, D), (B, K, S, D), (B, K, S, E)
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32  # the scores' dtype
+    causal = sdpa_is_causal(mask, alibi_slopes, call)  # whether SDPA's own triangle will do
+
+    # 4. Mask: ALiBi's bias and a float mask are added; every key a query may not see
+    # gets -inf: all of it in the one attn_mask SDPA adds (see Notes: blocked keys).
+    bias = alibi_bias(alibi_slopes, call, work)  # (B|1, H, T, S) or None
+    added = float_mask(mask, bias, call, work)  # (B|1, H|1, T, S) or None
+    allowed = allowed_keys(mask, causal, call, q.device)  # (B|1, H|1, T, S) or None
+    q, k, v = unseen_slots_zeroed(q, k, v, allowed, added, causal, call)
+    attn_mask = sdpa_mask(allowed, added)  # (B|1, H|1, T, S) or None
+
+    # 1.-3. and 5.-7. One fused call: SDPA's scores, scale, softmax, dropout and weighted sum
+    # (K < H by enable_gqa). SDPA has no softcap: ``softcapped`` puts flex_attention in its place.
+    fused = softcapped(F.scaled_dot_product_attention, allowed, added, call)
+    options = dict(attn_mask=attn_mask, dropout_p=call.dropout_p, is_causal=causal,
+                   scale=call.scale, enable_gqa=call.K != call.H)  # fmt: skip
+    out = fused(q, k, v, **options)  # (B, H, T, E)
+    out = nan_rows_again(out, q, k, v, options, fused)  # (B, H, T, E)
+    return as_given(out, call)  # (B, H, T, E), or (H, T, E) unbatched
+
+
+# --- Step 0: the inputs ---------------------------------------------------------------------
+
+
+def as_arrays(*xs):
+    """The arrays as torch tensors, None left as it is."""
+    return tuple(None if x is None else torch.as_tensor(x) for x in xs)
+
+
+def batched(q, k, v, mask, call: contract.Checked):
+    """q, k, v with a batch axis, as given (SDPA computes float16 and bfloat16 in float32
+    itself); the mask reshaped and expanded to (B|1, H|1, T, S), the shape attn_mask takes."""
+    if call.unbatched:
+        q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
+    if mask is not None:
+        b, h = call.mask_shape[:2]
+        mask = mask.reshape(call.mask_shape).expand(b, h, call.T, call.S)  # (B|1, H|1, T, S)
+    return q, k, v, mask
+
+
+def sdpa_is_causal(mask, alibi_slopes, call: contract.Checked) -> bool:
+    """Whether SDPA's own is_causal=True is the whole mask: it is top-left only, and its
+    math backend refuses it together with an attn_mask (see Notes: what goes to SDPA)."""
+    alone = mask is None and call.window is None and call.chunk_size is None
+    alone = alone and alibi_slopes is None and call.softcap is None
+    return call.is_causal and alone and (call.causal_alignment == "top_left" or call.T == call.S)
+
+
+def allowed_keys(mask, causal: bool, call: contract.Checked, device) -> torch.Tensor | None:
+    """Which keys each query may see, (B|1, H|1, T, S) bool, as far as SDPA is not told
+    otherwise: a bool mask, and the causal triangle (unless SDPA draws it), the window and
+    the chunk; None where every key may be seen (or SDPA's triangle is all there is)."""
+    allowed = mask if mask is not None and call.mask_is_bool else None
+    if (call.is_causal and not causal) or call.window is not None or call.chunk_size is not None:
+        band = causal_band(call, device)  # (1, 1, T, S)
+        allowed = band if allowed is None else allowed & band  # (B|1, H|1, T, S)
+    return allowed
+
+
+def causal_band(call: contract.Checked, device) -> torch.Tensor:
+    """Which keys each query may see under causality, the window and the chunks:
+    (1, 1, T, S) bool."""
+    T, S, window, chunk = call.T, call.S, call.window, call.chunk_size
+    # Query t's diagonal is key t (top-left) or key t + S - T (bottom-right, so that the
+    # last query lines up with the last key).
+    offset = 0 if call.causal_alignment == "top_left" else S - T
+    t = torch.arange(T, device=device)[:, None]  # (T, 1)
+    s = torch.arange(S, device=device)[None, :]  # (1, S)
+    distance = s - (t + offset)  # (T, S)
+    allowed = torch.ones((T, S), dtype=torch.bool, device=device)  # (T, S)
+    if call.is_causal:
+        allowed &= distance <= 0
+    if window is not None and window[0] is not None:
+        allowed &= distance >= -window[0]
+    if window is not None and window[1] is not None:
+        allowed &= distance <= window[1]
+    if chunk is not None:
+        # Same chunk only; floor division puts a negative position in a chunk of no key.
+        allowed &= (t + offset) // chunk == s // chunk
+    return allowed[None, None]  # (1, 1, T, S)
+
+
+def unseen_slots_zeroed(q, k, v, allowed, added, causal: bool, call: contract.Checked):
+    """q, k and v with every key/value slot that no query of its head group may see, and
+    every query that sees no key, replaced by 0, so that whatever they hold has no effect
+    (see Notes: blocked keys). Nothing is copied where every one is seen."""
+    used, has_key = seen(allowed, added, causal, call, q.device)
+    if used is not None and not bool(used.all()):
+        k = torch.where(used, k, 0.0)  # (B, K, S, D)
+        v = torch.where(used, v, 0.0)  # (B, K, S, E)
+    if has_key is not None and not bool(has_key.all()):
+        q = torch.where(has_key, q, 0.0)  # (B, H, T, D)
+    return q, k, v
+
+
+def seen(allowed, added, causal: bool, call: contract.Checked, device):
+    """Which key/value slots some query of their head group sees, (B|1, K|1, S, 1), and
+    which queries see some key, (B|1, H|1, T, 1); None where every one does."""
+    H, K, T, S = call.H, call.K, call.T, call.S
+    if S == 0:
+        return None, torch.zeros((1, 1, T, 1), dtype=torch.bool, device=device)  # no key
+    if causal:
+        # SDPA's own top-left causal mask: query t sees keys s <= t, so key s is seen
+        # (from query s on) when s < T, and every query sees key 0.
+        return (torch.arange(S, device=device) < T)[:, None], None  # (S, 1)
+    visible = allowed
+    if added is not None:
+        finite = added != -math.inf  # (B|1, H|1, T, S)
+        visible = finite if visible is None else visible & finite  # (B|1, H|1, T, S)
+    if visible is None:
+        return None, None
+    b, h = visible.shape[:2]
+    kv = K if h == H else 1
+    groups = visible.reshape(b, kv, h // kv, T, S)  # (B|1, K|1, G|1, T, S)
+    used = groups.any(dim=3).any(dim=2)[..., None]  # (B|1, K|1, S, 1)
+    return used, visible.any(dim=-1, keepdim=True)  # (B|1, H|1, T, 1)
+
+
+# --- Steps 3 and 4: the variants of the scores ----------------------------------------------
+
+
+def softcapped(sdpa, allowed, added, call: contract.Checked):
+    """SDPA itself, or, for a softcapped call, flex_attention with SDPA's arguments: its
+    score_mod softcaps the scaled scores, then adds the float mask and blocks, as step 4
+    says. With T = 0 or S = 0 there is no score to softcap: SDPA gives §2.5's empty
+    output or rows of 0, where flex_attention raises IndexError (torch 2.13, CPU)."""
+    if call.softcap is None or call.T == 0 or call.S == 0:
+        return sdpa
+    return functools.partial(flex_softcapped, allowed=allowed, added=added, softcap=call.softcap)
+
+
+def flex_softcapped(q, k, v, *, allowed, added, softcap: float, dropout_p: float, scale, **_):
+    """Softcapped attention through flex_attention's score_mod: (B, H, T, E). SDPA's
+    attn_mask and is_causal are not needed: ``allowed`` and ``added`` are the mask, and
+    SDPA's own triangle is never asked for with a softcap (``sdpa_is_causal``)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if dropout_p > 0:
+        raise NotImplementedError(
+            "softcap: SDPA has no softcap and flex_attention, which softcaps here, has no "
+            f"dropout; softcap with dropout_p > 0 is not supported, got dropout_p={dropout_p!r}"
+        )
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    if needs_grad and q.device.type == "cpu":
+        raise NotImplementedError(
+            "softcap: SDPA has no softcap and flex_attention, which softcaps here, has no "
+            "backward on the CPU; call under torch.no_grad() or on another device"
+        )
+    if not needs_grad:
+        # flex_attention refuses CPU inputs that require grad even under no_grad.
+        q, k, v = q.detach(), k.detach(), v.detach()
+    B, H, T, _ = q.shape
+    K, S = k.shape[1], k.shape[2]
+    if allowed is not None:
+        allowed = allowed.expand(B, H, T, S)  # (B, H, T, S)
+    if added is not None:
+        added = added.expand(B, H, T, S)  # (B, H, T, S)
+
+    def score_mod(score, b, h, t, s):
+        # flex_attention has already applied step 2 (the scale) to the score.
+        # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
+        score = softcap * torch.tanh(score / softcap)
+        # 4. Mask: the float mask is added, then blocked keys get -inf.
+        if added is not None:
+            score = score + added[b, h, t, s]
+        if allowed is not None:
+            score = torch.where(allowed[b, h, t, s], score, -math.inf)
+        return score
+
+    with warnings.catch_warnings():
+        # Eager (uncompiled) flex_attention is what we want here: a reference, not speed.
+        warnings.filterwarnings("ignore", message="flex_attention called without")
+        return flex_attention(
+            q, k, v, score_mod=score_mod, scale=scale, enable_gqa=K != H
+        )  # (B, H, T, E)
+
+
+def alibi_bias(slopes: torch.Tensor | None, call: contract.Checked, work) -> torch.Tensor | None:
+    """ALiBi's bias, (B|1, H, T, S): −slope · |t + S − T − s|, the distance from the
+    bottom-right diagonal whatever the causal alignment, as FlashAttention defines it;
+    None without ALiBi."""
+    if slopes is None:
+        return None
+    T, S, H = call.T, call.S, call.H
+    t = torch.arange(T, device=slopes.device)[:, None]  # (T, 1)
+    s = torch.arange(S, device=slopes.device)[None, :]  # (1, S)
+    distance = (t + S - T - s).abs().to(work)  # (T, S)
+    return -slopes.to(work).reshape(-1, H, 1, 1) * distance  # (B|1, H, T, S)
+
+
+def float_mask(mask, bias, call: contract.Checked, work) -> torch.Tensor | None:
+    """What SDPA's attn_mask adds to the scaled scores: a float mask, in the precision
+    the scores are computed in (float32 for float16 and bfloat16 q, which SDPA accepts),
+    plus ALiBi's bias; None for neither. A bool mask adds nothing, it only blocks."""
+    added = mask.to(work) if mask is not None and not call.mask_is_bool else None
+    if bias is None:
+        return added  # (B|1, H|1, T, S) or None
+    return bias if added is None else added + bias  # (B|1, H, T, S)
+
+
+def sdpa_mask(allowed, added) -> torch.Tensor | None:
+    """SDPA's one attn_mask: the bool mask of the keys each query may see; or the float
+    one, -inf at every blocked key. SDPA on the CPU turns a row of -inf into weights of
+    exactly 0 (checked for torch 2.13), so no fix-up is needed for it."""
+    if added is None:
+        return allowed  # (B|1, H|1, T, S) or None
+    if allowed is None:
+        return added  # (B|1, H|1, T, S)
+    return torch.where(allowed, added, -math.inf)  # (B|1, H|1, T, S)
+
+
+# --- Steps 5 and 6: the weights (inside SDPA) -----------------------------------------------
+
+
+def nan_rows_again(out, q, k, v, options: dict, fused) -> torch.Tensor:
+    """``out`` with its all-0 rows computed again on SDPA's math backend, when q, k or the
+    mask hold a NaN: (B, H, T, E).
+
+    SDPA's CPU flash kernel returns 0 for a row whose every score is NaN (a NaN query, or
+    a row whose keys all hold a NaN), as if the row had no key: measured with torch 2.13
+    (the torch.sdpa profile fails test_nan_propagates). The math backend propagates the
+    NaN; so does flex_attention, whose rows are left as they are. Without a NaN this costs
+    one pass over q and k.
+    """
+    if fused is not F.scaled_dot_product_attention or not has_nan(q, k, options["attn_mask"]):
+        return out
+    zero_rows = (out == 0).all(dim=-1, keepdim=True)  # (B, H, T, 1)
+    if not bool(zero_rows.any()):
+        return out
+    with sdpa_kernel(SDPBackend.MATH):
+        again = F.scaled_dot_product_attention(q, k, v, **options)  # (B, H, T, E)
+    return torch.where(zero_rows, again, out)  # (B, H, T, E)
+
+
+def has_nan(*tensors: torch.Tensor | None) -> bool:
+    """Whether any of the tensors may hold a NaN: its sum is NaN then (and also, harmlessly,
+    when +inf meets -inf). A sum allocates nothing of the inputs' size."""
+    return any(
+        x is not None and x.is_floating_point() and bool(torch.isnan(x.sum())) for x in tensors
+    )
+
+
+# --- Step 7: the output ---------------------------------------------------------------------
+
+
+def as_given(out: torch.Tensor, call: contract.Checked) -> torch.Tensor:
+    """The output (SDPA returns q's dtype) without the batch axis it was given for
+    unbatched inputs."""
+    return out[0] if call.unbatched else out  # (B, H, T, E) or (H, T, E)
+
+
+# --- Notes ----------------------------------------------------------------------------------
+#
+# Blocked keys (step 4). A slot that no query of its key/value head may see (padding, a
+# KV-cache slot not yet written, a key after every query) must have no effect, whatever it
+# holds; but SDPA multiplies every value row by its weight (0 · NaN = NaN) and adds the mask
+# to every score (NaN + -inf = NaN). Such key and value rows are replaced by 0 first, by
+# selection, so that their gradients are exactly 0 as well; so is a query with no key to
+# see (every query when S = 0), whose row SDPA would otherwise compute from a NaN in it.
+#
+# What goes to SDPA (steps 0 and 4), and what this page builds itself:
+#
+#     our option                      SDPA (torch 2.13)
+#     ------------------------------  ------------------------------------------------------
+#     scale                           scale=, passed through (default 1/√D, as SDPA's)
+#     mask, bool                      attn_mask=, bool (True = may attend), as given
+#     mask, float                     attn_mask=, float, cast to the compute dtype (float32
+#                                     for float16/bfloat16 q, which SDPA accepts), so it is
+#                                     added at the precision the reference adds it
+#     is_causal, top_left, no mask    is_causal=True
+#       and no window
+#     is_causal otherwise             built here: SDPA's is_causal is top-left only, and its
+#       (bottom_right with T != S,    math backend refuses is_causal with an attn_mask
+#       with a mask or a window)      ("Explicit attn_mask should not be set when
+#                                     is_causal=True"), while its CPU flash backend accepts
+#                                     the pair and ANDs them: the outcome would depend on the
+#                                     backend chosen. The band is ANDed into a bool mask, or
+#                                     written as -inf into a float mask.
+#     window                          built here the same way; SDPA has no window
+#     chunk_size                      built here the same way; SDPA has no chunks (Llama 4's
+#                                     chunked attention is a mask in transformers too)
+#     alibi_slopes                    attn_mask=, float: −slope · |t + S − T − s| built here
+#                                     in the compute dtype and added to the float mask (or
+#                                     given alone); the blocked keys then go in as -inf
+#     K < H (GQA, MQA)                enable_gqa=True (repeat_interleave semantics)
+#     dropout_p                       dropout_p=, passed through; the keep mask comes from
+#                                     PyTorch's global generator (``torch.manual_seed``)
+#     softcap                         SDPA has none: the call goes to
+#                                     ``torch.nn.attention.flex_attention`` in eager mode,
+#                                     with a score_mod that softcaps, adds the float mask
+#                                     and blocks with -inf (scale, GQA passed through).
+#                                     Eager flex runs on the CPU but has no backward there
+#                                     and no dropout: softcap with inputs that need
+#                                     gradients, or with dropout_p > 0, raises
+#                                     NotImplementedError.
+#     unbatched (H, T, D)             a batch axis of 1 added here, removed after
+#
+# SDPA's behaviour on the CPU, observed with torch 2.13.0 (and relied on here):
+#
+# - A row whose keys are all blocked gives exactly 0, with a bool mask and with a float
+#   mask whose row is all -inf, in every dtype, on both the math and the CPU flash backend,
+#   and its gradients are 0, not NaN (the math backend uses ``_safe_softmax``). So the
+#   page needs no fix-up for empty rows; eager flex_attention also uses
+#   ``_safe_softmax`` and gives 0.
+# - float16 and bfloat16: the math backend (taken with dropout, GQA or E != D) computes in
+#   float32 and rounds once; the CPU flash backend (taken otherwise) accumulates in float32
+#   but is not bit-identical to a single rounding (about 1 ulp of float16/bfloat16 apart).
+#   Eager flex_attention scores in float32 but rounds the weights to q's dtype before
+#   multiplying v.
+# - is_causal=True with T != S is aligned top-left (s <= t): with T > S nothing is empty,
+#   and bottom-right alignment is not available.
+# - Dropout (math backend only: the CPU flash backend takes none) draws
+#   ``bernoulli_(1 - p)`` over the (B, H, T, S) weights in the compute dtype and multiplies
+#   by the mask divided by 1 - p (``at::dropout``), so ``naive.py`` with the global
+#   generator, and ``module.py`` with an ``nn.Dropout``, drop the same positions after
+#   the same ``torch.manual_seed``.
+#
+# Gradients come from SDPA's own backward through autograd, including the gradient of a
+# float ``attn_mask`` (0 on -inf entries, and 0 for fully masked rows, not NaN). Softcap
+# has none on the CPU: flex_attention raises NotImplementedError for inputs that require
+# grad, so the conformance backend does not declare ``grad_softcap``.

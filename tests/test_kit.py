@@ -398,9 +398,9 @@ def test_hypothesis_profiles():
     """The profile "quick" (the default) is small and repeatable; "deep" draws many more."""
     from hypothesis import settings
 
-    from conformance.suite.plugin import _register_hypothesis_profiles
+    from conformance.suite.options import register_hypothesis_profiles
 
-    _register_hypothesis_profiles()
+    register_hypothesis_profiles()
 
     quick, deep = settings.get_profile("quick"), settings.get_profile("deep")
     assert quick.max_examples == 25 and quick.derandomize and quick.deadline is None

@@ -63,6 +63,13 @@ from conformance.suite.isolation import (  # noqa: F401
     pytest_sessionstart,
 )
 
+# The plugin's command-line options live on a page of their own; the hook is this plugin's.
+from conformance.suite.options import (
+    draws_independent_of_loaded_modules,
+    pytest_addoption,  # noqa: F401
+    register_hypothesis_profiles,
+)
+
 #: What the plugin keeps for a run, in pytest's stash: the backends under test, the
 #: known failures listed by ``--known-failures``, the profiles (loaded, unavailable), and
 #: the directory of the saved failing calls.
@@ -75,146 +82,6 @@ REPRO_DIR = pytest.StashKey[Path]()
 def conformance_backends(config: pytest.Config) -> list[str]:
     """The names of the backends this run tests (none when it chose none)."""
     return config.stash.get(BACKENDS, [])
-
-
-def _register_hypothesis_profiles() -> None:
-    from hypothesis import HealthCheck, settings
-
-    settings.register_profile(
-        "quick",
-        max_examples=25,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        # One failure, the first drawn (then shrunk): to report several, Hypothesis keeps
-        # drawing for ten seconds after the first, so which other failures a slow function
-        # showed, and so the behaviour a run named, depended on the machine's speed.
-        report_multiple_bugs=False,
-        print_blob=True,
-        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-    )
-    settings.register_profile(
-        "deep",
-        max_examples=500,
-        deadline=None,
-        # Explicit: under CI=true Hypothesis' own defaults derandomize, and a deep run should
-        # draw new examples each time.
-        derandomize=False,
-        print_blob=True,
-        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-    )
-
-
-def _draws_independent_of_loaded_modules() -> None:
-    """Derandomized examples that depend on the test alone.
-
-    Hypothesis (6.170 measured) mixes into its draws literal constants it finds in the
-    source of every loaded module outside the libraries, so the examples a derandomized
-    test drew changed with what the process had imported: the report's modules, a user's
-    ``--impl`` module, the next edit of this package. A property test could then pass
-    under ``python -m conformance report`` and fail under ``pytest``. The suite's draws
-    use Hypothesis' own constants only; a Hypothesis without the feature is left as is.
-    """
-    try:
-        from hypothesis.internal.conjecture import providers
-        from hypothesis.internal.constants_ast import Constants
-    except ImportError:
-        return
-    if hasattr(providers, "_get_local_constants"):
-        none = Constants()
-        providers._get_local_constants = lambda: none
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("conformance")
-    group.addoption(
-        "--backend",
-        action="append",
-        default=[],
-        help="backend to test (repeatable or comma-separated); 'all' = every installed "
-        "single-device one (the sharded backends run when named)",
-    )
-    group.addoption(
-        "--impl",
-        default=None,
-        metavar="MODULE:ATTR",
-        help="your implementation: a function with the spec's signature (NumPy in and out) "
-        "or a conformance.Backend subclass or instance, e.g. examples.my_attention:attention",
-    )
-    group.addoption(
-        "--impl-capabilities",
-        default=None,
-        metavar="CAP,...",
-        help="the optional capabilities an --impl function implements (default: none, the "
-        "core only; 'all' = every one a function can have): "
-        + ", ".join(sorted(impl.FUNCTION_CAPABILITIES)),
-    )
-    group.addoption(
-        "--impl-dtypes",
-        default=None,
-        metavar="DTYPE,...",
-        help="the dtypes an --impl function accepts (default: float64,float32; 'all')",
-    )
-    group.addoption(
-        "--impl-framework",
-        default=None,
-        choices=["numpy", "torch", "jax", "auto"],
-        help="the arrays an --impl function takes and returns (default: numpy; auto: from "
-        "the function's module); the suite converts, keeping float16 and bfloat16",
-    )
-    group.addoption(
-        "--impl-layout",
-        default=None,
-        choices=["BHTD", "BTHD"],
-        help="the axis order of an --impl function's q, k, v and output (default: BHTD, the "
-        "spec's; BTHD: (B, T, H, D)); the mask keeps the spec's (B, H, T, S)",
-    )
-    group.addoption(
-        "--impl-causal",
-        default=None,
-        choices=list(impl.IMPL_CAUSALITY),
-        help="how causality reaches an --impl function (SPEC §13.17; default: keyword, "
-        "is_causal=): 'mask', built into the mask with causal_alignment, window and "
-        "chunk_size; 'none': it takes none, and causal tests are skipped by name",
-    )
-    group.addoption(
-        "--impl-mask",
-        default=None,
-        choices=list(impl.IMPL_MASKS),
-        help="what an --impl function's mask= takes (default: both, bool and float); "
-        "additive: float only, blocked keys -inf; additive-min: blocked keys finfo(dtype).min",
-    )
-    group.addoption(
-        "--impl-profile",
-        action="append",
-        default=[],
-        metavar="NAME|PATH",
-        help="a library function described by a profile (SPEC §13.10): a shipped one "
-        "(conformance/adapters/profiles/NAME.toml), 'all' of them, or a TOML file (repeatable)",
-    )
-    group.addoption(
-        "--impl-name",
-        default=None,
-        help="the --impl backend's name in test ids (default: module.function)",
-    )
-    group.addoption(
-        "--known-failures",
-        default=None,
-        metavar="FILE",
-        help="tests expected to fail: one 'test_id  # reason' per line (strict xfail)",
-    )
-    group.addoption(
-        "--ignore-known-failures",
-        action="store_true",
-        help="run as if no known failures were listed (--known-failures, the profiles'), "
-        "so each fails with today's message: how they are measured afresh",
-    )
-    group.addoption(
-        "--repro-dir",
-        default=None,
-        metavar="DIR",
-        help="where a failing test saves the inputs of its last calls (default: a temp dir)",
-    )
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -342,8 +209,8 @@ def pytest_configure(config: pytest.Config) -> None:
                 "MODULE:ATTR"
             )
         return
-    _register_hypothesis_profiles()
-    _draws_independent_of_loaded_modules()
+    register_hypothesis_profiles()
+    draws_independent_of_loaded_modules()
     if config.getoption("hypothesis_profile", None) is None:
         from hypothesis import settings
 

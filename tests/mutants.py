@@ -627,15 +627,7 @@ class BackwardSteps:
 
         # The forward again, keeping the raw scores R, the weights P and the output O;
         # slots no query of a group sees are replaced by 0 (SPEC §4.7, §12.12).
-        allowed = np.ones((1, 1, T, S), dtype=bool)
-        if mask is not None and mask.dtype == np.bool_:
-            allowed = allowed & mask
-        elif mask is not None:
-            allowed = allowed & (mask != -np.inf)
-        if is_causal or window is not None:
-            allowed = allowed & band(T, S, is_causal, causal_alignment, window)[None, None]
-        if chunk_size is not None:
-            allowed = allowed & chunks(T, S, call.chunk_size, causal_alignment)[None, None]
+        allowed = _visible(mask, call)  # (B|1, H|1, T, S)
         used = np.broadcast_to(allowed, (*allowed.shape[:2], T, S))
         used = grouped(used, K, G).any(axis=(2, 3))[..., None]  # (B|1, K|1, S, 1)
         k, v = np.where(used, k, 0.0), np.where(used, v, 0.0)
@@ -682,6 +674,22 @@ class BackwardSteps:
             d_row = np.sum(d_out * out, axis=-1, keepdims=True)  # (B, K, G, T, 1)
             grads.append((-(p_sink * d_row).sum(axis=(0, 3, 4))).reshape(H).astype(dtype))
         return tuple(grads)
+
+
+def _visible(mask, call) -> np.ndarray:
+    """Which keys each query may see, (B|1, H|1, T, S): the mask's, the band's and the
+    chunks' together, as the reference backward builds them."""
+    T, S, alignment = call.T, call.S, call.causal_alignment
+    allowed = np.ones((1, 1, T, S), dtype=bool)
+    if mask is not None and mask.dtype == np.bool_:
+        allowed = allowed & mask
+    elif mask is not None:
+        allowed = allowed & (mask != -np.inf)
+    if call.is_causal or call.window is not None:
+        allowed = allowed & band(T, S, call.is_causal, alignment, call.window)[None, None]
+    if call.chunk_size is not None:
+        allowed = allowed & chunks(T, S, call.chunk_size, alignment)[None, None]
+    return allowed
 
 
 class MutantBackend(Backend):

@@ -130,29 +130,8 @@ def test_report_on_two_backends(tmp_path):
     skip_lines = [line for line in md.splitlines() if line.startswith("- ") and "lacks" in line]
     assert len(skip_lines) == len(skips) and not any("~" in line for line in skip_lines)
 
-    # The agreement numbers are the tests' own: one measurement per comparison a fixture
-    # test asserted, and the numbers are those of the comparison.
+    _check_measurements(data)
     rows = data["tests"]
-    measured = data["measurements"]
-    passed = {
-        r["test"].split("[numpy-", 1)[1][:-1]
-        for r in rows
-        if r["backend"] == "numpy"
-        and r["outcome"] == "passed"
-        and "test_fixture_case[" in r["test"]
-    }
-    numpy_out = {m["case"] for m in measured if m["backend"] == "numpy" and m["quantity"] == "out"}
-    assert passed and passed <= numpy_out
-    from conformance.suite.cases import load_case
-
-    case = load_case("gqa-H6-K2-float32")
-    got = load_backend("numpy").attention(*case.inputs(), mask=case.mask(), **case.options())
-    (m,) = [
-        m for m in measured if (m["backend"], m["case"], m["quantity"]) == ("numpy", case.id, "out")
-    ]
-    assert m["error"] == max_error(got, case.expected) and 0 < m["error"] <= m["tolerance"]
-    assert {m["quantity"] for m in measured if m["backend"] == "numpy"} >= {"out", "dq", "dmask"}
-
     _check_agreement(data, md)
 
     # Pairwise tests (SPEC §7.3, §12.10) count in both backends' columns and in the pair's
@@ -182,6 +161,33 @@ def test_report_on_two_backends(tmp_path):
     ):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
         assert f"]({name})" in md
+
+
+def _check_measurements(data: dict) -> None:
+    from conformance import load_backend
+
+    # The agreement numbers are the tests' own: one measurement per comparison a fixture
+    # test asserted, and the numbers are those of the comparison.
+    rows = data["tests"]
+    measured = data["measurements"]
+    passed = {
+        r["test"].split("[numpy-", 1)[1][:-1]
+        for r in rows
+        if r["backend"] == "numpy"
+        and r["outcome"] == "passed"
+        and "test_fixture_case[" in r["test"]
+    }
+    numpy_out = {m["case"] for m in measured if m["backend"] == "numpy" and m["quantity"] == "out"}
+    assert passed and passed <= numpy_out
+    from conformance.suite.cases import load_case
+
+    case = load_case("gqa-H6-K2-float32")
+    got = load_backend("numpy").attention(*case.inputs(), mask=case.mask(), **case.options())
+    (m,) = [
+        m for m in measured if (m["backend"], m["case"], m["quantity"]) == ("numpy", case.id, "out")
+    ]
+    assert m["error"] == max_error(got, case.expected) and 0 < m["error"] <= m["tolerance"]
+    assert {m["quantity"] for m in measured if m["backend"] == "numpy"} >= {"out", "dq", "dmask"}
 
 
 @pytest.mark.clause("13.5", "13.7")

@@ -14,7 +14,7 @@ import pytest
 from conformance.adapters.forms import forms_of, forms_used
 from conformance.backends import numpy_dtype
 from conformance.suite.requirements import requires
-from conformance.suite.tolerance import expect, tolerance
+from conformance.suite.tolerance import expect, finite_error, tolerance
 
 
 def random_qkv(
@@ -202,6 +202,20 @@ def oracle_attention(q, k, v, *, mask=None, **options) -> np.ndarray:
         if len(_ORACLE_CACHE) > _ORACLE_CACHE_SIZE:
             _ORACLE_CACHE.popitem(last=False)
     return _ORACLE_CACHE[key].copy()
+
+
+def oracle_and_tolerance(q, k, v, dtype: str, **options) -> tuple[np.ndarray, float]:
+    """The oracle's output on the inputs as given, and SPEC §7's tolerance: the naive run
+    in ``dtype`` against the oracle (the variants' tests: sinks, chunks, ALiBi)."""
+    from conformance.fixtures.oracle import naive_same_precision
+
+    wide = {
+        n: as64(x) if isinstance(x, np.ndarray) and x.dtype != bool else x
+        for n, x in options.items()
+    }
+    expected = oracle_attention(as64(q), as64(k), as64(v), **wide)
+    naive = naive_same_precision(as64(q), as64(k), as64(v), numpy_dtype(dtype), **wide)
+    return expected, tolerance(dtype, finite_error(naive, expected), expected)
 
 
 def expect_no_weight_on_future_keys(name: str, w: np.ndarray, T: int, S: int) -> None:

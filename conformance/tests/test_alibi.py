@@ -19,7 +19,7 @@ from conformance.suite.helpers import (
     as64,
     causal_param,
     causal_where_taken,
-    oracle_attention,
+    oracle_and_tolerance,
     pairwise_params,
     random_qkv,
     setup_params,
@@ -55,18 +55,6 @@ def _bias(slopes: np.ndarray, T: int, S: int) -> np.ndarray:
     H = slopes.shape[-1]
     distance = np.abs(np.arange(T)[:, None] + S - T - np.arange(S)[None, :])  # (T, S)
     return -slopes.astype(np.float64).reshape(-1, H, 1, 1) * distance  # (B|1, H, T, S)
-
-
-def _oracle(q, k, v, dtype: str, **options) -> tuple[np.ndarray, float]:
-    """The oracle's output on the inputs as given, and SPEC §7's tolerance: the naive run
-    in ``dtype`` against the oracle."""
-    wide = {
-        n: as64(x) if isinstance(x, np.ndarray) and x.dtype != bool else x
-        for n, x in options.items()
-    }
-    expected = oracle_attention(as64(q), as64(k), as64(v), **wide)
-    naive = oracle.naive_same_precision(as64(q), as64(k), as64(v), numpy_dtype(dtype), **wide)
-    return expected, tolerance(dtype, finite_error(naive, expected), expected)
 
 
 #: Random setups (options, capabilities): ALiBi with each thing it meets (SPEC §17.2).
@@ -139,12 +127,12 @@ def test_alibi_worked_example(backend, key, dtype):
 @pytest.mark.parametrize(
     ("setup", "size", "dtype"), pairwise_params(setup_params(SETUPS), size=SIZES, dtype=DTYPE_AXIS)
 )
-def test_alibi_matches_the_oracle(backend, setup, size, dtype):
+def test_alibi_matches_theoracle_and_tolerance(backend, setup, size, dtype):
     """ALiBi alone, with (B, H) slopes, causality in both alignments, GQA, masks, a scale,
     a window and a softcap, sinks and chunks: the output is the oracle's within SPEC §7.
     Every setup runs at every size and in both dtypes (all pairs, not their product)."""
     q, k, v, options = _setup(setup, size, dtype, 110)
-    expected, tol = _oracle(q, k, v, dtype, **options)
+    expected, tol = oracle_and_tolerance(q, k, v, dtype, **options)
     out = backend.attention(q, k, v, **options)
     assert_within(
         out,
@@ -177,7 +165,7 @@ def test_alibi_is_its_float_mask(backend, size, alignment, per_batch, dtype):
         options["causal_alignment"] = alignment
     alibi = backend.attention(q, k, v, alibi_slopes=slopes, **options)
     masked = backend.attention(q, k, v, mask=mask, **options)
-    _, tol = _oracle(q, k, v, dtype, alibi_slopes=slopes, **options)
+    _, tol = oracle_and_tolerance(q, k, v, dtype, alibi_slopes=slopes, **options)
     assert_within(
         alibi,
         masked,
@@ -194,7 +182,7 @@ def test_zero_slopes_are_no_alibi(backend, dtype):
     causal = causal_where_taken(backend, 7, 13)
     plain = backend.attention(q, k, v, **causal)
     out = backend.attention(q, k, v, alibi_slopes=np.zeros(3, np.float32), **causal)
-    _, tol = _oracle(q, k, v, dtype, **causal)
+    _, tol = oracle_and_tolerance(q, k, v, dtype, **causal)
     assert_within(
         out,
         plain,
@@ -215,7 +203,7 @@ def test_low_precision_alibi(backend, dtype, slope_dtype):
     slopes = np.array([0.75, 0.0625, 1.0], dtype=np.float32)
     if slope_dtype == "q":
         slopes = slopes.astype(q.dtype)
-    expected, tol = _oracle(q, k, v, dtype, alibi_slopes=slopes)
+    expected, tol = oracle_and_tolerance(q, k, v, dtype, alibi_slopes=slopes)
     out = backend.attention(q, k, v, alibi_slopes=slopes)
     assert_within(
         out,
@@ -237,7 +225,7 @@ def test_slopes_are_per_query_head_under_gqa(backend, dtype):
     repeated = backend.attention(
         q, np.repeat(k, 4, axis=1), np.repeat(v, 4, axis=1), alibi_slopes=slopes
     )
-    _, tol = _oracle(q, k, v, dtype, alibi_slopes=slopes)
+    _, tol = oracle_and_tolerance(q, k, v, dtype, alibi_slopes=slopes)
     assert_within(
         grouped,
         repeated,
@@ -284,7 +272,7 @@ def _vjp(backend, q, k, v, d_out, **options) -> dict[str, np.ndarray]:
 @pytest.mark.clause("17.3", "12.9")
 @dtypes
 @pytest.mark.parametrize("setup", setup_params(SETUPS, grad=True))
-def test_alibi_gradients_match_the_oracle(backend, dtype, setup):
+def test_alibi_gradients_match_theoracle_and_tolerance(backend, dtype, setup):
     """dq, dk, dv (dmask, dsinks) with ALiBi against the 50-digit oracle, within SPEC §12.9
     (the naive backward in the dtype against the oracle); no gradient for the slopes."""
     q, k, v, options = _setup(setup, {"T": 7, "S": 9}, dtype, 117)

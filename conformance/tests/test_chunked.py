@@ -18,7 +18,7 @@ from conformance.suite.helpers import (
     SIZES,
     as64,
     causal_where_taken,
-    oracle_attention,
+    oracle_and_tolerance,
     pairwise_params,
     random_qkv,
     setup_params,
@@ -40,18 +40,6 @@ pytestmark = requires("chunked")
 sizes = pytest.mark.parametrize("size", list(SIZES.values()), ids=list(SIZES))
 dtypes = pytest.mark.parametrize("dtype", ["float64", "float32"])
 GRADS = ("dq", "dk", "dv", "dmask")
-
-
-def _oracle(q, k, v, dtype: str, **options) -> tuple[np.ndarray, float]:
-    """The oracle's output on the inputs as given, and SPEC §7's tolerance: the naive run
-    in ``dtype`` against the oracle."""
-    wide = {
-        n: as64(x) if isinstance(x, np.ndarray) and x.dtype != bool else x
-        for n, x in options.items()
-    }
-    expected = oracle_attention(as64(q), as64(k), as64(v), **wide)
-    naive = oracle.naive_same_precision(as64(q), as64(k), as64(v), numpy_dtype(dtype), **wide)
-    return expected, tolerance(dtype, finite_error(naive, expected), expected)
 
 
 def _chunk_mask(T: int, S: int, chunk: int, alignment: str = "top_left") -> np.ndarray:
@@ -138,12 +126,12 @@ def test_chunked_worked_example(backend, key, dtype):
         chunk={f"chunk{c}": c for c in (1, 3, 5)},
     ),
 )
-def test_chunked_matches_the_oracle(backend, setup, size, dtype, chunk):
+def test_chunked_matches_theoracle_and_tolerance(backend, setup, size, dtype, chunk):
     """Chunks alone and with causality in both alignments, a window, GQA, masks, a scale
     and a softcap: the output is the oracle's within SPEC §7. Every setup runs at every
     size, and meets every chunk length and dtype (all pairs, not their full product)."""
     q, k, v, options = _setup(setup, size, dtype, 90)
-    expected, tol = _oracle(q, k, v, dtype, chunk_size=chunk, **options)
+    expected, tol = oracle_and_tolerance(q, k, v, dtype, chunk_size=chunk, **options)
     out = backend.attention(q, k, v, chunk_size=chunk, **options)
     assert_within(
         out,
@@ -175,7 +163,7 @@ def test_chunks_are_the_dense_mask(backend, size, alignment, dtype):
             options.pop("causal_alignment")
         chunked = backend.attention(q, k, v, chunk_size=4, **options)
         masked = backend.attention(q, k, v, mask=mask, **options)
-        _, tol = _oracle(q, k, v, dtype, mask=mask, **options)
+        _, tol = oracle_and_tolerance(q, k, v, dtype, mask=mask, **options)
         assert_within(
             chunked,
             masked,
@@ -221,7 +209,7 @@ def test_chunk_above_every_position_is_no_chunk(backend, dtype):
     causal = causal_where_taken(backend, 7, 13)
     plain = backend.attention(q, k, v, **causal)
     out = backend.attention(q, k, v, chunk_size=13, **causal)
-    _, tol = _oracle(q, k, v, dtype, **causal)
+    _, tol = oracle_and_tolerance(q, k, v, dtype, **causal)
     assert_within(
         out,
         plain,
@@ -261,7 +249,7 @@ def test_row_with_no_key_is_zero(backend, dtype, setup):
     assert_rows_zero(
         out, np.broadcast_to(empty, out.shape[:-1]), f"{backend.name}: {setup} ({dtype})", v
     )
-    expected, tol = _oracle(q, k, v, dtype, chunk_size=4, **options)
+    expected, tol = oracle_and_tolerance(q, k, v, dtype, chunk_size=4, **options)
     assert_within(
         out,
         expected,
@@ -283,7 +271,7 @@ def _vjp(backend, q, k, v, d_out, **options) -> dict[str, np.ndarray]:
 @pytest.mark.clause("16.3", "12.9")
 @dtypes
 @pytest.mark.parametrize("setup", setup_params(SETUPS, grad=True, uses={"chunk_size": 1}))
-def test_chunked_gradients_match_the_oracle(backend, dtype, setup):
+def test_chunked_gradients_match_theoracle_and_tolerance(backend, dtype, setup):
     """dq, dk, dv (dmask) with chunks against the 50-digit oracle, within SPEC §12.9 (the
     naive backward in the dtype against the oracle); the same tuple as without chunks."""
     q, k, v, options = _setup(setup, {"T": 7, "S": 9}, dtype, 95)

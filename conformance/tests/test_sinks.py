@@ -19,7 +19,7 @@ from conformance.suite.helpers import (
     causal_param,
     causal_where_taken,
     expect_no_weight_on_future_keys,
-    oracle_attention,
+    oracle_and_tolerance,
     pairwise_params,
     random_qkv,
     setup_params,
@@ -46,18 +46,6 @@ GRADS = ("dq", "dk", "dv", "dmask", "dsinks")
 def _sinks(seed: int, H: int, dtype: str) -> np.ndarray:
     """Sink logits (H,) in [-1, 2]: comparable to the scores, so that both weigh."""
     return np.random.default_rng(seed).uniform(-1.0, 2.0, H).astype(numpy_dtype(dtype))
-
-
-def _oracle(q, k, v, dtype: str, **options) -> tuple[np.ndarray, float]:
-    """The oracle's output on the inputs as given, and SPEC §7's tolerance: the naive run
-    in ``dtype`` against the oracle."""
-    wide = {
-        n: as64(x) if isinstance(x, np.ndarray) and x.dtype != bool else x
-        for n, x in options.items()
-    }
-    expected = oracle_attention(as64(q), as64(k), as64(v), **wide)
-    naive = oracle.naive_same_precision(as64(q), as64(k), as64(v), numpy_dtype(dtype), **wide)
-    return expected, tolerance(dtype, finite_error(naive, expected), expected)
 
 
 #: Random setups (options, capabilities): sinks with each thing they meet (SPEC §15.2).
@@ -122,12 +110,12 @@ def test_sinks_worked_example(backend, causal, dtype):
 @pytest.mark.parametrize(
     ("setup", "size", "dtype"), pairwise_params(setup_params(SETUPS), size=SIZES, dtype=DTYPE_AXIS)
 )
-def test_sinks_match_the_oracle(backend, setup, size, dtype):
+def test_sinks_match_theoracle_and_tolerance(backend, setup, size, dtype):
     """Sinks alone and with causality, masks, a scale, GQA, bottom-right alignment, a
     window and a softcap: the output is the oracle's within SPEC §7. Every setup runs at
     every size and in both dtypes (all pairs, not their product)."""
     q, k, v, sinks, options = _setup(setup, size, dtype, 60)
-    expected, tol = _oracle(q, k, v, dtype, sinks=sinks, **options)
+    expected, tol = oracle_and_tolerance(q, k, v, dtype, sinks=sinks, **options)
     out = backend.attention(q, k, v, sinks=sinks, **options)
     assert_within(
         out,
@@ -148,7 +136,7 @@ def test_minus_inf_sink_is_no_sink(backend, dtype):
     causal = causal_where_taken(backend, 7, 13)
     plain = backend.attention(q, k, v, **causal)
     out = backend.attention(q, k, v, sinks=sinks, **causal)
-    expected, tol = _oracle(q, k, v, dtype, sinks=sinks, **causal)
+    expected, tol = oracle_and_tolerance(q, k, v, dtype, sinks=sinks, **causal)
     assert_within(
         out,
         expected,
@@ -186,7 +174,7 @@ def test_sink_takes_weight(backend, size, dtype, causal):
     v = np.broadcast_to(np.eye(S, dtype=numpy_dtype(dtype)), (2, 3, S, S)).copy()
     sinks = _sinks(64, 3, dtype)
     w = as64(backend.attention(q, k, v, is_causal=causal, sinks=sinks))
-    expected, tol = _oracle(q, k, v, dtype, is_causal=causal, sinks=sinks)
+    expected, tol = oracle_and_tolerance(q, k, v, dtype, is_causal=causal, sinks=sinks)
     expect(
         (w >= 0).all(),
         "gives a key a negative attention weight",
@@ -263,7 +251,7 @@ def test_sinks_are_per_query_head_under_gqa(backend, dtype):
     sinks = _sinks(68, 4, dtype)
     causal = causal_where_taken(backend, 7, 9)
     grouped = backend.attention(q, k, v, sinks=sinks, **causal)
-    expected, tol = _oracle(q, k, v, dtype, sinks=sinks, **causal)
+    expected, tol = oracle_and_tolerance(q, k, v, dtype, sinks=sinks, **causal)
     assert_within(
         grouped,
         expected,
@@ -301,7 +289,7 @@ def test_unused_slots_stay_inert_with_sinks(backend, dtype):
         for b, n in enumerate((5, 3)):
             k2[b, :, n:], v2[b, :, n:] = garbage, -garbage
         outs.append(backend.attention(q, k2, v2, mask=mask, sinks=sinks))
-    expected, tol = _oracle(q, k, v, dtype, mask=mask, sinks=sinks)
+    expected, tol = oracle_and_tolerance(q, k, v, dtype, mask=mask, sinks=sinks)
     assert_within(
         outs[0],
         expected,
@@ -327,7 +315,7 @@ def test_large_sink_drives_the_output_to_zero(backend, dtype):
     q, k, v = random_qkv(69, T=7, S=13, dtype=dtype)
     sinks = np.array([1e4, 1e4, 0.5], dtype=q.dtype)
     out = backend.attention(q, k, v, sinks=sinks)
-    expected, tol = _oracle(q, k, v, dtype, sinks=sinks)
+    expected, tol = oracle_and_tolerance(q, k, v, dtype, sinks=sinks)
     expect(
         np.isfinite(out).all(),
         "a large sink overflows",
@@ -354,7 +342,7 @@ def test_non_finite_sink_makes_its_head_nan(backend, dtype):
     clean = backend.attention(q, k, v, mask=mask, sinks=sinks)
     sinks[1], sinks[2] = np.nan, np.inf
     out = backend.attention(q, k, v, mask=mask, sinks=sinks)
-    expected, tol = _oracle(q, k, v, dtype, mask=mask, sinks=sinks)
+    expected, tol = oracle_and_tolerance(q, k, v, dtype, mask=mask, sinks=sinks)
     assert_within(
         out,
         expected,
@@ -383,7 +371,7 @@ def test_dropout_leaves_the_sink_alone(backend, dtype):
     p = 0.5
     plain = as64(backend.attention(q, k, v, sinks=sinks))
     dropped = as64(backend.attention(q, k, v, sinks=sinks, dropout_p=p, seed=5))
-    _, tol = _oracle(q, k, v, dtype, sinks=sinks)
+    _, tol = oracle_and_tolerance(q, k, v, dtype, sinks=sinks)
     kept = dropped != 0
     expect(
         0 < kept.mean() < 1,
@@ -415,7 +403,7 @@ def _float_mask(options: dict) -> bool:
 @pytest.mark.clause("15.5", "12.9")
 @dtypes
 @pytest.mark.parametrize("setup", setup_params(SETUPS, grad=True))
-def test_sink_gradients_match_the_oracle(backend, dtype, setup):
+def test_sink_gradients_match_theoracle_and_tolerance(backend, dtype, setup):
     """dq, dk, dv (dmask) and dsinks = −Σ p_sink · (dO · O) against the 50-digit oracle,
     within SPEC §12.9 (the naive backward in the dtype against the oracle)."""
     q, k, v, sinks, options = _setup(setup, {"T": 7, "S": 9}, dtype, 74)

@@ -11,10 +11,12 @@ from conformance.impls import jax_attention
 from conformance.impls.numpy import attention as numpy_attention
 from conformance.impls.numpy import kv_cache as numpy_kv_cache
 from conformance.impls.torch import kv_cache as torch_kv_cache
+from conformance.impls.torch import layers as torch_layers
 from conformance.impls.torch import module as torch_module
 from conformance.impls.torch import naive as torch_naive
 from conformance.impls.torch import sdpa as torch_sdpa
 
+from conformance.backends.arrays import import_jax
 from conformance.suite.helpers import random_qkv, random_tolerance
 from conformance.suite.tolerance import assert_within
 
@@ -33,9 +35,7 @@ def _chunks(q, k, v, sizes):
 @pytest.mark.clause("6.11")
 @pytest.mark.parametrize("framework", ["numpy", "jax", "torch"])
 def test_kv_cache_class_reproduces_full_causal(framework):
-    import jax
-
-    jax.config.update("jax_enable_x64", True)
+    jax = import_jax()  # float64 on, as in every JAX backend
     q, k, v = random_qkv(40, H=4, K=2, T=9, S=9)
     impl, wrap = {
         "numpy": (numpy_kv_cache, np.asarray),
@@ -59,7 +59,7 @@ def test_kv_cache_class_reproduces_full_causal(framework):
 @pytest.mark.clause("5.1")
 def test_module_dropout_is_off_in_eval_mode():
     torch.manual_seed(0)
-    mha = torch_module.MultiHeadAttention(12, 3, dropout=0.5).double()
+    mha = torch_layers.MultiHeadAttention(12, 3, dropout=0.5).double()
     x = torch.randn(2, 5, 12, dtype=torch.float64)
     mha.eval()
     assert torch.equal(mha(x), mha(x))

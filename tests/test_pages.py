@@ -42,7 +42,7 @@ CORE_PAGES = {
 PARALLEL_PAGES = ("numpy/attention.py", "jax/attention.py", "torch/naive.py")
 STEP = re.compile(r"^\s*# (\d)\. (.*)$")
 BANNER = re.compile(r"^# --- (.*?) -*$")
-PRODUCT = re.compile(r'einsum\("bhtd,bhsd->bhts"|scaled_dot_product_attention\(|q @ k')
+PRODUCT = re.compile(r'einsum\("bhtd,bhsd->bhts"|F\.scaled_dot_product_attention\b|q @ k')
 
 
 def _source(page: str) -> str:

@@ -230,6 +230,7 @@ class TorchModuleBackend(_TorchBackend):
     def __init__(self) -> None:
         super().__init__()
         self.impl = _pages("module")
+        self.layers = _pages("layers")
         # Packed and paged calls go to the module's own attention, document by document.
         self.packed = functools.partial(
             _pages("packed").attention_packed, attend=self.impl.attention
@@ -254,7 +255,7 @@ class TorchModuleBackend(_TorchBackend):
 
     def multi_head_attention(self, params, x, *, n_heads, mask=None, is_causal=False):
         C = np.asarray(x).shape[-1]
-        mha = self._load(self.impl.MultiHeadAttention(C, n_heads), params)
+        mha = self._load(self.layers.MultiHeadAttention(C, n_heads), params)
         mask = None if mask is None else self.from_numpy(mask)
         with self.torch.no_grad():
             return self.to_numpy(mha(self.from_numpy(x), mask=mask, is_causal=is_causal))
@@ -262,17 +263,17 @@ class TorchModuleBackend(_TorchBackend):
     def gpt_block(self, params, x, *, n_heads):
         C = np.asarray(x).shape[-1]
         F = np.asarray(params["mlp.0.weight"]).shape[0]
-        block = self._load(self.impl.SelfAttentionBlock(C, n_heads, F), params)
+        block = self._load(self.layers.SelfAttentionBlock(C, n_heads, F), params)
         with self.torch.no_grad():
             return self.to_numpy(block(self.from_numpy(x)))
 
     def module_param_grads(self, kind, params, x, d_out, *, n_heads, is_causal=False):
         C = np.asarray(x).shape[-1]
         if kind == "mha":
-            module = self._load(self.impl.MultiHeadAttention(C, n_heads), params)
+            module = self._load(self.layers.MultiHeadAttention(C, n_heads), params)
         else:
             F = np.asarray(params["mlp.0.weight"]).shape[0]
-            module = self._load(self.impl.SelfAttentionBlock(C, n_heads, F), params)
+            module = self._load(self.layers.SelfAttentionBlock(C, n_heads, F), params)
         x = self.from_numpy(x).requires_grad_(True)
         with self.torch.enable_grad():
             out = module(x, is_causal=is_causal) if kind == "mha" else module(x)

@@ -24,16 +24,13 @@ Shape legend (heads-first, as in PyTorch):
 
 Supports: bool and float masks; causal masks aligned top-left or bottom-right; sliding
 windows; chunked local attention (Llama 4); ALiBi; softcapping (Gemma 2); attention sinks
-(gpt-oss); grouped- and multi-query attention (K < H); dropout with a
-``numpy.random.Generator``; float64, float32, float16 and bfloat16 (``ml_dtypes``). A query
-row with no key left to attend returns exactly 0. Each variant is one helper, called from
-its step and defined below ``attention``; the Notes at the end say why each is written so.
+(gpt-oss); grouped- and multi-query attention (K < H); dropout with a NumPy Generator;
+float64, float32, float16 and bfloat16 (``ml_dtypes``). A query row with no key left
+returns exactly 0. Each variant is one helper below ``attention``; the Notes say why.
 
-Imports: the standard library, NumPy and ``contract.py``, the input contract every page
-checks as its step 0. Where the rest lives, in this package: ``backward.py`` (the backward
-pass by hand), ``flash.py`` (blockwise, never the whole (T, S) matrix), ``kv_cache.py``,
-``packed.py`` (variable-length documents, SPEC §18), ``paged.py`` (a paged KV cache, §19)
-and ``layers.py`` (the multi-head layer and a GPT block).
+Imports: the standard library, NumPy and ``contract.py``. The rest of this package:
+``backward.py`` (the backward pass by hand), ``flash.py`` (blockwise), ``layers.py``,
+``kv_cache.py``, ``packed.py`` (SPEC §18) and ``paged.py`` (§19).
 """
 
 from __future__ import annotations
@@ -107,8 +104,8 @@ def attention(
 
     # 4. Mask: ALiBi's bias and a float mask are added; every key a query may not see
     # gets -inf.
-    scores = scores + alibi_bias(alibi_slopes, call, scores.dtype)  # (B|1, H, T, S)
-    scores = scores + float_mask(mask, call, scores.dtype)  # (B, H, T, S)
+    scores = add_alibi_bias(scores, alibi_slopes, call)  # (B, H, T, S)
+    scores = add_float_mask(scores, mask, call)  # (B, H, T, S)
     scores = np.where(allowed, scores, -np.inf)  # (B, H, T, S)
 
     # 5. Softmax over the keys; a row with no key left gets weights of exactly 0.
@@ -198,25 +195,25 @@ def softcapped(scores: np.ndarray, softcap: float | None) -> np.ndarray:
     return softcap * np.tanh(scores / softcap)  # (B, H, T, S)
 
 
-def alibi_bias(slopes: np.ndarray | None, call: contract.Checked, work) -> np.ndarray:
-    """ALiBi's bias, (B|1, H, T, S): −slope · |t + S − T − s|, so that a key weighs less
-    the farther it lies from the query. The distance is from the bottom-right diagonal
-    whatever the causal alignment: the last query sits at the last key (see Notes: ALiBi)."""
+def add_alibi_bias(scores: np.ndarray, slopes: np.ndarray | None, call: contract.Checked):
+    """The scores plus ALiBi's bias −slope · |t + S − T − s|, so that a key weighs less the
+    farther it lies from the query. The distance is from the bottom-right diagonal whatever
+    the causal alignment: the last query sits at the last key (see Notes: ALiBi)."""
     if slopes is None:
-        return np.zeros((), dtype=work)
+        return scores
     T, S, H = call.T, call.S, call.H
     t = np.arange(T)[:, None]  # (T, 1)
     s = np.arange(S)[None, :]  # (1, S)
-    distance = np.abs(t + S - T - s).astype(work)  # (T, S)
-    return -slopes.astype(work).reshape(-1, H, 1, 1) * distance  # (B|1, H, T, S)
+    distance = np.abs(t + S - T - s).astype(scores.dtype)  # (T, S)
+    return scores - slopes.astype(scores.dtype).reshape(-1, H, 1, 1) * distance  # (B, H, T, S)
 
 
-def float_mask(mask: np.ndarray | None, call: contract.Checked, work) -> np.ndarray:
-    """What a float mask adds to the scores; a bool mask (or none) adds nothing, it only
-    blocks (in ``allowed_keys``)."""
+def add_float_mask(scores: np.ndarray, mask: np.ndarray | None, call: contract.Checked):
+    """The scores plus a float mask; a bool mask (or none) adds nothing, it only blocks (in
+    ``allowed_keys``)."""
     if mask is None or call.mask_is_bool:
-        return np.zeros((), dtype=work)
-    return mask.astype(work)  # (B|1, H|1, T|1, S|1)
+        return scores
+    return scores + mask.astype(scores.dtype)  # (B, H, T, S)
 
 
 # --- Steps 5 and 6: the weights -------------------------------------------------------------
@@ -224,8 +221,19 @@ def float_mask(mask: np.ndarray | None, call: contract.Checked, work) -> np.ndar
 
 def softmax(scores: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
     """The softmax over the keys, less the row maximum so that exp() <= 1. A row with no key
-    left has maximum -inf and gets weights of exactly 0 (see Notes: empty rows); a sink
-    joins the maximum and the sum but has no value row (see Notes: sinks)."""
+    left has maximum -inf and gets weights of exactly 0 (see Notes: empty rows)."""
+    if sinks is not None:
+        return softmax_with_sinks(scores, sinks)
+    row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)  # (B, H, T, 1)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
+    p = np.exp(scores - row_max)  # (B, H, T, S)
+    row_sum = p.sum(axis=-1, keepdims=True)  # (B, H, T, 1)
+    return p / np.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, S)
+
+
+def softmax_with_sinks(scores: np.ndarray, sinks: np.ndarray) -> np.ndarray:
+    """The softmax with one sink logit per head: it joins the row maximum and the sum, but
+    has no value row, so the keys' weights add up to less than 1 (see Notes: sinks)."""
     H = scores.shape[1]
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)  # (B, H, T, 1)
     sink = sink_logits(sinks, row_max, H)  # (B, H, T, 1)
@@ -239,11 +247,9 @@ def softmax(scores: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
     return np.where(np.isnan(sink) | (sink == np.inf), np.nan, weights)  # (B, H, T, S)
 
 
-def sink_logits(sinks: np.ndarray | None, row_max: np.ndarray, H: int) -> np.ndarray:
+def sink_logits(sinks: np.ndarray, row_max: np.ndarray, H: int) -> np.ndarray:
     """Each row's sink logit, (B, H, T, 1): sinks[h] in the rows of head h that have a key,
-    and -inf (no sink: exp(-inf) = 0) in a row with none, or without sinks."""
-    if sinks is None:
-        return np.full_like(row_max, -np.inf)  # (B, H, T, 1)
+    and -inf (no sink: exp(-inf) = 0) in a row with none, which stays exactly 0."""
     has_key = row_max != -np.inf  # (B, H, T, 1); NaN != -inf: a NaN row has keys
     logits = sinks.astype(row_max.dtype).reshape(1, H, 1, 1)  # (1, H, 1, 1)
     return np.where(has_key, logits, -np.inf)  # (B, H, T, 1)

@@ -57,12 +57,12 @@ import numpy as np
 
 from .. import contract
 from .attention import (
-    alibi_bias,
+    add_alibi_bias,
+    add_float_mask,
     allowed_keys,
     as_arrays,
     as_given,
     batched,
-    float_mask,
     repeat_heads,
     sink_logits,
     softcapped,
@@ -196,8 +196,8 @@ def saved_forward(
     k, v = unseen_slots_zeroed(k, v, allowed)  # (B, H, S, D), (B, H, S, E)
     raw = np.einsum("bhtd,bhsd->bhts", q, k) * call.scale  # (B, H, T, S)
     scores = softcapped(raw, call.softcap)  # (B, H, T, S)
-    scores = scores + alibi_bias(alibi_slopes, call, scores.dtype)  # (B|1, H, T, S)
-    scores = scores + float_mask(mask, call, scores.dtype)  # (B, H, T, S)
+    scores = add_alibi_bias(scores, alibi_slopes, call)  # (B, H, T, S)
+    scores = add_float_mask(scores, mask, call)  # (B, H, T, S)
     scores = np.where(allowed, scores, -np.inf)  # (B, H, T, S)
     weights, sink_weights = softmax_with_sink(scores, sinks)  # (B, H, T, S), (B, H, T, 1)
     out = np.einsum("bhts,bhse->bhte", weights, v)  # (B, H, T, E)
@@ -211,7 +211,8 @@ def softmax_with_sink(scores: np.ndarray, sinks: np.ndarray | None):
     a weight of 0, which would give their keys finite gradients."""
     H = scores.shape[1]
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)  # (B, H, T, 1)
-    sink = sink_logits(sinks, row_max, H)  # (B, H, T, 1)
+    no_sink = np.full_like(row_max, -np.inf)  # (B, H, T, 1): exp(-inf) = 0
+    sink = no_sink if sinks is None else sink_logits(sinks, row_max, H)  # (B, H, T, 1)
     row_max = np.maximum(row_max, sink)  # (B, H, T, 1)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
     p = np.exp(scores - row_max)  # (B, H, T, S)

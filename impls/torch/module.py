@@ -1,4 +1,4 @@
-"""Scaled dot-product attention for PyTorch modules, and the seeds' modules built on it.
+"""Scaled dot-product attention for PyTorch modules: the steps with dropout as a module.
 
     out = softmax(scale · q kᵀ + mask) v
 
@@ -16,7 +16,7 @@ Shape legend (heads-first, as in PyTorch, whose docs call T "L" and E "Ev"):
 
     B batch            H query heads      K key/value heads (H % K == 0)
     G = H // K         T query length     S key/value length
-    D q/k head dim     E v head dim       C model width      F MLP hidden width
+    D q/k head dim     E v head dim
 
     q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
     mask: bool (True = may attend) or floating (added to the scores), broadcastable to
@@ -26,16 +26,11 @@ Supports: bool and float masks; causal masks aligned top-left or bottom-right; s
 windows; chunked local attention (Llama 4); ALiBi; softcapping (Gemma 2); attention sinks
 (gpt-oss); grouped- and multi-query attention (K < H); dropout through a callable such as
 ``nn.Dropout``, so that ``module.eval()`` turns it off; float64, float32, float16 and
-bfloat16; autograd. A query row with no key left to attend returns exactly 0, and its
-gradients are 0, not NaN. Each variant is one helper, called from its step and defined
-below ``attention``; the modules come after them, the Notes (why each step is written so) last.
+bfloat16; autograd. A query row with no key left returns exactly 0, with gradients 0.
 
-The modules are the seed tutorial's ``MultiHeadAttention`` (one fused ``qkv`` Linear,
-``out_proj``, ``dropout``) and a pre-LN ``SelfAttentionBlock``; their ``state_dict`` names
-are the parameter names of the NumPy reference's ``multi_head_attention`` and ``gpt_block``.
-Imports: the standard library, PyTorch and ``contract.py``, the input contract every page
-checks as its step 0. The math is this page's own, not ``naive.py``'s, so that the suite
-checks two independent copies of the steps; ``naive.py`` lists the package's other pages.
+Imports: the standard library, PyTorch and ``contract.py``. The math is this page's own,
+not ``naive.py``'s, so that the suite checks two independent copies of the steps. The seed
+tutorial's ``MultiHeadAttention`` and a GPT block built on it are ``layers.py``.
 """
 
 from __future__ import annotations
@@ -44,7 +39,6 @@ import math
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from .. import contract
 
@@ -110,8 +104,8 @@ def attention(
 
     # 4. Mask: ALiBi's bias and a float mask are added; every key a query may not see
     # gets -inf.
-    scores = scores + alibi_bias(alibi_slopes, call, scores.dtype)  # (B|1, H, T, S)
-    scores = scores + float_mask(mask, call, scores.dtype)  # (B, H, T, S)
+    scores = add_alibi_bias(scores, alibi_slopes, call)  # (B, H, T, S)
+    scores = add_float_mask(scores, mask, call)  # (B, H, T, S)
     scores = torch.where(allowed, scores, -math.inf)  # (B, H, T, S)
 
     # 5. Softmax over the keys; a row with no key left gets weights of exactly 0.
@@ -219,25 +213,25 @@ class _Softcap(torch.autograd.Function):
         return d_capped * (1.0 - tanh * tanh), None  # (B, H, T, S)
 
 
-def alibi_bias(slopes: torch.Tensor | None, call: contract.Checked, work) -> torch.Tensor:
-    """ALiBi's bias, (B|1, H, T, S): −slope · |t + S − T − s|, so that a key weighs less
-    the farther it lies from the query. The distance is from the bottom-right diagonal
-    whatever the causal alignment: the last query sits at the last key (see Notes: ALiBi)."""
+def add_alibi_bias(scores: torch.Tensor, slopes: torch.Tensor | None, call: contract.Checked):
+    """The scores plus ALiBi's bias −slope · |t + S − T − s|, so that a key weighs less the
+    farther it lies from the query. The distance is from the bottom-right diagonal whatever
+    the causal alignment: the last query sits at the last key (see Notes: ALiBi)."""
     if slopes is None:
-        return torch.zeros((), dtype=work)
+        return scores
     T, S, H = call.T, call.S, call.H
     t = torch.arange(T, device=slopes.device)[:, None]  # (T, 1)
     s = torch.arange(S, device=slopes.device)[None, :]  # (1, S)
-    distance = (t + S - T - s).abs().to(work)  # (T, S)
-    return -slopes.to(work).reshape(-1, H, 1, 1) * distance  # (B|1, H, T, S)
+    distance = (t + S - T - s).abs().to(scores.dtype)  # (T, S)
+    return scores - slopes.to(scores.dtype).reshape(-1, H, 1, 1) * distance  # (B, H, T, S)
 
 
-def float_mask(mask: torch.Tensor | None, call: contract.Checked, work) -> torch.Tensor:
-    """What a float mask adds to the scores; a bool mask (or none) adds nothing, it only
-    blocks (in ``allowed_keys``)."""
+def add_float_mask(scores: torch.Tensor, mask: torch.Tensor | None, call: contract.Checked):
+    """The scores plus a float mask; a bool mask (or none) adds nothing, it only blocks (in
+    ``allowed_keys``)."""
     if mask is None or call.mask_is_bool:
-        return torch.zeros((), dtype=work)
-    return mask.to(work)  # (B|1, H|1, T|1, S|1)
+        return scores
+    return scores + mask.to(scores.dtype)  # (B, H, T, S)
 
 
 # --- Steps 5 and 6: the weights -------------------------------------------------------------
@@ -245,33 +239,51 @@ def float_mask(mask: torch.Tensor | None, call: contract.Checked, work) -> torch
 
 def softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
     """The softmax over the keys, less the row maximum so that exp() <= 1. A row with no key
-    left has maximum -inf and gets weights of exactly 0 (see Notes: empty rows); a sink
-    joins the maximum and the sum but has no value row (see Notes: sinks)."""
+    left has maximum -inf and gets weights of exactly 0 (see Notes: empty rows)."""
+    if sinks is not None:
+        return softmax_with_sinks(scores, sinks)
+    row_max = _row_max(scores)  # (B, H, T, 1)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
+    p = torch.exp(scores - row_max)  # (B, H, T, S)
+    row_sum = p.sum(dim=-1, keepdim=True)  # (B, H, T, 1)
+    return p / _divisor(row_sum)  # (B, H, T, S)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The softmax with one sink logit per head: it joins the row maximum and the sum, but
+    has no value row, so the keys' weights add up to less than 1 (see Notes: sinks)."""
     H = scores.shape[1]
-    # torch's amax refuses a key axis of length 0 (S = 0): its rows' maximum is -inf.
-    empty = scores.new_full((*scores.shape[:-1], 1), -math.inf)  # (B, H, T, 1)
-    row_max = scores.amax(dim=-1, keepdim=True) if scores.shape[-1] else empty  # (B, H, T, 1)
+    row_max = _row_max(scores)  # (B, H, T, 1)
     sink = sink_logits(sinks, row_max, H)  # (B, H, T, 1)
     row_max = torch.maximum(row_max, sink)  # (B, H, T, 1)
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
     p = torch.exp(scores - row_max)  # (B, H, T, S)
     row_sum = p.sum(dim=-1, keepdim=True) + torch.exp(sink - row_max)  # (B, H, T, 1)
-    divisor = torch.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, 1)
-    # A row that reads +inf is NaN whole, not only at its +inf scores (see Notes: overflow).
-    divisor = torch.where(row_sum == math.inf, math.nan, divisor)  # (B, H, T, 1)
-    weights = p / divisor  # (B, H, T, S)
-    if sinks is None:
-        return weights  # no sink to be NaN: the weights are not passed over once more
+    weights = p / _divisor(row_sum)  # (B, H, T, S)
     # A NaN or +inf sink makes its row NaN, as +inf - +inf does in the softmax (SPEC §15.4);
     # the shift by a finite row maximum above cannot show it, so it is selected.
     return torch.where(torch.isnan(sink) | (sink == math.inf), math.nan, weights)  # (B, H, T, S)
 
 
-def sink_logits(sinks: torch.Tensor | None, row_max: torch.Tensor, H: int) -> torch.Tensor:
+def _row_max(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's maximum, (B, H, T, 1); torch's amax refuses a key axis of length 0
+    (S = 0), whose rows' maximum is -inf."""
+    if scores.shape[-1] == 0:
+        return scores.new_full((*scores.shape[:-1], 1), -math.inf)  # (B, H, T, 1)
+    return scores.amax(dim=-1, keepdim=True)  # (B, H, T, 1)
+
+
+def _divisor(row_sum: torch.Tensor) -> torch.Tensor:
+    """What divides a row: its sum, 1 for a row with no key (its weights stay 0), and NaN for
+    a row that reads +inf, which is NaN whole, not only at its +inf scores, so that autograd
+    reaches every key it attends (see Notes: overflow)."""
+    divisor = torch.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, 1)
+    return torch.where(row_sum == math.inf, math.nan, divisor)  # (B, H, T, 1)
+
+
+def sink_logits(sinks: torch.Tensor, row_max: torch.Tensor, H: int) -> torch.Tensor:
     """Each row's sink logit, (B, H, T, 1): sinks[h] in the rows of head h that have a key,
-    and -inf (no sink: exp(-inf) = 0) in a row with none, or without sinks."""
-    if sinks is None:
-        return torch.full_like(row_max, -math.inf)  # (B, H, T, 1)
+    and -inf (no sink: exp(-inf) = 0) in a row with none, which stays exactly 0."""
     has_key = row_max != -math.inf  # (B, H, T, 1); NaN != -inf: a NaN row has keys
     logits = sinks.to(row_max.dtype).reshape(1, H, 1, 1)  # (1, H, 1, 1)
     return torch.where(has_key, logits, -math.inf)  # (B, H, T, 1)
@@ -294,88 +306,6 @@ def as_given(out: torch.Tensor, dtype: torch.dtype, call: contract.Checked) -> t
     for unbatched inputs."""
     out = out.to(dtype)  # (B, H, T, E)
     return out[0] if call.unbatched else out  # (B, H, T, E) or (H, T, E)
-
-
-# --- The modules: the seeds' multi-head layer and a GPT block --------------------------------
-
-
-class MultiHeadAttention(nn.Module):
-    """Multi-head self-attention: one fused q/k/v projection, H heads, an output mix.
-
-    Args:
-      d_model: C, the model width.
-      n_heads: H, which must divide C; each head has D = C // H channels.
-      dropout: probability of zeroing each attention weight in training mode.
-
-    Shapes: x (B, T, C) -> (B, T, C).
-    """
-
-    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0) -> None:
-        super().__init__()
-        C = d_model
-        D = contract.check_heads(n_heads, C)
-        self.d_model = C
-        self.n_heads = C // D
-        self.head_dim = D
-        self.qkv = nn.Linear(C, 3 * C)
-        self.out_proj = nn.Linear(C, C)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-    ) -> torch.Tensor:
-        """Attend every position of x to the others (mask, is_causal as ``attention``)."""
-        B, T, C, H, D = contract.check_module_input(x, self.n_heads, self.d_model)
-
-        # 1. Project to queries, keys and values with one fused matrix, then split them.
-        qkv = self.qkv(x)  # (B, T, 3C)
-        q, k, v = qkv.split(C, dim=-1)  # 3 × (B, T, C)
-
-        # 2. Split the width into H heads of D channels: head h owns channels [h·D, (h+1)·D).
-        q = q.reshape(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        k = k.reshape(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        v = v.reshape(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-
-        # 3. Attention in every head at once; the dropout module is off in eval mode.
-        context = attention(
-            q, k, v, mask=mask, is_causal=is_causal, dropout=self.dropout
-        )  # (B, H, T, D)
-
-        # 4. Merge the heads back into the width, head-major, then mix them.
-        context = context.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
-        return self.out_proj(context)  # (B, T, C)
-
-
-class SelfAttentionBlock(nn.Module):
-    """One pre-LN decoder block: x + attn(norm1(x)), then + mlp(norm2(x)).
-
-    Args:
-      d_model: C, the model width.
-      n_heads: H, which must divide C.
-      d_ff: F, the MLP's hidden width.
-
-    Shapes: x (B, T, C) -> (B, T, C). The attention is causal (top-left, T = S).
-    """
-
-    def __init__(self, d_model: int, n_heads: int, d_ff: int) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(d_model)
-        self.attn = MultiHeadAttention(d_model, n_heads)
-        self.norm2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(
-            nn.Linear(d_model, d_ff),
-            nn.GELU(),
-            nn.Linear(d_ff, d_model),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Pre-LN: each sublayer sees a normalised input, and the residual path stays an
-        # identity, which keeps deep stacks trainable without warm-up tricks.
-        x = x + self.attn(self.norm1(x), is_causal=True)  # (B, T, C)
-        return x + self.mlp(self.norm2(x))  # (B, T, C)
 
 
 # --- Notes ----------------------------------------------------------------------------------

@@ -24,17 +24,13 @@ Shape legend (heads-first, as in PyTorch, whose docs call T "L" and E "Ev"):
 
 Supports: bool and float masks; causal masks aligned top-left or bottom-right; sliding
 windows; chunked local attention (Llama 4); ALiBi; softcapping (Gemma 2); attention sinks
-(gpt-oss); grouped- and multi-query attention (K < H); dropout drawn as SDPA draws it, from
-an optional ``torch.Generator``; float64, float32, float16 and bfloat16; autograd. A query
-row with no key left to attend returns exactly 0, and its gradients are 0, not NaN. With
-``return_weights=True`` it returns ``(out, weights)``, and the seed tutorials' name
-``scaled_dot_product_attention`` is an alias. Each variant is one helper, called from its
-step and defined below ``attention``; the Notes at the end say why each is written so.
+(gpt-oss); grouped- and multi-query attention (K < H); dropout drawn as SDPA draws it;
+float64, float32, float16 and bfloat16; autograd. A query row with no key left returns
+exactly 0, with gradients 0. ``return_weights=True`` also returns the weights.
 
-Imports: the standard library, PyTorch and ``contract.py``, the input contract every page
-checks as its step 0. Where the rest lives, in this package: ``module.py`` and ``sdpa.py``
-(the other core pages), ``kv_cache.py``, ``packed.py`` (variable-length documents, SPEC
-§18), ``paged.py`` (a paged KV cache, §19), ``ring.py`` and ``ulysses.py`` (context parallel).
+Imports: the standard library, PyTorch and ``contract.py``. The rest of this package:
+``module.py`` and ``sdpa.py`` (the other core pages), ``layers.py``, ``kv_cache.py``,
+``packed.py`` (SPEC §18), ``paged.py`` (§19), ``ring.py`` and ``ulysses.py``.
 """
 
 from __future__ import annotations
@@ -111,8 +107,8 @@ def attention(
 
     # 4. Mask: ALiBi's bias and a float mask are added; every key a query may not see
     # gets -inf.
-    scores = scores + alibi_bias(alibi_slopes, call, scores.dtype)  # (B|1, H, T, S)
-    scores = scores + float_mask(mask, call, scores.dtype)  # (B, H, T, S)
+    scores = add_alibi_bias(scores, alibi_slopes, call)  # (B, H, T, S)
+    scores = add_float_mask(scores, mask, call)  # (B, H, T, S)
     scores = torch.where(allowed, scores, -math.inf)  # (B, H, T, S)
 
     # 5. Softmax over the keys; a row with no key left gets weights of exactly 0.
@@ -224,25 +220,25 @@ class _Softcap(torch.autograd.Function):
         return d_capped * (1.0 - tanh * tanh), None  # (B, H, T, S)
 
 
-def alibi_bias(slopes: torch.Tensor | None, call: contract.Checked, work) -> torch.Tensor:
-    """ALiBi's bias, (B|1, H, T, S): −slope · |t + S − T − s|, so that a key weighs less
-    the farther it lies from the query. The distance is from the bottom-right diagonal
-    whatever the causal alignment: the last query sits at the last key (see Notes: ALiBi)."""
+def add_alibi_bias(scores: torch.Tensor, slopes: torch.Tensor | None, call: contract.Checked):
+    """The scores plus ALiBi's bias −slope · |t + S − T − s|, so that a key weighs less the
+    farther it lies from the query. The distance is from the bottom-right diagonal whatever
+    the causal alignment: the last query sits at the last key (see Notes: ALiBi)."""
     if slopes is None:
-        return torch.zeros((), dtype=work)
+        return scores
     T, S, H = call.T, call.S, call.H
     t = torch.arange(T, device=slopes.device)[:, None]  # (T, 1)
     s = torch.arange(S, device=slopes.device)[None, :]  # (1, S)
-    distance = (t + S - T - s).abs().to(work)  # (T, S)
-    return -slopes.to(work).reshape(-1, H, 1, 1) * distance  # (B|1, H, T, S)
+    distance = (t + S - T - s).abs().to(scores.dtype)  # (T, S)
+    return scores - slopes.to(scores.dtype).reshape(-1, H, 1, 1) * distance  # (B, H, T, S)
 
 
-def float_mask(mask: torch.Tensor | None, call: contract.Checked, work) -> torch.Tensor:
-    """What a float mask adds to the scores; a bool mask (or none) adds nothing, it only
-    blocks (in ``allowed_keys``)."""
+def add_float_mask(scores: torch.Tensor, mask: torch.Tensor | None, call: contract.Checked):
+    """The scores plus a float mask; a bool mask (or none) adds nothing, it only blocks (in
+    ``allowed_keys``)."""
     if mask is None or call.mask_is_bool:
-        return torch.zeros((), dtype=work)
-    return mask.to(work)  # (B|1, H|1, T|1, S|1)
+        return scores
+    return scores + mask.to(scores.dtype)  # (B, H, T, S)
 
 
 # --- Steps 5 and 6: the weights -------------------------------------------------------------
@@ -250,33 +246,51 @@ def float_mask(mask: torch.Tensor | None, call: contract.Checked, work) -> torch
 
 def softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
     """The softmax over the keys, less the row maximum so that exp() <= 1. A row with no key
-    left has maximum -inf and gets weights of exactly 0 (see Notes: empty rows); a sink
-    joins the maximum and the sum but has no value row (see Notes: sinks)."""
+    left has maximum -inf and gets weights of exactly 0 (see Notes: empty rows)."""
+    if sinks is not None:
+        return softmax_with_sinks(scores, sinks)
+    row_max = _row_max(scores)  # (B, H, T, 1)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
+    p = torch.exp(scores - row_max)  # (B, H, T, S)
+    row_sum = p.sum(dim=-1, keepdim=True)  # (B, H, T, 1)
+    return p / _divisor(row_sum)  # (B, H, T, S)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The softmax with one sink logit per head: it joins the row maximum and the sum, but
+    has no value row, so the keys' weights add up to less than 1 (see Notes: sinks)."""
     H = scores.shape[1]
-    # torch's amax refuses a key axis of length 0 (S = 0): its rows' maximum is -inf.
-    empty = scores.new_full((*scores.shape[:-1], 1), -math.inf)  # (B, H, T, 1)
-    row_max = scores.amax(dim=-1, keepdim=True) if scores.shape[-1] else empty  # (B, H, T, 1)
+    row_max = _row_max(scores)  # (B, H, T, 1)
     sink = sink_logits(sinks, row_max, H)  # (B, H, T, 1)
     row_max = torch.maximum(row_max, sink)  # (B, H, T, 1)
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
     p = torch.exp(scores - row_max)  # (B, H, T, S)
     row_sum = p.sum(dim=-1, keepdim=True) + torch.exp(sink - row_max)  # (B, H, T, 1)
-    divisor = torch.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, 1)
-    # A row that reads +inf is NaN whole, not only at its +inf scores (see Notes: overflow).
-    divisor = torch.where(row_sum == math.inf, math.nan, divisor)  # (B, H, T, 1)
-    weights = p / divisor  # (B, H, T, S)
-    if sinks is None:
-        return weights  # no sink to be NaN: the weights are not passed over once more
+    weights = p / _divisor(row_sum)  # (B, H, T, S)
     # A NaN or +inf sink makes its row NaN, as +inf - +inf does in the softmax (SPEC §15.4);
     # the shift by a finite row maximum above cannot show it, so it is selected.
     return torch.where(torch.isnan(sink) | (sink == math.inf), math.nan, weights)  # (B, H, T, S)
 
 
-def sink_logits(sinks: torch.Tensor | None, row_max: torch.Tensor, H: int) -> torch.Tensor:
+def _row_max(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's maximum, (B, H, T, 1); torch's amax refuses a key axis of length 0
+    (S = 0), whose rows' maximum is -inf."""
+    if scores.shape[-1] == 0:
+        return scores.new_full((*scores.shape[:-1], 1), -math.inf)  # (B, H, T, 1)
+    return scores.amax(dim=-1, keepdim=True)  # (B, H, T, 1)
+
+
+def _divisor(row_sum: torch.Tensor) -> torch.Tensor:
+    """What divides a row: its sum, 1 for a row with no key (its weights stay 0), and NaN for
+    a row that reads +inf, which is NaN whole, not only at its +inf scores, so that autograd
+    reaches every key it attends (see Notes: overflow)."""
+    divisor = torch.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, 1)
+    return torch.where(row_sum == math.inf, math.nan, divisor)  # (B, H, T, 1)
+
+
+def sink_logits(sinks: torch.Tensor, row_max: torch.Tensor, H: int) -> torch.Tensor:
     """Each row's sink logit, (B, H, T, 1): sinks[h] in the rows of head h that have a key,
-    and -inf (no sink: exp(-inf) = 0) in a row with none, or without sinks."""
-    if sinks is None:
-        return torch.full_like(row_max, -math.inf)  # (B, H, T, 1)
+    and -inf (no sink: exp(-inf) = 0) in a row with none, which stays exactly 0."""
     has_key = row_max != -math.inf  # (B, H, T, 1); NaN != -inf: a NaN row has keys
     logits = sinks.to(row_max.dtype).reshape(1, H, 1, 1)  # (1, H, 1, 1)
     return torch.where(has_key, logits, -math.inf)  # (B, H, T, 1)

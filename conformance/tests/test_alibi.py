@@ -127,7 +127,7 @@ def test_alibi_worked_example(backend, key, dtype):
 @pytest.mark.parametrize(
     ("setup", "size", "dtype"), pairwise_params(setup_params(SETUPS), size=SIZES, dtype=DTYPE_AXIS)
 )
-def test_alibi_matches_theoracle_and_tolerance(backend, setup, size, dtype):
+def test_alibi_matches_the_oracle(backend, setup, size, dtype):
     """ALiBi alone, with (B, H) slopes, causality in both alignments, GQA, masks, a scale,
     a window and a softcap, sinks and chunks: the output is the oracle's within SPEC §7.
     Every setup runs at every size and in both dtypes (all pairs, not their product)."""
@@ -272,7 +272,7 @@ def _vjp(backend, q, k, v, d_out, **options) -> dict[str, np.ndarray]:
 @pytest.mark.clause("17.3", "12.9")
 @dtypes
 @pytest.mark.parametrize("setup", setup_params(SETUPS, grad=True))
-def test_alibi_gradients_match_theoracle_and_tolerance(backend, dtype, setup):
+def test_alibi_gradients_match_the_oracle(backend, dtype, setup):
     """dq, dk, dv (dmask, dsinks) with ALiBi against the 50-digit oracle, within SPEC §12.9
     (the naive backward in the dtype against the oracle); no gradient for the slopes."""
     q, k, v, options = _setup(setup, {"T": 7, "S": 9}, dtype, 117)

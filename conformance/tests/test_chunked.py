@@ -126,7 +126,7 @@ def test_chunked_worked_example(backend, key, dtype):
         chunk={f"chunk{c}": c for c in (1, 3, 5)},
     ),
 )
-def test_chunked_matches_theoracle_and_tolerance(backend, setup, size, dtype, chunk):
+def test_chunked_matches_the_oracle(backend, setup, size, dtype, chunk):
     """Chunks alone and with causality in both alignments, a window, GQA, masks, a scale
     and a softcap: the output is the oracle's within SPEC §7. Every setup runs at every
     size, and meets every chunk length and dtype (all pairs, not their full product)."""
@@ -271,7 +271,7 @@ def _vjp(backend, q, k, v, d_out, **options) -> dict[str, np.ndarray]:
 @pytest.mark.clause("16.3", "12.9")
 @dtypes
 @pytest.mark.parametrize("setup", setup_params(SETUPS, grad=True, uses={"chunk_size": 1}))
-def test_chunked_gradients_match_theoracle_and_tolerance(backend, dtype, setup):
+def test_chunked_gradients_match_the_oracle(backend, dtype, setup):
     """dq, dk, dv (dmask) with chunks against the 50-digit oracle, within SPEC §12.9 (the
     naive backward in the dtype against the oracle); the same tuple as without chunks."""
     q, k, v, options = _setup(setup, {"T": 7, "S": 9}, dtype, 95)

@@ -110,7 +110,7 @@ def test_sinks_worked_example(backend, causal, dtype):
 @pytest.mark.parametrize(
     ("setup", "size", "dtype"), pairwise_params(setup_params(SETUPS), size=SIZES, dtype=DTYPE_AXIS)
 )
-def test_sinks_match_theoracle_and_tolerance(backend, setup, size, dtype):
+def test_sinks_match_the_oracle(backend, setup, size, dtype):
     """Sinks alone and with causality, masks, a scale, GQA, bottom-right alignment, a
     window and a softcap: the output is the oracle's within SPEC §7. Every setup runs at
     every size and in both dtypes (all pairs, not their product)."""
@@ -403,7 +403,7 @@ def _float_mask(options: dict) -> bool:
 @pytest.mark.clause("15.5", "12.9")
 @dtypes
 @pytest.mark.parametrize("setup", setup_params(SETUPS, grad=True))
-def test_sink_gradients_match_theoracle_and_tolerance(backend, dtype, setup):
+def test_sink_gradients_match_the_oracle(backend, dtype, setup):
     """dq, dk, dv (dmask) and dsinks = −Σ p_sink · (dO · O) against the 50-digit oracle,
     within SPEC §12.9 (the naive backward in the dtype against the oracle)."""
     q, k, v, sinks, options = _setup(setup, {"T": 7, "S": 9}, dtype, 74)

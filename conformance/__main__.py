@@ -18,7 +18,7 @@ COMMANDS = {
         "conformance.frameworks",
         "measure how the frameworks' own functions differ from the spec (README table)",
     ),
-    "walkthrough": ("conformance.walkthrough", "write the worked example, step by step"),
+    "walkthrough": ("conformance.walkthrough", "write the walkthroughs' numbers and pictures"),
 }
 
 

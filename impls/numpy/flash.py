@@ -427,6 +427,7 @@ def backward_block(
     for s0, s1, whole in tiles.ranges(t0, t1):
         # Forward steps 1, 3 and 4 again: the tile's masked scores Z.
         z, used = tiles.scores(qs, t0, t1, s0, s1, whole, keep_tanh=True)  # (B·K, G·Tb, Sb)
+        # --8<-- [start:backward-5-weights]
         # 5. The weights, recomputed from the row's log-sum-exp: P = exp(Z − lse). A row
         # with no key has lse = +inf and so P = 0; a row that read a +inf score (q·k
         # overflowed) has l = +inf and lse = NaN, so that every weight of it is NaN, as
@@ -437,14 +438,19 @@ def backward_block(
         p = np.exp(z, out=z)  # (B·K, G·Tb, Sb)
         kb = tiles.keys(s0, s1, used)  # (B·K, Sb, D)
         vb = tiles.values(s0, s1, used)  # (B·K, Sb, E)
+        # --8<-- [end:backward-5-weights]
 
+        # --8<-- [start:backward-7-dv-dp]
         # 7'. Weighted sum, O = P·V: dV = Pᵀ·dO, and dP = dO·Vᵀ.
         dv_b = np.matmul(p.transpose(0, 2, 1), do)  # (B·K, Sb, E)
         dz = np.matmul(do, vb.transpose(0, 2, 1))  # (B·K, G·Tb, Sb), dP for now
+        # --8<-- [end:backward-7-dv-dp]
 
+        # --8<-- [start:backward-5-dz]
         # 5'. Softmax: dZ = P ⊙ (dP − Δ).
         dz -= delta  # (B·K, G·Tb, Sb)
         dz *= p  # (B·K, G·Tb, Sb)
+        # --8<-- [end:backward-5-dz]
 
         # 4'. Mask: a float mask was added to the scores, so its gradient is dZ.
         if dm is not None:

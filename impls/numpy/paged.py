@@ -90,17 +90,23 @@ def attention_paged(
         softcap=softcap,
     )
 
+    # --8<-- [start:step-1-gather]
     # 1. Gather each sequence's keys and values from its pages, in table order.
     k, v = gather_pages(k_pages, v_pages, block_table, call)  # (B, K, S, D), (B, K, S, E)
+    # --8<-- [end:step-1-gather]
 
+    # --8<-- [start:step-2-allowed]
     # 2. Which keys each query may see: its sequence's first seq_lens[b] keys, and the
     # causal triangle and the window from the bottom-right diagonal of that length.
     allowed = paged_allowed(seq_lens, call)  # (B, 1, T, S)
+    # --8<-- [end:step-2-allowed]
 
+    # --8<-- [start:step-3-attention]
     # 3. Attention on the gathered keys under that mask. A slot no query may see (past a
     # sequence's length, or read through a clamped table entry) is replaced by 0 there
     # before it is used, so whatever it holds, NaN included, changes nothing.
     return attention(q, k, v, mask=allowed, scale=call.scale, softcap=call.softcap)
+    # --8<-- [end:step-3-attention]
 
 
 def gather_pages(
@@ -113,12 +119,14 @@ def gather_pages(
     B, K, L, M, D, E = call.B, call.K, call.L, call.M, call.D, call.E
     if call.N == 0:  # no pages at all: every sequence is empty (the contract checked it)
         return np.zeros((B, K, M * L, D), k_pages.dtype), np.zeros((B, K, M * L, E), v_pages.dtype)
+    # --8<-- [start:gather-pages]
     pages = np.clip(block_table.astype(np.int64), 0, call.N - 1)  # (B, M)
     k = k_pages[pages]  # (B, M, K, L, D)
     v = v_pages[pages]  # (B, M, K, L, E)
     k = k.transpose(0, 2, 1, 3, 4).reshape(B, K, M * L, D)  # (B, K, S, D), S = M·L
     v = v.transpose(0, 2, 1, 3, 4).reshape(B, K, M * L, E)  # (B, K, S, E)
     return k, v
+    # --8<-- [end:gather-pages]
 
 
 def paged_allowed(seq_lens: np.ndarray, call: contract.PagedChecked) -> np.ndarray:
@@ -126,6 +134,7 @@ def paged_allowed(seq_lens: np.ndarray, call: contract.PagedChecked) -> np.ndarr
     s < seq_lens[b], and causality and the window allow it from query t's diagonal t +
     seq_lens[b] - T (the queries are the sequence's last T positions)."""
     T, S, window = call.T, call.M * call.L, call.window
+    # --8<-- [start:paged-allowed]
     n = seq_lens.astype(np.int64).reshape(-1, 1, 1, 1)  # (B, 1, 1, 1)
     t = np.arange(T)[:, None]  # (T, 1)
     s = np.arange(S)[None, :]  # (1, S)
@@ -138,6 +147,7 @@ def paged_allowed(seq_lens: np.ndarray, call: contract.PagedChecked) -> np.ndarr
     if window is not None and window[1] is not None:
         allowed = allowed & (distance <= window[1])  # (B, 1, T, S)
     return np.broadcast_to(allowed, (call.B, 1, T, S))  # (B, 1, T, S)
+    # --8<-- [end:paged-allowed]
 
 
 def attention_paged_backward(

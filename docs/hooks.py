@@ -9,23 +9,42 @@
 - A link from a page to a file of the repository outside docs/ (``../impls/contract.py``,
   as the Markdown reads on a forge) cannot be a link of the site: it becomes the file's
   path in code, and a link to a path that does not exist fails the build.
+- A walkthrough's ``<!-- include PATH step N -->`` or ``<!-- include PATH def NAME ... -->``
+  becomes the impl page's step N or functions (docs/includes.py), before pymdownx.snippets
+  runs; an include that names no such step or function fails the build.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import re
+import sys
 from pathlib import Path, PurePosixPath
 
 from markdown import Extension
 from markdown.preprocessors import Preprocessor
+from mkdocs.exceptions import PluginError
 
-ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 CLAUSE = re.compile(r"^\*\*(\d+\.\d+) ([^*]+)\*\*")
 LINK = re.compile(r"\[([^\]]+)\]\(((?:\.\./)+[^)#\s]+)\)")
 log = logging.getLogger("mkdocs.hooks")
 PACKAGES = {"numpy": "NumPy", "jax": "JAX", "torch": "PyTorch"}
 CORE = ("attention", "naive", "module", "sdpa")
+
+
+def _load_includes():
+    # mkdocs loads this file by its path, with docs/ not on sys.path: its neighbour too.
+    spec = importlib.util.spec_from_file_location("walkthrough_includes", HERE / "includes.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+includes = _load_includes()
 
 
 class ClauseAnchors(Preprocessor):
@@ -66,6 +85,10 @@ def impl_pages() -> str:
 def on_page_markdown(markdown: str, page, **kwargs) -> str:
     if page.file.src_uri == "reference/impls.md":
         markdown = markdown.replace("<!-- impls: every page -->", impl_pages())
+    try:
+        markdown = includes.expand(markdown, ROOT)
+    except includes.IncludeError as error:
+        raise PluginError(f"{page.file.src_uri}: {error}") from error
     here = PurePosixPath("docs") / PurePosixPath(page.file.src_uri).parent
 
     def outside(match: re.Match) -> str:

@@ -1,18 +1,23 @@
 """The walkthroughs (docs/walkthrough/*.md) show what the NumPy impl runs and makes today.
 
 The pages are written by hand; the site includes the code they show from the impl pages
-and their numbers from docs/walkthrough/numbers/, both between pymdownx.snippets' section
-markers. Here: the committed numbers are what ``python -m conformance walkthrough`` writes
-today, they are the worked example's hand values (``fixtures/worked_example.json``) and the
-mpmath oracle's, and every section a page includes exists, once (the site's build checks
-that too, but needs mkdocs: these tests read the files as the snippets extension does).
+(the core page's numbered steps and functions by their own comments and names, through
+docs/includes.py; the other pages' lines between pymdownx.snippets' section markers) and
+their numbers from docs/walkthrough/numbers/, between section markers. Here: the committed
+numbers are what ``python -m conformance walkthrough`` writes today, they are the worked
+example's hand values (``fixtures/worked_example.json``) and the mpmath oracle's, and every
+step, function and section a page includes exists (the site's build checks that too, but
+needs mkdocs: these tests read the files as the hook and the snippets extension do, the
+includes with the hook's own module).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
+import sys
 import textwrap
 from pathlib import Path
 
@@ -29,6 +34,20 @@ INCLUDE = re.compile(r'^--8<-- "(?P<path>[^":]+):(?P<name>[a-z][-_0-9a-z]*)"$')
 MARKER = re.compile(r"--8<-- \[(?P<kind>start|end):(?P<name>[a-z][-_0-9a-z]*)\]")
 #: Four decimals, as the pages print them.
 PRINTED = 5e-5
+
+
+def _load_includes():
+    """docs/includes.py, which the site's hook loads by its path too (docs/ is no package)."""
+    spec = importlib.util.spec_from_file_location(
+        "walkthrough_includes", ROOT / "docs" / "includes.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+includes = _load_includes()
 
 
 def _markers(path: Path) -> list[tuple[int, str, str]]:
@@ -48,15 +67,22 @@ def section(path: str, name: str) -> list[str]:
     return textwrap.dedent(body).splitlines()
 
 
-def includes(page: str) -> list[tuple[str, str]]:
+def snippets(page: str) -> list[tuple[str, str]]:
+    """The page's pymdownx.snippets includes: (path, section name)."""
     text = (PAGES / f"{page}.md").read_text(encoding="utf-8")
     return [(m["path"], m["name"]) for m in map(INCLUDE.match, text.splitlines()) if m]
 
 
+def code_includes(page: str) -> list[str]:
+    """The page's includes of impl code by step or function name, as the hook reads them."""
+    return [str(i) for i in includes.directives((PAGES / f"{page}.md").read_text("utf-8"))]
+
+
 def assembled(page: str) -> str:
-    """The page as the site shows it: each include replaced by its section."""
+    """The page as the site shows it: each step, function and section included."""
+    text = includes.expand((PAGES / f"{page}.md").read_text(encoding="utf-8"), ROOT)
     out = []
-    for line in (PAGES / f"{page}.md").read_text(encoding="utf-8").splitlines():
+    for line in text.splitlines():
         m = INCLUDE.match(line)
         out += section(m["path"], m["name"]) if m else [line]
     return "\n".join(out)
@@ -92,11 +118,14 @@ def test_the_command_writes_the_numbers_and_the_pictures(tmp_path):
 
 
 def test_every_section_is_included_once_and_exists():
-    """Each page includes sections that exist; each page's numbers are all shown; every
-    marker pair in impls/numpy/ is shown by some page (a marker nobody reads is dead)."""
-    shown = {(path, name) for page in walkthrough.PAGES for path, name in includes(page)}
+    """Each page includes sections, steps and functions that exist, each once; each page's
+    numbers are all shown; every marker pair in impls/numpy/ is shown by some page (a
+    marker nobody reads is dead); the core page has no marker at all."""
+    shown = {(path, name) for page in walkthrough.PAGES for path, name in snippets(page)}
     for page in walkthrough.PAGES:
-        assert len(includes(page)) == len(set(includes(page))), f"{page}.md repeats a section"
+        assert len(snippets(page)) == len(set(snippets(page))), f"{page}.md repeats a section"
+        code = code_includes(page)
+        assert len(code) == len(set(code)), f"{page}.md repeats an include: {code}"
         assembled(page)
         numbers = f"docs/walkthrough/numbers/{page}.md"
         for _, kind, name in _markers(ROOT / numbers):
@@ -105,6 +134,62 @@ def test_every_section_is_included_once_and_exists():
         path = impl.relative_to(ROOT).as_posix()
         for _, kind, name in _markers(impl):
             assert kind == "end" or (path, name) in shown, f"no walkthrough shows {path}:{name}"
+    assert not _markers(ROOT / "impls" / "numpy" / "attention.py")
+
+
+def test_the_core_pages_steps_are_included_by_their_numbers():
+    """The worked example shows attention()'s steps 1, 2, 4, 5 and 7 (3 and 6 are off in
+    it) and step 5's helpers, from the comment line to the blank line that ends each."""
+    assert code_includes("walkthrough") == [
+        "impls/numpy/attention.py step 1",
+        "impls/numpy/attention.py step 2",
+        "impls/numpy/attention.py step 4",
+        "impls/numpy/attention.py step 5",
+        "impls/numpy/attention.py def softmax softmax_with_sinks sink_logits",
+        "impls/numpy/attention.py step 7",
+    ]
+    page = assembled("walkthrough")
+    step_4 = [
+        "# 4. Mask: ALiBi's bias and a float mask are added; every key a query may not see",
+        "# gets -inf.",
+        "scores = add_alibi_bias(scores, alibi_slopes, call)  # (B, H, T, S)",
+        "scores = add_float_mask(scores, mask, call)  # (B, H, T, S)",
+        "scores = np.where(allowed, scores, -np.inf)  # (B, H, T, S)",
+        "```",
+    ]
+    assert "\n".join(step_4) in page
+    step_0 = includes.source(ROOT, includes.Include("impls/numpy/attention.py", "step", ("0",)))
+    assert step_0[-1].startswith("k, v = unseen_slots_zeroed(k, v, allowed)")  # a blank, then 1
+    assert "# 3. Softcap" not in page and "# 6. Dropout" not in page
+    assert "\n        return softmax_with_sinks(scores, sinks)\n" in page  # dedented as a whole
+    assert "return np.where(has_key, logits, -np.inf)  # (B, H, T, 1)\n```" in page
+
+
+@pytest.mark.parametrize(
+    ("directive", "says"),
+    [
+        ("<!-- include impls/numpy/attention.py step 9 -->", "no such step"),
+        ("<!-- include impls/numpy/attention.py step one -->", "a step is one number"),
+        ("<!-- include impls/numpy/attention.py def softmax_v2 -->", "no such run"),
+        ("<!-- include impls/numpy/attention.py def softmax sink_logits -->", "no such run"),
+        ("<!-- include impls/numpy/attention.py def sink_logits softmax -->", "no such run"),
+        ("<!-- include impls/numpy/gone.py step 1 -->", "there is no file"),
+    ],
+)
+def test_an_include_of_nothing_fails(directive, says):
+    """A step or function that is not there (or functions that do not follow one another)
+    is an error, which the hook turns into a failed build."""
+    with pytest.raises(includes.IncludeError, match=says):
+        includes.expand(f"```python\n{directive}\n```\n", ROOT)
+
+
+def test_a_step_ends_at_its_blank_line_or_its_block(tmp_path):
+    (tmp_path / "page.py").write_text(
+        "def f(x):\n    # 1. One.\n    y = x\n\n    # 2. Two.\n    return y\ny = 1\n",
+        encoding="utf-8",
+    )
+    one = "  <!-- include page.py step 1 -->\n  <!-- include page.py step 2 -->\n"
+    assert includes.expand(one, tmp_path) == "  # 1. One.\n  y = x\n  # 2. Two.\n  return y\n"
 
 
 @pytest.mark.clause("11.1")

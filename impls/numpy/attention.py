@@ -92,39 +92,30 @@ def attention(
     k, v = repeat_heads(k, call.G), repeat_heads(v, call.G)  # (B, H, S, D), (B, H, S, E)
     allowed = allowed_keys(mask, call)  # (B|1, H|1, T, S)
     k, v = unseen_slots_zeroed(k, v, allowed)  # (B, H, S, D), (B, H, S, E)
-    # --8<-- [start:step-1-scores]
+
     # 1. Scores: every query against every key of its head.
     scores = np.einsum("bhtd,bhsd->bhts", q, k)  # (B, H, T, S)
-    # --8<-- [end:step-1-scores]
 
-    # --8<-- [start:step-2-scale]
     # 2. Scale, so that the scores' spread does not grow with the head size D.
     scores = scores * call.scale  # (B, H, T, S)
-    # --8<-- [end:step-2-scale]
 
     # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
     scores = softcapped(scores, call.softcap)  # (B, H, T, S)
 
-    # --8<-- [start:step-4-mask]
     # 4. Mask: ALiBi's bias and a float mask are added; every key a query may not see
     # gets -inf.
     scores = add_alibi_bias(scores, alibi_slopes, call)  # (B, H, T, S)
     scores = add_float_mask(scores, mask, call)  # (B, H, T, S)
     scores = np.where(allowed, scores, -np.inf)  # (B, H, T, S)
-    # --8<-- [end:step-4-mask]
 
-    # --8<-- [start:step-5-softmax]
     # 5. Softmax over the keys; a row with no key left gets weights of exactly 0.
     weights = softmax(scores, sinks)  # (B, H, T, S)
-    # --8<-- [end:step-5-softmax]
 
     # 6. Dropout: zero each weight with probability dropout_p, rescale the rest.
     weights = dropped_out(weights, call.dropout_p, rng)  # (B, H, T, S)
 
-    # --8<-- [start:step-7-sum]
     # 7. Weighted sum of the values.
     out = np.einsum("bhts,bhse->bhte", weights, v)  # (B, H, T, E)
-    # --8<-- [end:step-7-sum]
     return as_given(out, dtype, call)  # (B, H, T, E), or (H, T, E) unbatched
 
 
@@ -228,7 +219,6 @@ def add_float_mask(scores: np.ndarray, mask: np.ndarray | None, call: contract.C
 # --- Steps 5 and 6: the weights -------------------------------------------------------------
 
 
-# --8<-- [start:step-5-helpers]
 def softmax(scores: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
     """The softmax over the keys, less the row maximum so that exp() <= 1. A row with no key
     left has maximum -inf and gets weights of exactly 0 (see Notes: empty rows)."""
@@ -263,7 +253,6 @@ def sink_logits(sinks: np.ndarray, row_max: np.ndarray, H: int) -> np.ndarray:
     has_key = row_max != -np.inf  # (B, H, T, 1); NaN != -inf: a NaN row has keys
     logits = sinks.astype(row_max.dtype).reshape(1, H, 1, 1)  # (1, H, 1, 1)
     return np.where(has_key, logits, -np.inf)  # (B, H, T, 1)
-    # --8<-- [end:step-5-helpers]
 
 
 def dropped_out(weights: np.ndarray, dropout_p: float, rng) -> np.ndarray:

@@ -1,8 +1,9 @@
 """``python -m conformance walkthrough --out docs/walkthrough``: the walkthroughs' numbers.
 
 The walkthroughs (``docs/walkthrough/*.md``) are written by hand, and the code they show is
-the impl pages' own lines, included by pymdownx.snippets between ``# --8<-- [start:NAME]``
-markers. What they cannot hold by hand are the numbers each step makes: this command
+the impl pages' own lines: the core page's steps by their numbered comments and its helpers
+by their names (``docs/includes.py``), the other pages' parts between pymdownx.snippets
+``# --8<-- [start:NAME]`` markers. What they cannot hold by hand are the numbers each step makes: this command
 writes them, one named section per table, into ``numbers/{walkthrough,backward,sinks,
 paged}.md`` (the pages include them the same way), and the worked example's two pictures.
 

@@ -22,8 +22,9 @@ What sybil cannot do is this parser, which takes every other fence, by its langu
   entry-point excerpt must name the group the registry reads.
 - ``text``: a figure (a diagram), read by no program.
 
-The walkthroughs (docs/walkthrough/) are left out: their fences quote the impls, and
-tests/test_walkthrough.py checks them against what the impls give.
+The walkthroughs (docs/walkthrough/) are left out: their fences hold include lines that
+bring in the impls' own code when the site is built (the code runs in the conformance
+suite), and tests/test_walkthrough.py checks the included sections and the numbers.
 """
 
 from __future__ import annotations

@@ -45,6 +45,10 @@ PRECISION_SLACK = 64.0
 #: How close to the mean of V a row with no key must be to be called that.
 MEAN_OF_V_RTOL = 1e-2
 
+#: The behaviour of a test that was about to call a function with what it does not declare:
+#: the suite's bug, never a finding about the function, and never a known failure.
+SUITE_BUG = "the suite made a call the function does not declare (a bug in the suite)"
+
 
 def mark_raised(err: BaseException, backend: str, method: str) -> None:
     """Note on ``err`` that the function under test raised it (not the test's own code)."""
@@ -151,7 +155,7 @@ def behaviour(err: BaseException | None, calls: list, clause: str | None, title:
         return fallback
     inner = _innermost(err)
     if isinstance(inner, SuiteError):
-        return "the suite made a call the function does not declare (a bug in the suite)"
+        return SUITE_BUG
     if getattr(inner, "_conformance_raised_by", None):
         return raised(inner)
     if isinstance(inner, Departure):

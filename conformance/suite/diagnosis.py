@@ -339,6 +339,26 @@ def diagnose(actual, calls: list, tol: float) -> str | None:
         allowed_error = tol * _magnitude(planted) / _magnitude(right)
         if matches(planted, right, allowed_error):
             continue
+        if not _finite_evidence(misreading, planted, right, allowed_error):
+            continue
         if matches(actual, planted, max(tol, allowed_error)):
             return misreading.sentence
     return None
+
+
+#: The misreadings whose very mark is a NaN or an infinity in the output.
+_NONFINITE_BY_NATURE = {"blocked-slot-read", "blocked-slot-multiplied", "empty-rows-nan"}
+
+
+def _finite_evidence(misreading: Misreading, planted, right, tol: float) -> bool:
+    """Whether the planted output departs from the right one somewhere it is finite. Where it
+    departs only by NaN or infinity (a scale applied twice to scores near the largest float
+    overflows), an output that overflowed for another reason would match it by its
+    non-finite entries alone, and the sentence would name a cause the inputs cannot tell
+    apart; a misreading that shows as NaN by nature is exempt."""
+    if misreading.name in _NONFINITE_BY_NATURE:
+        return True
+    finite = np.isfinite(planted) & np.isfinite(right)
+    with np.errstate(invalid="ignore"):
+        departs = finite & (np.abs(np.where(finite, planted - right, 0.0)) > tol)
+    return bool(departs.any())

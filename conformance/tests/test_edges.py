@@ -27,7 +27,7 @@ from conformance.suite.helpers import (
     random_qkv,
     random_tolerance,
 )
-from conformance.suite.requirements import requires, value_dims
+from conformance.suite.requirements import requires, uses_dtype, value_dims
 from conformance.suite.tolerance import (
     assert_identical,
     assert_rows_zero,
@@ -634,6 +634,8 @@ def test_overflowing_scores(backend, dtype):
 
 
 @pytest.mark.clause("4.1")
+@requires("scale")
+@uses_dtype("float64")
 def test_scores_near_the_largest_float64(backend):
     """Scores up to 1.36e308 (scale 1e308, float64) are finite, however close to the largest
     float64 (1.8e308): each row puts all its weight on its largest score, the value row of

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conformance.impls import jax_attention, numpy_attention, torch_module, torch_naive, torch_sdpa
+from conformance.impls import numpy_attention, torch_module, torch_naive, torch_sdpa
+from conformance.impls.jax import kv_cache as jax_kv_cache
 
 from conformance.suite.helpers import random_qkv, random_tolerance
 from conformance.suite.tolerance import assert_within
@@ -33,7 +34,7 @@ def test_kv_cache_class_reproduces_full_causal(framework):
     q, k, v = random_qkv(40, H=4, K=2, T=9, S=9)
     impl, wrap = {
         "numpy": (numpy_attention, np.asarray),
-        "jax": (jax_attention, jax.numpy.asarray),
+        "jax": (jax_kv_cache, jax.numpy.asarray),
         "torch": (torch_naive, torch.from_numpy),
     }[framework]
     cache = impl.KVCache()

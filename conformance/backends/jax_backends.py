@@ -4,7 +4,7 @@ ring and Ulysses backends over P devices."""
 from __future__ import annotations
 
 import importlib
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 
 import numpy as np
 
@@ -116,7 +116,7 @@ class JaxFlashBackend(Backend):
 
     name = "jax-flash"
     framework = "jax"
-    impl_module = "conformance.impls.jax_flash"
+    impl_module = "conformance.impls.jax.flash"
     capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged"}
     dtypes = DTYPES
     conformance_options = Blockwise.CONFORMANCE_OPTIONS
@@ -125,7 +125,16 @@ class JaxFlashBackend(Backend):
         self.arrays = JaxFramework()
         self.jax = self.arrays.jax
         self.impl = importlib.import_module(self.impl_module)
-        self.tiles = Blockwise(self.impl, block_q=block_q, block_k=block_k)
+        self.packed = importlib.import_module("conformance.impls.jax.flash_packed")
+        paged = importlib.import_module("conformance.impls.jax.flash_paged")
+        # The blockwise calls, each from its page (impls/jax/flash*.py), as one module.
+        pages = SimpleNamespace(
+            attention=self.impl.attention,
+            attention_vjp=self.impl.attention_vjp,
+            attention_paged=paged.attention_paged,
+            attention_paged_vjp=paged.attention_paged_vjp,
+        )
+        self.tiles = Blockwise(pages, block_q=block_q, block_k=block_k)
         self.options = self.tiles.options
 
     def from_numpy(self, x):
@@ -138,12 +147,12 @@ class JaxFlashBackend(Backend):
         return self.tiles.attention_vjp(q, k, v, d_out, **options)
 
     def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
-        return self.impl.attention_packed(
+        return self.packed.attention_packed(
             q, k, v, cu_seqlens_q, cu_seqlens_k, **self.tiles.options, **options
         )
 
     def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
-        return self.impl.attention_packed_vjp(
+        return self.packed.attention_packed_vjp(
             q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **self.tiles.options, **options
         )
 

@@ -180,7 +180,7 @@ class JaxRingBackend(JaxBackend):
     """
 
     name = "jax-ring"
-    impl_module = "conformance.impls.jax_ring"
+    impl_module = "conformance.impls.jax.ring"
     capabilities = (ALL_CAPABILITIES - {"dropout", "module"}) | {
         "grad",
         "grad_mask",
@@ -246,6 +246,6 @@ class JaxUlyssesBackend(JaxRingBackend):
     """
 
     name = "jax-ulysses"
-    impl_module = "conformance.impls.jax_ulysses"
+    impl_module = "conformance.impls.jax.ulysses"
     capabilities = JaxRingBackend.capabilities | {"sharded_heads"}
     conformance_options = MappingProxyType({"shards": 3, "layout": "zigzag"})

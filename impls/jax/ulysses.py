@@ -131,7 +131,7 @@ def attention(
     shards: int | None = None,
     layout: str = "contiguous",
 ) -> np.ndarray:
-    """Scaled dot-product attention over P devices by two all-to-alls (args as jax_ring)."""
+    """Scaled dot-product attention over P devices by two all-to-alls (args as ring.py's)."""
     return _run(q, k, v, None, mask, shards, layout, is_causal=is_causal, scale=scale,
                 causal_alignment=causal_alignment, window=window, softcap=softcap,
                 dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size,
@@ -179,7 +179,7 @@ def attention_packed(
     shards: int | None = None,
     layout: str = "contiguous",
 ) -> np.ndarray:
-    """Packed variable-length sequences (args as jax_ring.attention_packed): out (H, T, E)."""
+    """Packed variable-length sequences (args as ring.attention_packed): out (H, T, E)."""
     return _run(q, k, v, None, None, shards, layout, is_causal=is_causal, scale=scale,
                 causal_alignment=causal_alignment, window=window, softcap=softcap,
                 packed=(cu_seqlens_q, cu_seqlens_k))  # fmt: skip

@@ -342,6 +342,12 @@ def as_given(out: jax.Array, dtype, call: contract.Checked) -> jax.Array:
 # shift is 0 and changes nothing. Whether XLA fuses depends on the processor, so a machine
 # without FMA passes either way: the test that catches it (SPEC §8.4, scale 1e30) needs one.
 #
+# Rows that read +inf (step 5; JAX only). A row with a +inf score has row sum +inf. The
+# NumPy page divides by it as it is: that key's weight is inf / inf = NaN, the others
+# finite / inf = 0, and the output row is NaN either way (SPEC §4.1). Under jax.grad those
+# zeros would pass the row's other keys a gradient where the row has none to give, so the
+# divisor is NaN for such a row: every weight of it, and every gradient through it, is NaN.
+#
 # Huge softcaps (step 3; JAX only). softcap · tanh(score / softcap) is the score itself, to
 # far below rounding, once |score / softcap| < 2^-27 (float64; 2^-12 in float32). For a
 # softcap near the largest float (1e308, or 1e38 in float32) the ratio falls below the

@@ -278,7 +278,7 @@ class Tiles:
             x, _, used = self.scores(qi, i, j, banded_tile, rows)  # (B, K, G·Tb, Sb), 1, 3, 4
 
             # 5. Softmax over the keys, online: rescale what was accumulated against the
-            # old running max onto the new one (see the module docstring). A row that
+            # old running max onto the new one (``flash.py``'s docstring). A row that
             # has seen only blocked keys keeps max -inf; its exponent is taken against 0,
             # so its weights are exactly 0 instead of exp(-inf - -inf) = NaN.
             m_new = jnp.maximum(m, x.max(axis=-1))  # (B, K, G·Tb)
@@ -336,7 +336,7 @@ def add_sink(
     m: jax.Array, l: jax.Array, acc: jax.Array, sink: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Fold each row's sink into its (m, l, acc) after the last key block, as one more
-    block of one key whose value row is 0 (the module docstring's Sinks): a row with no
+    block of one key whose value row is 0 (``flash.py``'s docstring: sinks): a row with no
     key (l = 0) is left alone, and a NaN or +inf sink makes a row with a key NaN (SPEC
     §15.4)."""
     some = l > 0  # (B, K, G·Tb)

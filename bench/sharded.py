@@ -55,15 +55,15 @@ def _permute_bytes(hlo: str) -> int:
 
 def _blocks(P: int, T: int, layout: str) -> list[int]:
     """Blocks each device computes under top-left causality (T = S), as the ring decides."""
-    from conformance.impls.jax_ring import _Ring
+    from conformance.impls.jax.ring_layout import Ring
 
     class Run:
-        mask = None
+        mask = sinks = slopes = docs = chunk = None
         scale, softcap, is_causal, offset, window = 1.0, None, True, 0, None
 
     run = Run()
     run.T = run.S = T
-    ring = _Ring(run, P, layout)
+    ring = Ring(run, P, layout)
     pos = ring.perm["t"].reshape(P, ring.pieces, -1)  # (P, pieces, chunk)
     counts = []
     for me in range(P):
@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
 
     import jax
-    from conformance.impls import jax_ring
+    from conformance.impls.jax import ring as jax_ring
+    from conformance.impls.jax.ring_layout import Ring, prepare
 
     jax_ring.host_devices(max(args.shards))
     B, H, K, D, E = 1, 8, 8, 64, 64
@@ -115,9 +116,9 @@ def main(argv: list[str] | None = None) -> None:
         v = rng.standard_normal((B, K, T, E), dtype=np.float32)
         for P in args.shards:
             for layout in ("contiguous", "zigzag"):
-                run = jax_ring._prepare(q, k, v, None, is_causal=True)
-                ring = jax_ring._Ring(run, P, layout)
-                fn = jax_ring._ring_fn(ring.mesh, **ring.static)
+                run = prepare(q, k, v, None, is_causal=True)
+                ring = Ring(run, P, layout)
+                fn = jax_ring.ring_fn(ring.mesh, **ring.static)
                 placed = ring.put(run)
                 compiled = fn.lower(*placed).compile()
                 mem = compiled.memory_analysis()

@@ -15,7 +15,9 @@ import jax
 import numpy as np
 import pytest
 from conformance.fixtures.oracle import naive_vjp_same_precision
-from conformance.impls import jax_flash
+from conformance.impls.jax import flash as jax_flash
+from conformance.impls.jax import flash_packed as jax_flash_packed
+from conformance.impls.jax import flash_tiles as jax_flash_tiles
 from conformance.impls.numpy import attention as numpy_attention
 from conformance.impls.numpy import flash as numpy_flash
 from conformance.impls.numpy import packed as numpy_packed
@@ -210,7 +212,7 @@ def test_jax_flash_packed_backward_memory_is_linear_in_t():
     documents: the boundaries add a few (T,) vectors, never a (T, S) array."""
     shape = jax.ShapeDtypeStruct((8, 16384, 64), jax.numpy.float32)
     bounds = jax.ShapeDtypeStruct((9,), jax.numpy.int32)
-    lowered = jax_flash._flash_packed_vjp.lower(
+    lowered = jax_flash_packed._flash_packed_vjp.lower(
         shape,
         shape,
         shape,
@@ -320,11 +322,11 @@ def test_jax_flash_skips_tiles_across_documents(monkeypatch, cu_seqlens, tiles):
     """jax-flash's packed walk (SPEC §18.4) visits the tiles numpy-flash does, on tiles
     of 512, though its query blocks are not aligned to the documents: with 700 and 1348
     tokens, the query block of rows 512-1023 walks the first document's 2 key blocks and
-    the second's 3 (2 + 5 + 3 + 3 = 13). Counted as calls of ``_Tiles.scores`` with
+    the second's 3 (2 + 5 + 3 + 3 = 13). Counted as calls of ``Tiles.scores`` with
     ``jax.disable_jit()``, where the loops run in Python: one per tile forward, two in
     the backward (its forward, then the gradients)."""
     calls = []
-    real = jax_flash._Tiles.scores
+    real = jax_flash_tiles.Tiles.scores
 
     def counting(self, *args, **kwargs):
         calls.append(1)
@@ -333,12 +335,12 @@ def test_jax_flash_skips_tiles_across_documents(monkeypatch, cu_seqlens, tiles):
     q, k, v = (x[0] for x in random_qkv(64, B=1, H=1, T=2048, S=2048, D=8, dtype="float32"))
     d_out = np.random.default_rng(65).standard_normal(q.shape).astype(np.float32)
     cu = np.array(cu_seqlens)
-    monkeypatch.setattr(jax_flash._Tiles, "scores", counting)
+    monkeypatch.setattr(jax_flash_tiles.Tiles, "scores", counting)
     with jax.disable_jit():
-        jax_flash.attention_packed(q, k, v, cu, cu, block_q=512, block_k=512)
+        jax_flash_packed.attention_packed(q, k, v, cu, cu, block_q=512, block_k=512)
         assert len(calls) == tiles, f"{len(calls)} tiles, expected {tiles}"
         calls.clear()
-        jax_flash.attention_packed_vjp(q, k, v, cu, cu, d_out, block_q=512, block_k=512)
+        jax_flash_packed.attention_packed_vjp(q, k, v, cu, cu, d_out, block_q=512, block_k=512)
     assert len(calls) == 2 * tiles, f"{len(calls)} backward tiles, expected {2 * tiles}"
 
 

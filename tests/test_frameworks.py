@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conformance.impls import jax_attention
+from conformance.impls.jax import kv_cache as jax_kv_cache
 from conformance.impls.numpy import attention as numpy_attention
 from conformance.impls.numpy import kv_cache as numpy_kv_cache
 from conformance.impls.torch import kv_cache as torch_kv_cache
@@ -39,7 +39,7 @@ def test_kv_cache_class_reproduces_full_causal(framework):
     q, k, v = random_qkv(40, H=4, K=2, T=9, S=9)
     impl, wrap = {
         "numpy": (numpy_kv_cache, np.asarray),
-        "jax": (jax_attention, jax.numpy.asarray),
+        "jax": (jax_kv_cache, jax.numpy.asarray),
         "torch": (torch_kv_cache, torch.from_numpy),
     }[framework]
     cache = impl.KVCache()

@@ -4,7 +4,7 @@ ring and Ulysses backends over P devices."""
 from __future__ import annotations
 
 import importlib
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 
 import numpy as np
 
@@ -32,11 +32,15 @@ class JaxBackend(Backend):
         ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged"}
     )
     dtypes = DTYPES
-    impl_module = "conformance.impls.jax_attention"
+    impl_module = "conformance.impls.jax.attention"
+    #: The pages beside the core one that the backend calls (impls/jax/).
+    pages = ("gradients", "packed", "paged", "layers")
 
     def __init__(self) -> None:
         self.jax = import_jax()
         self.impl = importlib.import_module(self.impl_module)
+        package = self.impl_module.rpartition(".")[0]
+        self.page = {name: importlib.import_module(f"{package}.{name}") for name in self.pages}
 
     def from_numpy(self, x):
         # device_put moves the bytes as they are; jnp.asarray would compile a copy per shape.
@@ -50,35 +54,39 @@ class JaxBackend(Backend):
     def multi_head_attention(self, params, x, *, n_heads, mask=None, is_causal=False):
         params = {n: self.from_numpy(p) for n, p in params.items()}
         mask = None if mask is None else self.from_numpy(mask)
-        out = self.impl.multi_head_attention(
+        out = self.page["layers"].multi_head_attention(
             params, self.from_numpy(x), n_heads=n_heads, mask=mask, is_causal=is_causal
         )
         return self.to_numpy(out)
 
     def gpt_block(self, params, x, *, n_heads):
         params = {n: self.from_numpy(p) for n, p in params.items()}
-        return self.to_numpy(self.impl.gpt_block(params, self.from_numpy(x), n_heads=n_heads))
+        layers = self.page["layers"]
+        return self.to_numpy(layers.gpt_block(params, self.from_numpy(x), n_heads=n_heads))
 
     def _attention_vjp(self, q, k, v, d_out, **options):
-        return self.impl.attention_vjp(q, k, v, d_out, **options)
+        return self.page["gradients"].attention_vjp(q, k, v, d_out, **options)
 
     def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
-        return self.impl.attention_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+        packed = self.page["packed"]
+        return packed.attention_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
 
     def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
-        return self.impl.attention_packed_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options)
+        packed = self.page["packed"]
+        return packed.attention_packed_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options)
 
     def _attention_paged(self, q, k_pages, v_pages, block_table, seq_lens, **options):
-        return self.impl.attention_paged(q, k_pages, v_pages, block_table, seq_lens, **options)
+        paged = self.page["paged"]
+        return paged.attention_paged(q, k_pages, v_pages, block_table, seq_lens, **options)
 
     def _attention_paged_vjp(self, q, k_pages, v_pages, block_table, seq_lens, d_out, **options):
-        return self.impl.attention_paged_vjp(
+        return self.page["paged"].attention_paged_vjp(
             q, k_pages, v_pages, block_table, seq_lens, d_out, **options
         )
 
     def module_param_grads(self, kind, params, x, d_out, *, n_heads, is_causal=False):
         params = {n: self.from_numpy(p) for n, p in params.items()}
-        d_params, d_x = self.impl.module_vjp(
+        d_params, d_x = self.page["layers"].module_vjp(
             params,
             self.from_numpy(x),
             self.from_numpy(d_out),
@@ -108,7 +116,7 @@ class JaxFlashBackend(Backend):
 
     name = "jax-flash"
     framework = "jax"
-    impl_module = "conformance.impls.jax_flash"
+    impl_module = "conformance.impls.jax.flash"
     capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged"}
     dtypes = DTYPES
     conformance_options = Blockwise.CONFORMANCE_OPTIONS
@@ -117,7 +125,16 @@ class JaxFlashBackend(Backend):
         self.arrays = JaxFramework()
         self.jax = self.arrays.jax
         self.impl = importlib.import_module(self.impl_module)
-        self.tiles = Blockwise(self.impl, block_q=block_q, block_k=block_k)
+        self.packed = importlib.import_module("conformance.impls.jax.flash_packed")
+        paged = importlib.import_module("conformance.impls.jax.flash_paged")
+        # The blockwise calls, each from its page (impls/jax/flash*.py), as one module.
+        pages = SimpleNamespace(
+            attention=self.impl.attention,
+            attention_vjp=self.impl.attention_vjp,
+            attention_paged=paged.attention_paged,
+            attention_paged_vjp=paged.attention_paged_vjp,
+        )
+        self.tiles = Blockwise(pages, block_q=block_q, block_k=block_k)
         self.options = self.tiles.options
 
     def from_numpy(self, x):
@@ -130,12 +147,12 @@ class JaxFlashBackend(Backend):
         return self.tiles.attention_vjp(q, k, v, d_out, **options)
 
     def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
-        return self.impl.attention_packed(
+        return self.packed.attention_packed(
             q, k, v, cu_seqlens_q, cu_seqlens_k, **self.tiles.options, **options
         )
 
     def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
-        return self.impl.attention_packed_vjp(
+        return self.packed.attention_packed_vjp(
             q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **self.tiles.options, **options
         )
 
@@ -163,7 +180,7 @@ class JaxRingBackend(JaxBackend):
     """
 
     name = "jax-ring"
-    impl_module = "conformance.impls.jax_ring"
+    impl_module = "conformance.impls.jax.ring"
     capabilities = (ALL_CAPABILITIES - {"dropout", "module"}) | {
         "grad",
         "grad_mask",
@@ -174,6 +191,7 @@ class JaxRingBackend(JaxBackend):
         "alibi",
         "packed",
     }
+    pages = ()  # the ring and Ulysses pages hold their own gradients and packed calls
     default_shards: int | None = None
     conformance_options = MappingProxyType({"shards": 4, "layout": "zigzag"})
 
@@ -228,6 +246,6 @@ class JaxUlyssesBackend(JaxRingBackend):
     """
 
     name = "jax-ulysses"
-    impl_module = "conformance.impls.jax_ulysses"
+    impl_module = "conformance.impls.jax.ulysses"
     capabilities = JaxRingBackend.capabilities | {"sharded_heads"}
     conformance_options = MappingProxyType({"shards": 3, "layout": "zigzag"})

@@ -1,0 +1,438 @@
+"""Blockwise (FlashAttention-style) attention in JAX, compiled: never a T × S matrix.
+
+The core page (``attention.py``) builds every score at once: a (B, H, T, S) array, 16
+GiB in float32 for one 16384-token batch of 16 heads (16 · 16384² · 4 bytes). Yet each
+output row only needs a weighted average of value rows, and an average can be accumulated
+a block of keys at a time, if the softmax can be too. The *online softmax* makes it so.
+
+The online softmax. For one query row with scores x_1 … x_S, the softmax-weighted sum is
+
+    out = Σ_s exp(x_s - m) v_s / Σ_s exp(x_s - m)        for any constant m
+
+The constant cancels between numerator and denominator; it is there only so that exp()
+cannot overflow, which needs m >= max_s x_s. Split the keys into blocks and keep, after
+block j, three running quantities:
+
+    m_j = max of all scores seen so far                          the running row max
+    l_j = Σ_{s seen} exp(x_s - m_j)                              the running row sum
+    a_j = Σ_{s seen} exp(x_s - m_j) v_s                          the unnormalised output
+
+A new block with scores x_s (s in block j+1) updates them as
+
+    m_{j+1} = max(m_j, max_{s in block} x_s)
+    α       = exp(m_j - m_{j+1})                                 <= 1
+    l_{j+1} = α · l_j + Σ_{s in block} exp(x_s - m_{j+1})
+    a_{j+1} = α · a_j + Σ_{s in block} exp(x_s - m_{j+1}) v_s
+
+and after the last block out = a / l. Why the rescaling is exact, not an approximation:
+every term of l_j and a_j carries the factor exp(-m_j), and exp(x_s - m_j) · exp(m_j -
+m_{j+1}) = exp(x_s - m_{j+1}) is an identity, so multiplying by α re-bases the old terms
+onto the new maximum. After the last block l and a are exactly the two sums of the formula
+above with m = the true row max; only floating-point rounding differs from the reference
+(different summation order). Because m only grows, α <= 1 and nothing overflows.
+
+Blocked keys. A key s the query may not see has score -inf. If a row has seen only blocked
+keys, m_j = -inf and exp(x - m_j) would be exp(-inf + inf) = NaN; so the exponent is taken
+against m_safe = 0 in that case, which gives exp(-inf) = 0 for the blocked keys and α = 0
+for the (empty) history. A row that never sees a key ends with l = 0 and a = 0, and returns
+exactly 0, as the reference does.
+
+Compiled, with static shapes. XLA needs every array's shape at compile time, so T and S
+are padded up to multiples of the block sizes; padded keys are masked like blocked ones
+and padded query rows are cut off at the end. The query blocks are a ``lax.fori_loop``
+writing into the output, and the key blocks an inner ``lax.fori_loop`` carrying (m, l, a).
+
+Sinks. An attention sink (one logit per query head, gpt-oss) is one more term of the row
+sum l with no value row: after the last key block it is folded in like one more block,
+m' = max(m, sink), l' = exp(m - m') · l + exp(sink - m'), a' = exp(m - m') · a, so a sink
+of 1e4 cannot overflow either. A row with no key keeps l = 0 and returns 0. Its gradient
+is −Σ_t exp(sink − lse[t]) · Δ[t], from the backward's own lse and Δ.
+
+Skipping blocks. Causal and window masks are bands around the diagonal, so for query block
+i only the key blocks [first(i), last(i)) can hold a visible key: the inner loop runs
+over just those (``fori_loop`` accepts traced bounds; it becomes a while loop). That
+halves the work under a causal mask, which is where fused kernels get their causal
+speed-up. Of those blocks, the ones wholly inside the band need no masking at all, so
+the key loop is three loops: the blocks the band cuts on the left (a window), those
+inside it (no mask computed), those it cuts on the right (the causal diagonal). (A
+user-supplied mask is an input: its tiles are sliced, and a fully blocked tile is still
+computed.) Chunked local attention (Llama 4) narrows [first(i), last(i)) to the chunks
+the block's rows lie in, so key blocks wholly outside them are skipped; only a block
+within one chunk has tiles that need no masking.
+
+ALiBi. Its bias −slope · |t + S − T − s| depends only on the query's and the key's
+positions, so each score tile adds its own slice of it, computed there from the tile's
+row and column indices: no (T, S) bias is ever built.
+
+The backward pass. ``attention_vjp`` is FlashAttention-2's backward, the algorithm
+NumPy's ``flash.py`` derives: for each query block, the forward over its key
+blocks gives each row's log-sum-exp lse = m + log l and its output O, hence
+Δ = rowsum(dO ⊙ O); then a second walk over the same key blocks recomputes each tile's
+weights as P = exp(Z − lse), forms dZ = P ⊙ (dO·Vᵀ − Δ), adds dZ·K to the block's dQ,
+and adds dZᵀ·Q and Pᵀ·dO to dK and dV of the key block, in place. No (T, S) array, no
+``jax.vjp`` through the loops (which would store every tile's weights), and the same
+block skipping as the forward. ``ring.py``'s backward runs the same tile algorithm in a
+body of its own: there the positions and options are traced values travelling with the
+slices, where this page's band is static and skips blocks by loop bounds.
+
+Memory. No input is copied whole (except to pad T or S up to a block multiple): tiles
+are sliced from the inputs and cast to the working precision tile by tile, and each
+finished query block is written in place into the output. Beyond inputs and output the
+loop holds one (B, K, G·Tb, Sb) score tile, its exponentials, and (B, K, G·Tb, E)
+accumulators: with the defaults and B=1, H=8, a few MiB, whatever T and S are. The
+backward holds a few tiles more, and dK and dV in the working precision (the outputs
+themselves, for float32 and float64).
+
+Speed, on a CPU. XLA hands the two products of a tile to its matmul library and fuses
+the max, exp and sum passes into a few loops over the tile. Larger tiles amortise the
+loop overhead and make bigger matmuls; smaller ones stay in cache and waste less on the
+causal diagonal (a query block of Tb rows computes about Tb²/2 masked scores there).
+512 × 256 (queries × keys) was fastest on 2 cores in float32, causal and not (T = 4096,
+measured in one process: 256 × 256 took 1.7× as long non-causal, 1.5× causal). Precision is
+HIGHEST, which the CPU honours anyway (it has no reduced-precision float32 matmul), and
+which keeps float32 results bitwise stable.
+
+Shape legend (heads-first, as in PyTorch):
+
+    B batch            H query heads      K key/value heads (H % K == 0)
+    G = H // K         T query length     S key/value length
+    D q/k head dim     E v head dim
+    Tb query block     Sb key block       Tp, Sp: T and S padded to block multiples
+
+    q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
+    mask: bool (True = may attend) or floating (added to the scores),
+          broadcastable to (B, H, T, S)
+
+Unbatched inputs q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
+
+``jax.nn.dot_product_attention`` uses other letters and a sequence-first layout:
+
+    here           B    H    K    T    S    D    E
+    jax.nn         B    N    K    T    S    H    H
+
+Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
+windows, chunked local attention, ALiBi, softcapping, attention sinks, grouped-query and
+multi-query attention (K < H, in the grouped layout of ``flash_tiles.py``: no key/value
+head is repeated), float64, float32, float16 and bfloat16 (computed in float32 and rounded
+once), and the backward pass of all of them with a float mask's gradient. A query row with
+no key left to attend returns exactly 0. Float64 needs ``jax.config.update(
+"jax_enable_x64", True)`` set by the caller; this module never changes it. Not supported:
+dropout (``dropout_p > 0`` raises NotImplementedError).
+
+The pages beside it: ``flash_tiles.py`` (one tile's work, which the loops here call),
+``flash_packed.py`` (packed documents, SPEC §18) and ``flash_paged.py`` (a paged KV
+cache, §19), each walking the same tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .. import contract
+from .flash_tiles import Tiles, add_sink, backward_tile, log_sum_exp
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mask: jax.Array | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    key: jax.Array | None = None,
+    sinks: jax.Array | None = None,
+    chunk_size: int | None = None,
+    alibi_slopes: jax.Array | None = None,
+    block_q: int = 512,
+    block_k: int = 256,
+) -> jax.Array:
+    """Scaled dot-product attention, computed one (query block, key block) tile at a time.
+
+    Args:
+      q: queries, (B, H, T, D) or unbatched (H, T, D).
+      k: keys, (B, K, S, D) or (K, S, D); K must divide H.
+      v: values, (B, K, S, E) or (K, S, E).
+      mask: bool (True = may attend) or floating (added to the scores, -inf blocks),
+        broadcastable to (B, H, T, S).
+      is_causal: query t attends only keys s on or before its diagonal.
+      scale: multiplies q·k; defaults to 1/√D.
+      causal_alignment: where the diagonal sits when T != S. "top_left": s <= t.
+        "bottom_right": s <= t + S - T (the last query sees the last key, as in a KV cache).
+        Also places the window's diagonal.
+      window: (left, right): query t attends keys in [t' - left, t' + right] where t' is
+        its aligned diagonal; None on a side is unbounded.
+      softcap: scores become softcap · tanh(scores / softcap) before masking.
+      dropout_p: must be 0; dropout is not supported here.
+      key: unused (dropout is not supported).
+      sinks: (H,), same dtype as q: one logit per query head that joins every row's
+        softmax and carries no value; None for none.
+      chunk_size: query t attends only keys s in its own chunk, (t + offset) // chunk_size
+        == s // chunk_size, offset placed by causal_alignment (Llama 4); None for none.
+      alibi_slopes: (H,) or (B, H), float32 or q's dtype: ALiBi adds -slope · |t + S - T -
+        s| to the scores after the softcap, whatever causal_alignment says; None for none.
+      block_q: Tb, queries per tile (per query head); shrunk to T when T is smaller.
+      block_k: Sb, keys per tile; shrunk to S when S is smaller.
+
+    Returns:
+      out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
+    """
+    # 0. Validate: the input contract every impl shares (contract.py) checks shapes,
+    # dtypes and options, and names the argument, the expected shape and what was given.
+    options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
+    options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
+    options.update(chunk_size=chunk_size, alibi_slopes=alibi_slopes)
+    call, (q, k, v, mask, sinks, alibi), static = _prepare(q, k, v, mask, options, block_q, block_k)
+    if call.T == 0 or call.S == 0:
+        # Nothing to tile: with T = 0 there is no query, and with S = 0 every query has
+        # no key, so every output row is exactly 0, whatever q holds.
+        out = jnp.zeros((call.B, call.H, call.T, call.E), dtype=q.dtype)  # (B, H, T, E)
+    else:
+        out = _flash(q, k, v, mask, sinks, alibi=alibi, **static)  # (B, H, T, E)
+    return out[0] if call.unbatched else out
+
+
+def attention_vjp(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    d_out: jax.Array,
+    *,
+    mask: jax.Array | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    sinks: jax.Array | None = None,
+    chunk_size: int | None = None,
+    alibi_slopes: jax.Array | None = None,
+    block_q: int = 512,
+    block_k: int = 256,
+) -> tuple[jax.Array, ...]:
+    """Gradients of ``attention`` by FlashAttention-2's blockwise backward (module
+    docstring; the derivation is NumPy's ``flash.py``'s).
+
+    Args:
+      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks,
+        chunk_size, alibi_slopes, block_q, block_k: as for ``attention`` (no dropout:
+        its gradient needs the forward's random draw).
+      d_out: ∂L/∂out, shaped like the output, (B, H, T, E) or (H, T, E), in q's dtype.
+      dropout_p: must be 0.
+
+    Returns:
+      (dq, dk, dv) shaped and typed like q, k, v, for L = Σ d_out · attention(q, k, v,
+      ...); with a floating mask, (dq, dk, dv, dmask), dmask shaped and typed like the
+      mask: ∂L/∂mask, summed over the axes the mask was broadcast along. With sinks,
+      dsinks (H,) typed like sinks comes last.
+    """
+    # 0. Validate as the forward does, and d_out against the output's shape and dtype.
+    options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
+    options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
+    options.update(chunk_size=chunk_size, alibi_slopes=alibi_slopes)
+    d_out = jnp.asarray(d_out)
+    given = None if mask is None else jnp.shape(mask)  # dmask is shaped like this
+    call, (q, k, v, mask, sinks, alibi), static = _prepare(
+        q, k, v, mask, options, block_q, block_k, d_out=d_out
+    )
+    float_mask = mask is not None and not call.mask_is_bool
+    if call.T == 0 or call.S == 0:
+        # Nothing attends anything: every gradient is exactly 0.
+        grads = tuple(jnp.zeros_like(x) for x in (q, k, v))
+        grads += (jnp.zeros_like(mask),) if float_mask else (None,)  # (B|1, H|1, T|1, S|1)
+        grads += (None if sinks is None else jnp.zeros_like(sinks),)  # (H,)
+    else:
+        d_out = d_out[None] if call.unbatched else d_out  # (B, H, T, E)
+        grads = _flash_vjp(q, k, v, mask, sinks, d_out, alibi=alibi, **static)
+    dq, dk, dv = (g[0] if call.unbatched else g for g in grads[:3])
+    extra = (grads[3].reshape(given),) if float_mask else ()  # the mask's shape
+    extra += (grads[4],) if sinks is not None else ()  # (H,)
+    return (dq, dk, dv, *extra)
+
+
+def _prepare(q, k, v, mask, options: dict, block_q: int, block_k: int, d_out=None):
+    """Step 0 and the static options: (the checked call, the batched q, k, v, the mask as
+    (B|1, H|1, T|1, S|1), the sinks (H,) and ALiBi's slopes (H,) or (B, H), the keyword
+    arguments of ``_flash``)."""
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    mask = None if mask is None else jnp.asarray(mask)
+    sinks = options.pop("sinks")
+    sinks = None if sinks is None else jnp.asarray(sinks)
+    alibi = options.pop("alibi_slopes")
+    alibi = None if alibi is None else jnp.asarray(alibi)
+    call = contract.check(
+        q,
+        k,
+        v,
+        mask=mask,
+        **options,
+        unsupported={"dropout_p": "jax-flash is blockwise attention without dropout"},
+        tiles={"block_q": block_q, "block_k": block_k},
+        d_out=d_out,
+        sinks=sinks,
+        alibi_slopes=alibi,
+    )
+    if call.unbatched:
+        q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
+    if mask is not None:
+        # Keep the mask as small as it was given, (B|1, H|1, T|1, S|1): broadcasting it
+        # to (B, H, T, S) here would build the very T × S array this module avoids.
+        mask = mask.reshape(call.mask_shape)  # (B|1, H|1, T|1, S|1)
+    static = dict(
+        scale=call.scale,
+        is_causal=call.is_causal,
+        offset=0 if call.causal_alignment == "top_left" else call.S - call.T,
+        window=call.window,
+        softcap=call.softcap,
+        chunk=call.chunk_size,
+        Tb=max(1, min(block_q, call.T)),
+        Sb=max(1, min(block_k, call.S)),
+    )
+    return call, (q, k, v, mask, sinks, alibi), static
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "is_causal", "offset", "window", "softcap", "chunk", "Tb", "Sb"),
+)
+def _flash(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    sinks: jax.Array | None,
+    *,
+    scale: float,
+    is_causal: bool,
+    offset: int,
+    window: tuple[int | None, int | None] | None,
+    softcap: float | None,
+    chunk: int | None,
+    Tb: int,
+    Sb: int,
+    alibi: jax.Array | None = None,
+) -> jax.Array:
+    """Steps 1-7 on checked, batched inputs; compiled once per shape, dtype and options."""
+    B, H, T, _ = q.shape
+    E = v.shape[-1]
+    out_dtype = q.dtype
+    tiles = Tiles(q, k, v, mask, offset, is_causal, window, softcap, chunk, Tb, Sb, alibi, scale)
+
+    def query_block(i: jax.Array, out: jax.Array) -> jax.Array:
+        # 1. Scores: every query of the block against every key, one key block at a time
+        # (Tiles.scores). Every tile's product starts from this query tile, so
+        # 2. Scale, so that the scores' spread does not grow with the head size D, is
+        # applied to it once, here: Tb·D multiplies instead of Tb·S (a scale above 1 in
+        # part, the rest an exact power of two on the products: flash_tiles.py).
+        qi = tiles.queries(i)  # (B, K, G·Tb, D)
+        # Steps 3-5 and 7, key block by key block (Tiles.online_softmax).
+        m, l, acc = tiles.online_softmax(qi, i)
+        if sinks is not None:
+            _, l, acc = add_sink(m, l, acc, tiles.sink_rows(sinks))
+        # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
+        acc = acc / jnp.where(l > 0, l, 1.0)[..., None]  # (B, K, G·Tb, E)
+        acc = acc.reshape(B, H, Tb, E).astype(out_dtype)  # (B, H, Tb, E)
+        return lax.dynamic_update_slice_in_dim(out, acc, i * Tb, axis=2)  # (B, H, Tp, E)
+
+    out = jnp.zeros((B, H, tiles.Tp, E), dtype=out_dtype)  # (B, H, Tp, E)
+    out = lax.fori_loop(0, tiles.nT, query_block, out)  # (B, H, Tp, E)
+    return out[:, :, :T]  # (B, H, T, E), the padded rows cut off
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "is_causal", "offset", "window", "softcap", "chunk", "Tb", "Sb"),
+)
+def _flash_vjp(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    sinks: jax.Array | None,
+    d_out: jax.Array,
+    *,
+    scale: float,
+    is_causal: bool,
+    offset: int,
+    window: tuple[int | None, int | None] | None,
+    softcap: float | None,
+    chunk: int | None,
+    Tb: int,
+    Sb: int,
+    alibi: jax.Array | None = None,
+) -> tuple[jax.Array, ...]:
+    """The backward on checked, batched inputs: (dq, dk, dv, dmask, dsinks), dmask shaped
+    (B|1, H|1, T|1, S|1) with a float mask and dsinks (H,) with sinks, else None;
+    compiled once per shape, dtype and options."""
+    B, H, T, D = q.shape
+    _, K, S, _ = k.shape
+    E = v.shape[-1]
+    tiles = Tiles(q, k, v, mask, offset, is_causal, window, softcap, chunk, Tb, Sb, alibi, scale)
+    work, G = tiles.work, tiles.G
+    float_mask = mask is not None and mask.dtype != jnp.bool_
+    d_out = jnp.pad(d_out, ((0, 0), (0, 0), (0, tiles.Tp - T), (0, 0)))  # (B, H, Tp, E)
+
+    def query_block(i: jax.Array, grads: tuple) -> tuple:
+        dq, dk, dv, dm, ds = grads
+        # Forward steps 1-5 and 7 for this block, as in ``attention``: its rows' output
+        # O and log-sum-exp, the one number per row the backward needs. A row with no key
+        # has l = 0: its lse is +inf, so that its weights exp(Z − lse) are all 0. A row
+        # that read a +inf score has l = +inf: its lse is NaN, so that every weight of it
+        # is NaN, as in the forward (SPEC §4.1), not only its +inf ones.
+        qi = tiles.queries(i)  # (B, K, G·Tb, D)
+        m, l, acc = tiles.online_softmax(qi, i)
+        if sinks is not None:
+            sink = tiles.sink_rows(sinks)  # (B, K, G·Tb)
+            m, l, acc = add_sink(m, l, acc, sink)
+        some = l > 0  # (B, K, G·Tb)
+        o = acc / jnp.where(some, l, 1.0)[..., None]  # (B, K, G·Tb, E)
+        lse = log_sum_exp(m, l)  # (B, K, G·Tb)
+
+        # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O): one dot product per row.
+        do = lax.dynamic_slice_in_dim(d_out, i * Tb, Tb, axis=2).astype(work)
+        do = do.reshape(B, K, G * Tb, E)  # (B, K, G·Tb, E)
+        delta = (do * o).sum(axis=-1)  # (B, K, G·Tb)
+
+        # 5'. Sinks: dsink = −Σ_t p_sink · Δ, p_sink = exp(sink − lse) (0 with no key).
+        if sinks is not None:
+            p_sink = jnp.where(some, jnp.exp(sink - lse), 0.0)  # (B, K, G·Tb)
+            d_rows = -(p_sink * delta).reshape(B, K, G, Tb)  # (B, K, G, Tb)
+            ds = ds + d_rows.sum(axis=(0, 3)).reshape(H)  # (H,)
+
+        # The backward over the block's key blocks; dq gets the scale once, here.
+        dq_i = jnp.zeros((B, K, G * Tb, D), dtype=work)  # (B, K, G·Tb, D)
+        body = functools.partial(backward_tile, tiles, i, qi, do, lse, delta)
+        dq_i, dk, dv, dm = tiles.walk(i, body, (dq_i, dk, dv, dm))
+        dq_i = (dq_i * scale).reshape(B, H, Tb, D).astype(q.dtype)  # (B, H, Tb, D)
+        dq = lax.dynamic_update_slice_in_dim(dq, dq_i, i * Tb, axis=2)  # (B, H, Tp, D)
+        return dq, dk, dv, dm, ds
+
+    grads = (
+        jnp.zeros((B, H, tiles.Tp, D), dtype=q.dtype),  # dq: (B, H, Tp, D)
+        jnp.zeros((B, K, tiles.Sp, D), dtype=work),  # dk: (B, K, Sp, D)
+        jnp.zeros((B, K, tiles.Sp, E), dtype=work),  # dv: (B, K, Sp, E)
+        jnp.zeros(tiles.mask.shape, dtype=work) if float_mask else None,  # dmask, padded
+        None if sinks is None else jnp.zeros((H,), dtype=work),  # dsinks: (H,)
+    )
+    dq, dk, dv, dm, ds = lax.fori_loop(0, tiles.nT, query_block, grads)
+    out = (
+        dq[:, :, :T],  # (B, H, T, D)
+        dk[:, :, :S].astype(q.dtype),  # (B, K, S, D)
+        dv[:, :, :S].astype(q.dtype),  # (B, K, S, E)
+    )
+    if float_mask:
+        t = T if mask.shape[2] != 1 else 1
+        s = S if mask.shape[3] != 1 else 1
+        out += (dm[:, :, :t, :s].astype(mask.dtype),)  # (B|1, H|1, T|1, S|1)
+    else:
+        out += (None,)
+    return out + (None if sinks is None else ds.astype(sinks.dtype),)  # dsinks: (H,)

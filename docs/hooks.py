@@ -6,7 +6,7 @@
 - The reference page of the impls (reference/impls.md) lists every page of every framework
   package under impls/, the core pages first, so that a new page is documented by being
   written.
-- A link from a page to a file of the repository outside docs/ (``../impls/contract.py``,
+- A link from a page to a file of the repository outside docs/ (``../impls/contract/__init__.py``,
   as the Markdown reads on a forge) cannot be a link of the site: it becomes the file's
   path in code, and a link to a path that does not exist fails the build.
 - A walkthrough's ``<!-- include PATH step N -->`` or ``<!-- include PATH def NAME ... -->``

@@ -26,7 +26,7 @@ Supports what the NumPy page does, with a ``jax.random`` key for dropout, float6
 ``jax_enable_x64``, and ``jax.grad``. The Notes say why steps 1-7 alone are jitted, and why
 ``softcapped`` and ``softmax`` have JAX-only lines.
 
-Imports: the standard library, JAX and ``contract.py``. The rest, in this package: gradients
+Imports: the standard library, JAX and the ``contract`` package. The rest, in this package: gradients
 (``jax.vjp``), flash (blockwise), kv_cache, packed, paged, layers, ring and ulysses.
 """
 

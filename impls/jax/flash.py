@@ -185,7 +185,7 @@ def attention(
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
     """
-    # 0. Validate: the input contract every impl shares (contract.py) checks shapes,
+    # 0. Validate: the input contract every impl shares (the contract package) checks shapes,
     # dtypes and options, and names the argument, the expected shape and what was given.
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)

@@ -67,7 +67,7 @@ def attention_packed(
     Returns:
       out: (H, T, E), same dtype as q.
     """
-    # 0. Validate with the input contract all impls share (contract.py), eagerly, so the
+    # 0. Validate with the input contract all impls share (the contract package), eagerly, so the
     # boundaries' values are checked before they become tracers.
     q, k, v, bounds, static = _prepare_packed(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_q, block_k, **_packed_options(locals())

@@ -67,7 +67,7 @@ def attention_paged(
     Returns:
       out: (B, H, T, E), same dtype as q; a sequence with no key gives rows of 0.
     """
-    # 0. Validate with the input contract every page shares (contract.py), eagerly.
+    # 0. Validate with the input contract every page shares (the contract package), eagerly.
     arrays = tuple(jnp.asarray(x) for x in (q, k_pages, v_pages, block_table, seq_lens))
     call = _check_paged(arrays, block_q, is_causal, scale, window, softcap)
     return _flash_paged(*arrays, None, **_paged_statics(call, block_q))[0]  # (B, H, T, E)

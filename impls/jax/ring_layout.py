@@ -37,7 +37,7 @@ class Run:
 
 
 def prepare(q, k, v, mask, d_out=None, *, name: str = "ring attention", **options) -> Run:
-    """Step 0: the input contract every page shares (contract.py), on the host arrays;
+    """Step 0: the input contract every page shares (the contract package), on the host arrays;
     ``name`` says whose call refuses dropout."""
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     mask = None if mask is None else np.asarray(mask)
@@ -83,7 +83,7 @@ def prepare(q, k, v, mask, d_out=None, *, name: str = "ring attention", **option
 
 
 def prepare_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, d_out=None, **options) -> Run:
-    """Step 0 of a packed call: the input contract (contract.py), then the documents as
+    """Step 0 of a packed call: the input contract (the contract package), then the documents as
     one sequence of B = 1, each token with its document and its place in it."""
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     cu_q, cu_k = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)

@@ -28,7 +28,7 @@ windows; chunked local attention (Llama 4); ALiBi; softcapping (Gemma 2); attent
 float64, float32, float16 and bfloat16 (``ml_dtypes``). A query row with no key left
 returns exactly 0. Each variant is one helper below ``attention``; the Notes say why.
 
-Imports: the standard library, NumPy and ``contract.py``. The rest of this package:
+Imports: the standard library, NumPy and the ``contract`` package. The rest of this package:
 ``backward.py`` (the backward pass by hand), ``flash.py`` (blockwise), ``layers.py``,
 ``kv_cache.py``, ``packed.py`` (SPEC §18) and ``paged.py`` (§19).
 """

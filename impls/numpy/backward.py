@@ -45,7 +45,7 @@ draw): masks, both causal alignments, windows, chunks, ALiBi, softcap, sinks, GQ
 unbatched inputs, float64, float32, float16 and bfloat16 (computed in float32, each
 gradient rounded once).
 
-Imports: NumPy, ``contract.py`` and the core page's step helpers, by their public names:
+Imports: NumPy, the ``contract`` package and the core page's step helpers, by their public names:
 the forward is recomputed with the very lines that made it. The gradients of the packed
 and paged entry points are on their pages (``packed.py``, ``paged.py``), beside their
 forwards; those of the multi-head layer and the GPT block in ``layers.py``.

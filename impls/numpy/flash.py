@@ -158,7 +158,7 @@ def attention(
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
     """
-    # 0. Validate with the input contract every impl shares (contract.py, called in
+    # 0. Validate with the input contract every impl shares (the contract package, called in
     # prepare), and lay the inputs out by key/value head, as views.
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)

@@ -67,7 +67,7 @@ def attention_packed(
     Returns:
       out: (H, T, E), same dtype as q.
     """
-    # 0. Validate with the input contract all impls share (contract.py): an error names the
+    # 0. Validate with the input contract all impls share (the contract package): an error names the
     # argument, the expected shape and what was given.
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     options = dict(
@@ -180,7 +180,7 @@ def attention_packed_flash(
     Returns:
       out: (H, T, E), same dtype as q.
     """
-    # 0. Validate with the input contract all impls share (contract.py).
+    # 0. Validate with the input contract all impls share (the contract package).
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     options = dict(
         is_causal=is_causal,

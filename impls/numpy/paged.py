@@ -74,7 +74,7 @@ def attention_paged(
     Returns:
       out: (B, H, T, E), same dtype as q; a sequence with no key gives rows of 0.
     """
-    # 0. Validate with the input contract all impls share (contract.py): an error names the
+    # 0. Validate with the input contract all impls share (the contract package): an error names the
     # argument, what was expected and what was given.
     q, k_pages, v_pages = np.asarray(q), np.asarray(k_pages), np.asarray(v_pages)
     block_table, seq_lens = np.asarray(block_table), np.asarray(seq_lens)
@@ -252,7 +252,7 @@ def attention_paged_flash(
     Returns:
       out: (B, H, T, E), same dtype as q; a sequence with no key gives rows of 0.
     """
-    # 0. Validate with the input contract every page shares (contract.py).
+    # 0. Validate with the input contract every page shares (the contract package).
     call, q, queries = prepare_paged(q, k_pages, v_pages, block_table, seq_lens, block_q, locals())
     B, H, K, G, T, E = call.B, call.H, call.K, call.G, call.T, call.E
     out = np.empty((B, K, G, T, E), dtype=q.dtype)  # (B, K, G, T, E)

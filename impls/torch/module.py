@@ -28,7 +28,7 @@ windows; chunked local attention (Llama 4); ALiBi; softcapping (Gemma 2); attent
 ``nn.Dropout``, so that ``module.eval()`` turns it off; float64, float32, float16 and
 bfloat16; autograd. A query row with no key left returns exactly 0, with gradients 0.
 
-Imports: the standard library, PyTorch and ``contract.py``. The math is this page's own,
+Imports: the standard library, PyTorch and the ``contract`` package. The math is this page's own,
 not ``naive.py``'s, so that the suite checks two independent copies of the steps. The seed
 tutorial's ``MultiHeadAttention`` and a GPT block built on it are ``layers.py``.
 """

@@ -28,7 +28,7 @@ windows; chunked local attention (Llama 4); ALiBi; softcapping (Gemma 2); attent
 float64, float32, float16 and bfloat16; autograd. A query row with no key left returns
 exactly 0, with gradients 0. ``return_weights=True`` also returns the weights.
 
-Imports: the standard library, PyTorch and ``contract.py``. The rest of this package:
+Imports: the standard library, PyTorch and the ``contract`` package. The rest of this package:
 ``module.py`` and ``sdpa.py`` (the other core pages), ``layers.py``, ``kv_cache.py``,
 ``packed.py`` (SPEC §18), ``paged.py`` (§19), ``ring.py`` and ``ulysses.py``.
 """

@@ -437,7 +437,7 @@ def attention(
 ) -> np.ndarray:
     """Ring attention on a pool of ``world_size`` worker processes; NumPy in and out.
     ``sinks`` (H,), ``chunk_size`` and ``alibi_slopes`` (H,) or (B, H) as in SPEC §15-§17."""
-    # 0. Validate: the input contract every impl shares (contract.py).
+    # 0. Validate: the input contract every impl shares (the contract package).
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     mask = None if mask is None else np.asarray(mask)
     sinks = None if sinks is None else np.asarray(sinks)
@@ -524,7 +524,7 @@ def attention_packed(
     position inside it round the ring, and a query sees only keys of its own document,
     causality and the window counted from the document's own start (see ``Layout``).
     """
-    # 0. Validate: the input contract every impl shares (contract.py).
+    # 0. Validate: the input contract every impl shares (the contract package).
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     call, cu_q, cu_k = contract.check_packed(
         q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=is_causal, scale=scale,

@@ -24,7 +24,7 @@ only on the CPU); grouped- and multi-query attention (K < H); dropout, seeded by
 ``torch.manual_seed``; float64 to bfloat16; autograd (SDPA's own backward). A query row
 with no key left to attend returns exactly 0. No attention sinks: SDPA has none.
 
-Imports: the standard library, PyTorch and ``contract.py`` (step 0's input contract). The
+Imports: the standard library, PyTorch and the ``contract`` package (step 0's input contract). The
 Notes say what goes to SDPA and what of SDPA's behaviour this page relies on.
 """
 

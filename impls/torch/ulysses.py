@@ -322,7 +322,7 @@ def attention(
 ) -> np.ndarray:
     """Ulysses attention on ``world_size`` ranks run by ``run``; NumPy in and out.
     ``sinks`` (H,), ``chunk_size`` and ``alibi_slopes`` (H,) or (B, H) as in SPEC §15-§17."""
-    # 0. Validate: the input contract every impl shares (contract.py).
+    # 0. Validate: the input contract every impl shares (the contract package).
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     mask = None if mask is None else np.asarray(mask)
     sinks = None if sinks is None else np.asarray(sinks)
@@ -421,7 +421,7 @@ def attention_packed(
     inside it, and after the all-to-all, with the whole sequence at hand, attends each
     document on its own.
     """
-    # 0. Validate: the input contract every impl shares (contract.py).
+    # 0. Validate: the input contract every impl shares (the contract package).
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     call, cu_q, cu_k = contract.check_packed(
         q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal=is_causal, scale=scale,

@@ -105,18 +105,27 @@ def test_the_attention_body_is_the_numbered_steps():
         assert body == list(range(8)), f"{page}: attention's steps are {body}, not 0-7"
 
 
+#: What a framework needs beyond the reference's helpers, each explained on its page: JAX
+#: compiles steps 1-7 as one function of their own (``jax.jit`` cannot take the contract's
+#: Python checks).
+FRAMEWORK_HELPERS = {"jax/attention.py": {"compiled"}}
+
+
 def _structure(page: str) -> dict[str, list[str]]:
     source = _source(page)
     lines = source.splitlines()
     tree = ast.parse(source)
-    first_function = next(n for n in tree.body if isinstance(n, ast.FunctionDef))
-    attention_lines = lines[first_function.lineno - 1 : first_function.end_lineno]
+    banners = [n for n, line in enumerate(lines) if BANNER.match(line)]
+    # The steps stand before the first section of helpers: in attention() and, where a
+    # framework needs it, the one function it hands them to.
+    steps = lines[: banners[0]] if banners else lines
+    extra = FRAMEWORK_HELPERS.get(page, set())
     return {
-        "step comments": [m.group(0).strip() for m in map(STEP.match, attention_lines) if m],
+        "step comments": [m.group(0).strip() for m in map(STEP.match, steps) if m],
         "helpers": [
             n.name
             for n in tree.body
-            if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")
+            if isinstance(n, ast.FunctionDef) and not n.name.startswith("_") and n.name not in extra
         ],
         "sections": [m.group(1) for m in map(BANNER.match, lines) if m],
     }

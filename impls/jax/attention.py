@@ -106,8 +106,8 @@ def compiled(q, k, v, mask, sinks, alibi_slopes, key, scale, *, call: contract.C
 
     # 4. Mask: ALiBi's bias and a float mask are added; every key a query may not see
     # gets -inf.
-    scores = scores + alibi_bias(alibi_slopes, call, scores.dtype)  # (B|1, H, T, S)
-    scores = scores + float_mask(mask, call, scores.dtype)  # (B, H, T, S)
+    scores = add_alibi_bias(scores, alibi_slopes, call)  # (B, H, T, S)
+    scores = add_float_mask(scores, mask, call)  # (B, H, T, S)
     scores = jnp.where(allowed, scores, -jnp.inf)  # (B, H, T, S)
 
     # 5. Softmax over the keys; a row with no key left gets weights of exactly 0.
@@ -203,25 +203,25 @@ def softcapped(scores: jax.Array, softcap: float | None) -> jax.Array:
     return jnp.where(tiny, scores, softcap * jnp.tanh(ratio))  # (B, H, T, S)
 
 
-def alibi_bias(slopes: jax.Array | None, call: contract.Checked, work) -> jax.Array:
-    """ALiBi's bias, (B|1, H, T, S): −slope · |t + S − T − s|, so that a key weighs less
-    the farther it lies from the query. The distance is from the bottom-right diagonal
-    whatever the causal alignment: the last query sits at the last key (see Notes: ALiBi)."""
+def add_alibi_bias(scores: jax.Array, slopes: jax.Array | None, call: contract.Checked):
+    """The scores plus ALiBi's bias −slope · |t + S − T − s|, so that a key weighs less the
+    farther it lies from the query. The distance is from the bottom-right diagonal whatever
+    the causal alignment: the last query sits at the last key (see Notes: ALiBi)."""
     if slopes is None:
-        return jnp.zeros((), dtype=work)
+        return scores
     T, S, H = call.T, call.S, call.H
     t = jnp.arange(T)[:, None]  # (T, 1)
     s = jnp.arange(S)[None, :]  # (1, S)
-    distance = jnp.abs(t + S - T - s).astype(work)  # (T, S)
-    return -slopes.astype(work).reshape(-1, H, 1, 1) * distance  # (B|1, H, T, S)
+    distance = jnp.abs(t + S - T - s).astype(scores.dtype)  # (T, S)
+    return scores - slopes.astype(scores.dtype).reshape(-1, H, 1, 1) * distance  # (B, H, T, S)
 
 
-def float_mask(mask: jax.Array | None, call: contract.Checked, work) -> jax.Array:
-    """What a float mask adds to the scores; a bool mask (or none) adds nothing, it only
-    blocks (in ``allowed_keys``)."""
+def add_float_mask(scores: jax.Array, mask: jax.Array | None, call: contract.Checked):
+    """The scores plus a float mask; a bool mask (or none) adds nothing, it only blocks (in
+    ``allowed_keys``)."""
     if mask is None or call.mask_is_bool:
-        return jnp.zeros((), dtype=work)
-    return mask.astype(work)  # (B|1, H|1, T|1, S|1)
+        return scores
+    return scores + mask.astype(scores.dtype)  # (B, H, T, S)
 
 
 # --- Steps 5 and 6: the weights -------------------------------------------------------------
@@ -229,34 +229,50 @@ def float_mask(mask: jax.Array | None, call: contract.Checked, work) -> jax.Arra
 
 def softmax(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
     """The softmax over the keys, less the row maximum so that exp() <= 1. A row with no key
-    left has maximum -inf and gets weights of exactly 0 (see Notes: empty rows); a sink
-    joins the maximum and the sum but has no value row (see Notes: sinks)."""
+    left has maximum -inf and gets weights of exactly 0 (see Notes: empty rows)."""
+    if sinks is not None:
+        return softmax_with_sinks(scores, sinks)
+    row_max = scores.max(axis=-1, keepdims=True, initial=-jnp.inf)  # (B, H, T, 1)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
+    # Shifted once more by the largest difference itself, so that it is exactly 0 even where
+    # XLA fuses step 2's multiply into the subtraction (see Notes: fused multiply-add).
+    shifted = scores - row_max  # (B, H, T, S)
+    shift = shifted.max(axis=-1, keepdims=True, initial=-jnp.inf)  # (B, H, T, 1)
+    shift = jnp.where(jnp.isfinite(shift), shift, 0.0)  # (B, H, T, 1)
+    p = jnp.exp(shifted - shift)  # (B, H, T, S)
+    row_sum = p.sum(axis=-1, keepdims=True)  # (B, H, T, 1)
+    return p / _divisor(row_sum)  # (B, H, T, S)
+
+
+def softmax_with_sinks(scores: jax.Array, sinks: jax.Array) -> jax.Array:
+    """The softmax with one sink logit per head: it joins the row maximum and the sum, but
+    has no value row, so the keys' weights add up to less than 1 (see Notes: sinks)."""
     H = scores.shape[1]
     row_max = scores.max(axis=-1, keepdims=True, initial=-jnp.inf)  # (B, H, T, 1)
     sink = sink_logits(sinks, row_max, H)  # (B, H, T, 1)
     row_max = jnp.maximum(row_max, sink)  # (B, H, T, 1)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
-    # Shifted once more by the largest difference itself, so that it is exactly 0 even where
-    # XLA fuses step 2's multiply into the subtraction (see Notes: fused multiply-add).
     shifted = scores - row_max  # (B, H, T, S)
     shift = jnp.maximum(shifted.max(axis=-1, keepdims=True, initial=-jnp.inf), sink - row_max)
     shift = jnp.where(jnp.isfinite(shift), shift, 0.0)  # (B, H, T, 1)
     p = jnp.exp(shifted - shift)  # (B, H, T, S)
     row_sum = p.sum(axis=-1, keepdims=True) + jnp.exp(sink - row_max - shift)  # (B, H, T, 1)
-    # A row that reads +inf has row sum +inf: every weight of it is NaN, not only those of
-    # its +inf scores (SPEC §4.1), so that its gradients reach every key it attends.
-    divisor = jnp.where(row_sum == jnp.inf, jnp.nan, jnp.where(row_sum > 0, row_sum, 1.0))
-    weights = p / divisor  # (B, H, T, S)
+    weights = p / _divisor(row_sum)  # (B, H, T, S)
     # A NaN or +inf sink makes its row NaN, as +inf - +inf does in the softmax (SPEC §15.4);
     # the shift by a finite row maximum above cannot show it, so it is selected.
     return jnp.where(jnp.isnan(sink) | (sink == jnp.inf), jnp.nan, weights)  # (B, H, T, S)
 
 
-def sink_logits(sinks: jax.Array | None, row_max: jax.Array, H: int) -> jax.Array:
+def _divisor(row_sum: jax.Array) -> jax.Array:
+    """What divides a row: its sum, 1 for a row with no key (its weights stay 0), and NaN for
+    a row that reads +inf, which is NaN whole, not only at its +inf scores (SPEC §4.1), so
+    that its gradients reach every key it attends."""
+    return jnp.where(row_sum == jnp.inf, jnp.nan, jnp.where(row_sum > 0, row_sum, 1.0))
+
+
+def sink_logits(sinks: jax.Array, row_max: jax.Array, H: int) -> jax.Array:
     """Each row's sink logit, (B, H, T, 1): sinks[h] in the rows of head h that have a key,
-    and -inf (no sink: exp(-inf) = 0) in a row with none, or without sinks."""
-    if sinks is None:
-        return jnp.full_like(row_max, -jnp.inf)  # (B, H, T, 1)
+    and -inf (no sink: exp(-inf) = 0) in a row with none, which stays exactly 0."""
     has_key = row_max != -jnp.inf  # (B, H, T, 1); NaN != -inf: a NaN row has keys
     logits = sinks.astype(row_max.dtype).reshape(1, H, 1, 1)  # (1, H, 1, 1)
     return jnp.where(has_key, logits, -jnp.inf)  # (B, H, T, 1)

@@ -18,7 +18,8 @@ What sybil cannot do is this parser, which takes every other fence, by its langu
 - no language: sample text, either pytest's output of the kit's step 1 (each line must be
   a line that run printed, paths and temporary names aside, and its replay snippet must
   replay the saved call) or an excerpt of ``examples/known_failures.txt``.
-- ``toml``: parsed; a profile excerpt must agree with the shipped profile, and the
+- ``toml``: parsed; a profile excerpt must agree with the shipped profile (or the example
+  profile in examples/ of that name), and the
   entry-point excerpt must name the group the registry reads.
 - ``text``: a figure (a diagram), read by no program.
 
@@ -265,7 +266,13 @@ def check_toml(data: dict) -> None:
             assert re.fullmatch(r"[\w.]+:\w+", target), target
         return
     profiles = ROOT / "conformance" / "adapters" / "profiles"
-    shipped = tomllib.loads((profiles / f"{data['name']}.toml").read_text())
+    # A shipped profile by its name, or one of the examples' (a user's own, as a page shows).
+    candidates = [profiles / f"{data['name']}.toml", *sorted((ROOT / "examples").glob("*.toml"))]
+    shipped = next(
+        parsed
+        for parsed in (tomllib.loads(path.read_text()) for path in candidates if path.exists())
+        if parsed.get("name") == data["name"]
+    )
     for key, value in data.items():
         if key == "known_failures":  # "cut to one": a subset
             assert value.items() <= shipped[key].items(), value

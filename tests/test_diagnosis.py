@@ -145,6 +145,12 @@ def _problem(name: str, seed: int = 5):
         "gqa-tiled": ({"is_causal": True}, _tiled),
         "sink-scaled": ({"sinks": sinks}, _set(sinks=sinks / 2)),
     }
+    if name == "scale-before-product":
+        # Scores up to 1.36e308 are finite; q · scale = 2.72e308 is not (SPEC §4.1).
+        q = np.array([2.72, 2.0, 1.0])[None, None, :, None]  # (B, H, T, D)
+        k = np.array([0.5, 0.25, -0.1, 0.0])[None, None, :, None]  # (B, K, S, D)
+        v = np.arange(1.0, 9.0).reshape(1, 1, 4, 2)  # (B, K, S, E)
+        return q, k, v, {"scale": 1e308}, _reference(change=_prescaled)
     if name in plans:
         options, change = plans[name]
         return q, k, v, options, _reference(change=change)
@@ -161,6 +167,11 @@ def _problem(name: str, seed: int = 5):
     if name == "softcap-after-mask":
         return q, k, v, {"mask": padding, "softcap": 2.0}, _softcap_after_mask
     return q, k, v, {"sinks": sinks}, _mutant("mutant-sink-in-numerator")
+
+
+def _prescaled(q, k, v, options):
+    """q multiplied by the scale before the product, as a blockwise kernel may."""
+    return q * options["scale"], k, v, {**options, "scale": 1.0}
 
 
 def _additive_padding(q, k, v, *, mask):

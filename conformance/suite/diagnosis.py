@@ -118,6 +118,11 @@ def _scale_is(value: Callable[[Call], float]) -> Callable[[Call], np.ndarray]:
     return lambda call: oracle_run(call, scale=value(call))
 
 
+def _prescaled(call: Call) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return call.q * call.scale  # (B, H, T, D)
+
+
 def _default_scale(call: Call) -> bool:
     return call.options.get("scale") is None
 
@@ -230,6 +235,13 @@ MISREADINGS: tuple[Misreading, ...] = (
         "the scores are not scaled: the output equals attention with scale 1",
         lambda c: c.scale != 1.0,
         _scale_is(lambda c: 1.0),
+    ),
+    Misreading(
+        "scale-before-product",
+        "q is multiplied by the scale before the product, so q · scale overflows where the "
+        "score does not",
+        lambda c: bool(np.isinf(_prescaled(c)).any()),
+        lambda c: oracle_run(c, q=_prescaled(c), scale=1.0),
     ),
     Misreading(
         "scale-twice",
@@ -347,7 +359,12 @@ def diagnose(actual, calls: list, tol: float) -> str | None:
 
 
 #: The misreadings whose very mark is a NaN or an infinity in the output.
-_NONFINITE_BY_NATURE = {"blocked-slot-read", "blocked-slot-multiplied", "empty-rows-nan"}
+_NONFINITE_BY_NATURE = {
+    "blocked-slot-read",
+    "blocked-slot-multiplied",
+    "empty-rows-nan",
+    "scale-before-product",
+}
 
 
 def _finite_evidence(misreading: Misreading, planted, right, tol: float) -> bool:

@@ -157,7 +157,7 @@ def attention_vjp(
     shards: int | None = None,
     layout: str = "contiguous",
 ) -> tuple[np.ndarray, ...]:
-    """Gradients by ``jax.vjp`` through both all-to-alls: (dq, dk, dv[, dmask][, dsinks])."""
+    """Gradients by ``jax.vjp`` through both all-to-alls: (dq, dk, dv, then dmask and dsinks where given)."""
     return _run(q, k, v, d_out, mask, shards, layout, is_causal=is_causal, scale=scale,
                 causal_alignment=causal_alignment, window=window, softcap=softcap,
                 dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size,
@@ -298,7 +298,7 @@ class _Heads:
         return out[0] if run.unbatched else out
 
     def gradients(self, grads, float_mask: bool) -> tuple:
-        """(dq, dk, dv[, dmask][, dsinks]) gathered: the gradient of a key/value head is
+        """(dq, dk, dv, then dmask and dsinks where given) gathered: the gradient of a key/value head is
         the sum over its copies on the devices."""
         run, ring, work, dtype = self.run, self.ring, self.work, self.dtype
         dq = ring.unpermute(np.asarray(grads[0]), axis=2, n=run.T, seq="t")[:, : self.H]

@@ -13,6 +13,7 @@ import pytest
 
 from conformance.adapters.forms import forms_of, forms_used
 from conformance.backends import numpy_dtype
+from conformance.suite.cases import case_marks
 from conformance.suite.requirements import requires
 from conformance.suite.tolerance import expect, finite_error, tolerance
 
@@ -162,8 +163,6 @@ def causal_where_taken(backend, T: int, S: int) -> dict:
 def fixture_marks(entry: dict, *clauses: str) -> list:
     """A fixture case's marks (``cases.case_marks``) and the forms of the core its options
     use at its sizes (SPEC §13.17)."""
-    from conformance.suite.cases import case_marks
-
     shape = entry["shape"]
     forms = forms_used(entry.get("options", {}), shape.get("T"), shape.get("S"))
     return case_marks(entry, *clauses) + ([requires(*forms)] if forms else [])

@@ -118,3 +118,22 @@ def test_draws_use_only_the_forms_a_backend_takes():
 
     assert used(Drawn(ALL_FORMS)) == set(ALL_FORMS)
     assert used(Drawn(())) == set()
+
+
+def test_a_run_draws_under_its_own_profile_whenever_the_module_was_imported(monkeypatch):
+    """Hypothesis fixes a test's settings when its module is imported. A process that
+    imported the property tests under Hypothesis' default profile (as the test above
+    does) and then starts a conformance run in-process must still draw under the run's
+    profile: under the default one, the backend fixture fails a health check and no
+    example reaches the backend."""
+    from hypothesis import settings
+
+    from conformance.tests import test_properties
+
+    test = test_properties.test_matches_the_reference
+    monkeypatch.setattr(test, "_hypothesis_internal_use_settings", settings.get_profile("default"))
+    code = pytest.main(
+        [str(ROOT / "conformance" / "tests" / "test_properties.py"), "--backend", "numpy"]
+        + ["-k", "test_matches_the_reference", "-q", "-p", "no:cacheprovider"]
+    )
+    assert code == 0

@@ -56,6 +56,28 @@ def draws_independent_of_loaded_modules() -> None:
         providers._get_local_constants = lambda: none
 
 
+def property_tests_use_the_runs_profile(items: list[pytest.Item]) -> None:
+    """The suite's property tests draw as the run's profile says (``--hypothesis-profile``,
+    else "quick"), whenever their module was imported.
+
+    Hypothesis fixes a ``@given`` test's settings when its module is imported: the profile
+    active then. A process that had imported ``conformance.tests.test_properties`` before a
+    run began (an earlier run in the same process, a script that reads its strategies)
+    ran it later under that import's profile, not the run's; under Hypothesis' default
+    profile the property tests then failed a health check instead of testing the backend.
+    None of the suite's property tests sets its own settings.
+    """
+    from hypothesis import settings
+
+    for item in items:
+        test = getattr(item, "obj", None)
+        module = getattr(getattr(item, "module", None), "__name__", "")
+        if module.startswith("conformance.tests.") and hasattr(
+            test, "_hypothesis_internal_use_settings"
+        ):
+            test._hypothesis_internal_use_settings = settings.default
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("conformance")
     group.addoption(

@@ -66,6 +66,7 @@ from conformance.suite.isolation import (  # noqa: F401
 # The plugin's command-line options live on a page of their own; the hook is this plugin's.
 from conformance.suite.options import (
     draws_independent_of_loaded_modules,
+    property_tests_use_the_runs_profile,
     pytest_addoption,  # noqa: F401
     register_hypothesis_profiles,
 )
@@ -277,6 +278,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     suite has that id.
     """
     _usage_error_without_backends(config, items)
+    if conformance_requested(config):
+        property_tests_use_the_runs_profile(items)
     if config.getoption("--ignore-known-failures"):
         _mark_profile_items(config, items, known=False)
         return

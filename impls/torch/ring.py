@@ -79,7 +79,7 @@ import torch.distributed as dist
 
 from .. import contract
 from .process_pool import run_on_ranks
-from .ring_layout import Layout, sum_to
+from .ring_layout import Layout, scale_split, sum_to
 
 
 def ring_attention(
@@ -120,8 +120,10 @@ def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, *, opts,
     # documents; it must be contiguous.
     travel = [None if x is None else x.contiguous() for x in (k, v, spos, sdoc)]
 
-    # 2. Scale, folded into the queries; query head h = κ·G + g shares kv head κ.
-    q = (q * opts["scale"]).reshape(B, K, G, Tl, D)  # (B, K, G, Tl, D)
+    # 2. Scale, folded into the queries (a scale above 1 only in part, the rest multiplies
+    # the products: ``scale_split``); query head h = κ·G + g shares kv head κ.
+    folded, post = scale_split(opts["scale"], torch.finfo(work).max)
+    q = (q * folded).reshape(B, K, G, Tl, D)  # (B, K, G, Tl, D)
     alibi = None if slopes is None else slopes.reshape(B, K, G, 1, 1)  # (B, K, G, 1, 1)
 
     def update(carry, qa, kb, vb, allowed, used, mb, bias):
@@ -130,8 +132,11 @@ def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, *, opts,
         kb = torch.where(used[..., None], kb, 0.0)  # (B, K, Sr, D)
         vb = torch.where(used[..., None], vb, 0.0)  # (B, K, Sr, E)
 
-        # 1. Scores: the local query rows against the key columns now on this rank.
+        # 1. Scores: the local query rows against the key columns now on this rank (and 2.
+        # the rest of the scale).
         x = torch.einsum("bkgtd,bksd->bkgts", qa, kb)  # (B, K, G, Tr, Sr)
+        if post is not None:
+            x = x * post  # (B, K, G, Tr, Sr)
 
         # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
         if opts["softcap"] is not None:
@@ -231,7 +236,8 @@ def ring_attention_backward(
     float_mask = mask is not None and mask.dtype != torch.bool
     travel = [None if x is None else x.contiguous() for x in (k, v, spos, sdoc)]
 
-    qs = (q * opts["scale"]).reshape(B, K, G, Tl, D)  # (B, K, G, Tl, D)
+    folded, post = scale_split(opts["scale"], torch.finfo(work).max)
+    qs = (q * folded).reshape(B, K, G, Tl, D)  # (B, K, G, Tl, D)
     # 5'. The softmax's row term, rowsum(dO ⊙ O): one dot product per row.
     d_row = (d_out * out).sum(dim=-1)  # (B, H, Tl)
     some = torch.isfinite(lse)  # (B, H, Tl): the rows that see a key
@@ -269,6 +275,8 @@ def ring_attention_backward(
                     # Forward steps 1-5 again for this block: raw scores, weights from lse.
                     qa = qs[:, :, :, rows]  # (B, K, G, Tr, D)
                     raw = torch.einsum("bkgtd,bksd->bkgts", qa, kb)  # (B, K, G, Tr, Sr)
+                    if post is not None:
+                        raw = raw * post  # (B, K, G, Tr, Sr)
                     x = raw
                     if opts["softcap"] is not None:
                         x = opts["softcap"] * torch.tanh(raw / opts["softcap"])
@@ -293,9 +301,11 @@ def ring_attention_backward(
                     # 3'. Softcap: d/dR of c·tanh(R/c) is 1 − tanh²(R/c).
                     if opts["softcap"] is not None:
                         dz = dz * (1.0 - torch.tanh(raw / opts["softcap"]) ** 2)
-                    # 2'-1'. The scale is folded into qa; dq gets it once at the end.
+                    # 2'-1'. The scale is folded into qa and post; dq gets it once at the end.
                     dq[:, :, :, rows] += torch.einsum("bkgts,bksd->bkgtd", dz, kb)
                     dk_b = torch.einsum("bkgts,bkgtd->bksd", dz, qa)  # (B, K, Sr, D)
+                    if post is not None:
+                        dk_b = dk_b * post  # (B, K, Sr, D)
                     # The slots replaced by 0 get nothing back.
                     dk[:, :, cols] += torch.where(used[..., None], dk_b, 0.0)
                     dv[:, :, cols] += torch.where(used[..., None], dv_b, 0.0)

@@ -26,6 +26,8 @@ Tp = P·Tl, Sp = P·Sl the padded lengths.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .. import contract
@@ -126,6 +128,20 @@ def sum_to(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     x = x.sum(axis=tuple(range(x.ndim - len(shape))))  # drop the leading axes
     axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
     return x.sum(axis=axes, keepdims=True).reshape(shape)
+
+
+def scale_split(scale: float, largest: float) -> tuple[float, float | None]:
+    """(folded, post), scale = folded · post: the part folded into the queries and the rest,
+    multiplied into the products (None: nothing). q · scale can overflow where the score
+    q·k·scale does not (scale 1e308), so a scale above 1 is folded only in [0.5, 1) and
+    post = 2^e, a power of two still finite in a working precision whose largest number is
+    ``largest``; multiplying by it is exact, so the scores differ from q·(scale)·k only
+    by the rounding of one product. A scale of at most 1 is all folded, as before."""
+    if scale <= 1.0:
+        return scale, None
+    _, e = math.frexp(scale)  # scale = m · 2^e, 0.5 <= m < 1
+    e = min(e, math.frexp(largest)[1] - 1)
+    return math.ldexp(scale, -e), math.ldexp(1.0, e)
 
 
 def _options(call: contract.Checked, offset: int) -> dict:

@@ -68,7 +68,7 @@ import torch.distributed as dist
 
 from .. import contract
 from .naive import softcapped, softmax
-from .ring_layout import Layout, sum_to
+from .ring_layout import Layout, scale_split, sum_to
 
 
 def head_split(H: int, K: int, P: int) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -209,8 +209,12 @@ def _attend(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, opts: dict):
     k = torch.where(used[..., None], k, 0.0)  # (B, Hr, Sp, D)
     v = torch.where(used[..., None], v, 0.0)  # (B, Hr, Sp, E)
 
-    # 1. Scores and 2. scale (folded into q).
-    x = torch.einsum("bhtd,bhsd->bhts", q * opts["scale"], k)  # (B, Hr, Tp, Sp)
+    # 1. Scores and 2. scale, folded into q (a scale above 1 only in part, the rest
+    # multiplies the products: ``ring_layout.scale_split``).
+    folded, post = scale_split(opts["scale"], torch.finfo(q.dtype).max)
+    x = torch.einsum("bhtd,bhsd->bhts", q * folded, k)  # (B, Hr, Tp, Sp)
+    if post is not None:
+        x = x * post  # (B, Hr, Tp, Sp)
 
     # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
     x = softcapped(x, opts["softcap"])  # (B, Hr, Tp, Sp)

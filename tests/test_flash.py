@@ -385,3 +385,54 @@ def test_numpy_flash_paged_reads_only_the_pages_it_needs(monkeypatch, window, pa
     )
     if window is None:
         assert len(calls) == 7 * 3, f"{len(calls)} backward matmuls, expected {7 * 3}"
+
+
+@pytest.mark.parametrize("impl", [numpy_flash, jax_flash], ids=["numpy-flash", "jax-flash"])
+@pytest.mark.parametrize(
+    "wide, bounded",
+    [
+        ({"window": (2**31, 2**40)}, {}),
+        ({"chunk_size": 2**40}, {}),
+        ({"window": (3, 2**31)}, {"window": (3, None)}),
+    ],
+)
+def test_sides_and_chunks_past_int32_are_unbounded(impl, wide, bounded):
+    """A window side or chunk size of 2^31 and more reaches past every key, as None does:
+    on tiles of 4 × 3 the block bounds it enters stay within int32 (before, jax-flash
+    returned other rows' weights for them)."""
+    jax.config.update("jax_enable_x64", True)
+    q, k, v = random_qkv(5, B=2, H=4, K=2, T=9, S=11, D=3, E=2, dtype="float64")
+    out = np.asarray(impl.attention(q, k, v, block_q=4, block_k=3, **wide))
+    expected = numpy_attention.attention(q, k, v, **bounded)
+    assert_within(out, expected, tolerance("float64", 0.0, expected), f"{impl.__name__} {wide}")
+
+
+def test_jax_flash_compiles_once_for_every_option_value():
+    """The scale, softcap, window sides, chunk size and alignment are runtime values of
+    jax-flash's program (``flash._traced_options``): new values of them compile nothing.
+    (A scale above 1 is one more program: its power of two multiplies the products.)"""
+    jax.config.update("jax_enable_x64", True)
+    q, k, v = random_qkv(6, B=1, H=2, K=1, T=6, S=7, D=3, E=2, dtype="float64")
+    d_out = np.ones((1, 2, 6, 2))
+    for vary in ("scale", "scale above 1", "softcap", "window", "chunk_size"):
+        calls = {
+            "scale": [{"scale": s} for s in (0.1, 0.5, 1.0)],
+            "scale above 1": [{"scale": s} for s in (2.0, 3.0, 1e10)],
+            "softcap": [{"softcap": c} for c in (0.5, 2.0, 30.0)],
+            "window": [
+                {"window": (1, 0), "is_causal": True},
+                {"window": (4, 2), "is_causal": True},
+            ],
+            "chunk_size": [
+                {"chunk_size": c, "causal_alignment": a}
+                for c, a in ((2, "top_left"), (5, "bottom_right"))
+            ],
+        }[vary]
+        jax_flash.attention(q, k, v, block_q=4, block_k=3, **calls[0])
+        jax_flash.attention_vjp(q, k, v, d_out, block_q=4, block_k=3, **calls[0])
+        before = (jax_flash._flash._cache_size(), jax_flash._flash_vjp._cache_size())
+        for options in calls[1:]:
+            jax_flash.attention(q, k, v, block_q=4, block_k=3, **options)
+            jax_flash.attention_vjp(q, k, v, d_out, block_q=4, block_k=3, **options)
+        after = (jax_flash._flash._cache_size(), jax_flash._flash_vjp._cache_size())
+        assert after == before, f"{vary}: {before} programs became {after}"

@@ -41,6 +41,11 @@ Compiled, with static shapes. XLA needs every array's shape at compile time, so 
 are padded up to multiples of the block sizes; padded keys are masked like blocked ones
 and padded query rows are cut off at the end. The query blocks are a ``lax.fori_loop``
 writing into the output, and the key blocks an inner ``lax.fori_loop`` carrying (m, l, a).
+The options' values are not compiled in: the scale, the softcap, the window's sides (and
+causality, its right side capped at 0), the chunk size and the diagonal's offset are
+runtime values, so one program serves them all and only which of them are present
+specialises it. The loop bounds are computed from them at run time, as they are from
+the query block's index already.
 
 Sinks. An attention sink (one logit per query head, gpt-oss) is one more term of the row
 sum l with no value row: after the last key block it is folded in like one more block,
@@ -130,10 +135,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .. import contract
-from .flash_tiles import Tiles, add_sink, backward_tile, log_sum_exp
+from .flash_tiles import Tiles, add_sink, backward_tile, log_sum_exp, scale_split
 
 
 def attention(
@@ -288,22 +294,53 @@ def _prepare(q, k, v, mask, options: dict, block_q: int, block_k: int, d_out=Non
         # to (B, H, T, S) here would build the very T × S array this module avoids.
         mask = mask.reshape(call.mask_shape)  # (B|1, H|1, T|1, S|1)
     static = dict(
-        scale=call.scale,
-        is_causal=call.is_causal,
-        offset=0 if call.causal_alignment == "top_left" else call.S - call.T,
-        window=call.window,
-        softcap=call.softcap,
-        chunk=call.chunk_size,
+        opts=_traced_options(call, q.dtype),
         Tb=max(1, min(block_q, call.T)),
         Sb=max(1, min(block_k, call.S)),
     )
     return call, (q, k, v, mask, sinks, alibi), static
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("scale", "is_causal", "offset", "window", "softcap", "chunk", "Tb", "Sb"),
-)
+def _traced_options(call: contract.Checked, dtype) -> dict:
+    """The options as runtime values, so that one compiled program serves every scale,
+    softcap, window, chunk size and alignment of a shape: which options are present (None
+    where not) is all the program is specialised on. Causality is the window's right side
+    capped at 0; a side or chunk wider than T + S reaches past every key, so it is cut to
+    that, which keeps the positions it adds within int32. The scale comes in the two parts
+    the tiles use (``flash_tiles.scale_split``), and whole for dq."""
+    work = np.float64 if dtype == jnp.float64 else np.float32
+    T, S = call.T, call.S
+    left, right = call.window if call.window is not None else (None, None)
+    if call.is_causal:
+        right = 0 if right is None else min(right, 0)
+    folded, post = scale_split(call.scale, work)
+
+    def cut(n):
+        return None if n is None else np.int32(min(n, T + S))
+
+    return dict(
+        offset=np.int32(0 if call.causal_alignment == "top_left" else S - T),
+        left=cut(left),
+        right=cut(right),
+        chunk=cut(call.chunk_size),
+        softcap=None if call.softcap is None else work(call.softcap),
+        folded=work(folded),
+        post=None if post == 1.0 else work(post),
+        scale=work(call.scale),
+    )
+
+
+def _tiles(q, k, v, mask, alibi, opts: dict, Tb: int, Sb: int) -> Tiles:
+    """The call's tiles, its options traced (``_traced_options``)."""
+    window = (opts["left"], opts["right"])
+    scale = (opts["folded"], opts["post"])
+    return Tiles(
+        q, k, v, mask, opts["offset"], False, window, opts["softcap"], opts["chunk"], Tb, Sb,
+        alibi, scale,
+    )  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("Tb", "Sb"))
 def _flash(
     q: jax.Array,
     k: jax.Array,
@@ -311,21 +348,17 @@ def _flash(
     mask: jax.Array | None,
     sinks: jax.Array | None,
     *,
-    scale: float,
-    is_causal: bool,
-    offset: int,
-    window: tuple[int | None, int | None] | None,
-    softcap: float | None,
-    chunk: int | None,
+    opts: dict,
     Tb: int,
     Sb: int,
     alibi: jax.Array | None = None,
 ) -> jax.Array:
-    """Steps 1-7 on checked, batched inputs; compiled once per shape, dtype and options."""
+    """Steps 1-7 on checked, batched inputs; compiled once per shape, dtype, tile size and
+    set of options present (their values are traced: ``_traced_options``)."""
     B, H, T, _ = q.shape
     E = v.shape[-1]
     out_dtype = q.dtype
-    tiles = Tiles(q, k, v, mask, offset, is_causal, window, softcap, chunk, Tb, Sb, alibi, scale)
+    tiles = _tiles(q, k, v, mask, alibi, opts, Tb, Sb)
 
     def query_block(i: jax.Array, out: jax.Array) -> jax.Array:
         # 1. Scores: every query of the block against every key, one key block at a time
@@ -348,10 +381,7 @@ def _flash(
     return out[:, :, :T]  # (B, H, T, E), the padded rows cut off
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("scale", "is_causal", "offset", "window", "softcap", "chunk", "Tb", "Sb"),
-)
+@functools.partial(jax.jit, static_argnames=("Tb", "Sb"))
 def _flash_vjp(
     q: jax.Array,
     k: jax.Array,
@@ -360,23 +390,18 @@ def _flash_vjp(
     sinks: jax.Array | None,
     d_out: jax.Array,
     *,
-    scale: float,
-    is_causal: bool,
-    offset: int,
-    window: tuple[int | None, int | None] | None,
-    softcap: float | None,
-    chunk: int | None,
+    opts: dict,
     Tb: int,
     Sb: int,
     alibi: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """The backward on checked, batched inputs: (dq, dk, dv, dmask, dsinks), dmask shaped
     (B|1, H|1, T|1, S|1) with a float mask and dsinks (H,) with sinks, else None;
-    compiled once per shape, dtype and options."""
+    compiled once per shape, dtype, tile size and set of options present."""
     B, H, T, D = q.shape
     _, K, S, _ = k.shape
     E = v.shape[-1]
-    tiles = Tiles(q, k, v, mask, offset, is_causal, window, softcap, chunk, Tb, Sb, alibi, scale)
+    tiles = _tiles(q, k, v, mask, alibi, opts, Tb, Sb)
     work, G = tiles.work, tiles.G
     float_mask = mask is not None and mask.dtype != jnp.bool_
     d_out = jnp.pad(d_out, ((0, 0), (0, 0), (0, tiles.Tp - T), (0, 0)))  # (B, H, Tp, E)
@@ -412,7 +437,7 @@ def _flash_vjp(
         dq_i = jnp.zeros((B, K, G * Tb, D), dtype=work)  # (B, K, G·Tb, D)
         body = functools.partial(backward_tile, tiles, i, qi, do, lse, delta)
         dq_i, dk, dv, dm = tiles.walk(i, body, (dq_i, dk, dv, dm))
-        dq_i = (dq_i * scale).reshape(B, H, Tb, D).astype(q.dtype)  # (B, H, Tb, D)
+        dq_i = (dq_i * opts["scale"]).reshape(B, H, Tb, D).astype(q.dtype)  # (B, H, Tb, D)
         dq = lax.dynamic_update_slice_in_dim(dq, dq_i, i * Tb, axis=2)  # (B, H, Tp, D)
         return dq, dk, dv, dm, ds
 

@@ -59,7 +59,9 @@ class Tiles:
     """The padded inputs, the band, and what a tile needs: which key blocks a query
     block visits (``walk``), steps 1, 3 and 4 on one tile (``scores``), and the online
     softmax of one query block (``online_softmax``). Built inside the jitted functions:
-    the arrays are traced, the sizes and options static."""
+    the arrays are traced and the sizes static; the options are either (``flash.py``
+    passes them traced, so that one program serves every value, and None where absent).
+    ``scale`` is a number or its two parts (folded, post or None), ``scale_split``'s."""
 
     def __init__(
         self, q, k, v, mask, offset, is_causal, window, softcap, chunk, Tb, Sb, alibi, scale
@@ -75,8 +77,12 @@ class Tiles:
         # overflows past 11.09, and summing many weights in float16 loses the small ones.
         self.work = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
         # Step 2's scale: the part folded into the queries, and the power of two the
-        # products are multiplied by (1 for a scale <= 1; module docstring: huge scales).
-        self.folded, self.post = scale_split(scale, self.work)
+        # products are multiplied by (None for a scale <= 1; module docstring: huge scales).
+        if isinstance(scale, tuple):
+            self.folded, self.post = scale
+        else:
+            self.folded, self.post = scale_split(scale, self.work)
+            self.post = None if self.post == 1.0 else self.post
 
         # Pad T and S to whole blocks (a no-op when they already are). Tiles are sliced
         # from the inputs as they are, and cast to the working precision tile by tile, so
@@ -94,13 +100,14 @@ class Tiles:
         self.mask = mask
 
         # Which keys query t may see under causality and the window: lo <= s - t' <= hi,
-        # where t' = t + offset is its aligned diagonal (offset = S - T for bottom-right).
+        # where t' = t + offset is its aligned diagonal (offset = S - T for bottom-right);
+        # None is an unbounded side.
         left, right = window if window is not None else (None, None)
-        self.lo = -math.inf if left is None else -left
-        self.hi = math.inf if right is None else right
+        self.lo = None if left is None else -left
+        self.hi = right
         if is_causal:
-            self.hi = min(self.hi, 0)
-        self.banded = is_causal or window is not None
+            self.hi = 0 if right is None else jnp.minimum(right, 0)
+        self.banded = self.lo is not None or self.hi is not None
         # Chunked local attention: t' // chunk == s // chunk as well.
         self.chunk = chunk
         # ALiBi's slopes in the grouped layout of the score tiles, or None.
@@ -113,7 +120,7 @@ class Tiles:
         by key/value head: query head h = k·G + g shares key/value head k, so a kv head's
         tile serves its G query heads, stacked as G·Tb rows. (B, K, G·Tb, D)."""
         qi = lax.dynamic_slice_in_dim(self.q, i * self.Tb, self.Tb, axis=2)  # (B, H, Tb, D)
-        qi = qi.astype(self.work) * self.work(self.folded)  # (B, H, Tb, D)
+        qi = qi.astype(self.work) * jnp.asarray(self.folded, self.work)  # (B, H, Tb, D)
         return qi.reshape(self.B, self.K, self.G * self.Tb, -1)  # (B, K, G·Tb, D)
 
     def key_blocks(self, i: jax.Array) -> tuple[jax.Array, ...]:
@@ -123,12 +130,12 @@ class Tiles:
         Tb, Sb, nS, lo, hi = self.Tb, self.Sb, self.nS, self.lo, self.hi
         t0 = i * Tb + self.offset  # diagonal of the block's first query
         first, inner_first, inner_last, last = 0, 0, nS, nS
-        if lo != -math.inf:
+        if lo is not None:
             first = (t0 + lo) // Sb
             # Inside from the first block whose first key is >= lo past the last query's
             # diagonal: a ceiling division.
             inner_first = -(-(t0 + Tb - 1 + lo) // Sb)
-        if hi != math.inf:
+        if hi is not None:
             last = (t0 + Tb - 1 + hi) // Sb + 1
             # Inside up to the last block whose last key is <= hi past the first query's.
             inner_last = (t0 + hi + 1) // Sb
@@ -179,8 +186,8 @@ class Tiles:
         kj = lax.dynamic_slice_in_dim(self.k, j * Sb, Sb, axis=2).astype(work)  # (B, K, Sb, D)
         x = score_product("bkrd,bksd->bkrs", qi, kj)  # (B, K, G·Tb, Sb)
         # 2. Scale: the rest of it, a power of two (module docstring: huge scales).
-        if self.post != 1.0:
-            x = x * self.work(self.post)  # (B, K, G·Tb, Sb)
+        if self.post is not None:
+            x = x * jnp.asarray(self.post, work)  # (B, K, G·Tb, Sb)
 
         # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
         tanh = None
@@ -213,9 +220,9 @@ class Tiles:
                 t = i * Tb + jnp.arange(Tb, dtype=jnp.int32)[:, None]  # (Tb, 1)
                 distance = s - (t + self.offset)  # (Tb, Sb)
                 band = jnp.ones((Tb, Sb), dtype=bool)  # (Tb, Sb)
-                if self.lo != -math.inf:
+                if self.lo is not None:
                     band &= distance >= self.lo
-                if self.hi != math.inf:
+                if self.hi is not None:
                     band &= distance <= self.hi
                 allowed = band if allowed is None else allowed & band
             if self.chunk is not None:
@@ -387,8 +394,8 @@ def backward_tile(tiles, i, qi, do, lse, delta, j, grads, banded_tile, rows=None
     # then); dq gets it once, at the end of the query block.
     dq_i = dq_i + jnp.einsum("bkrs,bksd->bkrd", dz, kj, precision=HIGHEST)  # (B, K, G·Tb, D)
     dk_j = jnp.einsum("bkrs,bkrd->bksd", dz, qi, precision=HIGHEST)  # (B, K, Sb, D)
-    if tiles.post != 1.0:
-        dk_j = dk_j * tiles.work(tiles.post)  # (B, K, Sb, D)
+    if tiles.post is not None:
+        dk_j = dk_j * jnp.asarray(tiles.post, tiles.work)  # (B, K, Sb, D)
 
     # The slots replaced by 0 get nothing back: a selection passes the gradient only to
     # the branch it took.

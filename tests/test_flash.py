@@ -194,17 +194,22 @@ def test_jax_flash_backward_memory_is_linear_in_t():
         None,
         None,
         shape,
-        scale=0.125,
-        is_causal=False,
-        offset=0,
-        window=None,
-        softcap=None,
-        chunk=None,
+        opts=jax_flash._traced_options(_checked(16384, 16384, 64), np.float32),
         Tb=512,
         Sb=256,
     )
     temp = lowered.compile().memory_analysis().temp_size_in_bytes
     assert temp < 96 * 2**20, f"backward temporaries {temp / 2**20:.1f} MiB"
+
+
+def _checked(T: int, S: int, D: int):
+    """The checked call of a plain problem of these sizes (B = 1, H = K = 8), from the
+    contract itself, whose traced options ``_flash_vjp`` is lowered with."""
+    from conformance.impls import contract
+
+    q = jax.ShapeDtypeStruct((1, 8, T, D), jax.numpy.float32)
+    k = jax.ShapeDtypeStruct((1, 8, S, D), jax.numpy.float32)
+    return contract.check(q, k, k)
 
 
 def test_jax_flash_packed_backward_memory_is_linear_in_t():

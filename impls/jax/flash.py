@@ -325,7 +325,7 @@ def _traced_options(call: contract.Checked, dtype) -> dict:
         chunk=cut(call.chunk_size),
         softcap=None if call.softcap is None else work(call.softcap),
         folded=work(folded),
-        post=None if post == 1.0 else work(post),
+        post=None if post is None else work(post),
         scale=work(call.scale),
     )
 
@@ -335,8 +335,8 @@ def _tiles(q, k, v, mask, alibi, opts: dict, Tb: int, Sb: int) -> Tiles:
     window = (opts["left"], opts["right"])
     scale = (opts["folded"], opts["post"])
     return Tiles(
-        q, k, v, mask, opts["offset"], False, window, opts["softcap"], opts["chunk"], Tb, Sb,
-        alibi, scale,
+        q, k, v, mask, opts["offset"], window, opts["softcap"], opts["chunk"], Tb, Sb, alibi,
+        scale,
     )  # fmt: skip
 
 

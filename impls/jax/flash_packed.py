@@ -164,7 +164,7 @@ def _flash_packed(
     q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
     B, H, T, _ = q.shape
     E = v.shape[-1]
-    tiles = Tiles(q, k, v, None, 0, False, None, softcap, None, Tb, Sb, None, scale)
+    tiles = Tiles(q, k, v, None, 0, None, softcap, None, Tb, Sb, None, scale)
     docs = _Documents(cu_q, cu_k, tiles, is_causal, bottom_right, window)
 
     def query_block(i: jax.Array, out: jax.Array) -> jax.Array:
@@ -202,7 +202,7 @@ def _flash_packed_vjp(
     B, H, T, D = q.shape
     _, K, S, _ = k.shape
     E = v.shape[-1]
-    tiles = Tiles(q, k, v, None, 0, False, None, softcap, None, Tb, Sb, None, scale)
+    tiles = Tiles(q, k, v, None, 0, None, softcap, None, Tb, Sb, None, scale)
     docs = _Documents(cu_q, cu_k, tiles, is_causal, bottom_right, window)
     work, G = tiles.work, tiles.G
     d_out = jnp.pad(d_out, ((0, 0), (0, 0), (0, tiles.Tp - T), (0, 0)))  # (B, H, Tp, E)

@@ -248,7 +248,7 @@ class _PageWalk:
         kj = jnp.where(used, self.k_pages[page].astype(work), 0.0)  # (K, L, D)
         vj = jnp.where(used, self.v_pages[page].astype(work), 0.0)  # (K, L, E)
         x = score_product("krd,kld->krl", self.qi, kj)  # (K, G·Tb, L)
-        if self.post != 1.0:
+        if self.post is not None:
             x = x * work(self.post)  # (K, G·Tb, L): the rest of the scale
         tanh = None
         if softcap is not None:
@@ -283,7 +283,7 @@ class _PageWalk:
             dz = dz * (1.0 - tanh * tanh)  # (K, G·Tb, L)
         dq_i = dq_i + jnp.einsum("krl,kld->krd", dz, kj, precision=HIGHEST)
         dk_j = jnp.einsum("krl,krd->kld", dz, self.qi, precision=HIGHEST)  # (K, L, D)
-        if self.post != 1.0:
+        if self.post is not None:
             dk_j = dk_j * self.work(self.post)  # (K, L, D)
         # Unused slots get nothing back; what was read goes back to its page.
         dk_pages = dk_pages.at[page].add(jnp.where(used, dk_j, 0.0))  # (N, K, L, D)

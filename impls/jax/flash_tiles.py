@@ -59,13 +59,12 @@ class Tiles:
     """The padded inputs, the band, and what a tile needs: which key blocks a query
     block visits (``walk``), steps 1, 3 and 4 on one tile (``scores``), and the online
     softmax of one query block (``online_softmax``). Built inside the jitted functions:
-    the arrays are traced and the sizes static; the options are either (``flash.py``
-    passes them traced, so that one program serves every value, and None where absent).
-    ``scale`` is a number or its two parts (folded, post or None), ``scale_split``'s."""
+    the arrays are traced and the sizes static; the options may be plain numbers or traced
+    values (``flash.py`` traces them, so that one program serves every value), None where
+    absent. ``window`` is (left, right) with causality already in its right side;
+    ``scale`` is a number or its two parts (folded, post), as ``scale_split`` gives them."""
 
-    def __init__(
-        self, q, k, v, mask, offset, is_causal, window, softcap, chunk, Tb, Sb, alibi, scale
-    ) -> None:
+    def __init__(self, q, k, v, mask, offset, window, softcap, chunk, Tb, Sb, alibi, scale) -> None:
         B, H, T, D = q.shape
         _, K, S, _ = k.shape
         self.B, self.K, self.G, self.T, self.S = B, K, H // K, T, S
@@ -78,11 +77,8 @@ class Tiles:
         self.work = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
         # Step 2's scale: the part folded into the queries, and the power of two the
         # products are multiplied by (None for a scale <= 1; module docstring: huge scales).
-        if isinstance(scale, tuple):
-            self.folded, self.post = scale
-        else:
-            self.folded, self.post = scale_split(scale, self.work)
-            self.post = None if self.post == 1.0 else self.post
+        split = scale if isinstance(scale, tuple) else scale_split(scale, self.work)
+        self.folded, self.post = split
 
         # Pad T and S to whole blocks (a no-op when they already are). Tiles are sliced
         # from the inputs as they are, and cast to the working precision tile by tile, so
@@ -105,8 +101,6 @@ class Tiles:
         left, right = window if window is not None else (None, None)
         self.lo = None if left is None else -left
         self.hi = right
-        if is_causal:
-            self.hi = 0 if right is None else jnp.minimum(right, 0)
         self.banded = self.lo is not None or self.hi is not None
         # Chunked local attention: t' // chunk == s // chunk as well.
         self.chunk = chunk
@@ -439,12 +433,12 @@ def grouped(x: jax.Array, K: int, G: int) -> jax.Array:
     return x.reshape(b, K, G, t, s)  # (B|1, K, G, T, S)
 
 
-def scale_split(scale: float, work) -> tuple[float, float]:
+def scale_split(scale: float, work) -> tuple[float, float | None]:
     """scale = folded · post (module docstring: huge scales): a scale of at most 1 is all
-    folded (post = 1); a larger one is folded in [0.5, 1) times post = 2^e, a power of two
+    folded (post None: nothing to multiply); a larger one is folded in [0.5, 1) times post = 2^e, a power of two
     still finite in the working precision."""
     if scale <= 1.0:
-        return scale, 1.0
+        return scale, None
     _, e = math.frexp(scale)  # scale = m · 2^e, 0.5 <= m < 1
     e = min(e, int(jnp.finfo(work).maxexp) - 1)
     return math.ldexp(scale, -e), math.ldexp(1.0, e)

@@ -194,7 +194,7 @@ def test_jax_flash_backward_memory_is_linear_in_t():
         None,
         None,
         shape,
-        opts=jax_flash._traced_options(_checked(16384, 16384, 64), np.float32),
+        opts=jax_flash._traced_options(_checked(16384, 16384, 64), np.float32, 16384, 16384),
         Tb=512,
         Sb=256,
     )
@@ -441,3 +441,43 @@ def test_jax_flash_compiles_once_for_every_option_value():
             jax_flash.attention_vjp(q, k, v, d_out, block_q=4, block_k=3, **options)
         after = (jax_flash._flash._cache_size(), jax_flash._flash_vjp._cache_size())
         assert after == before, f"{vary}: {before} programs became {after}"
+
+
+def test_jax_flash_compiles_once_per_shape_bucket():
+    """T and S are padded to their bucket (``flash.bucket``) before the compiled program,
+    their true values runtime values of it: every length of a bucket after the first
+    compiles no program at all, neither the attention's nor a pad's or a cut's around it,
+    forward and backward, and each answer is the oracle's."""
+    jax.config.update("jax_enable_x64", True)
+    from jax import monitoring
+
+    compiled = []
+    monitoring.register_event_listener(
+        lambda event, **_: (
+            compiled.append(event)
+            if event == "/jax/compilation_cache/compile_requests_use_cache"
+            else None
+        )
+    )
+    assert [jax_flash.bucket(n, 4) for n in (1, 3, 5, 8, 9, 17, 64, 65)] == [
+        (1, 1), (4, 4), (4, 8), (4, 8), (4, 16), (4, 32), (4, 64), (4, 80),
+    ]  # fmt: skip
+    assert jax_flash.bucket(4097, 256) == (256, 5120)  # past 16 tiles, a multiple of 4 tiles
+    options = dict(block_q=4, block_k=8, is_causal=True, causal_alignment="bottom_right")
+    for n, (T, S) in enumerate([(5, 9), (6, 16), (7, 11), (7, 13)]):
+        q, k, v = random_qkv(n, B=2, H=4, K=2, T=T, S=S, D=3, E=2, dtype="float64")
+        mask = np.random.default_rng(n).standard_normal((2, 1, T, S))
+        d_out = np.random.default_rng(n + 9).standard_normal((2, 4, T, 2))
+        before = len(compiled)
+        out = jax_flash.attention(q, k, v, mask=mask, **options)
+        grads = jax_flash.attention_vjp(q, k, v, d_out, mask=mask, **options)
+        if n > 0:
+            assert len(compiled) == before, f"T={T}, S={S}: {len(compiled) - before} programs"
+        causal = dict(mask=mask, is_causal=True, causal_alignment="bottom_right")
+        expected = numpy_attention.attention(q, k, v, **causal)
+        assert_within(np.asarray(out), expected, tolerance("float64", 0.0, expected), "out")
+        expected = naive_vjp_same_precision(q, k, v, d_out, np.float64, **causal)
+        for got, name in zip(grads, ("dq", "dk", "dv", "dmask")):
+            want = expected[name]
+            assert got.shape == want.shape, name
+            assert_within(np.asarray(got), want, tolerance("float64", 0.0, want), name)

@@ -37,15 +37,19 @@ against m_safe = 0 in that case, which gives exp(-inf) = 0 for the blocked keys 
 for the (empty) history. A row that never sees a key ends with l = 0 and a = 0, and returns
 exactly 0, as the reference does.
 
-Compiled, with static shapes. XLA needs every array's shape at compile time, so T and S
-are padded up to multiples of the block sizes; padded keys are masked like blocked ones
-and padded query rows are cut off at the end. The query blocks are a ``lax.fori_loop``
-writing into the output, and the key blocks an inner ``lax.fori_loop`` carrying (m, l, a).
-The options' values are not compiled in: the scale, the softcap, the window's sides (and
-causality, its right side capped at 0), the chunk size and the diagonal's offset are
-runtime values, so one program serves them all and only which of them are present
-specialises it. The loop bounds are computed from them at run time, as they are from
-the query block's index already.
+Compiled once per shape bucket. XLA needs every array's shape at compile time, and
+compiling costs far more than running at the sizes tests and short prompts use (a
+forward program about 0.3 s on a CPU, a backward one 0.7 s). So T and S are padded up to
+a few buckets (``bucket``: a power of two of tiles) before the compiled program, and
+their true values are runtime values of it, as FlashAttention's variable-length entry
+points take their lengths as data: padded keys are masked like blocked ones, padded
+query rows see no key and are cut off at the end, and tiles wholly past the true lengths
+are never visited. The query blocks are a ``lax.fori_loop`` writing into the output, and
+the key blocks an inner ``lax.fori_loop`` carrying (m, l, a). The options' values are not
+compiled in either: the scale, the softcap, the window's sides (and causality, its right
+side capped at 0), the chunk size and the diagonal's offset are runtime values, so one
+program serves them all and only which of them are present specialises it. The loop
+bounds are computed from them at run time, as they are from the query block's index.
 
 Sinks. An attention sink (one logit per query head, gpt-oss) is one more term of the row
 sum l with no value row: after the last key block it is folded in like one more block,
@@ -80,7 +84,7 @@ block skipping as the forward. ``ring.py``'s backward runs the same tile algorit
 body of its own: there the positions and options are traced values travelling with the
 slices, where this page's band is static and skips blocks by loop bounds.
 
-Memory. No input is copied whole (except to pad T or S up to a block multiple): tiles
+Memory. No input is copied whole (except to pad T or S up to their bucket): tiles
 are sliced from the inputs and cast to the working precision tile by tile, and each
 finished query block is written in place into the output. Beyond inputs and output the
 loop holds one (B, K, G·Tb, Sb) score tile, its exponentials, and (B, K, G·Tb, E)
@@ -102,7 +106,8 @@ Shape legend (heads-first, as in PyTorch):
     B batch            H query heads      K key/value heads (H % K == 0)
     G = H // K         T query length     S key/value length
     D q/k head dim     E v head dim
-    Tb query block     Sb key block       Tp, Sp: T and S padded to block multiples
+    Tb query block     Sb key block       Tq, Sk: T and S padded to their buckets
+                                          Tp, Sp: the padded lengths the tiles see
 
     q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
     mask: bool (True = may attend) or floating (added to the scores),
@@ -185,8 +190,9 @@ def attention(
         == s // chunk_size, offset placed by causal_alignment (Llama 4); None for none.
       alibi_slopes: (H,) or (B, H), float32 or q's dtype: ALiBi adds -slope · |t + S - T -
         s| to the scores after the softcap, whatever causal_alignment says; None for none.
-      block_q: Tb, queries per tile (per query head); shrunk to T when T is smaller.
-      block_k: Sb, keys per tile; shrunk to S when S is smaller.
+      block_q: Tb, queries per tile (per query head); shrunk to T's power of two when
+        that is smaller.
+      block_k: Sb, keys per tile; shrunk to S's power of two when that is smaller.
 
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
@@ -200,10 +206,10 @@ def attention(
     if call.T == 0 or call.S == 0:
         # Nothing to tile: with T = 0 there is no query, and with S = 0 every query has
         # no key, so every output row is exactly 0, whatever q holds.
-        out = jnp.zeros((call.B, call.H, call.T, call.E), dtype=q.dtype)  # (B, H, T, E)
+        out = np.zeros((call.B, call.H, call.T, call.E), dtype=q.dtype)  # (B, H, T, E)
     else:
-        out = _flash(q, k, v, mask, sinks, alibi=alibi, **static)  # (B, H, T, E)
-    return out[0] if call.unbatched else out
+        out = _flash(q, k, v, mask, sinks, alibi=alibi, **static)  # (B, H, Tq, E)
+    return _result(out, ((2, call.T),), call.unbatched)  # (B, H, T, E), padding cut off
 
 
 def attention_vjp(
@@ -245,36 +251,42 @@ def attention_vjp(
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
     options.update(chunk_size=chunk_size, alibi_slopes=alibi_slopes)
-    d_out = jnp.asarray(d_out)
-    given = None if mask is None else jnp.shape(mask)  # dmask is shaped like this
+    given = None if mask is None else np.shape(mask)  # dmask is shaped like this
     call, (q, k, v, mask, sinks, alibi), static = _prepare(
         q, k, v, mask, options, block_q, block_k, d_out=d_out
     )
     float_mask = mask is not None and not call.mask_is_bool
     if call.T == 0 or call.S == 0:
         # Nothing attends anything: every gradient is exactly 0.
-        grads = tuple(jnp.zeros_like(x) for x in (q, k, v))
-        grads += (jnp.zeros_like(mask),) if float_mask else (None,)  # (B|1, H|1, T|1, S|1)
-        grads += (None if sinks is None else jnp.zeros_like(sinks),)  # (H,)
+        grads = tuple(np.zeros(x.shape, x.dtype) for x in (q, k, v))
+        grads += (np.zeros(mask.shape, mask.dtype),) if float_mask else (None,)  # the mask's
+        grads += (None if sinks is None else np.zeros(sinks.shape, sinks.dtype),)  # (H,)
     else:
-        d_out = d_out[None] if call.unbatched else d_out  # (B, H, T, E)
-        grads = _flash_vjp(q, k, v, mask, sinks, d_out, alibi=alibi, **static)
-    dq, dk, dv = (g[0] if call.unbatched else g for g in grads[:3])
-    extra = (grads[3].reshape(given),) if float_mask else ()  # the mask's shape
-    extra += (grads[4],) if sinks is not None else ()  # (H,)
-    return (dq, dk, dv, *extra)
+        grads = _flash_vjp(q, k, v, mask, sinks, static.pop("d_out"), alibi=alibi, **static)
+    # The bucket's padded rows and keys cut off: (B, H, T, D), (B, K, S, D), (B, K, S, E).
+    T, S, unbatched = call.T, call.S, call.unbatched
+    grads = (
+        _result(grads[0], ((2, T),), unbatched),  # (B, H, T, D)
+        _result(grads[1], ((2, S),), unbatched),  # (B, K, S, D)
+        _result(grads[2], ((2, S),), unbatched),  # (B, K, S, E)
+        _result(grads[3], ((2, T), (3, S)), False, given) if float_mask else None,  # the mask's
+        None if sinks is None else _result(grads[4], (), False),  # (H,)
+    )
+    return tuple(g for g in grads if g is not None)
 
 
 def _prepare(q, k, v, mask, options: dict, block_q: int, block_k: int, d_out=None):
-    """Step 0 and the static options: (the checked call, the batched q, k, v, the mask as
-    (B|1, H|1, T|1, S|1), the sinks (H,) and ALiBi's slopes (H,) or (B, H), the keyword
-    arguments of ``_flash``)."""
-    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    mask = None if mask is None else jnp.asarray(mask)
-    sinks = options.pop("sinks")
-    sinks = None if sinks is None else jnp.asarray(sinks)
-    alibi = options.pop("alibi_slopes")
-    alibi = None if alibi is None else jnp.asarray(alibi)
+    """Step 0 and the shape bucket: (the checked call, the batched q, k, v and the mask as
+    (B|1, H|1, T|1, S|1), padded to the bucket, the sinks (H,) and ALiBi's slopes (H,) or
+    (B, H), the keyword arguments of ``_flash``, with ``d_out`` batched and padded too)."""
+    sinks, alibi = options.pop("sinks"), options.pop("alibi_slopes")
+    # On the host, the reshapes and pads below are NumPy's (``_on_host``), on arrays of
+    # the dtypes JAX gives them (float64 only with jax_enable_x64).
+    host = _on_host(q, k, v, mask, sinks, alibi, d_out)
+    q, k, v, mask, sinks, alibi, d_out = (
+        None if x is None else _host_array(x) if host else jnp.asarray(x)
+        for x in (q, k, v, mask, sinks, alibi, d_out)
+    )
     call = contract.check(
         q,
         k,
@@ -289,22 +301,94 @@ def _prepare(q, k, v, mask, options: dict, block_q: int, block_k: int, d_out=Non
     )
     if call.unbatched:
         q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
+        d_out = None if d_out is None else d_out[None]  # (1, H, T, E)
     if mask is not None:
         # Keep the mask as small as it was given, (B|1, H|1, T|1, S|1): broadcasting it
         # to (B, H, T, S) here would build the very T × S array this module avoids.
         mask = mask.reshape(call.mask_shape)  # (B|1, H|1, T|1, S|1)
-    static = dict(
-        opts=_traced_options(call, q.dtype),
-        Tb=max(1, min(block_q, call.T)),
-        Sb=max(1, min(block_k, call.S)),
-    )
+    if call.T == 0 or call.S == 0:
+        return call, (q, k, v, mask, sinks, alibi), {}
+    # The shape bucket: T and S padded up (``bucket``), so that one compiled program
+    # serves every length of a bucket; the true lengths are runtime values of it.
+    Tb, Tq = bucket(call.T, block_q)
+    Sb, Sk = bucket(call.S, block_k)
+    q = _pad(q, 2, Tq)  # (B, H, Tq, D)
+    k, v = _pad(k, 2, Sk), _pad(v, 2, Sk)  # (B, K, Sk, D), (B, K, Sk, E)
+    if mask is not None:
+        # Padded only along the axes it has, not those it broadcasts along.
+        mask = _pad(_pad(mask, 2, Tq), 3, Sk)  # (B|1, H|1, Tq|1, Sk|1)
+    static = dict(opts=_traced_options(call, q.dtype, Tq, Sk), Tb=Tb, Sb=Sb)
+    if d_out is not None:
+        static["d_out"] = _pad(d_out, 2, Tq)  # (B, H, Tq, E)
     return call, (q, k, v, mask, sinks, alibi), static
 
 
-def _traced_options(call: contract.Checked, dtype) -> dict:
+def bucket(n: int, block: int) -> tuple[int, int]:
+    """A length's tile and shape bucket, (tile, padded length): the tile is the block, or
+    n's power of two where that is smaller; the tiles are counted up to a power of two,
+    past 16 tiles up to a multiple of 4. A run over many lengths compiles a few programs,
+    not one per length; a padded tile is never visited (``Tiles``), so the padding costs
+    memory, not work (at most twice the rows up to 16 tiles, past that under 4 tiles)."""
+    tile = min(block, 1 << (n - 1).bit_length())
+    tiles = -(-n // tile)
+    tiles = 1 << (tiles - 1).bit_length() if tiles <= 16 else -(-tiles // 4) * 4
+    return tile, tile * tiles
+
+
+def _on_host(*arrays) -> bool:
+    """Whether every array is on the host: NumPy's (or a list), or a JAX array on the CPU.
+    There the conversions, pads, cuts and reshapes around the compiled program are
+    NumPy's: done by JAX outside a compiled program, each would be a small program
+    compiled for every shape (60-130 ms measured), the very cost the buckets save.
+    Elsewhere (an accelerator, or inside the caller's own trace) they are JAX's, and the
+    bytes stay on their device."""
+    for x in arrays:
+        if isinstance(x, jax.core.Tracer):
+            return False
+        if isinstance(x, jax.Array) and {d.platform for d in x.devices()} != {"cpu"}:
+            return False
+    return True
+
+
+def _host_array(x) -> np.ndarray:
+    """x as a NumPy array of the dtype ``jnp.asarray`` would give it."""
+    x = np.asarray(x)
+    return x.astype(jax.dtypes.canonicalize_dtype(x.dtype), copy=False)
+
+
+def _pad(x, axis: int, n: int):
+    """x zero-padded at the end of ``axis`` up to length n; an axis of length 1 (one the
+    mask broadcasts along) is left as it is."""
+    if x.shape[axis] in (1, n):
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, n - x.shape[axis])
+    return (np.pad if isinstance(x, np.ndarray) else jnp.pad)(x, widths)
+
+
+def _result(x, cuts: tuple, unbatched: bool, shape: tuple | None = None):
+    """A padded, batched result as the caller gets it, a JAX array: cut to the true
+    lengths (``cuts``: (axis, n) pairs; an axis of length 1, a broadcast one, is kept),
+    unbatched, and reshaped to ``shape`` if given; on the host with NumPy (``_on_host``)."""
+    index = [slice(None)] * x.ndim
+    for axis, n in cuts:
+        if x.shape[axis] not in (1, n):
+            index[axis] = slice(0, n)
+    if all(i == slice(None) for i in index) and not unbatched and shape is None:
+        return jax.device_put(x) if isinstance(x, np.ndarray) else x
+    host = _on_host(x)
+    x = (np.asarray(x) if host else x)[tuple(index)]
+    x = x[0] if unbatched else x
+    x = x if shape is None else x.reshape(shape)
+    return jax.device_put(x) if host else x
+
+
+def _traced_options(call: contract.Checked, dtype, Tq: int, Sk: int) -> dict:
     """The options as runtime values, so that one compiled program serves every scale,
-    softcap, window, chunk size and alignment of a shape: which options are present (None
-    where not) is all the program is specialised on. Causality is the window's right side
+    softcap, window, chunk size and alignment of a shape bucket: which options are present
+    (None where not) is all the program is specialised on. S is always present; T only
+    where it is shorter than the bucket's Tq, as its padded rows are masked in every tile
+    (a key's padding, only in the tiles that hold some). Causality is the window's right side
     capped at 0; a side or chunk wider than T + S reaches past every key, so it is cut to
     that, which keeps the positions it adds within int32. The scale comes in the two parts
     the tiles use (``flash_tiles.scale_split``), and whole for dq."""
@@ -327,6 +411,8 @@ def _traced_options(call: contract.Checked, dtype) -> dict:
         folded=work(folded),
         post=None if post is None else work(post),
         scale=work(call.scale),
+        T=None if T == Tq else np.int32(T),
+        S=np.int32(S),
     )
 
 
@@ -336,7 +422,7 @@ def _tiles(q, k, v, mask, alibi, opts: dict, Tb: int, Sb: int) -> Tiles:
     scale = (opts["folded"], opts["post"])
     return Tiles(
         q, k, v, mask, opts["offset"], window, opts["softcap"], opts["chunk"], Tb, Sb, alibi,
-        scale,
+        scale, (opts["T"], opts["S"]),
     )  # fmt: skip
 
 
@@ -377,7 +463,7 @@ def _flash(
         return lax.dynamic_update_slice_in_dim(out, acc, i * Tb, axis=2)  # (B, H, Tp, E)
 
     out = jnp.zeros((B, H, tiles.Tp, E), dtype=out_dtype)  # (B, H, Tp, E)
-    out = lax.fori_loop(0, tiles.nT, query_block, out)  # (B, H, Tp, E)
+    out = lax.fori_loop(0, tiles.nT_real, query_block, out)  # (B, H, Tp, E)
     return out[:, :, :T]  # (B, H, T, E), the padded rows cut off
 
 
@@ -448,7 +534,7 @@ def _flash_vjp(
         jnp.zeros(tiles.mask.shape, dtype=work) if float_mask else None,  # dmask, padded
         None if sinks is None else jnp.zeros((H,), dtype=work),  # dsinks: (H,)
     )
-    dq, dk, dv, dm, ds = lax.fori_loop(0, tiles.nT, query_block, grads)
+    dq, dk, dv, dm, ds = lax.fori_loop(0, tiles.nT_real, query_block, grads)
     out = (
         dq[:, :, :T],  # (B, H, T, D)
         dk[:, :, :S].astype(q.dtype),  # (B, K, S, D)

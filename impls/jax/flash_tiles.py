@@ -62,15 +62,20 @@ class Tiles:
     the arrays are traced and the sizes static; the options may be plain numbers or traced
     values (``flash.py`` traces them, so that one program serves every value), None where
     absent. ``window`` is (left, right) with causality already in its right side;
-    ``scale`` is a number or its two parts (folded, post), as ``scale_split`` gives them."""
+    ``scale`` is a number or its two parts (folded, post), as ``scale_split`` gives them.
+    ``lengths`` (T, S): the true lengths as traced values, each None where it is the
+    array's own, for inputs padded to a shape bucket (``flash.py``: one program per
+    bucket)."""
 
-    def __init__(self, q, k, v, mask, offset, window, softcap, chunk, Tb, Sb, alibi, scale) -> None:
+    def __init__(
+        self, q, k, v, mask, offset, window, softcap, chunk, Tb, Sb, alibi, scale, lengths=None
+    ) -> None:
         B, H, T, D = q.shape
         _, K, S, _ = k.shape
-        self.B, self.K, self.G, self.T, self.S = B, K, H // K, T, S
         self.Tb, self.Sb, self.offset, self.softcap = Tb, Sb, offset, softcap
         self.nT, self.nS = -(-T // Tb), -(-S // Sb)  # blocks of queries and of keys
         self.Tp, self.Sp = self.nT * Tb, self.nS * Sb
+        self.B, self.K, self.G = B, K, H // K
 
         # Low precision inputs are computed in float32: exp() of a float16 score
         # overflows past 11.09, and summing many weights in float16 loses the small ones.
@@ -94,6 +99,15 @@ class Tiles:
             mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad_t), (0, pad_s)))
             # mask: (B|1, H|1, Tp|1, Sp|1)
         self.mask = mask
+        # The true lengths: the arrays' own, or runtime values where the caller padded the
+        # arrays to a bucket. Either way the rows and keys past them are padding, masked
+        # in ``scores``; query blocks and key blocks wholly past them are not visited.
+        real_T, real_S = lengths if lengths is not None else (None, None)
+        self.rows_padded = self.Tp != T or real_T is not None
+        self.keys_padded = self.Sp != S or real_S is not None
+        self.T = T if real_T is None else real_T
+        self.S = S if real_S is None else real_S
+        self.nT_real = self.nT if real_T is None else -(-real_T // Tb)  # query blocks visited
 
         # Which keys query t may see under causality and the window: lo <= s - t' <= hi,
         # where t' = t + offset is its aligned diagonal (offset = S - T for bottom-right);
@@ -145,8 +159,11 @@ class Tiles:
             inner_first = jnp.maximum(inner_first, -(-lo_key // Sb))
             single = chunk_first == chunk_last
             inner_last = jnp.where(single, jnp.minimum(inner_last, hi_key // Sb), 0)
-        if self.Sp != self.S:
-            inner_last = jnp.minimum(inner_last, nS - 1)  # the padded block is masked
+        if self.keys_padded:
+            # Blocks wholly past the last key are padding, not visited; the one the last
+            # key ends in is masked.
+            last = jnp.minimum(last, -(-self.S // Sb))
+            inner_last = jnp.minimum(inner_last, self.S // Sb)
         first = jnp.clip(first, 0, nS).astype(jnp.int32)
         last = jnp.clip(last, first, nS).astype(jnp.int32)
         inner_last = jnp.clip(inner_last, first, last).astype(jnp.int32)
@@ -231,9 +248,9 @@ class Tiles:
                 lo, hi = rows  # (Tb,), (Tb,)
                 inside = (lo[:, None] <= s) & (s < hi[:, None])  # (Tb, Sb)
                 allowed = inside if allowed is None else allowed & inside
-            if self.Sp != self.S:
+            if self.keys_padded:
                 allowed = s < self.S if allowed is None else allowed & (s < self.S)  # padding
-        if self.Tp != self.T:
+        if self.rows_padded:
             # The padded query rows see no key: their q is 0, but a key holding NaN would
             # still make their scores NaN, and the backward sums over the rows.
             real = (i * Tb + jnp.arange(Tb, dtype=jnp.int32) < self.T)[:, None]  # (Tb, 1)

@@ -45,10 +45,12 @@ host before sharding and undone after gathering; every mask decision is taken on
 tokens' original positions, which travel with them, so the result is the same function.
 
 Lengths that are not multiples of P. T and S are padded up to whole slices (for zigzag,
-whole chunks), and a chunk's length up to a multiple of 8 rows: XLA compiles one program
-per shape, and so one program serves every length in a band of 8 rows a chunk, for at
-most 7 padded rows a chunk (none when the chunks are already multiples of 8). Padded keys carry position S or more and are blocked like any blocked key,
-so they are never attended; padded queries are computed and cut off. A query whose keys
+whole chunks), and a chunk's length up to a bucket: 8 rows times a power of two (past
+16 times, a multiple of 4 times). XLA compiles one program per shape, and compiling
+costs far more than running at the lengths tests and short prompts use, so one program
+serves every length of a bucket, its true T and S travelling as data. Padded keys carry
+position S or more and are blocked like any blocked key, so they are never attended;
+padded queries are computed and cut off. A query whose keys
 all live on other devices is fine (it simply gets nothing from its own block); one with no
 key anywhere ends with l = 0, a = 0 and returns exactly 0, as the reference does.
 

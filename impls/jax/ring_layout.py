@@ -6,8 +6,9 @@ packed documents, where each token gets its document and its place in it). ``Rin
 holds the mesh of P devices and the layout: which original position sits in which slot
 of which device, contiguous (device i holds the i-th slice) or zigzag (chunks i and
 2P − 1 − i of 2P; ``ring.py``'s docstring draws both). Lengths are padded to whole slices
-(zigzag: whole chunks) of a multiple of ``ROWS`` rows, so that one compiled program serves
-every length in a band. ``Ring.put`` places the arrays, their positions and the options
+(zigzag: whole chunks) of a power of two times ``ROWS`` rows (past 16 times, a multiple of
+4 times), so that one compiled program serves every length in a bucket: the true
+lengths travel as data. ``Ring.put`` places the arrays, their positions and the options
 (traced: one compilation serves every option value) on the devices; ``unpermute`` brings
 a result back into the original order, padding cut off.
 
@@ -26,7 +27,7 @@ from .. import contract
 LAYOUTS = ("contiguous", "zigzag")
 AXIS = "ring"  # the mesh axis: the devices' ring (or, for Ulysses, their all-to-all)
 FAR = 2**30  # "unbounded" for a window side, as an int32
-ROWS = 8  # a chunk's length is a multiple of ROWS: one compiled program per band of lengths
+ROWS = 8  # a chunk's length is a power of two times ROWS: one program per bucket of lengths
 
 
 class Run:
@@ -194,7 +195,9 @@ class Ring:
     def _perm(self, n: int) -> np.ndarray:
         chunks = self.P * self.pieces  # P slices, or 2P zigzag chunks
         c = -(-max(1, n) // chunks)  # chunk length: n padded up to whole chunks
-        c = -(-c // ROWS) * ROWS  # ... of whole multiples of ROWS
+        units = -(-c // ROWS)  # ... of ROWS rows each, counted up to a power of two
+        units = 1 << (units - 1).bit_length() if units <= 16 else -(-units // 4) * 4
+        c = units * ROWS  # one compiled program per bucket of lengths
         if self.layout == "contiguous":
             return np.arange(chunks * c)  # (Np,)
         order = [i for d in range(self.P) for i in (d, 2 * self.P - 1 - d)]

@@ -194,7 +194,7 @@ def test_jax_flash_backward_memory_is_linear_in_t():
         None,
         None,
         shape,
-        opts=jax_flash._traced_options(_checked(16384, 16384, 64), np.float32, 16384, 16384),
+        opts=jax_flash._traced_options(_checked(16384, 16384, 64), np.float32, 16384),
         Tb=512,
         Sb=256,
     )

@@ -144,7 +144,7 @@ import numpy as np
 from jax import lax
 
 from .. import contract
-from .flash_tiles import Tiles, add_sink, backward_tile, log_sum_exp, scale_split
+from .flash_tiles import Tiles, add_sink, backward_tile, bucket_count, log_sum_exp, scale_split
 
 
 def attention(
@@ -317,7 +317,7 @@ def _prepare(q, k, v, mask, options: dict, block_q: int, block_k: int, d_out=Non
     if mask is not None:
         # Padded only along the axes it has, not those it broadcasts along.
         mask = _pad(_pad(mask, 2, Tq), 3, Sk)  # (B|1, H|1, Tq|1, Sk|1)
-    static = dict(opts=_traced_options(call, q.dtype, Tq, Sk), Tb=Tb, Sb=Sb)
+    static = dict(opts=_traced_options(call, q.dtype, Tq), Tb=Tb, Sb=Sb)
     if d_out is not None:
         static["d_out"] = _pad(d_out, 2, Tq)  # (B, H, Tq, E)
     return call, (q, k, v, mask, sinks, alibi), static
@@ -325,14 +325,12 @@ def _prepare(q, k, v, mask, options: dict, block_q: int, block_k: int, d_out=Non
 
 def bucket(n: int, block: int) -> tuple[int, int]:
     """A length's tile and shape bucket, (tile, padded length): the tile is the block, or
-    n's power of two where that is smaller; the tiles are counted up to a power of two,
-    past 16 tiles up to a multiple of 4. A run over many lengths compiles a few programs,
-    not one per length; a padded tile is never visited (``Tiles``), so the padding costs
-    memory, not work (at most twice the rows up to 16 tiles, past that under 4 tiles)."""
+    n's power of two where that is smaller, and the tiles are counted up to a bucket
+    (``flash_tiles.bucket_count``). A run over many lengths compiles a few programs, not
+    one per length; a padded tile is never visited (``Tiles``), so the padding costs
+    memory, not work."""
     tile = min(block, 1 << (n - 1).bit_length())
-    tiles = -(-n // tile)
-    tiles = 1 << (tiles - 1).bit_length() if tiles <= 16 else -(-tiles // 4) * 4
-    return tile, tile * tiles
+    return tile, tile * bucket_count(-(-n // tile))
 
 
 def _on_host(*arrays) -> bool:
@@ -383,7 +381,7 @@ def _result(x, cuts: tuple, unbatched: bool, shape: tuple | None = None):
     return jax.device_put(x) if host else x
 
 
-def _traced_options(call: contract.Checked, dtype, Tq: int, Sk: int) -> dict:
+def _traced_options(call: contract.Checked, dtype, Tq: int) -> dict:
     """The options as runtime values, so that one compiled program serves every scale,
     softcap, window, chunk size and alignment of a shape bucket: which options are present
     (None where not) is all the program is specialised on. S is always present; T only

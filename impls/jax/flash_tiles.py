@@ -442,6 +442,13 @@ def add_block(x: jax.Array, update: jax.Array, s0: jax.Array) -> jax.Array:
     return lax.dynamic_update_slice_in_dim(x, old + update, s0, axis=2)  # (B, K, Sp, ·)
 
 
+def bucket_count(n: int) -> int:
+    """n (a count of tiles or rows) rounded up to a power of two, past 16 to a multiple of
+    4: the shape buckets of ``flash.py`` and of the context-parallel pages' chunks, at most
+    twice n up to 16 and under 4 more past it."""
+    return 1 << (n - 1).bit_length() if n <= 16 else -(-n // 4) * 4
+
+
 def grouped(x: jax.Array, K: int, G: int) -> jax.Array:
     """Broadcast a (B|1, H|1, T, S) array onto the grouped layout (B|1, K|1, G|1, T, S)."""
     b, h, t, s = x.shape

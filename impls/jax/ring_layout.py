@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from .. import contract
+from .flash_tiles import bucket_count
 
 LAYOUTS = ("contiguous", "zigzag")
 AXIS = "ring"  # the mesh axis: the devices' ring (or, for Ulysses, their all-to-all)
@@ -195,9 +196,7 @@ class Ring:
     def _perm(self, n: int) -> np.ndarray:
         chunks = self.P * self.pieces  # P slices, or 2P zigzag chunks
         c = -(-max(1, n) // chunks)  # chunk length: n padded up to whole chunks
-        units = -(-c // ROWS)  # ... of ROWS rows each, counted up to a power of two
-        units = 1 << (units - 1).bit_length() if units <= 16 else -(-units // 4) * 4
-        c = units * ROWS  # one compiled program per bucket of lengths
+        c = bucket_count(-(-c // ROWS)) * ROWS  # ... of ROWS rows, counted up to a bucket
         if self.layout == "contiguous":
             return np.arange(chunks * c)  # (Np,)
         order = [i for d in range(self.P) for i in (d, 2 * self.P - 1 - d)]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import configparser
 import functools
+import itertools
 import os
 import re
 import shlex
@@ -138,6 +139,8 @@ def _offers(shown: str, option: str) -> bool:
 
 def check_command(words: list[str]) -> None:
     """What a command names exists: tox envs, pip extras, options, files."""
+    # Environment settings before the program (NAME=value) are the shell's, not a program.
+    words = list(itertools.dropwhile(lambda w: re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", w), words))
     program = words[0]
     if program == "tox":
         for i, word in enumerate(words):

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import configparser
 import functools
-import itertools
 import os
 import re
 import shlex
@@ -137,10 +136,18 @@ def _offers(shown: str, option: str) -> bool:
     return re.search(rf"(^|[\s,]){re.escape(option)}\b", shown, re.M) is not None
 
 
+def settings_and_program(words: list[str]) -> tuple[dict[str, str], list[str]]:
+    """A command's leading environment settings (``NAME=value``, the shell's), and the
+    program with its arguments."""
+    n = next(
+        (i for i, w in enumerate(words) if not re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", w)), len(words)
+    )
+    return dict(w.split("=", 1) for w in words[:n]), words[n:]
+
+
 def check_command(words: list[str]) -> None:
     """What a command names exists: tox envs, pip extras, options, files."""
-    # Environment settings before the program (NAME=value) are the shell's, not a program.
-    words = list(itertools.dropwhile(lambda w: re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", w), words))
+    _, words = settings_and_program(words)
     program = words[0]
     if program == "tox":
         for i, word in enumerate(words):
@@ -178,10 +185,12 @@ def run_command(words: list[str], where: Path) -> subprocess.CompletedProcess:
     ``python`` are this interpreter's. Temporary files go under ``where``."""
     key = shlex.join(words)
     if key not in _RUNS:
+        settings, words = settings_and_program(words)
         program = {"python": [sys.executable], "pytest": [sys.executable, "-m", "pytest"]}
         environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         environment["TMPDIR"] = str(where)
         environment["COLUMNS"] = "80"  # pytest's section rules, as the pages show them
+        environment.update(settings)
         _RUNS[key] = subprocess.run(
             [*program[words[0]], *words[1:]],
             cwd=where,

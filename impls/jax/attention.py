@@ -1,42 +1,50 @@
-"""Scaled dot-product attention in JAX: the NumPy reference's steps, line for line, compiled.
+"""Scaled dot-product attention in JAX: the textbook formula first, then every option.
 
-    out = softmax(scale · q kᵀ + mask) v
+    out = softmax(mask(softcap(scale · q kᵀ))) v        scale = 1/√D by default
 
-For one query row t of one head, with the scale 1/√D by default:
-
-    score[s]  = scale · Σ_d q[t, d] · k[s, d]
-    w[s]      = exp(score[s] - max_s score) / Σ_s exp(score[s] - max_s score)
-    out[t, e] = Σ_s w[s] · v[s, e]
+For one query row t of one head: score[s] = scale · Σ_d q[t, d] · k[s, d], then
+w[s] = exp(score[s] - max score) / Σ exp(score - max score), then out[t] = Σ_s w[s] · v[s].
 
 Why 1/√D: if q's and k's entries have unit variance, q·k sums D such products and has
 variance D. Dividing by √D keeps the scores near unit variance at any head size, so the
 softmax neither saturates (one-hot weights, vanishing gradients) nor flattens.
 
-Shape legend (heads-first, as in PyTorch; ``jax.nn`` writes N for H and H for D and E):
+Shapes, heads-first as in PyTorch: B batch, H query heads, K key/value heads (H % K == 0),
+G = H // K, T query length, S key/value length, D q/k head dim, E v head dim; "B|1" is an
+axis of size B or 1 (it broadcasts). q (B, H, T, D), k (B, K, S, D), v (B, K, S, E) give
+out (B, H, T, E); without B (unbatched) q (H, T, D) gives out (H, T, E).
+jax.nn writes N for H, and H for D and E.
 
-    B batch            H query heads      K key/value heads (H % K == 0)
-    G = H // K         T query length     S key/value length
-    D q/k head dim     E v head dim
-
-    q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
-    mask: bool (True = may attend) or floating (added to the scores), broadcastable to
-    (B, H, T, S). Unbatched q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
-
-Supports what the NumPy page does, with a ``jax.random`` key for dropout, float64 after
-``jax_enable_x64``, and ``jax.grad``. The Notes say why steps 1-7 alone are jitted, and why
-``softcapped`` and ``softmax`` have JAX-only lines.
-
-Imports: the standard library, JAX and the ``contract`` package. The rest, in this package: gradients
-(``jax.vjp``), flash (blockwise), kv_cache, packed, paged, layers, ring and ulysses.
+Read from the top: ``textbook_attention`` is the formula as every course writes it;
+``attention`` runs the same lines with every option as one named step (masks, causality,
+windows, chunks, ALiBi, softcap, sinks, grouped heads, dropout, float16 and bfloat16), its
+helpers below it, then Notes. The guards that floating point's edges need (a row with no
+key, NaN in a slot no query sees, overflow) come last, under "Edge cases". The NumPy page
+is the reference that the JAX and PyTorch pages mirror line for line. The package's
+other pages: gradients, flash, layers, kv_cache, packed, paged, ring and ulysses.
 """
+
+from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
 from .. import contract
+
+
+def textbook_attention(q, k, v, mask=None, scale=None):
+    """Attention as the seed notes write it, for q (B, H, T, D), k (B, H, S, D), v (B, H, S, E)
+    and a bool mask (True = may attend) broadcastable to (B, H, T, S)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = jnp.einsum("bhtd,bhsd->bhts", q, k) * scale  # (B, H, T, S)
+    if mask is not None:
+        scores = jnp.where(mask, scores, -jnp.inf)  # (B, H, T, S): a blocked key weighs 0
+    weights = softmax(scores)  # (B, H, T, S)
+    return jnp.einsum("bhts,bhse->bhte", weights, v)  # (B, H, T, E)
 
 
 def attention(
@@ -56,44 +64,52 @@ def attention(
     chunk_size: int | None = None,
     alibi_slopes: jax.Array | None = None,
 ) -> jax.Array:
-    """Scaled dot-product attention.
+    """Scaled dot-product attention with every option: ``textbook_attention``'s lines as
+    steps 1, 2, 4, 5 and 7, each option a step of its own between them.
 
-    Args:
+    Args, the inputs and the core options:
       q, k, v: (B, H, T, D), (B, K, S, D), (B, K, S, E), or unbatched without B.
       mask: bool (True = may attend) or floating (added), broadcastable to (B, H, T, S).
       is_causal: query t attends only keys on or before its diagonal.
       scale: multiplies q·k; defaults to 1/√D.
+      dropout_p, key: drop each weight with probability dropout_p, drawn from key.
+
+    Args, the variants (each off by default):
       causal_alignment: "top_left" (key s <= t) or "bottom_right" (s <= t + S - T, the
         last query sees the last key, as in a KV cache); also places windows and chunks.
       window: (left, right): keys within left before and right after the diagonal.
-      softcap: scores become softcap · tanh(scores / softcap).
-      dropout_p, key: drop each weight with probability dropout_p, drawn with key.
-      sinks: (H,), one logit per query head that joins the softmax and has no value.
       chunk_size: attend only within the same chunk of chunk_size positions.
       alibi_slopes: (H,) or (B, H): add -slope · |t + S - T - s| to the scores.
+      softcap: scores become softcap · tanh(scores / softcap).
+      sinks: (H,), one logit per query head that joins the softmax and has no value.
 
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; q's dtype.
     """
-    # 0. Validate with the input contract every page shares: an error names the argument,
-    # the expected shape and what was given.
+    # 0. Check the inputs: an error names the argument, the expected shape and what was
+    # given. ``call`` holds the checked options and the sizes (call.T, call.G, ...).
     q, k, v, mask, sinks, alibi_slopes = as_arrays(q, k, v, mask, sinks, alibi_slopes)
     call = contract.check(
         q, k, v, mask=mask, is_causal=is_causal, scale=scale, causal_alignment=causal_alignment,
         window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size,
         alibi_slopes=alibi_slopes, random=random_source(key),
     )  # fmt: skip
-    static = dataclasses.replace(call, scale=None)  # steps 1-7 compiled (see Notes: jit)
+    static = dataclasses.replace(call, scale=None)  # the rest compiled (see Notes: jit)
     return compiled(q, k, v, mask, sinks, alibi_slopes, key, call.scale, call=static)
 
 
 @functools.partial(jax.jit, static_argnames=("call",))
 def compiled(q, k, v, mask, sinks, alibi_slopes, key, scale, *, call: contract.Checked):
+    # Prepare the batch axis: unbatched inputs get one, and the mask takes the scores' rank.
     dtype = q.dtype
     q, k, v, mask = batched(q, k, v, mask, call)  # (B, H, T, D), (B, K, S, D), (B, K, S, E)
+
+    # Prepare the heads: with K < H, each key/value head serves G query heads.
     k, v = repeat_heads(k, call.G), repeat_heads(v, call.G)  # (B, H, S, D), (B, H, S, E)
+
+    # Prepare the visibility: which keys each query may see (causality, window, chunk, mask).
     allowed = allowed_keys(mask, call)  # (B|1, H|1, T, S)
-    k, v = unseen_slots_zeroed(k, v, allowed)  # (B, H, S, D), (B, H, S, E)
+    k, v = unseen_slots_zeroed(k, v, allowed)  # (B, H, S, D), (B, H, S, E); Edge cases
 
     # 1. Scores: every query against every key of its head.
     scores = jnp.einsum("bhtd,bhsd->bhts", q, k)  # (B, H, T, S)
@@ -121,17 +137,21 @@ def compiled(q, k, v, mask, sinks, alibi_slopes, key, scale, *, call: contract.C
     return as_given(out, dtype, call)  # (B, H, T, E), or (H, T, E) unbatched
 
 
-# --- Step 0: the inputs ---------------------------------------------------------------------
+#: The name the seed tutorials give this function, for a reader who comes from them.
+scaled_dot_product_attention = attention
+
+
+# --- Step 0 and the preparation: the inputs -------------------------------------------------
 
 
 def as_arrays(*xs):
-    """The arrays as JAX arrays, None left as it is."""
+    """The arrays in the framework's own type, None left as it is."""
     return tuple(None if x is None else jnp.asarray(x) for x in xs)
 
 
 def random_source(key):
-    """What the contract checks dropout's random source against: a jax.random key, typed
-    (``jax.random.key``) or a legacy uint32 (2,) (``jax.random.PRNGKey``)."""
+    """What the contract checks dropout's random source against (see the Args): a typed key
+    (``jax.random.key``) or a legacy uint32 (2,) one (``jax.random.PRNGKey``)."""
     typed = isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
     legacy = isinstance(key, jax.Array) and key.dtype == jnp.uint32 and key.shape == (2,)
     return ("key", key, (typed and key.ndim == 0) or legacy, "a jax.random key")
@@ -151,7 +171,8 @@ def batched(q, k, v, mask, call: contract.Checked):
 
 def repeat_heads(x: jax.Array, G: int) -> jax.Array:
     """Grouped-query attention: query head h uses key/value head h // G, so each key/value
-    head is repeated for its G query heads (see Notes: grouped-query attention)."""
+    head is repeated for its G query heads, as torch's repeat_interleave does, not tiled
+    (see Notes: grouped-query attention)."""
     return jnp.repeat(x, G, axis=1)  # (B, H, S, D|E)
 
 
@@ -164,9 +185,10 @@ def allowed_keys(mask: jax.Array | None, call: contract.Checked) -> jax.Array:
     offset = 0 if call.causal_alignment == "top_left" else S - T
     t = jnp.arange(T)[:, None]  # (T, 1)
     s = jnp.arange(S)[None, :]  # (1, S)
-    distance = s - (t + offset)  # (T, S)
+    distance = s - (t + offset)  # (T, S): how far key s lies right of query t's diagonal
     allowed = jnp.ones((1, 1, T, S), dtype=bool)  # (1, 1, T, S)
     if call.is_causal:
+        # The causal triangle: no key right of the diagonal, none from the future.
         allowed = allowed & (distance <= 0)  # (1, 1, T, S)
     if window is not None and window[0] is not None:
         allowed = allowed & (distance >= -window[0])  # (1, 1, T, S)
@@ -182,25 +204,14 @@ def allowed_keys(mask: jax.Array | None, call: contract.Checked) -> jax.Array:
     return allowed
 
 
-def unseen_slots_zeroed(k: jax.Array, v: jax.Array, allowed: jax.Array):
-    """k and v with every slot that no query of its head may see replaced by 0, so that
-    whatever it holds (NaN, inf) has no effect (see Notes: blocked keys)."""
-    used = allowed.any(axis=2)[..., None]  # (B|1, H|1, S, 1)
-    return jnp.where(used, k, 0.0), jnp.where(used, v, 0.0)  # (B, H, S, D), (B, H, S, E)
-
-
 # --- Steps 3 and 4: the variants of the scores ----------------------------------------------
 
 
 def softcapped(scores: jax.Array, softcap: float | None) -> jax.Array:
-    """Gemma 2's softcap, softcap · tanh(scores / softcap); a score far above the softcap
-    overflows to ±inf in the division, whose tanh is exactly ±1. Where scores / softcap is
-    subnormal the score is kept: XLA may flush it to 0 (see Notes: huge softcaps)."""
+    """Gemma 2's softcap, softcap · tanh(scores / softcap)."""
     if softcap is None:
         return scores
-    ratio = scores / softcap  # (B, H, T, S)
-    tiny = jnp.abs(ratio) < jnp.finfo(scores.dtype).tiny  # (B, H, T, S)
-    return jnp.where(tiny, scores, softcap * jnp.tanh(ratio))  # (B, H, T, S)
+    return _subnormal_ratio_kept(scores, softcap)  # (B, H, T, S); Edge cases
 
 
 def add_alibi_bias(scores: jax.Array, slopes: jax.Array | None, call: contract.Checked):
@@ -227,47 +238,28 @@ def add_float_mask(scores: jax.Array, mask: jax.Array | None, call: contract.Che
 # --- Steps 5 and 6: the weights -------------------------------------------------------------
 
 
-def softmax(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
-    """The softmax over the keys, less the row maximum so that exp() <= 1. A row with no key
-    left has maximum -inf and gets weights of exactly 0 (see Notes: empty rows)."""
+def softmax(scores: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
+    """The softmax over the keys, exp(score - row max) / Σ exp(score - row max): taking the
+    row maximum off first keeps every exp() <= 1, so that no score overflows."""
     if sinks is not None:
         return softmax_with_sinks(scores, sinks)
-    row_max = scores.max(axis=-1, keepdims=True, initial=-jnp.inf)  # (B, H, T, 1)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
-    # Shifted once more by the largest difference itself, so that it is exactly 0 even where
-    # XLA fuses step 2's multiply into the subtraction (see Notes: fused multiply-add).
-    shifted = scores - row_max  # (B, H, T, S)
-    shift = shifted.max(axis=-1, keepdims=True, initial=-jnp.inf)  # (B, H, T, 1)
-    shift = jnp.where(jnp.isfinite(shift), shift, 0.0)  # (B, H, T, 1)
-    p = jnp.exp(shifted - shift)  # (B, H, T, S)
-    row_sum = p.sum(axis=-1, keepdims=True)  # (B, H, T, 1)
-    return p / _divisor(row_sum)  # (B, H, T, S)
+    shifted = scores - finite_or_0(row_max(scores))  # (B, H, T, S)
+    p = jnp.exp(shifted - finite_or_0(row_max(shifted)))  # (B, H, T, S); Edge cases: FMA
+    return p / divisor(p.sum(axis=-1, keepdims=True))  # (B, H, T, S)
 
 
 def softmax_with_sinks(scores: jax.Array, sinks: jax.Array) -> jax.Array:
     """The softmax with one sink logit per head: it joins the row maximum and the sum, but
     has no value row, so the keys' weights add up to less than 1 (see Notes: sinks)."""
     H = scores.shape[1]
-    row_max = scores.max(axis=-1, keepdims=True, initial=-jnp.inf)  # (B, H, T, 1)
-    sink = sink_logits(sinks, row_max, H)  # (B, H, T, 1)
-    row_max = jnp.maximum(row_max, sink)  # (B, H, T, 1)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
-    shifted = scores - row_max  # (B, H, T, S)
-    shift = jnp.maximum(shifted.max(axis=-1, keepdims=True, initial=-jnp.inf), sink - row_max)
-    shift = jnp.where(jnp.isfinite(shift), shift, 0.0)  # (B, H, T, 1)
+    highest = row_max(scores)  # (B, H, T, 1)
+    sink = sink_logits(sinks, highest, H)  # (B, H, T, 1)
+    highest = finite_or_0(jnp.maximum(highest, sink))  # (B, H, T, 1)
+    shifted = scores - highest  # (B, H, T, S)
+    shift = finite_or_0(jnp.maximum(row_max(shifted), sink - highest))  # Edge cases: FMA
     p = jnp.exp(shifted - shift)  # (B, H, T, S)
-    row_sum = p.sum(axis=-1, keepdims=True) + jnp.exp(sink - row_max - shift)  # (B, H, T, 1)
-    weights = p / _divisor(row_sum)  # (B, H, T, S)
-    # A NaN or +inf sink makes its row NaN, as +inf - +inf does in the softmax (SPEC §15.4);
-    # the shift by a finite row maximum above cannot show it, so it is selected.
-    return jnp.where(jnp.isnan(sink) | (sink == jnp.inf), jnp.nan, weights)  # (B, H, T, S)
-
-
-def _divisor(row_sum: jax.Array) -> jax.Array:
-    """What divides a row: its sum, 1 for a row with no key (its weights stay 0), and NaN for
-    a row that reads +inf, which is NaN whole, not only at its +inf scores (SPEC §4.1), so
-    that its gradients reach every key it attends."""
-    return jnp.where(row_sum == jnp.inf, jnp.nan, jnp.where(row_sum > 0, row_sum, 1.0))
+    weights = p / divisor(p.sum(axis=-1, keepdims=True) + jnp.exp(sink - highest - shift))
+    return nan_where_sink_is(weights, sink)  # (B, H, T, S); Edge cases
 
 
 def sink_logits(sinks: jax.Array, row_max: jax.Array, H: int) -> jax.Array:
@@ -290,7 +282,7 @@ def dropped_out(weights: jax.Array, dropout_p: float, key) -> jax.Array:
 # --- Step 7: the output ---------------------------------------------------------------------
 
 
-def as_given(out: jax.Array, dtype, call: contract.Checked) -> jax.Array:
+def as_given(out: jax.Array, dtype: jnp.dtype, call: contract.Checked) -> jax.Array:
     """The output rounded once to the inputs' dtype, without the batch axis it was given
     for unbatched inputs."""
     out = out.astype(dtype)  # (B, H, T, E)
@@ -308,28 +300,11 @@ def as_given(out: jax.Array, dtype, call: contract.Checked) -> jax.Array:
 # tiling). Repeating every key/value head G times turns it into plain multi-head attention;
 # with K = H (G = 1) nothing changes.
 #
-# Blocked keys. Blocked scores are replaced by -inf in step 4, not only pushed down by
-# adding -inf, since NaN + -inf is NaN. A key that no query of its head may see (padding, a
-# KV-cache slot not yet written) must have no effect, whatever it holds: a weight of 0 does
-# not cancel it, because 0 · NaN and 0 · inf are NaN. Its key and value rows are replaced by
-# 0 before they are used, by selection, so that their gradients are exactly 0 as well.
-#
-# Empty rows (step 5). A row with every key blocked has max -inf; it is given weights of
-# exactly 0 (as PyTorch SDPA and FlashAttention do) instead of the NaN that exp(-inf - -inf)
-# would give. With S = 0 every row is such a row: the maximum starts from -inf, since an
-# empty axis has no maximum of its own. Both guards are jnp.where on the value that would be
-# bad (the "double where"): the branch not taken gets a zero cotangent, so jax.grad through
-# a row with no key is 0, not NaN.
-#
-# Overflow (steps 2, 5). A score that overflows is ±inf, as SPEC §4.1 defines: +inf makes
-# its row NaN (inf / inf), -inf gives weight 0. Those are the answers; XLA does not warn.
-#
 # Sinks (step 5). An attention sink (gpt-oss; StreamingLLM's sink tokens in masking form) is
 # one more logit per query head in every row's softmax, with no value row: its weight goes
 # "nowhere", so a head can attend to nothing in particular. It joins the row maximum, so
 # exp() stays <= 1 even for a sink of 1e4, and the sum, not the numerator: the keys' weights
-# then add up to 1 - p_sink. It is not scaled, softcapped, masked or dropped. A row with no
-# key has no softmax at all and stays 0 (SPEC §15.3), so its sink is left out.
+# then add up to 1 - p_sink. It is not scaled, softcapped, masked or dropped.
 #
 # ALiBi (step 4). Press et al.'s attention with linear biases replaces position embeddings
 # by a penalty −slope · distance on every score, one slope per query head (the usual slopes
@@ -339,35 +314,77 @@ def as_given(out: jax.Array, dtype, call: contract.Checked) -> jax.Array:
 # working precision and added like a float mask, after the softcap; the slopes are
 # constants, with no gradient.
 #
-# Chunked local attention (step 0, ``allowed_keys``). Llama 4's chunks: query t sees key s only
-# if both lie in the same chunk of chunk_size positions, (t + offset) // c == s // c, the
+# Chunked local attention (the visibility). Llama 4's chunks: query t sees key s only if
+# both lie in the same chunk of chunk_size positions, (t + offset) // c == s // c, the
 # offset placed by causal_alignment as for causality.
 #
-# Jit (JAX only). Steps 1-7 are one XLA program, compiled once per shape, dtype and option
-# (``compiled``, its ``call`` static) and reused for every call like it. Step 0 stays in
-# Python, outside it: the contract reads the options' values (0 or NaN for a scale is an
-# error, a 0-d array is a number), which a traced argument does not have and a static one
-# must be hashable for (np.array(2.0) is not). The scale then enters traced, not static,
-# so that a new scale reuses the program.
+# Jit (JAX only). The preparation and steps 1-7 are one XLA program, ``compiled`` once per
+# shape, dtype and option. Step 0 reads the options' values, which a traced argument has
+# not, so it stays in Python; the scale enters traced, so a new scale reuses the program.
+
+
+# --- Edge cases -----------------------------------------------------------------------------
 #
-# Fused multiply-add (step 5; JAX only). On a CPU or GPU with FMA, XLA may fuse step 2's
-# multiply into step 5's subtraction, which skips the product's rounding, while the maximum
-# was taken of rounded products: past scores of ~1e18 the two differ by more than exp() can
-# take, and the row becomes inf / inf = NaN. Shifting once more by the maximum of the very
-# differences exp() receives makes the largest exactly 0; without such fusion that second
-# shift is 0 and changes nothing. Whether XLA fuses depends on the processor, so a machine
-# without FMA passes either way: the test that catches it (SPEC §8.4, scale 1e30) needs one.
+# What the lesson above leaves out: the guards that the spec's edges need, each with why
+# and the SPEC clause it meets. A reader who stops above has learnt attention.
 #
-# Rows that read +inf (step 5; JAX only). A row with a +inf score has row sum +inf. The
-# NumPy page divides by it as it is: that key's weight is inf / inf = NaN, the others
-# finite / inf = 0, and the output row is NaN either way (SPEC §4.1). Under jax.grad those
-# zeros would pass the row's other keys a gradient where the row has none to give, so the
-# divisor is NaN for such a row: every weight of it, and every gradient through it, is NaN.
+# Overflow (SPEC §4.1, §3.8). A score that overflows is ±inf: +inf makes its row NaN
+# (inf / inf), -inf gives weight 0. Those are the answers, not errors: JAX and PyTorch do
+# not warn, and NumPy's warnings are silenced for the NumPy page's ``attention``.
 #
-# Huge softcaps (step 3; JAX only). softcap · tanh(score / softcap) is the score itself, to
-# far below rounding, once |score / softcap| < 2^-27 (float64; 2^-12 in float32). For a
-# softcap near the largest float (1e308, or 1e38 in float32) the ratio falls below the
-# smallest normal number, and XLA on a CPU flushes such subnormals to 0: every score became
-# softcap · tanh(0) = 0, and the weights uniform (SPEC §4.2). There the score is kept as it
-# is, the correctly rounded value of softcap · tanh(score / softcap); elsewhere nothing
-# changes. The selection also gives jax.grad the exact derivative 1 there.
+# Blocked keys (SPEC §3.8, §4.7). Blocked scores are replaced by -inf in step 4, not only
+# pushed down by adding -inf, since NaN + -inf is NaN.
+#
+# Gradients through the guards (JAX's and PyTorch's autograd; NumPy's backward is its own
+# page). Every guard below is a where on the value that would be bad: the branch not taken
+# gets a zero gradient, so a row with no key has gradients 0, not NaN (SPEC §12.4).
+#
+# Fused multiply-add (JAX only; SPEC §4.1). XLA may fuse step 2's multiply into step 5's
+# subtraction, unrounded, where the maximum saw it rounded: past scores of ~1e18 a row was
+# NaN. The softmax's second shift, by the largest difference itself, makes that one 0.
+
+
+def unseen_slots_zeroed(k: jax.Array, v: jax.Array, allowed: jax.Array):
+    """NaN in a slot no query sees (SPEC §4.7): k and v with every slot that no query of its
+    head may see (padding, a KV-cache slot not yet written) replaced by 0, by selection, so
+    that whatever it holds has no effect: a weight of 0 does not cancel it, 0 · NaN is NaN."""
+    used = allowed.any(axis=2)[..., None]  # (B|1, H|1, S, 1)
+    return jnp.where(used, k, 0.0), jnp.where(used, v, 0.0)  # (B, H, S, D), (B, H, S, E)
+
+
+def row_max(scores: jax.Array) -> jax.Array:
+    """Each row's maximum, (B, H, T, 1), and -inf for a row of no key at all (S = 0), where
+    the frameworks' maximum refuses an empty axis (SPEC §4.3)."""
+    if scores.shape[-1] == 0:
+        return jnp.full((*scores.shape[:-1], 1), -jnp.inf, dtype=scores.dtype)  # (B, H, T, 1)
+    return scores.max(axis=-1, keepdims=True)  # (B, H, T, 1)
+
+
+def finite_or_0(row_max: jax.Array) -> jax.Array:
+    """Rows with no key (SPEC §4.3): the row maximum, 0 where it is not finite. A row with
+    every key blocked has maximum -inf, and exp(-inf - -inf) would be NaN; shifted by 0, its
+    -inf scores give exp(-inf) = 0 (as PyTorch SDPA and FlashAttention do)."""
+    return jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
+
+
+def divisor(row_sum: jax.Array) -> jax.Array:
+    """What divides a row (SPEC §4.3): its sum, and 1 for a row with no key, whose weights
+    then stay exactly 0 instead of 0 / 0 = NaN. A row that reads +inf is NaN through inf / inf
+    (SPEC §4.1); where autograd differentiates the page (JAX, PyTorch) its divisor is NaN
+    too, so that the gradients reach every key that row attends."""
+    return jnp.where(row_sum == jnp.inf, jnp.nan, jnp.where(row_sum > 0, row_sum, 1.0))
+
+
+def nan_where_sink_is(weights: jax.Array, sink: jax.Array) -> jax.Array:
+    """A NaN or +inf sink makes its row NaN (SPEC §15.4), as +inf - +inf does in the
+    softmax; the shift by a finite row maximum cannot show it, so it is selected. A row
+    with no key has no softmax at all and stays 0 (SPEC §15.3): its sink is -inf."""
+    return jnp.where(jnp.isnan(sink) | (sink == jnp.inf), jnp.nan, weights)  # (B, H, T, S)
+
+
+def _subnormal_ratio_kept(scores: jax.Array, softcap: float) -> jax.Array:
+    """Huge softcaps (SPEC §4.2; JAX only): where scores / softcap is subnormal, XLA on a CPU
+    flushes it to 0, so the score itself, the correctly rounded answer, is kept."""
+    ratio = scores / softcap  # (B, H, T, S)
+    tiny = jnp.abs(ratio) < jnp.finfo(scores.dtype).tiny  # (B, H, T, S)
+    return jnp.where(tiny, scores, softcap * jnp.tanh(ratio))  # (B, H, T, S)

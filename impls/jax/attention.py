@@ -318,6 +318,14 @@ def as_given(out: jax.Array, dtype: jnp.dtype, call: contract.Checked) -> jax.Ar
 # both lie in the same chunk of chunk_size positions, (t + offset) // c == s // c, the
 # offset placed by causal_alignment as for causality.
 #
+# Framework spelling. The NumPy, JAX and PyTorch pages are the same lines, and differ only
+# where a framework asks it: JAX compiles the steps (Notes: jit) and draws dropout with a
+# jax.random key; PyTorch makes its tensors on q's device, can return the weights, and draws
+# dropout as SDPA's math backend does (with no generator given, after torch.manual_seed(s)
+# the same positions are dropped as in SDPA); NumPy silences its overflow warnings; a row
+# that reads +inf and each framework's own guards are under Edge cases. The list of these
+# differences is held by tests/test_pages.py.
+#
 # Jit (JAX only). The preparation and steps 1-7 are one XLA program, ``compiled`` once per
 # shape, dtype and option. Step 0 reads the options' values, which a traced argument has
 # not, so it stays in Python; the scale enters traced, so a new scale reuses the program.

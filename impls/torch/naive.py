@@ -268,7 +268,8 @@ def dropped_out(weights: torch.Tensor, dropout_p: float, generator) -> torch.Ten
     1 / (1 - dropout_p), so that the expected output is unchanged."""
     if dropout_p == 0:
         return weights
-    keep = torch.empty_like(weights).bernoulli_(1.0 - dropout_p, generator=generator)  # Notes
+    keep = torch.empty_like(weights)  # (B, H, T, S)
+    keep = keep.bernoulli_(1.0 - dropout_p, generator=generator)  # (B, H, T, S)
     return weights * keep.div_(1.0 - dropout_p)  # (B, H, T, S)
 
 
@@ -311,8 +312,13 @@ def as_given(out: torch.Tensor, dtype: torch.dtype, call: contract.Checked) -> t
 # both lie in the same chunk of chunk_size positions, (t + offset) // c == s // c, the
 # offset placed by causal_alignment as for causality.
 #
-# Dropout (step 6; PyTorch only). Drawn as SDPA's math backend draws it: with generator None
-# (the global one), after torch.manual_seed(s) the same positions are dropped as in SDPA.
+# Framework spelling. The NumPy, JAX and PyTorch pages are the same lines, and differ only
+# where a framework asks it: JAX compiles the steps (Notes: jit) and draws dropout with a
+# jax.random key; PyTorch makes its tensors on q's device, can return the weights, and draws
+# dropout as SDPA's math backend does (with no generator given, after torch.manual_seed(s)
+# the same positions are dropped as in SDPA); NumPy silences its overflow warnings; a row
+# that reads +inf and each framework's own guards are under Edge cases. The list of these
+# differences is held by tests/test_pages.py.
 
 
 # --- Edge cases -----------------------------------------------------------------------------

@@ -38,6 +38,8 @@ TILE = 2
 def _fmt(x) -> str:
     if isinstance(x, (bool, np.bool_)):
         return "✓" if x else "·"
+    if isinstance(x, (int, np.integer)):
+        return str(x).replace("-", "−")
     if x == -math.inf:
         return "−∞"
     return f"{x:.4f}".replace("-", "−") if abs(x) >= 5e-5 else "0.0000"
@@ -113,11 +115,27 @@ def steps(q: np.ndarray, k: np.ndarray, v: np.ndarray, is_causal: bool) -> dict[
     }
 
 
+def visibility(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> dict[str, np.ndarray]:
+    """The causal triangle as ``allowed_keys`` builds it for one head: each key's distance
+    right of its query's diagonal, s - t, and the keys it allows, distance <= 0; by hand,
+    the lower triangle ``tril`` that every course draws."""
+    T, S = q.shape[0], k.shape[0]
+    distance = np.arange(S)[None, :] - np.arange(T)[:, None]  # (T, S)
+    call = contract.check(q[None], k[None], v[None], is_causal=True)
+    allowed = numpy_attention.allowed_keys(None, call)[0, 0]  # (T, S)
+    _agree("the causal triangle", np.tril(np.ones((T, S))), allowed)
+    return {"distance": distance, "allowed": allowed}
+
+
 def forward_numbers() -> dict[str, str]:
-    """The worked example's sections: its inputs, then each case's steps 1, 2, 4, 5, 7."""
+    """The worked example's sections: its inputs, the causal triangle, then each case's
+    steps 1, 2, 4, 5, 7."""
     ex = worked_example()
     q, k, v = _qkv(ex)
     named = _inputs(q, k, v)
+    triangle = visibility(q, k, v)
+    named["distance"] = _table(triangle["distance"], "t \\ s")
+    named["causal-allowed"] = _table(triangle["allowed"], "t \\ s")
     for case, is_causal in CASES.items():
         n = steps(q, k, v, is_causal)
         _check(f"the {case} output", n["out"], ex[case.replace("-", "_")]["exact"], "walkthrough")

@@ -138,11 +138,14 @@ def test_every_section_is_included_once_and_exists():
 
 
 def test_the_core_pages_steps_are_included_by_their_numbers():
-    """The worked example shows attention()'s steps 1, 2, 4, 5 and 7 (3 and 6 are off in
-    it) and step 5's helpers, from the comment line to the blank line that ends each."""
+    """The worked example shows the page's textbook core, the visibility that builds the
+    causal triangle, attention()'s steps 1, 2, 4, 5 and 7 (3 and 6 are off in it) and step
+    5's helpers, from the comment line to the blank line that ends each."""
     assert code_includes("walkthrough") == [
+        "impls/numpy/attention.py def textbook_attention",
         "impls/numpy/attention.py step 1",
         "impls/numpy/attention.py step 2",
+        "impls/numpy/attention.py def allowed_keys",
         "impls/numpy/attention.py step 4",
         "impls/numpy/attention.py step 5",
         "impls/numpy/attention.py def softmax softmax_with_sinks sink_logits",
@@ -159,7 +162,7 @@ def test_the_core_pages_steps_are_included_by_their_numbers():
     ]
     assert "\n".join(step_4) in page
     step_0 = includes.source(ROOT, includes.Include("impls/numpy/attention.py", "step", ("0",)))
-    assert step_0[-1].startswith("k, v = unseen_slots_zeroed(k, v, allowed)")  # a blank, then 1
+    assert step_0[-1] == ")  # fmt: skip"  # step 0 checks the inputs and nothing else
     assert "# 3. Softcap" not in page and "# 6. Dropout" not in page
     assert "\n        return softmax_with_sinks(scores, sinks)\n" in page  # dedented as a whole
     assert "return np.where(has_key, logits, -np.inf)  # (B, H, T, 1)\n```" in page
@@ -194,10 +197,12 @@ def test_a_step_ends_at_its_blank_line_or_its_block(tmp_path):
 
 @pytest.mark.clause("11.1")
 def test_the_pages_show_the_impls_lines():
-    assert 'scores = np.einsum("bhtd,bhsd->bhts", q, k)  # (B, H, T, S)' in assembled("walkthrough")
+    walkthrough = assembled("walkthrough")
+    assert 'scores = np.einsum("bhtd,bhsd->bhts", q, k)  # (B, H, T, S)' in walkthrough
+    assert "allowed = allowed & (distance <= 0)  # (1, 1, T, S)" in walkthrough
     sinks = assembled("sinks")
     assert "def sink_logits" in sinks
-    assert "row_sum = p.sum(axis=-1, keepdims=True) + np.exp(sink - row_max)" in sinks
+    assert "p.sum(axis=-1, keepdims=True) + np.exp(sink - highest)" in sinks
     assert "distance = s - (t + n - T)" in assembled("paged")
     assert "dz *= p" in assembled("backward")
 

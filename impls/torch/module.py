@@ -1,41 +1,31 @@
-"""Scaled dot-product attention for PyTorch modules: the steps with dropout as a module.
+"""Scaled dot-product attention for PyTorch modules: the steps, with dropout as a module.
 
-    out = softmax(scale · q kᵀ + mask) v
+    out = softmax(mask(softcap(scale · q kᵀ))) v        scale = 1/√D by default
 
-For one query row t of one head, with the scale 1/√D by default:
-
-    score[s]  = scale · Σ_d q[t, d] · k[s, d]
-    w[s]      = exp(score[s] - max_s score) / Σ_s exp(score[s] - max_s score)
-    out[t, e] = Σ_s w[s] · v[s, e]
+For one query row t of one head: score[s] = scale · Σ_d q[t, d] · k[s, d], then
+w[s] = exp(score[s] - max score) / Σ exp(score - max score), then out[t] = Σ_s w[s] · v[s].
 
 Why 1/√D: if q's and k's entries have unit variance, q·k sums D such products and has
 variance D. Dividing by √D keeps the scores near unit variance at any head size, so the
 softmax neither saturates (one-hot weights, vanishing gradients) nor flattens.
 
-Shape legend (heads-first, as in PyTorch, whose docs call T "L" and E "Ev"):
+Shapes, heads-first as in PyTorch: B batch, H query heads, K key/value heads (H % K == 0),
+G = H // K, T query length, S key/value length, D q/k head dim, E v head dim; "B|1" is an
+axis of size B or 1 (it broadcasts). q (B, H, T, D), k (B, K, S, D), v (B, K, S, E) give
+out (B, H, T, E); without B (unbatched) q (H, T, D) gives out (H, T, E).
+PyTorch's docs call T "L" and E "Ev".
 
-    B batch            H query heads      K key/value heads (H % K == 0)
-    G = H // K         T query length     S key/value length
-    D q/k head dim     E v head dim
-
-    q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
-    mask: bool (True = may attend) or floating (added to the scores), broadcastable to
-    (B, H, T, S). Unbatched q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
-
-Supports: bool and float masks; causal masks aligned top-left or bottom-right; sliding
-windows; chunked local attention (Llama 4); ALiBi; softcapping (Gemma 2); attention sinks
-(gpt-oss); grouped- and multi-query attention (K < H); dropout through a callable such as
-``nn.Dropout``, so that ``module.eval()`` turns it off; float64, float32, float16 and
-bfloat16; autograd. A query row with no key left returns exactly 0, with gradients 0.
-
-Imports: the standard library, PyTorch and the ``contract`` package. The math is this page's own,
-not ``naive.py``'s, so that the suite checks two independent copies of the steps. The seed
-tutorial's ``MultiHeadAttention`` and a GPT block built on it are ``layers.py``.
+Read from the top: ``attention`` runs the lines of ``naive.textbook_attention`` with every
+option as one named step (masks, causality, windows, chunks, ALiBi, softcap, sinks, grouped
+heads, dropout through a callable such as nn.Dropout, float16 and bfloat16), its helpers
+below it, then Notes. The guards that floating point's edges need (a row with no
+key, NaN in a slot no query sees, overflow) come last, under "Edge cases". The math is this
+page's own, not naive.py's, so that the suite checks two independent copies of the steps;
+the seed tutorial's MultiHeadAttention and a GPT block built on it are ``layers.py``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -54,44 +44,54 @@ def attention(
     causal_alignment: str = "top_left",
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
+    dropout_p: float = 0.0,
     dropout: Callable[[torch.Tensor], torch.Tensor] | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Scaled dot-product attention: the core of ``MultiHeadAttention``.
+    """Scaled dot-product attention, the core of ``MultiHeadAttention``: the textbook lines
+    as steps 1, 2, 4, 5 and 7, each option a step of its own between them.
 
-    Args:
+    Args, the inputs and the core options:
       q, k, v: (B, H, T, D), (B, K, S, D), (B, K, S, E), or unbatched without B.
       mask: bool (True = may attend) or floating (added), broadcastable to (B, H, T, S).
       is_causal: query t attends only keys on or before its diagonal.
       scale: multiplies q·k; defaults to 1/√D.
+      dropout: applied to the (B, H, T, S) weights, e.g. ``nn.Dropout(p)``: zeroes each
+        weight with probability p in training mode, does nothing in eval mode.
+
+    Args, the variants (each off by default):
       causal_alignment: "top_left" (key s <= t) or "bottom_right" (s <= t + S - T, the
         last query sees the last key, as in a KV cache); also places windows and chunks.
       window: (left, right): keys within left before and right after the diagonal.
-      softcap: scores become softcap · tanh(scores / softcap).
-      dropout: applied to the (B, H, T, S) weights, e.g. ``nn.Dropout(p)``: zeroes each
-        weight with probability p in training mode, does nothing in eval mode.
-      sinks: (H,), one logit per query head that joins the softmax and has no value.
       chunk_size: attend only within the same chunk of chunk_size positions.
       alibi_slopes: (H,) or (B, H): add -slope · |t + S - T - s| to the scores.
+      softcap: scores become softcap · tanh(scores / softcap).
+      sinks: (H,), one logit per query head that joins the softmax and has no value.
 
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; q's dtype.
     """
-    # 0. Validate with the input contract every page shares: an error names the argument,
-    # the expected shape and what was given.
+    # 0. Check the inputs: an error names the argument, the expected shape and what was
+    # given. ``call`` holds the checked options and the sizes (call.T, call.G, ...).
     q, k, v, mask, sinks, alibi_slopes = as_arrays(q, k, v, mask, sinks, alibi_slopes)
     call = contract.check(
         q, k, v, mask=mask, is_causal=is_causal, scale=scale, causal_alignment=causal_alignment,
         window=window, softcap=softcap, dropout_p=getattr(dropout, "p", 0.0), sinks=sinks,
         chunk_size=chunk_size, alibi_slopes=alibi_slopes, random=random_source(dropout),
     )  # fmt: skip
+
+    # Prepare the batch axis: unbatched inputs get one, and the mask takes the scores' rank.
     dtype = q.dtype
     q, k, v, mask = batched(q, k, v, mask, call)  # (B, H, T, D), (B, K, S, D), (B, K, S, E)
+
+    # Prepare the heads: with K < H, each key/value head serves G query heads.
     k, v = repeat_heads(k, call.G), repeat_heads(v, call.G)  # (B, H, S, D), (B, H, S, E)
+
+    # Prepare the visibility: which keys each query may see (causality, window, chunk, mask).
     allowed = allowed_keys(mask, call, q.device)  # (B|1, H|1, T, S)
-    k, v = unseen_slots_zeroed(k, v, allowed)  # (B, H, S, D), (B, H, S, E)
+    k, v = unseen_slots_zeroed(k, v, allowed)  # (B, H, S, D), (B, H, S, E); Edge cases
 
     # 1. Scores: every query against every key of its head.
     scores = torch.einsum("bhtd,bhsd->bhts", q, k)  # (B, H, T, S)
@@ -106,7 +106,7 @@ def attention(
     # gets -inf.
     scores = add_alibi_bias(scores, alibi_slopes, call)  # (B, H, T, S)
     scores = add_float_mask(scores, mask, call)  # (B, H, T, S)
-    scores = torch.where(allowed, scores, -math.inf)  # (B, H, T, S)
+    scores = torch.where(allowed, scores, -torch.inf)  # (B, H, T, S)
 
     # 5. Softmax over the keys; a row with no key left gets weights of exactly 0.
     weights = softmax(scores, sinks)  # (B, H, T, S)
@@ -119,11 +119,11 @@ def attention(
     return as_given(out, dtype, call)  # (B, H, T, E), or (H, T, E) unbatched
 
 
-# --- Step 0: the inputs ---------------------------------------------------------------------
+# --- Step 0 and the preparation: the inputs -------------------------------------------------
 
 
 def as_arrays(*xs):
-    """The arrays as torch tensors, None left as it is."""
+    """The arrays in the framework's own type, None left as it is."""
     return tuple(None if x is None else torch.as_tensor(x) for x in xs)
 
 
@@ -148,8 +148,9 @@ def batched(q, k, v, mask, call: contract.Checked):
 
 def repeat_heads(x: torch.Tensor, G: int) -> torch.Tensor:
     """Grouped-query attention: query head h uses key/value head h // G, so each key/value
-    head is repeated for its G query heads (see Notes: grouped-query attention)."""
-    return x.repeat_interleave(G, dim=1)  # (B, H, S, D|E)
+    head is repeated for its G query heads, as torch's repeat_interleave does, not tiled
+    (see Notes: grouped-query attention)."""
+    return torch.repeat_interleave(x, G, dim=1)  # (B, H, S, D|E)
 
 
 def allowed_keys(mask: torch.Tensor | None, call: contract.Checked, device) -> torch.Tensor:
@@ -161,9 +162,10 @@ def allowed_keys(mask: torch.Tensor | None, call: contract.Checked, device) -> t
     offset = 0 if call.causal_alignment == "top_left" else S - T
     t = torch.arange(T, device=device)[:, None]  # (T, 1)
     s = torch.arange(S, device=device)[None, :]  # (1, S)
-    distance = s - (t + offset)  # (T, S)
+    distance = s - (t + offset)  # (T, S): how far key s lies right of query t's diagonal
     allowed = torch.ones((1, 1, T, S), dtype=torch.bool, device=device)  # (1, 1, T, S)
     if call.is_causal:
+        # The causal triangle: no key right of the diagonal, none from the future.
         allowed = allowed & (distance <= 0)  # (1, 1, T, S)
     if window is not None and window[0] is not None:
         allowed = allowed & (distance >= -window[0])  # (1, 1, T, S)
@@ -175,42 +177,18 @@ def allowed_keys(mask: torch.Tensor | None, call: contract.Checked, device) -> t
     if mask is not None and call.mask_is_bool:
         allowed = allowed & mask  # (B|1, H|1, T, S)
     elif mask is not None:
-        allowed = allowed & (mask != -math.inf)  # (B|1, H|1, T, S)
+        allowed = allowed & (mask != -torch.inf)  # (B|1, H|1, T, S)
     return allowed
-
-
-def unseen_slots_zeroed(k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor):
-    """k and v with every slot that no query of its head may see replaced by 0, so that
-    whatever it holds (NaN, inf) has no effect (see Notes: blocked keys)."""
-    used = allowed.any(dim=2)[..., None]  # (B|1, H|1, S, 1)
-    return torch.where(used, k, 0.0), torch.where(used, v, 0.0)  # (B, H, S, D), (B, H, S, E)
 
 
 # --- Steps 3 and 4: the variants of the scores ----------------------------------------------
 
 
 def softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """Gemma 2's softcap, softcap · tanh(scores / softcap); a score far above the softcap
-    overflows to ±inf in the division, whose tanh is exactly ±1. Its derivative is taken
-    as it is (see Notes: huge softcaps)."""
+    """Gemma 2's softcap, softcap · tanh(scores / softcap)."""
     if softcap is None:
         return scores
-    return _Softcap.apply(scores, softcap)  # (B, H, T, S)
-
-
-class _Softcap(torch.autograd.Function):
-    """softcap · tanh(scores / softcap), with the derivative 1 − tanh²(scores / softcap)."""
-
-    @staticmethod
-    def forward(ctx, scores: torch.Tensor, softcap: float) -> torch.Tensor:
-        tanh = torch.tanh(scores / softcap)  # (B, H, T, S)
-        ctx.save_for_backward(tanh)
-        return softcap * tanh  # (B, H, T, S)
-
-    @staticmethod
-    def backward(ctx, d_capped: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (tanh,) = ctx.saved_tensors
-        return d_capped * (1.0 - tanh * tanh), None  # (B, H, T, S)
+    return _Softcap.apply(scores, softcap)  # (B, H, T, S); Edge cases
 
 
 def add_alibi_bias(scores: torch.Tensor, slopes: torch.Tensor | None, call: contract.Checked):
@@ -220,9 +198,9 @@ def add_alibi_bias(scores: torch.Tensor, slopes: torch.Tensor | None, call: cont
     if slopes is None:
         return scores
     T, S, H = call.T, call.S, call.H
-    t = torch.arange(T, device=slopes.device)[:, None]  # (T, 1)
-    s = torch.arange(S, device=slopes.device)[None, :]  # (1, S)
-    distance = (t + S - T - s).abs().to(scores.dtype)  # (T, S)
+    t = torch.arange(T, device=scores.device)[:, None]  # (T, 1)
+    s = torch.arange(S, device=scores.device)[None, :]  # (1, S)
+    distance = torch.abs(t + S - T - s).to(scores.dtype)  # (T, S)
     return scores - slopes.to(scores.dtype).reshape(-1, H, 1, 1) * distance  # (B, H, T, S)
 
 
@@ -237,56 +215,35 @@ def add_float_mask(scores: torch.Tensor, mask: torch.Tensor | None, call: contra
 # --- Steps 5 and 6: the weights -------------------------------------------------------------
 
 
-def softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
-    """The softmax over the keys, less the row maximum so that exp() <= 1. A row with no key
-    left has maximum -inf and gets weights of exactly 0 (see Notes: empty rows)."""
+def softmax(scores: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The softmax over the keys, exp(score - row max) / Σ exp(score - row max): taking the
+    row maximum off first keeps every exp() <= 1, so that no score overflows."""
     if sinks is not None:
         return softmax_with_sinks(scores, sinks)
-    row_max = _row_max(scores)  # (B, H, T, 1)
-    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
-    p = torch.exp(scores - row_max)  # (B, H, T, S)
-    row_sum = p.sum(dim=-1, keepdim=True)  # (B, H, T, 1)
-    return p / _divisor(row_sum)  # (B, H, T, S)
+    shifted = scores - finite_or_0(row_max(scores))  # (B, H, T, S)
+    p = torch.exp(shifted)  # (B, H, T, S)
+    return p / divisor(p.sum(dim=-1, keepdim=True))  # (B, H, T, S)
 
 
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """The softmax with one sink logit per head: it joins the row maximum and the sum, but
     has no value row, so the keys' weights add up to less than 1 (see Notes: sinks)."""
     H = scores.shape[1]
-    row_max = _row_max(scores)  # (B, H, T, 1)
-    sink = sink_logits(sinks, row_max, H)  # (B, H, T, 1)
-    row_max = torch.maximum(row_max, sink)  # (B, H, T, 1)
-    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
-    p = torch.exp(scores - row_max)  # (B, H, T, S)
-    row_sum = p.sum(dim=-1, keepdim=True) + torch.exp(sink - row_max)  # (B, H, T, 1)
-    weights = p / _divisor(row_sum)  # (B, H, T, S)
-    # A NaN or +inf sink makes its row NaN, as +inf - +inf does in the softmax (SPEC §15.4);
-    # the shift by a finite row maximum above cannot show it, so it is selected.
-    return torch.where(torch.isnan(sink) | (sink == math.inf), math.nan, weights)  # (B, H, T, S)
-
-
-def _row_max(scores: torch.Tensor) -> torch.Tensor:
-    """Each row's maximum, (B, H, T, 1); torch's amax refuses a key axis of length 0
-    (S = 0), whose rows' maximum is -inf."""
-    if scores.shape[-1] == 0:
-        return scores.new_full((*scores.shape[:-1], 1), -math.inf)  # (B, H, T, 1)
-    return scores.amax(dim=-1, keepdim=True)  # (B, H, T, 1)
-
-
-def _divisor(row_sum: torch.Tensor) -> torch.Tensor:
-    """What divides a row: its sum, 1 for a row with no key (its weights stay 0), and NaN for
-    a row that reads +inf, which is NaN whole, not only at its +inf scores, so that autograd
-    reaches every key it attends (see Notes: overflow)."""
-    divisor = torch.where(row_sum > 0, row_sum, 1.0)  # (B, H, T, 1)
-    return torch.where(row_sum == math.inf, math.nan, divisor)  # (B, H, T, 1)
+    highest = row_max(scores)  # (B, H, T, 1)
+    sink = sink_logits(sinks, highest, H)  # (B, H, T, 1)
+    highest = finite_or_0(torch.maximum(highest, sink))  # (B, H, T, 1)
+    shifted = scores - highest  # (B, H, T, S)
+    p = torch.exp(shifted)  # (B, H, T, S)
+    weights = p / divisor(p.sum(dim=-1, keepdim=True) + torch.exp(sink - highest))  # (B, H, T, S)
+    return nan_where_sink_is(weights, sink)  # (B, H, T, S); Edge cases
 
 
 def sink_logits(sinks: torch.Tensor, row_max: torch.Tensor, H: int) -> torch.Tensor:
     """Each row's sink logit, (B, H, T, 1): sinks[h] in the rows of head h that have a key,
     and -inf (no sink: exp(-inf) = 0) in a row with none, which stays exactly 0."""
-    has_key = row_max != -math.inf  # (B, H, T, 1); NaN != -inf: a NaN row has keys
+    has_key = row_max != -torch.inf  # (B, H, T, 1); NaN != -inf: a NaN row has keys
     logits = sinks.to(row_max.dtype).reshape(1, H, 1, 1)  # (1, H, 1, 1)
-    return torch.where(has_key, logits, -math.inf)  # (B, H, T, 1)
+    return torch.where(has_key, logits, -torch.inf)  # (B, H, T, 1)
 
 
 def dropped_out(weights: torch.Tensor, dropout) -> torch.Tensor:
@@ -319,29 +276,11 @@ def as_given(out: torch.Tensor, dtype: torch.dtype, call: contract.Checked) -> t
 # tiling). Repeating every key/value head G times turns it into plain multi-head attention;
 # with K = H (G = 1) nothing changes.
 #
-# Blocked keys. Blocked scores are replaced by -inf in step 4, not only pushed down by
-# adding -inf, since NaN + -inf is NaN. A key that no query of its head may see (padding, a
-# KV-cache slot not yet written) must have no effect, whatever it holds: a weight of 0 does
-# not cancel it, because 0 · NaN and 0 · inf are NaN. Its key and value rows are replaced by
-# 0 before they are used, by selection, so that their gradients are exactly 0 as well.
-#
-# Empty rows (step 5). A row with every key blocked has max -inf; it is given weights of
-# exactly 0 (as PyTorch SDPA and FlashAttention do) instead of the NaN that exp(-inf - -inf)
-# would give. With S = 0 every row is such a row: the maximum starts from -inf, since an
-# empty axis has no maximum of its own.
-#
-# Overflow (steps 2, 5). A score that overflows is ±inf, as SPEC §4.1 defines: +inf makes
-# its row NaN, -inf gives weight 0. The row sum of a row that reads +inf is +inf, and p / inf
-# would make only its +inf weights NaN (inf / inf) and the others 0; the output row is NaN
-# either way, but autograd would then send no gradient to the keys of weight 0. So such a
-# row's divisor is NaN, and every weight of it is NaN, as its gradients are.
-#
 # Sinks (step 5). An attention sink (gpt-oss; StreamingLLM's sink tokens in masking form) is
 # one more logit per query head in every row's softmax, with no value row: its weight goes
 # "nowhere", so a head can attend to nothing in particular. It joins the row maximum, so
 # exp() stays <= 1 even for a sink of 1e4, and the sum, not the numerator: the keys' weights
-# then add up to 1 - p_sink. It is not scaled, softcapped, masked or dropped. A row with no
-# key has no softmax at all and stays 0 (SPEC §15.3), so its sink is left out.
+# then add up to 1 - p_sink. It is not scaled, softcapped, masked or dropped.
 #
 # ALiBi (step 4). Press et al.'s attention with linear biases replaces position embeddings
 # by a penalty −slope · distance on every score, one slope per query head (the usual slopes
@@ -351,8 +290,8 @@ def as_given(out: torch.Tensor, dtype: torch.dtype, call: contract.Checked) -> t
 # working precision and added like a float mask, after the softcap; the slopes are
 # constants, with no gradient.
 #
-# Chunked local attention (step 0, ``allowed_keys``). Llama 4's chunks: query t sees key s only
-# if both lie in the same chunk of chunk_size positions, (t + offset) // c == s // c, the
+# Chunked local attention (the visibility). Llama 4's chunks: query t sees key s only if
+# both lie in the same chunk of chunk_size positions, (t + offset) // c == s // c, the
 # offset placed by causal_alignment as for causality.
 #
 # Dropout (step 6). The dropout callable receives the (B, H, T, S) weights in the compute
@@ -362,8 +301,74 @@ def as_given(out: torch.Tensor, dtype: torch.dtype, call: contract.Checked) -> t
 # contract as dropout_p: nn.Dropout accepts p = 1 (every weight dropped), but the rescale by
 # 1 / (1 - p), SDPA's too, needs p < 1, and the contract says so by name.
 #
-# Huge softcaps (step 3). Autograd would differentiate softcap · tanh(scores / softcap) as
-# ((d · softcap) · (1 − tanh²)) / softcap, and d · softcap overflows for a softcap near the
-# largest float (3e38 in float32, 1e308 in float64): the gradient became ±inf (SPEC §4.2).
-# The derivative 1 − tanh²(scores / softcap) is therefore applied as it is, as the
-# hand-written backward passes of the other impls do; the forward is unchanged.
+# PyTorch. The tensors this page makes are made on q's device.
+
+
+# --- Edge cases -----------------------------------------------------------------------------
+#
+# What the lesson above leaves out: the guards that the spec's edges need, each with why
+# and the SPEC clause it meets. A reader who stops above has learnt attention.
+#
+# Overflow (SPEC §4.1, §3.8). A score that overflows is ±inf: +inf makes its row NaN
+# (inf / inf), -inf gives weight 0. Those are the answers, not errors: JAX and PyTorch do
+# not warn, and NumPy's warnings are silenced for the NumPy page's ``attention``.
+#
+# Blocked keys (SPEC §3.8, §4.7). Blocked scores are replaced by -inf in step 4, not only
+# pushed down by adding -inf, since NaN + -inf is NaN.
+#
+# Gradients through the guards (JAX's and PyTorch's autograd; NumPy's backward is its own
+# page). Every guard below is a where on the value that would be bad: the branch not taken
+# gets a zero gradient, so a row with no key has gradients 0, not NaN (SPEC §12.4).
+
+
+def unseen_slots_zeroed(k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor):
+    """NaN in a slot no query sees (SPEC §4.7): k and v with every slot that no query of its
+    head may see (padding, a KV-cache slot not yet written) replaced by 0, by selection, so
+    that whatever it holds has no effect: a weight of 0 does not cancel it, 0 · NaN is NaN."""
+    used = allowed.any(axis=2)[..., None]  # (B|1, H|1, S, 1)
+    return torch.where(used, k, 0.0), torch.where(used, v, 0.0)  # (B, H, S, D), (B, H, S, E)
+
+
+def row_max(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's maximum, (B, H, T, 1), and -inf for a row of no key at all (S = 0), where
+    the frameworks' maximum refuses an empty axis (SPEC §4.3)."""
+    if scores.shape[-1] == 0:
+        return scores.new_full((*scores.shape[:-1], 1), -torch.inf)  # (B, H, T, 1)
+    return scores.amax(dim=-1, keepdim=True)  # (B, H, T, 1)
+
+
+def finite_or_0(row_max: torch.Tensor) -> torch.Tensor:
+    """Rows with no key (SPEC §4.3): the row maximum, 0 where it is not finite. A row with
+    every key blocked has maximum -inf, and exp(-inf - -inf) would be NaN; shifted by 0, its
+    -inf scores give exp(-inf) = 0 (as PyTorch SDPA and FlashAttention do)."""
+    return torch.where(torch.isfinite(row_max), row_max, 0.0)  # (B, H, T, 1)
+
+
+def divisor(row_sum: torch.Tensor) -> torch.Tensor:
+    """What divides a row (SPEC §4.3): its sum, and 1 for a row with no key, whose weights
+    then stay exactly 0 instead of 0 / 0 = NaN. A row that reads +inf is NaN through inf / inf
+    (SPEC §4.1); where autograd differentiates the page (JAX, PyTorch) its divisor is NaN
+    too, so that the gradients reach every key that row attends."""
+    return torch.where(row_sum == torch.inf, torch.nan, torch.where(row_sum > 0, row_sum, 1.0))
+
+
+def nan_where_sink_is(weights: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """A NaN or +inf sink makes its row NaN (SPEC §15.4), as +inf - +inf does in the
+    softmax; the shift by a finite row maximum cannot show it, so it is selected. A row
+    with no key has no softmax at all and stays 0 (SPEC §15.3): its sink is -inf."""
+    return torch.where(torch.isnan(sink) | (sink == torch.inf), torch.nan, weights)  # (B, H, T, S)
+
+
+class _Softcap(torch.autograd.Function):
+    """Huge softcaps (SPEC §4.2; PyTorch only): the derivative 1 − tanh² as it is, since
+    autograd's d · softcap overflowed near the largest float (3e38 in float32)."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, softcap: float) -> torch.Tensor:
+        ctx.save_for_backward(tanh := torch.tanh(scores / softcap))  # (B, H, T, S)
+        return softcap * tanh  # (B, H, T, S)
+
+    @staticmethod
+    def backward(ctx, d_capped: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (tanh,) = ctx.saved_tensors
+        return d_capped * (1.0 - tanh * tanh), None  # (B, H, T, S)

@@ -223,7 +223,7 @@ def test_no_module_is_over_its_size(folder, most):
 EDGE_CASES = re.compile(r"^# --- Edge cases -*$", re.MULTILINE)
 
 
-@pytest.mark.parametrize("page", PARALLEL_PAGES)
+@pytest.mark.parametrize("page", sorted(CORE_PAGES))
 def test_the_lesson_path_has_no_spec_reference(page):
     """Above the "Edge cases" section a page teaches attention; the SPEC's clauses, which
     say why each guard is there, stand below it."""

@@ -1,31 +1,29 @@
-"""Scaled dot-product attention through PyTorch's fused ``F.scaled_dot_product_attention``.
+"""The adapter to PyTorch's fused ``F.scaled_dot_product_attention`` (SDPA): the suite's
+``attention()`` said in SDPA's arguments, and what SDPA cannot take built here.
 
-    out = softmax(scale · q kᵀ + mask) v
+    out = softmax(mask(softcap(scale · q kᵀ))) v        scale = 1/√D by default
 
-SDPA computes the steps of ``naive.py`` in one fused call: the scores, the scale (1/√D by
-default, so that the scores' spread does not grow with the head size D), the softmax, the
-dropout and the weighted sum. What it cannot take as an argument, this page builds (step
-4): the one ``attn_mask`` SDPA adds to the scaled scores holds the float mask, ALiBi's
-bias and every key a query may not see (bottom-right causality, windows, chunks).
+SDPA computes that whole formula, the steps of ``naive.py``, in one fused call. Each option
+goes to it as follows (torch 2.13):
 
-Shape legend (heads-first, as in PyTorch, whose docs call T "L" and E "Ev"):
+    option                          SDPA argument
+    ------------------------------  ---------------------------------------------------------
+    scale                           scale=
+    mask, bool                      attn_mask=, bool (True = may attend)
+    mask, float                     attn_mask=, float, in the scores' dtype
+    is_causal, top-left, alone      is_causal=True
+    is_causal otherwise, window,    attn_mask=: the band built here, ANDed into a bool mask,
+      chunk_size                    or -inf in a float one
+    alibi_slopes                    attn_mask=, float: −slope · |t + S − T − s| built here
+    K < H (GQA, MQA)                enable_gqa=True
+    dropout_p                       dropout_p=, from PyTorch's global generator
+    softcap                         none: flex_attention with a score_mod in SDPA's place
+    sinks                           none: not supported
+    unbatched (H, T, D)             a batch axis of 1, added here and taken off after
 
-    B batch            H query heads      K key/value heads (H % K == 0)
-    G = H // K         T query length     S key/value length
-    D q/k head dim     E v head dim
-
-    q (B, H, T, D)    k (B, K, S, D)    v (B, K, S, E)    out (B, H, T, E)
-    mask: bool (True = may attend) or floating (added to the scores), broadcastable to
-    (B, H, T, S). Unbatched q (H, T, D), k (K, S, D), v (K, S, E) give out (H, T, E).
-
-Supports: bool and float masks; causal masks aligned top-left or bottom-right; sliding
-windows; chunked local attention; ALiBi; softcapping (through ``flex_attention``, forward
-only on the CPU); grouped- and multi-query attention (K < H); dropout, seeded by
-``torch.manual_seed``; float64 to bfloat16; autograd (SDPA's own backward). A query row
-with no key left to attend returns exactly 0. No attention sinks: SDPA has none.
-
-Imports: the standard library, PyTorch and the ``contract`` package (step 0's input contract). The
-Notes say what goes to SDPA and what of SDPA's behaviour this page relies on.
+Shapes as on ``naive.py``: q (B, H, T, D), k (B, K, S, D), v (B, K, S, E) give out
+(B, H, T, E); "B|1" is an axis of size B or 1. The Notes say why each row of the table is
+so; "Edge cases" holds what this page repairs of SDPA's behaviour at the spec's edges.
 """
 
 from __future__ import annotations
@@ -58,50 +56,57 @@ def attention(
 ) -> torch.Tensor:
     """Scaled dot-product attention through ``F.scaled_dot_product_attention``.
 
-    Args:
+    Args, the inputs and the core options:
       q, k, v: (B, H, T, D), (B, K, S, D), (B, K, S, E), or unbatched without B.
       mask: bool (True = may attend) or floating (added), broadcastable to (B, H, T, S).
-      is_causal, scale, causal_alignment, window, chunk_size, alibi_slopes: as in
-        ``naive.attention``.
-      softcap: scores become softcap · tanh(scores / softcap), through flex_attention
-        (not with dropout_p > 0, nor with gradients on the CPU).
+      is_causal, scale: as in ``naive.attention``.
       dropout_p: drop each weight with this probability, drawn from PyTorch's global
         generator.
+
+    Args, the variants (each off by default), as in ``naive.attention``:
+      causal_alignment, window, chunk_size, alibi_slopes.
+      softcap: scores become softcap · tanh(scores / softcap), through flex_attention
+        (not with dropout_p > 0, nor with gradients on the CPU).
 
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; q's dtype.
     """
-    # 0. Validate with the input contract every page shares: an error names the argument,
-    # the expected shape and what was given.
+    # 0. Check the inputs: an error names the argument, the expected shape and what was
+    # given. ``call`` holds the checked options and the sizes (call.T, call.G, ...).
     q, k, v, mask, alibi_slopes = as_arrays(q, k, v, mask, alibi_slopes)
     call = contract.check(
         q, k, v, mask=mask, is_causal=is_causal, scale=scale, causal_alignment=causal_alignment,
         window=window, softcap=softcap, dropout_p=dropout_p, chunk_size=chunk_size,
         alibi_slopes=alibi_slopes,
     )  # fmt: skip
+
+    # Prepare the batch axis: unbatched inputs get one, and the mask takes attn_mask's shape.
     q, k, v, mask = batched(q, k, v, mask, call)  # (B, H, T, D), (B, K, S, D), (B, K, S, E)
     work = torch.float64 if q.dtype == torch.float64 else torch.float32  # the scores' dtype
-    causal = sdpa_is_causal(mask, alibi_slopes, call)  # whether SDPA's own triangle will do
 
-    # 4. Mask: ALiBi's bias and a float mask are added; every key a query may not see
-    # gets -inf: all of it in the one attn_mask SDPA adds (see Notes: blocked keys).
+    # Prepare the visibility: which keys each query may see (causality, window, chunk, mask),
+    # unless SDPA's own top-left triangle is all of it.
+    causal = sdpa_is_causal(mask, alibi_slopes, call)  # whether SDPA's own triangle will do
+    allowed = allowed_keys(mask, causal, call, q.device)  # (B|1, H|1, T, S) or None
+
+    # Prepare step 4, the mask, as SDPA's one attn_mask: ALiBi's bias and a float mask are
+    # added; every key a query may not see gets -inf.
     bias = alibi_bias(alibi_slopes, call, work)  # (B|1, H, T, S) or None
     added = float_mask(mask, bias, call, work)  # (B|1, H|1, T, S) or None
-    allowed = allowed_keys(mask, causal, call, q.device)  # (B|1, H|1, T, S) or None
-    q, k, v = unseen_slots_zeroed(q, k, v, allowed, added, causal, call)
+    q, k, v = unseen_slots_zeroed(q, k, v, allowed, added, causal, call)  # Edge cases
     attn_mask = sdpa_mask(allowed, added)  # (B|1, H|1, T, S) or None
 
-    # 1.-3. and 5.-7. One fused call: SDPA's scores, scale, softmax, dropout and weighted sum
-    # (K < H by enable_gqa). SDPA has no softcap: ``softcapped`` puts flex_attention in its place.
+    # 1.-7. One fused call: SDPA's scores, scale, mask, softmax, dropout and weighted sum
+    # (K < H by enable_gqa); with a softcap (step 3), flex_attention in SDPA's place.
     fused = softcapped(F.scaled_dot_product_attention, allowed, added, call)
     options = dict(attn_mask=attn_mask, dropout_p=call.dropout_p, is_causal=causal,
                    scale=call.scale, enable_gqa=call.K != call.H)  # fmt: skip
     out = fused(q, k, v, **options)  # (B, H, T, E)
-    out = nan_rows_again(out, q, k, v, options, fused)  # (B, H, T, E)
+    out = nan_rows_again(out, q, k, v, options, fused)  # (B, H, T, E); Edge cases
     return as_given(out, call)  # (B, H, T, E), or (H, T, E) unbatched
 
 
-# --- Step 0: the inputs ---------------------------------------------------------------------
+# --- Step 0 and the preparation: the inputs -------------------------------------------------
 
 
 def as_arrays(*xs):
@@ -162,50 +167,14 @@ def causal_band(call: contract.Checked, device) -> torch.Tensor:
     return allowed[None, None]  # (1, 1, T, S)
 
 
-def unseen_slots_zeroed(q, k, v, allowed, added, causal: bool, call: contract.Checked):
-    """q, k and v with every key/value slot that no query of its head group may see, and
-    every query that sees no key, replaced by 0, so that whatever they hold has no effect
-    (see Notes: blocked keys). Nothing is copied where every one is seen."""
-    used, has_key = seen(allowed, added, causal, call, q.device)
-    if used is not None and not bool(used.all()):
-        k = torch.where(used, k, 0.0)  # (B, K, S, D)
-        v = torch.where(used, v, 0.0)  # (B, K, S, E)
-    if has_key is not None and not bool(has_key.all()):
-        q = torch.where(has_key, q, 0.0)  # (B, H, T, D)
-    return q, k, v
-
-
-def seen(allowed, added, causal: bool, call: contract.Checked, device):
-    """Which key/value slots some query of their head group sees, (B|1, K|1, S, 1), and
-    which queries see some key, (B|1, H|1, T, 1); None where every one does."""
-    H, K, T, S = call.H, call.K, call.T, call.S
-    if S == 0:
-        return None, torch.zeros((1, 1, T, 1), dtype=torch.bool, device=device)  # no key
-    if causal:
-        # SDPA's own top-left causal mask: query t sees keys s <= t, so key s is seen
-        # (from query s on) when s < T, and every query sees key 0.
-        return (torch.arange(S, device=device) < T)[:, None], None  # (S, 1)
-    visible = allowed
-    if added is not None:
-        finite = added != -math.inf  # (B|1, H|1, T, S)
-        visible = finite if visible is None else visible & finite  # (B|1, H|1, T, S)
-    if visible is None:
-        return None, None
-    b, h = visible.shape[:2]
-    kv = K if h == H else 1
-    groups = visible.reshape(b, kv, h // kv, T, S)  # (B|1, K|1, G|1, T, S)
-    used = groups.any(dim=3).any(dim=2)[..., None]  # (B|1, K|1, S, 1)
-    return used, visible.any(dim=-1, keepdim=True)  # (B|1, H|1, T, 1)
-
-
 # --- Steps 3 and 4: the variants of the scores ----------------------------------------------
 
 
 def softcapped(sdpa, allowed, added, call: contract.Checked):
     """SDPA itself, or, for a softcapped call, flex_attention with SDPA's arguments: its
     score_mod softcaps the scaled scores, then adds the float mask and blocks, as step 4
-    says. With T = 0 or S = 0 there is no score to softcap: SDPA gives §2.5's empty
-    output or rows of 0, where flex_attention raises IndexError (torch 2.13, CPU)."""
+    says. With T = 0 or S = 0 there is no score to softcap: SDPA gives the empty output or
+    rows of 0, where flex_attention raises IndexError (torch 2.13, CPU)."""
     if call.softcap is None or call.T == 0 or call.S == 0:
         return sdpa
     return functools.partial(flex_softcapped, allowed=allowed, added=added, softcap=call.softcap)
@@ -291,7 +260,120 @@ def sdpa_mask(allowed, added) -> torch.Tensor | None:
     return torch.where(allowed, added, -math.inf)  # (B|1, H|1, T, S)
 
 
-# --- Steps 5 and 6: the weights (inside SDPA) -----------------------------------------------
+# --- Step 7: the output ---------------------------------------------------------------------
+
+
+def as_given(out: torch.Tensor, call: contract.Checked) -> torch.Tensor:
+    """The output (SDPA returns q's dtype) without the batch axis it was given for
+    unbatched inputs."""
+    return out[0] if call.unbatched else out  # (B, H, T, E) or (H, T, E)
+
+
+# --- Notes ----------------------------------------------------------------------------------
+#
+# Blocked keys (step 4). A slot that no query of its key/value head may see (padding, a
+# KV-cache slot not yet written, a key after every query) must have no effect, whatever it
+# holds; but SDPA multiplies every value row by its weight (0 · NaN = NaN) and adds the mask
+# to every score (NaN + -inf = NaN). Such key and value rows are replaced by 0 first, by
+# selection, so that their gradients are exactly 0 as well; so is a query with no key to
+# see (every query when S = 0), whose row SDPA would otherwise compute from a NaN in it.
+#
+# Why the table (the docstring's) reads as it does:
+#
+# - A float mask is cast to the scores' dtype (float32 for float16/bfloat16 q, which SDPA
+#   accepts), so that it is added at the precision the reference adds it.
+# - SDPA's is_causal is top-left only, and its math backend refuses is_causal with an
+#   attn_mask ("Explicit attn_mask should not be set when is_causal=True"), while its CPU
+#   flash backend accepts the pair and ANDs them: the outcome would depend on the backend
+#   chosen. So any other causality, the window and the chunks (Llama 4's chunked attention
+#   is a mask in transformers too) are built here as one band, ANDed into a bool mask or
+#   written as -inf into a float one. ALiBi's bias is built in the scores' dtype and added
+#   to the float mask (or given alone); the blocked keys then go in as -inf.
+# - enable_gqa repeats key/value heads as repeat_interleave does.
+# - SDPA has no softcap: the call goes to ``torch.nn.attention.flex_attention`` in eager
+#   mode, with a score_mod that softcaps, adds the float mask and blocks with -inf (scale,
+#   GQA passed through). Eager flex runs on the CPU but has no backward there and no
+#   dropout: softcap with inputs that need gradients, or with dropout_p > 0, raises
+#   NotImplementedError.
+#
+# SDPA's behaviour on the CPU, observed with torch 2.13.0 (and relied on here):
+#
+# - A row whose keys are all blocked gives exactly 0, with a bool mask and with a float
+#   mask whose row is all -inf, in every dtype, on both the math and the CPU flash backend,
+#   and its gradients are 0, not NaN (the math backend uses ``_safe_softmax``). So the
+#   page needs no fix-up for empty rows; eager flex_attention also uses
+#   ``_safe_softmax`` and gives 0.
+# - float16 and bfloat16: the math backend (taken with dropout, GQA or E != D) computes in
+#   float32 and rounds once; the CPU flash backend (taken otherwise) accumulates in float32
+#   but is not bit-identical to a single rounding (about 1 ulp of float16/bfloat16 apart).
+#   Eager flex_attention scores in float32 but rounds the weights to q's dtype before
+#   multiplying v.
+# - is_causal=True with T != S is aligned top-left (s <= t): with T > S nothing is empty,
+#   and bottom-right alignment is not available.
+# - Dropout (math backend only: the CPU flash backend takes none) draws
+#   ``bernoulli_(1 - p)`` over the (B, H, T, S) weights in the compute dtype and multiplies
+#   by the mask divided by 1 - p (``at::dropout``), so ``naive.py`` with the global
+#   generator, and ``module.py`` with an ``nn.Dropout``, drop the same positions after
+#   the same ``torch.manual_seed``.
+#
+# Gradients come from SDPA's own backward through autograd, including the gradient of a
+# float ``attn_mask`` (0 on -inf entries, and 0 for fully masked rows, not NaN). Softcap
+# has none on the CPU: flex_attention raises NotImplementedError for inputs that require
+# grad, so the conformance backend does not declare ``grad_softcap``.
+
+
+# --- Edge cases -----------------------------------------------------------------------------
+#
+# What this page repairs of SDPA at the spec's edges, each with why and the SPEC clause it
+# meets.
+#
+# Slots no query sees (SPEC §4.7). A slot that no query of its key/value head may see
+# (padding, a KV-cache slot not yet written, a key after every query) must have no effect,
+# whatever it holds; but SDPA multiplies every value row by its weight (0 · NaN = NaN) and
+# adds the mask to every score (NaN + -inf = NaN). Such key and value rows are replaced by 0
+# first, by selection, so that their gradients are exactly 0 as well; so is a query with no
+# key to see (every query when S = 0), whose row SDPA would otherwise compute from a NaN in
+# it (SPEC §4.3).
+#
+# NaN rows (SPEC §4.9). SDPA's CPU flash kernel returns 0 for a row whose every score is
+# NaN, as if the row had no key; ``nan_rows_again`` computes such rows again on the math
+# backend, which propagates the NaN.
+
+
+def unseen_slots_zeroed(q, k, v, allowed, added, causal: bool, call: contract.Checked):
+    """q, k and v with every key/value slot that no query of its head group may see, and
+    every query that sees no key, replaced by 0, so that whatever they hold has no effect
+    (see Edge cases). Nothing is copied where every one is seen."""
+    used, has_key = seen(allowed, added, causal, call, q.device)
+    if used is not None and not bool(used.all()):
+        k = torch.where(used, k, 0.0)  # (B, K, S, D)
+        v = torch.where(used, v, 0.0)  # (B, K, S, E)
+    if has_key is not None and not bool(has_key.all()):
+        q = torch.where(has_key, q, 0.0)  # (B, H, T, D)
+    return q, k, v
+
+
+def seen(allowed, added, causal: bool, call: contract.Checked, device):
+    """Which key/value slots some query of their head group sees, (B|1, K|1, S, 1), and
+    which queries see some key, (B|1, H|1, T, 1); None where every one does."""
+    H, K, T, S = call.H, call.K, call.T, call.S
+    if S == 0:
+        return None, torch.zeros((1, 1, T, 1), dtype=torch.bool, device=device)  # no key
+    if causal:
+        # SDPA's own top-left causal mask: query t sees keys s <= t, so key s is seen
+        # (from query s on) when s < T, and every query sees key 0.
+        return (torch.arange(S, device=device) < T)[:, None], None  # (S, 1)
+    visible = allowed
+    if added is not None:
+        finite = added != -math.inf  # (B|1, H|1, T, S)
+        visible = finite if visible is None else visible & finite  # (B|1, H|1, T, S)
+    if visible is None:
+        return None, None
+    b, h = visible.shape[:2]
+    kv = K if h == H else 1
+    groups = visible.reshape(b, kv, h // kv, T, S)  # (B|1, K|1, G|1, T, S)
+    used = groups.any(dim=3).any(dim=2)[..., None]  # (B|1, K|1, S, 1)
+    return used, visible.any(dim=-1, keepdim=True)  # (B|1, H|1, T, 1)
 
 
 def nan_rows_again(out, q, k, v, options: dict, fused) -> torch.Tensor:
@@ -320,84 +402,3 @@ def has_nan(*tensors: torch.Tensor | None) -> bool:
     return any(
         x is not None and x.is_floating_point() and bool(torch.isnan(x.sum())) for x in tensors
     )
-
-
-# --- Step 7: the output ---------------------------------------------------------------------
-
-
-def as_given(out: torch.Tensor, call: contract.Checked) -> torch.Tensor:
-    """The output (SDPA returns q's dtype) without the batch axis it was given for
-    unbatched inputs."""
-    return out[0] if call.unbatched else out  # (B, H, T, E) or (H, T, E)
-
-
-# --- Notes ----------------------------------------------------------------------------------
-#
-# Blocked keys (step 4). A slot that no query of its key/value head may see (padding, a
-# KV-cache slot not yet written, a key after every query) must have no effect, whatever it
-# holds; but SDPA multiplies every value row by its weight (0 · NaN = NaN) and adds the mask
-# to every score (NaN + -inf = NaN). Such key and value rows are replaced by 0 first, by
-# selection, so that their gradients are exactly 0 as well; so is a query with no key to
-# see (every query when S = 0), whose row SDPA would otherwise compute from a NaN in it.
-#
-# What goes to SDPA (steps 0 and 4), and what this page builds itself:
-#
-#     our option                      SDPA (torch 2.13)
-#     ------------------------------  ------------------------------------------------------
-#     scale                           scale=, passed through (default 1/√D, as SDPA's)
-#     mask, bool                      attn_mask=, bool (True = may attend), as given
-#     mask, float                     attn_mask=, float, cast to the compute dtype (float32
-#                                     for float16/bfloat16 q, which SDPA accepts), so it is
-#                                     added at the precision the reference adds it
-#     is_causal, top_left, no mask    is_causal=True
-#       and no window
-#     is_causal otherwise             built here: SDPA's is_causal is top-left only, and its
-#       (bottom_right with T != S,    math backend refuses is_causal with an attn_mask
-#       with a mask or a window)      ("Explicit attn_mask should not be set when
-#                                     is_causal=True"), while its CPU flash backend accepts
-#                                     the pair and ANDs them: the outcome would depend on the
-#                                     backend chosen. The band is ANDed into a bool mask, or
-#                                     written as -inf into a float mask.
-#     window                          built here the same way; SDPA has no window
-#     chunk_size                      built here the same way; SDPA has no chunks (Llama 4's
-#                                     chunked attention is a mask in transformers too)
-#     alibi_slopes                    attn_mask=, float: −slope · |t + S − T − s| built here
-#                                     in the compute dtype and added to the float mask (or
-#                                     given alone); the blocked keys then go in as -inf
-#     K < H (GQA, MQA)                enable_gqa=True (repeat_interleave semantics)
-#     dropout_p                       dropout_p=, passed through; the keep mask comes from
-#                                     PyTorch's global generator (``torch.manual_seed``)
-#     softcap                         SDPA has none: the call goes to
-#                                     ``torch.nn.attention.flex_attention`` in eager mode,
-#                                     with a score_mod that softcaps, adds the float mask
-#                                     and blocks with -inf (scale, GQA passed through).
-#                                     Eager flex runs on the CPU but has no backward there
-#                                     and no dropout: softcap with inputs that need
-#                                     gradients, or with dropout_p > 0, raises
-#                                     NotImplementedError.
-#     unbatched (H, T, D)             a batch axis of 1 added here, removed after
-#
-# SDPA's behaviour on the CPU, observed with torch 2.13.0 (and relied on here):
-#
-# - A row whose keys are all blocked gives exactly 0, with a bool mask and with a float
-#   mask whose row is all -inf, in every dtype, on both the math and the CPU flash backend,
-#   and its gradients are 0, not NaN (the math backend uses ``_safe_softmax``). So the
-#   page needs no fix-up for empty rows; eager flex_attention also uses
-#   ``_safe_softmax`` and gives 0.
-# - float16 and bfloat16: the math backend (taken with dropout, GQA or E != D) computes in
-#   float32 and rounds once; the CPU flash backend (taken otherwise) accumulates in float32
-#   but is not bit-identical to a single rounding (about 1 ulp of float16/bfloat16 apart).
-#   Eager flex_attention scores in float32 but rounds the weights to q's dtype before
-#   multiplying v.
-# - is_causal=True with T != S is aligned top-left (s <= t): with T > S nothing is empty,
-#   and bottom-right alignment is not available.
-# - Dropout (math backend only: the CPU flash backend takes none) draws
-#   ``bernoulli_(1 - p)`` over the (B, H, T, S) weights in the compute dtype and multiplies
-#   by the mask divided by 1 - p (``at::dropout``), so ``naive.py`` with the global
-#   generator, and ``module.py`` with an ``nn.Dropout``, drop the same positions after
-#   the same ``torch.manual_seed``.
-#
-# Gradients come from SDPA's own backward through autograd, including the gradient of a
-# float ``attn_mask`` (0 on -inf entries, and 0 for fully masked rows, not NaN). Softcap
-# has none on the CPU: flex_attention raises NotImplementedError for inputs that require
-# grad, so the conformance backend does not declare ``grad_softcap``.

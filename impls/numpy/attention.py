@@ -96,7 +96,8 @@ def attention(
     dtype = q.dtype
     q, k, v, mask = batched(q, k, v, mask, call)  # (B, H, T, D), (B, K, S, D), (B, K, S, E)
 
-    # Prepare the heads: with K < H, each key/value head serves G query heads.
+    # Prepare the heads: with K < H, each key/value head serves G query heads, so it is
+    # repeated G times in place, as torch's repeat_interleave does (not tiled).
     k, v = repeat_heads(k, call.G), repeat_heads(v, call.G)  # (B, H, S, D), (B, H, S, E)
 
     # Prepare the visibility: which keys each query may see (causality, window, chunk, mask).

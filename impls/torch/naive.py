@@ -314,7 +314,7 @@ def as_given(out: torch.Tensor, dtype: torch.dtype, call: contract.Checked) -> t
 # offset placed by causal_alignment as for causality.
 #
 # Framework spelling. The NumPy, JAX and PyTorch pages are the same lines, and differ only
-# where a framework asks it: JAX compiles the steps (Notes: jit) and draws dropout with a
+# where a framework asks it: JAX compiles the steps (its Notes: jit) and draws dropout with a
 # jax.random key; PyTorch makes its tensors on q's device, can return the weights, and draws
 # dropout as SDPA's math backend does (with no generator given, after torch.manual_seed(s)
 # the same positions are dropped as in SDPA); NumPy silences its overflow warnings; a row

@@ -127,7 +127,7 @@ def batched(q, k, v, mask, call: contract.Checked):
 
 def sdpa_is_causal(mask, alibi_slopes, call: contract.Checked) -> bool:
     """Whether SDPA's own is_causal=True is the whole mask: it is top-left only, and its
-    math backend refuses it together with an attn_mask (see Notes: what goes to SDPA)."""
+    math backend refuses it together with an attn_mask (see Notes)."""
     alone = mask is None and call.window is None and call.chunk_size is None
     alone = alone and alibi_slopes is None and call.softcap is None
     return call.is_causal and alone and (call.causal_alignment == "top_left" or call.T == call.S)

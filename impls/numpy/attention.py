@@ -1,6 +1,6 @@
 """Scaled dot-product attention in NumPy: the textbook formula first, then every option.
 
-    out = softmax(mask(softcap(scale · q kᵀ))) v        scale = 1/√D by default
+    out = softmax(mask(softcap(scale · q kᵀ))) v        scale = 1/√D unless given
 
 For one query row t of one head: score[s] = scale · Σ_d q[t, d] · k[s, d], then
 w[s] = exp(score[s] - max score) / Σ exp(score - max score), then out[t] = Σ_s w[s] · v[s].

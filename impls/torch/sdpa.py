@@ -1,7 +1,7 @@
 """The adapter to PyTorch's fused ``F.scaled_dot_product_attention`` (SDPA): the suite's
 ``attention()`` said in SDPA's arguments, and what SDPA cannot take built here.
 
-    out = softmax(mask(softcap(scale · q kᵀ))) v        scale = 1/√D by default
+    out = softmax(mask(softcap(scale · q kᵀ))) v        scale = 1/√D unless given
 
 SDPA computes that whole formula, the steps of ``naive.py``, in one fused call. Each option
 goes to it as follows (torch 2.13):

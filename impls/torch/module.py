@@ -326,7 +326,7 @@ def unseen_slots_zeroed(k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor)
     """NaN in a slot no query sees (SPEC §4.7): k and v with every slot that no query of its
     head may see (padding, a KV-cache slot not yet written) replaced by 0, by selection, so
     that whatever it holds has no effect: a weight of 0 does not cancel it, 0 · NaN is NaN."""
-    used = allowed.any(axis=2)[..., None]  # (B|1, H|1, S, 1)
+    used = allowed.any(dim=2)[..., None]  # (B|1, H|1, S, 1)
     return torch.where(used, k, 0.0), torch.where(used, v, 0.0)  # (B, H, S, D), (B, H, S, E)
 
 

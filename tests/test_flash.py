@@ -507,12 +507,15 @@ def test_jax_flash_compiles_once_per_shape_bucket():
 @pytest.mark.parametrize("block", [1, 4, 13])
 def test_the_one_row_recurrence_is_the_softmax(page, block):
     """``online_softmax_row``, key blocks of 1, 4 and all 13: the plain softmax's weighted
-    sum of the values, in float64."""
+    sum of the values, in float64 (JAX's compiled whole: one program per block size)."""
     jax.config.update("jax_enable_x64", True)
     rng = np.random.default_rng(66)
     x, v = 3 * rng.standard_normal(13), rng.standard_normal((13, 3))
     weights = np.exp(x - x.max()) / np.exp(x - x.max()).sum()  # (S,)
-    got = np.asarray(page.online_softmax_row(x, v, block))
+    row = page.online_softmax_row
+    if page is jax_flash:
+        row = jax.jit(row, static_argnums=2)
+    got = np.asarray(row(x, v, block))
     assert_within(got, weights @ v, tolerance("float64", 0.0, weights @ v), "one row")
 
 
@@ -600,3 +603,26 @@ def test_backend_option_runs_numpy_flash_on_its_textbook_path(monkeypatch):
     textbook = plugin.conformance_backend("numpy-flash")
     assert textbook.options == {"block_q": 4, "block_k": 8, "textbook": True}
     assert not textbook.fast and load_backend("numpy-flash").fast
+
+
+def test_the_numpy_page_reads_the_recurrence_first():
+    """impls/numpy/flash.py as a reader meets it: a docstring of at most 50 lines, then the
+    recurrence for one row in at most 15, then ``attention``, whose first running-maximum
+    update stands within the page's first 120 lines; the names are the docstring's."""
+    import ast
+    import inspect
+
+    source = inspect.getsource(numpy_flash)
+    tree = ast.parse(source)
+    doc = ast.get_docstring(tree, clean=False)
+    assert doc.count("\n") + 1 <= 50, f"the docstring has {doc.count(chr(10)) + 1} lines"
+    functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    row, first = functions[0], functions[1]
+    assert (row.name, first.name) == ("online_softmax_row", "attention")
+    assert row.end_lineno - row.lineno + 1 <= 15, "online_softmax_row is over 15 lines"
+    lines = source.splitlines()
+    update = next(i for i, line in enumerate(lines, 1) if "m_new = np.maximum(m, x" in line)
+    assert first.lineno < update <= min(first.end_lineno, 120), f"first update at line {update}"
+    for name in ("m_new", "alpha", "l = alpha * l", "a = alpha * a"):
+        assert name in ast.get_source_segment(source, row), name
+        assert name in ast.get_source_segment(source, first), name

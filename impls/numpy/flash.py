@@ -136,7 +136,16 @@ def attention(
     return out[0] if call.unbatched else out
 
 
-def tile(q, k, v, mask, slopes, call, span, work) -> tuple:
+def tile(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    mask: np.ndarray | None,
+    slopes: np.ndarray | None,
+    call: contract.Checked,
+    span: tuple[int, int, int, int],
+    work: type,
+) -> tuple[np.ndarray | None, np.ndarray | None]:
     """Steps 1-4 on tile (t0:t1, s0:s1): the masked scores (B, H, Tb, Sb) and the values
     (B, H, Sb, E) in the working precision, or (None, None) where the causal triangle, the
     window or the chunks let no query of the block see any key of the tile (skipped: the
@@ -197,7 +206,9 @@ def visible(call: contract.Checked, t0: int, t1: int, s0: int, s1: int) -> np.nd
     return allowed
 
 
-def alibi_bias(slopes: np.ndarray, call, t0: int, t1: int, s0: int, s1: int) -> np.ndarray:
+def alibi_bias(
+    slopes: np.ndarray, call: contract.Checked, t0: int, t1: int, s0: int, s1: int
+) -> np.ndarray:
     """ALiBi's bias on the tile, (B|1, H, Tb, Sb): −slope · |t + S − T − s|, the distance
     from the bottom-right diagonal whatever the causal alignment, from the tile's own
     positions: no (T, S) bias is ever built."""
@@ -207,7 +218,9 @@ def alibi_bias(slopes: np.ndarray, call, t0: int, t1: int, s0: int, s1: int) -> 
     return -slopes * distance  # (B|1, H, Tb, Sb)
 
 
-def add_sink_key(m, l, a, sinks: np.ndarray, work: type) -> tuple:
+def add_sink_key(
+    m: np.ndarray, l: np.ndarray, a: np.ndarray, sinks: np.ndarray, work: type
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The sinks (one logit per query head): one more key per row, through the same update,
     whose value row is 0; a row that saw no key gets none, and stays 0."""
     x = np.asarray(sinks).astype(work).reshape(1, -1, 1, 1)  # (1, H, 1, 1)
@@ -251,7 +264,15 @@ def unseen_values_zeroed(v_b: np.ndarray, allowed: np.ndarray) -> np.ndarray:
     return np.where(used, v_b, 0.0)  # (B, H, Sb, E)
 
 
-def batched(q, k, v, mask, options: dict, block_q: int, block_k: int) -> tuple:
+def batched(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    mask: np.ndarray | None,
+    options: dict,
+    block_q: int,
+    block_k: int,
+) -> tuple:
     """Step 0: the input contract's checks (Edge cases, above); then the batch axis, added
     to unbatched inputs, the mask as (B|1, H|1, T, S), and ALiBi's slopes as (B|1, H, 1, 1)
     in the working precision, or None."""

@@ -1,14 +1,20 @@
-"""The blockwise backends at their default tile sizes, forward and backward.
+"""The blockwise pages at their default tile sizes, forward and backward, and their two paths.
 
 The conformance suite runs numpy-flash and jax-flash with tiny tiles, so that its small,
-odd-sized cases cross many tiles. These tests cover what only shows at scale: the default
-tiles on a problem several tiles long, forward and backward, against independent
-references; that no (T, S) array is ever allocated, forward or backward; and that tiles a
-causal mask blocks entirely are skipped, in the backward too.
+odd-sized cases cross many tiles (and numpy-flash's textbook path too, in the numpy tox
+env). These tests cover what only shows at scale: the default tiles on a problem several
+tiles long, forward and backward, against independent references; that no (T, S) array
+is ever allocated, forward or backward; and that tiles a causal mask blocks entirely are
+skipped, in the backward too; on NumPy, on both paths of ``flash.attention``. And what the
+pages promise a reader: the one-row recurrence is the softmax; the textbook path stays on
+``flash.py`` and the fast one enters ``flash_tiles.py`` once; JAX's textbook path gives
+the stored fixtures' outputs.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 import tracemalloc
 
 import jax
@@ -20,6 +26,7 @@ from conformance.impls.jax import flash_packed as jax_flash_packed
 from conformance.impls.jax import flash_tiles as jax_flash_tiles
 from conformance.impls.numpy import attention as numpy_attention
 from conformance.impls.numpy import flash as numpy_flash
+from conformance.impls.numpy import flash_tiles as numpy_flash_tiles
 from conformance.impls.numpy import packed as numpy_packed
 from conformance.impls.numpy import paged as numpy_paged
 
@@ -43,27 +50,38 @@ OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("impl", [numpy_flash, jax_flash], ids=["numpy-flash", "jax-flash"])
+#: The forward paths: NumPy's textbook and fast ones, and JAX's fast one (the backends').
+FORWARDS = {
+    "numpy-flash-textbook": numpy_flash.attention,
+    "numpy-flash": functools.partial(numpy_flash.attention, fast=True),
+    "jax-flash": functools.partial(jax_flash.attention, fast=True),
+}
+#: NumPy's two paths of ``flash.attention``, for the tests that count its work.
+NUMPY_PATHS = pytest.mark.parametrize("fast", [False, True], ids=["textbook", "fast"])
+
+
+@pytest.mark.parametrize("path", list(FORWARDS))
 @pytest.mark.parametrize("setup", list(OPTIONS))
-def test_default_tiles_match_the_reference(impl, setup):
+def test_default_tiles_match_the_reference(path, setup):
     """T = 1100 and S = 1300 span three default tiles, the last ones partial."""
     jax.config.update("jax_enable_x64", True)
     q, k, v = random_qkv(50, B=1, H=4, K=2, T=1100, S=1300, D=16, E=8, dtype="float32")
     options = OPTIONS[setup]
-    out = np.asarray(impl.attention(q, k, v, **options))
+    out = np.asarray(FORWARDS[path](q, k, v, **options))
     ref = numpy_attention.attention(q, k, v, **options)
     tol = 2 * random_tolerance(q, k, v, "float32", **options)
-    assert_within(out, ref, tol, f"{impl.__name__} with default tiles ({setup})")
+    assert_within(out, ref, tol, f"{path} with default tiles ({setup})")
 
 
-def test_numpy_flash_never_allocates_a_score_matrix():
+@NUMPY_PATHS
+def test_numpy_flash_never_allocates_a_score_matrix(fast):
     """Peak allocation during a call stays far below one (T, S) float32 matrix: it is set
     by the tiles, not by T and S."""
     T = S = 4096
     q, k, v = random_qkv(51, B=1, H=1, T=T, S=S, D=16, dtype="float32")
     tracemalloc.start()
     try:
-        numpy_flash.attention(q, k, v, is_causal=True)
+        numpy_flash.attention(q, k, v, is_causal=True, fast=fast)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -73,7 +91,8 @@ def test_numpy_flash_never_allocates_a_score_matrix():
     )
 
 
-def test_numpy_flash_skips_fully_masked_tiles(monkeypatch):
+@NUMPY_PATHS
+def test_numpy_flash_skips_fully_masked_tiles(monkeypatch, fast):
     """Causal attention on n × n tiles computes the n(n+1)/2 tiles on or below the diagonal."""
     calls = []
     real = np.matmul
@@ -84,10 +103,10 @@ def test_numpy_flash_skips_fully_masked_tiles(monkeypatch):
 
     q, k, v = random_qkv(52, B=1, H=1, T=2048, S=2048, D=8, dtype="float32")
     monkeypatch.setattr(numpy_flash.np, "matmul", counting)
-    numpy_flash.attention(q, k, v, block_q=512, block_k=512)
+    numpy_flash.attention(q, k, v, block_q=512, block_k=512, fast=fast)
     full = len(calls)
     calls.clear()
-    numpy_flash.attention(q, k, v, is_causal=True, block_q=512, block_k=512)
+    numpy_flash.attention(q, k, v, is_causal=True, block_q=512, block_k=512, fast=fast)
     n = 2048 // 512
     assert full == 2 * n * n, f"{full} matmuls without a mask, expected {2 * n * n}"
     assert len(calls) == 2 * n * (n + 1) // 2, (
@@ -262,8 +281,9 @@ def test_numpy_flash_backward_skips_fully_masked_tiles(monkeypatch):
     )
 
 
+@NUMPY_PATHS
 @pytest.mark.parametrize("chunk", [512, 1024, 768])
-def test_numpy_flash_skips_tiles_outside_the_chunks(monkeypatch, chunk):
+def test_numpy_flash_skips_tiles_outside_the_chunks(monkeypatch, chunk, fast):
     """Chunked attention (SPEC §16) on n × n tiles of 512 visits only the key tiles that
     share a chunk with some row of the query tile: with chunks of 512, the n diagonal
     tiles; of 1024, 2 × 2 per chunk; of 768, whose boundaries cut tiles, 8 key ranges of
@@ -281,7 +301,7 @@ def test_numpy_flash_skips_tiles_outside_the_chunks(monkeypatch, chunk):
     d_out = np.random.default_rng(63).standard_normal(q.shape).astype(np.float32)
     monkeypatch.setattr(numpy_flash.np, "matmul", counting)
     tiles = {512: 4, 1024: 8, 768: 8}[chunk]
-    numpy_flash.attention(q, k, v, chunk_size=chunk, block_q=512, block_k=512)
+    numpy_flash.attention(q, k, v, chunk_size=chunk, block_q=512, block_k=512, fast=fast)
     assert len(calls) == 2 * tiles, f"{len(calls)} matmuls, expected {2 * tiles}"
     calls.clear()
     numpy_flash.attention_vjp(q, k, v, d_out, chunk_size=chunk, block_q=512, block_k=512)
@@ -407,7 +427,7 @@ def test_sides_and_chunks_past_int32_are_unbounded(impl, wide, bounded):
     returned other rows' weights for them)."""
     jax.config.update("jax_enable_x64", True)
     q, k, v = random_qkv(5, B=2, H=4, K=2, T=9, S=11, D=3, E=2, dtype="float64")
-    out = np.asarray(impl.attention(q, k, v, block_q=4, block_k=3, **wide))
+    out = np.asarray(impl.attention(q, k, v, block_q=4, block_k=3, fast=True, **wide))
     expected = numpy_attention.attention(q, k, v, **bounded)
     assert_within(out, expected, tolerance("float64", 0.0, expected), f"{impl.__name__} {wide}")
 
@@ -433,11 +453,11 @@ def test_jax_flash_compiles_once_for_every_option_value():
                 for c, a in ((2, "top_left"), (5, "bottom_right"))
             ],
         }[vary]
-        jax_flash.attention(q, k, v, block_q=4, block_k=3, **calls[0])
+        jax_flash.attention(q, k, v, block_q=4, block_k=3, fast=True, **calls[0])
         jax_flash.attention_vjp(q, k, v, d_out, block_q=4, block_k=3, **calls[0])
         before = (jax_flash._flash._cache_size(), jax_flash._flash_vjp._cache_size())
         for options in calls[1:]:
-            jax_flash.attention(q, k, v, block_q=4, block_k=3, **options)
+            jax_flash.attention(q, k, v, block_q=4, block_k=3, fast=True, **options)
             jax_flash.attention_vjp(q, k, v, d_out, block_q=4, block_k=3, **options)
         after = (jax_flash._flash._cache_size(), jax_flash._flash_vjp._cache_size())
         assert after == before, f"{vary}: {before} programs became {after}"
@@ -469,7 +489,7 @@ def test_jax_flash_compiles_once_per_shape_bucket():
         mask = np.random.default_rng(n).standard_normal((2, 1, T, S))
         d_out = np.random.default_rng(n + 9).standard_normal((2, 4, T, 2))
         before = len(compiled)
-        out = jax_flash.attention(q, k, v, mask=mask, **options)
+        out = jax_flash.attention(q, k, v, mask=mask, fast=True, **options)
         grads = jax_flash.attention_vjp(q, k, v, d_out, mask=mask, **options)
         if n > 0:
             assert len(compiled) == before, f"T={T}, S={S}: {len(compiled) - before} programs"
@@ -481,3 +501,128 @@ def test_jax_flash_compiles_once_per_shape_bucket():
             want = expected[name]
             assert got.shape == want.shape, name
             assert_within(np.asarray(got), want, tolerance("float64", 0.0, want), name)
+
+
+@pytest.mark.parametrize("page", [numpy_flash, jax_flash], ids=["numpy", "jax"])
+@pytest.mark.parametrize("block", [1, 4, 13])
+def test_the_one_row_recurrence_is_the_softmax(page, block):
+    """``online_softmax_row``, key blocks of 1, 4 and all 13: the plain softmax's weighted
+    sum of the values, in float64 (JAX's compiled whole: one program per block size)."""
+    jax.config.update("jax_enable_x64", True)
+    rng = np.random.default_rng(66)
+    x, v = 3 * rng.standard_normal(13), rng.standard_normal((13, 3))
+    weights = np.exp(x - x.max()) / np.exp(x - x.max()).sum()  # (S,)
+    row = page.online_softmax_row
+    if page is jax_flash:
+        row = jax.jit(row, static_argnums=2)
+    got = np.asarray(row(x, v, block))
+    assert_within(got, weights @ v, tolerance("float64", 0.0, weights @ v), "one row")
+
+
+def test_numpy_textbook_path_stays_on_its_page_and_the_fast_one_enters_flash_tiles_once(
+    monkeypatch,
+):
+    """Followed from ``attention``, the textbook path calls nothing on flash_tiles.py, with
+    every option it has; the fast path makes one call there, and gives the same rows."""
+    q, k, v = random_qkv(67, B=2, H=4, K=2, T=9, S=11, D=3, E=2, dtype="float32")
+    mask = np.random.default_rng(68).standard_normal((2, 1, 9, 11)).astype(np.float32)
+    options = dict(
+        mask=mask,
+        is_causal=True,
+        causal_alignment="bottom_right",
+        window=(5, None),
+        softcap=3.0,
+        sinks=np.zeros(4, dtype=np.float32),
+        chunk_size=7,
+        alibi_slopes=np.full(4, 0.25, dtype=np.float32),
+        block_q=4,
+        block_k=3,
+    )
+    calls = []
+    for name, x in vars(numpy_flash_tiles).items():
+        if callable(x) and getattr(x, "__module__", None) == numpy_flash_tiles.__name__:
+
+            def recorded(*args, _real=x, _name=name, **kwargs):
+                # Only the calls from flash.py: the fast path's own calls stay on its page.
+                if sys._getframe(1).f_globals["__name__"] == numpy_flash.__name__:
+                    calls.append(_name)
+                return _real(*args, **kwargs)
+
+            monkeypatch.setattr(numpy_flash_tiles, name, recorded)
+    textbook = numpy_flash.attention(q, k, v, **options)
+    assert calls == [], f"the textbook path called flash_tiles.{calls}"
+    fast = numpy_flash.attention(q, k, v, fast=True, **options)
+    assert calls == ["attention"], f"the fast path entered flash_tiles.py as {calls}"
+    expected = numpy_attention.attention(q, k, v, **{n: options[n] for n in list(options)[:-2]})
+    tol = 2 * random_tolerance(q, k, v, "float32", **{n: options[n] for n in list(options)[:-2]})
+    assert_within(textbook, expected, tol, "the textbook path")
+    assert_within(fast, expected, tol, "the fast path")
+
+
+def test_jax_textbook_path_gives_the_stored_fixtures():
+    """JAX's textbook path (``attention`` without ``fast``) on every stored forward fixture
+    it can run (no dropout), at the conformance run's tiles (4 × 8), within SPEC §7 of the
+    oracle. It is not the backend's path: it runs the fixtures only, so that its programs
+    (one ``online_softmax_step`` and one ``normalised`` per tile shape) stay few."""
+    jax.config.update("jax_enable_x64", True)
+    from conformance.backends import load_backend
+    from conformance.suite.cases import case_entries, load_case
+
+    flash = load_backend("jax-flash")
+    ran = 0
+    for entry in case_entries(("attention",)):
+        case = load_case(entry["id"])
+        if not set(case.requires) <= set(flash.capabilities) or case.dtype not in flash.dtypes:
+            continue
+        out = jax_flash.attention(
+            *case.inputs(), mask=case.mask(), block_q=4, block_k=8, **case.options()
+        )
+        expected = case.expected
+        tol = tolerance(case.dtype, case.naive_error, expected)
+        assert_within(np.asarray(out), expected, tol, f"jax textbook path, fixture {case.id}")
+        ran += 1
+    programs = jax_flash.online_softmax_step._cache_size() + jax_flash.normalised._cache_size()
+    assert ran > 150 and programs <= 40, f"{ran} fixtures, {programs} programs"
+
+
+def test_backend_option_runs_numpy_flash_on_its_textbook_path(monkeypatch):
+    """``--backend-option numpy-flash:textbook=True`` (the numpy tox env's second run)
+    loads numpy-flash with the conformance tiles and its textbook path; without it, and
+    for users, numpy-flash is the fast path. A malformed option is a usage error."""
+    from conformance.backends import load_backend
+    from conformance.suite import plugin
+
+    assert plugin.backend_options(["numpy-flash:textbook=True", "numpy-flash:block_q=2"]) == {
+        "numpy-flash": {"textbook": True, "block_q": 2}
+    }
+    for bad in ("numpy-flash textbook", "numpy-flash:textbook=yes please"):
+        with pytest.raises(pytest.UsageError, match="NAME:KEY=VALUE"):
+            plugin.backend_options([bad])
+    assert plugin.conformance_backend("numpy-flash").fast
+    monkeypatch.setitem(plugin._BACKEND_OPTIONS, "numpy-flash", {"textbook": True})
+    textbook = plugin.conformance_backend("numpy-flash")
+    assert textbook.options == {"block_q": 4, "block_k": 8, "textbook": True}
+    assert not textbook.fast and load_backend("numpy-flash").fast
+
+
+def test_the_numpy_page_reads_the_recurrence_first():
+    """impls/numpy/flash.py as a reader meets it: a docstring of at most 50 lines, then the
+    recurrence for one row in at most 15, then ``attention``, whose first running-maximum
+    update stands within the page's first 120 lines; the names are the docstring's."""
+    import ast
+    import inspect
+
+    source = inspect.getsource(numpy_flash)
+    tree = ast.parse(source)
+    doc = ast.get_docstring(tree, clean=False)
+    assert doc.count("\n") + 1 <= 50, f"the docstring has {doc.count(chr(10)) + 1} lines"
+    functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    row, first = functions[0], functions[1]
+    assert (row.name, first.name) == ("online_softmax_row", "attention")
+    assert row.end_lineno - row.lineno + 1 <= 15, "online_softmax_row is over 15 lines"
+    lines = source.splitlines()
+    update = next(i for i, line in enumerate(lines, 1) if "m_new = np.maximum(m, x" in line)
+    assert first.lineno < update <= min(first.end_lineno, 120), f"first update at line {update}"
+    for name in ("m_new", "alpha", "l = alpha * l", "a = alpha * a"):
+        assert name in ast.get_source_segment(source, row), name
+        assert name in ast.get_source_segment(source, first), name

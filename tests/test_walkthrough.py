@@ -295,3 +295,26 @@ def test_the_command_refuses_numbers_off_the_hand_values(monkeypatch, page):
     monkeypatch.setattr(walkthrough, "worked_example", lambda: example)
     with pytest.raises(AssertionError, match="hand value"):
         walkthrough.numbers()
+
+
+@pytest.mark.clause("11.1")
+@pytest.mark.parametrize("case", ["non-causal", "causal"])
+def test_flash_numbers_are_the_example_and_the_oracles(case):
+    """The online softmax page: after key 0, every row's l is 1 and a is v[0] = (1, 2);
+    after keys 1-2, row 1's maximum has moved from q·k[0] = 0 to 1/√2, so its α is
+    exp(−1/√2), and every other α is 1; a / l is the oracle's output and the seed notes'
+    (to ±0.005) beside the plain softmax's."""
+    q, k, v = (np.array(EXAMPLE[n], dtype=np.float64) for n in "qkv")
+    is_causal = walkthrough.CASES[case]
+    first, second = table("flash", f"{case}-tile-0"), table("flash", f"{case}-tile-1")
+    assert (first[:, 2] == 1.0).all() and (first[:, 3:] == v[0]).all()
+    np.testing.assert_allclose(second[:, 1], [1, math.exp(-1 / math.sqrt(2)), 1], atol=PRINTED)
+    np.testing.assert_allclose(second[:, 0], 1 / math.sqrt(2), atol=PRINTED)  # each row's max
+    expected = oracle.attention(q[None, None], k[None, None], v[None, None], is_causal=is_causal)
+    out = table("flash", f"{case}-out")
+    np.testing.assert_allclose(out[:, :2], expected[0, 0], atol=PRINTED)
+    np.testing.assert_allclose(out[:, 2:], expected[0, 0], atol=PRINTED)
+    np.testing.assert_allclose(
+        out[:, :2], EXAMPLE[case.replace("-", "_")]["seed_values"], atol=0.005
+    )
+    np.testing.assert_allclose(second[:, 3:] / second[:, 2:3], out[:, :2], atol=2 * PRINTED)

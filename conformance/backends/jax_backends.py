@@ -3,6 +3,7 @@ ring and Ulysses backends over P devices."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import MappingProxyType, SimpleNamespace
 
@@ -129,7 +130,7 @@ class JaxFlashBackend(Backend):
         paged = importlib.import_module("conformance.impls.jax.flash_paged")
         # The blockwise calls, each from its page (impls/jax/flash*.py), as one module.
         pages = SimpleNamespace(
-            attention=self.impl.attention,
+            attention=functools.partial(self.impl.attention, fast=True),
             attention_vjp=self.impl.attention_vjp,
             attention_paged=paged.attention_paged,
             attention_paged_vjp=paged.attention_paged_vjp,

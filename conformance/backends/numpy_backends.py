@@ -133,15 +133,23 @@ class NumpyFlashBackend(Backend):
     dtypes = DTYPES
     conformance_options = Blockwise.CONFORMANCE_OPTIONS
 
-    def __init__(self, *, block_q: int | None = None, block_k: int | None = None) -> None:
+    def __init__(
+        self, *, block_q: int | None = None, block_k: int | None = None, textbook: bool = False
+    ) -> None:
         self.impl = importlib.import_module(self.impl_module)
         self.packed = importlib.import_module(self.packed_module)
         self.paged = importlib.import_module(self.paged_module)
         self.tiles = Blockwise(self.impl, block_q=block_q, block_k=block_k)
         self.options = self.tiles.options
+        #: The forward's path on the page: its fast one (the default), or with
+        #: ``textbook=True`` the textbook recurrence the page teaches, which the numpy tox
+        #: env runs the spec on too. The backward is FlashAttention-2's either way.
+        self.fast = not textbook
+        if textbook:
+            self.options = {**self.options, "textbook": True}
 
     def _attention(self, q, k, v, **options):
-        return self.tiles.attention(q, k, v, **options)
+        return self.tiles.attention(q, k, v, fast=self.fast, **options)
 
     def _attention_vjp(self, q, k, v, d_out, **options):
         return self.tiles.attention_vjp(q, k, v, d_out, **options)

@@ -88,6 +88,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "single-device one (the sharded backends run when named)",
     )
     group.addoption(
+        "--backend-option",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE",
+        help="an option of a named backend for this run, beside its conformance options "
+        "(SPEC §10.4), e.g. numpy-flash:textbook=True; VALUE is a Python literal",
+    )
+    group.addoption(
         "--impl",
         default=None,
         metavar="MODULE:ATTR",

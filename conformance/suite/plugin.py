@@ -34,6 +34,7 @@ examples): ``--hypothesis-profile deep``.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import tempfile
@@ -217,6 +218,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
         settings.load_profile("quick")
     impl_name = _load_impl(config)
+    _BACKEND_OPTIONS.clear()
+    _BACKEND_OPTIONS.update(backend_options(config.getoption("--backend-option")))
     names = selected_backends(config)
     if impl_name is not None:
         names = list(dict.fromkeys([*names, impl_name]))
@@ -247,11 +250,30 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 def conformance_backend(name: str):
     """The backend as the conformance run tests it: loaded with its ``conformance_options``
-    (SPEC §10.4); ``load_backend(name)`` alone gives the users' default configuration."""
+    and the run's ``--backend-option``s for it (SPEC §10.4); ``load_backend(name)`` alone
+    gives the users' default configuration."""
     backend = load_backend(name)
-    if backend.conformance_options:
-        backend = load_backend(name, **backend.conformance_options)
-    return backend
+    options = {**backend.conformance_options, **_BACKEND_OPTIONS.get(name, {})}
+    return load_backend(name, **options) if options else backend
+
+
+#: The run's ``--backend-option NAME:KEY=VALUE``s, by backend name.
+_BACKEND_OPTIONS: dict[str, dict] = {}
+
+
+def backend_options(values: list[str]) -> dict[str, dict]:
+    """``--backend-option`` values as {name: {key: value}}, each VALUE a Python literal."""
+    found: dict[str, dict] = {}
+    for value in values:
+        m = re.fullmatch(r"([^:=\s]+):([A-Za-z_]\w*)=(.+)", value.strip())
+        try:
+            found.setdefault(m[1], {})[m[2]] = ast.literal_eval(m[3])
+        except (TypeError, ValueError, SyntaxError) as err:
+            raise pytest.UsageError(
+                f"--backend-option should be NAME:KEY=VALUE with VALUE a Python literal, "
+                f"e.g. numpy-flash:textbook=True; got {value!r}"
+            ) from err
+    return found
 
 
 def _usage_error_without_backends(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,41 +1,41 @@
 """Blockwise (FlashAttention-style) attention in JAX, compiled: never a T × S matrix.
 
-The core page (``attention.py``) builds every score at once: a (B, H, T, S) array, 16
-GiB in float32 for one 16384-token batch of 16 heads (16 · 16384² · 4 bytes). Yet each
-output row only needs a weighted average of value rows, and an average can be accumulated
-a block of keys at a time, if the softmax can be too. The *online softmax* makes it so.
+    out = softmax(mask(softcap(scale · q kᵀ))) v
 
-The online softmax. For one query row with scores x_1 … x_S, the softmax-weighted sum is
+The core page builds every score at once, a (B, H, T, S) array: 16 GiB in float32 for
+16 heads of 16384 tokens. Yet an output row is a weighted average of value rows, which
+can be built a block of keys at a time if the softmax can: the *online softmax*. For one
+query row with scores x_1 … x_S and any constant m,
 
-    out = Σ_s exp(x_s - m) v_s / Σ_s exp(x_s - m)        for any constant m
+    out = Σ_s exp(x_s − m) v_s / Σ_s exp(x_s − m)
 
-The constant cancels between numerator and denominator; it is there only so that exp()
-cannot overflow, which needs m >= max_s x_s. Split the keys into blocks and keep, after
-block j, three running quantities:
+m cancels; it is there so that exp() cannot overflow, which needs m ≥ every x_s. Walk the
+keys in blocks and keep three running quantities:
 
-    m_j = max of all scores seen so far                          the running row max
-    l_j = Σ_{s seen} exp(x_s - m_j)                              the running row sum
-    a_j = Σ_{s seen} exp(x_s - m_j) v_s                          the unnormalised output
+    m   the largest score seen so far                  the running maximum
+    l   Σ exp(x_s − m) over the keys seen              the running sum
+    a   Σ exp(x_s − m) v_s over the keys seen          the unnormalised output
 
-A new block with scores x_s (s in block j+1) updates them as
+A new block of scores x raises the maximum to m' = max(m, max_s x_s); α = exp(m − m') ≤ 1
+moves what was summed against m onto m':
 
-    m_{j+1} = max(m_j, max_{s in block} x_s)
-    α       = exp(m_j - m_{j+1})                                 <= 1
-    l_{j+1} = α · l_j + Σ_{s in block} exp(x_s - m_{j+1})
-    a_{j+1} = α · a_j + Σ_{s in block} exp(x_s - m_{j+1}) v_s
+    l' = α · l + Σ_{s in block} exp(x_s − m')
+    a' = α · a + Σ_{s in block} exp(x_s − m') v_s
 
-and after the last block out = a / l. Why the rescaling is exact, not an approximation:
-every term of l_j and a_j carries the factor exp(-m_j), and exp(x_s - m_j) · exp(m_j -
-m_{j+1}) = exp(x_s - m_{j+1}) is an identity, so multiplying by α re-bases the old terms
-onto the new maximum. After the last block l and a are exactly the two sums of the formula
-above with m = the true row max; only floating-point rounding differs from the reference
-(different summation order). Because m only grows, α <= 1 and nothing overflows.
+and after the last block out = a / l. The rescaling is exact: exp(x − m) · exp(m − m')
+= exp(x − m'), so l and a end as the two sums above with m the row's true maximum; only
+the rounding differs from the core page. ``online_softmax_row`` is this recurrence for
+one row; ``attention`` runs it, with the same names, on tiles of Tb rows and Sb keys
+(``online_softmax_step``). NumPy's docs/walkthrough/flash.md follows the worked example
+through it, tile by tile.
 
-Blocked keys. A key s the query may not see has score -inf. If a row has seen only blocked
-keys, m_j = -inf and exp(x - m_j) would be exp(-inf + inf) = NaN; so the exponent is taken
-against m_safe = 0 in that case, which gives exp(-inf) = 0 for the blocked keys and α = 0
-for the (empty) history. A row that never sees a key ends with l = 0 and a = 0, and returns
-exactly 0, as the reference does.
+Blocked keys have score −inf. A row that has seen only blocked keys has m = −inf, and
+exp(x − m) would be exp(−inf + inf) = NaN: its exponents are taken against 0 instead, so
+its weights are 0, and a row that never sees a key returns exactly 0, as the core page's.
+
+The fast path. ``attention(..., fast=True)``, what the jax-flash backend runs, is the same
+recurrence compiled once for many calls, in ``_flash`` below and the tiles of
+``flash_tiles.py``. What follows describes it.
 
 Compiled once per shape bucket. XLA needs every array's shape at compile time, and
 compiling costs far more than running at the sizes tests and short prompts use (a
@@ -144,7 +144,30 @@ import numpy as np
 from jax import lax
 
 from .. import contract
-from .flash_tiles import Tiles, add_sink, backward_tile, bucket_count, log_sum_exp, scale_split
+from .flash_tiles import (
+    HIGHEST,
+    Tiles,
+    add_sink,
+    backward_tile,
+    bucket_count,
+    log_sum_exp,
+    scale_split,
+)
+
+
+def online_softmax_row(x: jax.Array, v: jax.Array, block: int) -> jax.Array:
+    """The recurrence for one query row: scores x (S,), values v (S, E), ``block`` keys at
+    a time (the first block holding a visible key: ``online_softmax_step`` lifts that)."""
+    m, l, a = -jnp.inf, 0.0, jnp.zeros(v.shape[-1])  # a: (E,)
+    for s0 in range(0, len(x), block):
+        x_b, v_b = x[s0 : s0 + block], v[s0 : s0 + block]  # (Sb,), (Sb, E)
+        m_new = jnp.maximum(m, x_b.max())  # the running maximum
+        alpha = jnp.exp(m - m_new)  # α: what was summed against m, onto m_new
+        p = jnp.exp(x_b - m_new)  # (Sb,)
+        l = alpha * l + p.sum()
+        a = alpha * a + p @ v_b  # (E,)
+        m = m_new
+    return a / l  # (E,)
 
 
 def attention(
@@ -165,6 +188,7 @@ def attention(
     alibi_slopes: jax.Array | None = None,
     block_q: int = 512,
     block_k: int = 256,
+    fast: bool = False,
 ) -> jax.Array:
     """Scaled dot-product attention, computed one (query block, key block) tile at a time.
 
@@ -193,15 +217,20 @@ def attention(
       block_q: Tb, queries per tile (per query head); shrunk to T's power of two when
         that is smaller.
       block_k: Sb, keys per tile; shrunk to S's power of two when that is smaller.
+      fast: the same rows, compiled once for every call of a shape bucket (module
+        docstring): what the jax-flash backend runs. Without it, the recurrence tile by
+        tile, its tiles cut on the host, for concrete arrays (not under a trace).
 
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
     """
-    # 0. Validate: the input contract every impl shares (the contract package) checks shapes,
-    # dtypes and options, and names the argument, the expected shape and what was given.
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
     options.update(chunk_size=chunk_size, alibi_slopes=alibi_slopes)
+    if not fast:
+        return _textbook(q, k, v, mask, options, block_q, block_k)
+    # 0. Validate: the input contract every impl shares (the contract package) checks shapes,
+    # dtypes and options, and names the argument, the expected shape and what was given.
     call, (q, k, v, mask, sinks, alibi), static = _prepare(q, k, v, mask, options, block_q, block_k)
     if call.T == 0 or call.S == 0:
         # Nothing to tile: with T = 0 there is no query, and with S = 0 every query has
@@ -210,6 +239,176 @@ def attention(
     else:
         out = _flash(q, k, v, mask, sinks, alibi=alibi, **static)  # (B, H, Tq, E)
     return _result(out, ((2, call.T),), call.unbatched)  # (B, H, T, E), padding cut off
+
+
+def _textbook(q, k, v, mask, options: dict, block_q: int, block_k: int) -> jax.Array:
+    """``attention`` without ``fast``: the recurrence, tile by tile, as NumPy's page runs
+    it. The tiles are cut on the host, in NumPy (``_tile``), every head's rows stacked and
+    padded to a power of two (at least 8) of rows, of D and of E (zeros, blocked or cut
+    off), so that a few tile shapes serve every call, each one compiled program."""
+    # 0. Validate with the input contract every impl shares; add the batch axis.
+    sinks, alibi = options.pop("sinks"), options.pop("alibi_slopes")
+    q, k, v, mask, sinks, alibi = (
+        None if x is None else _host_array(x) for x in (q, k, v, mask, sinks, alibi)
+    )
+    call = contract.check(
+        q,
+        k,
+        v,
+        mask=mask,
+        **options,
+        unsupported={"dropout_p": "jax-flash is blockwise attention without dropout"},
+        tiles={"block_q": block_q, "block_k": block_k},
+        sinks=sinks,
+        alibi_slopes=alibi,
+    )
+    if call.unbatched:
+        q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
+    if mask is not None:
+        b, h = call.mask_shape[:2]
+        mask = np.broadcast_to(mask.reshape(call.mask_shape), (b, h, call.T, call.S))
+    B, H, T, S, E = call.B, call.H, call.T, call.S, call.E
+    work = np.float64 if q.dtype == np.float64 else np.float32  # float16 is computed in float32
+    R, Ep = _pow2(B * H), _pow2(E)  # rows of every head, and E, padded
+    out = np.empty((B, H, T, E), dtype=q.dtype)  # (B, H, T, E)
+
+    for t0 in range(0, T, block_q):
+        t1 = min(t0 + block_q, T)
+        m = np.full((R, block_q, 1), -np.inf, dtype=work)  # (B·H, Tb, 1)
+        l = np.zeros((R, block_q, 1), dtype=work)  # (B·H, Tb, 1)
+        a = np.zeros((R, block_q, Ep), dtype=work)  # (B·H, Tb, E)
+        for s0 in range(0, S, block_k):
+            # Steps 1-4's inputs on the tile; None where no query of the block may see a
+            # key of it (skipped).
+            tile = _tile(q, k, v, mask, alibi, call, (t0, block_q, s0, block_k), work)
+            if tile is not None:
+                m, l, a = online_softmax_step(m, l, a, *tile, call.scale, call.softcap)
+        sink = None
+        if sinks is not None:
+            sink = np.broadcast_to(sinks.astype(work).reshape(1, H), (B, H))  # (B, H)
+            sink = _padded(sink.reshape(B * H, 1, 1), R)  # (B·H, 1, 1)
+        a = np.asarray(normalised(m, l, a, sink))  # (B·H, Tb, E)
+        out[:, :, t0:t1] = a[: B * H, : t1 - t0, :E].reshape(B, H, t1 - t0, E)  # rounded once
+    return jax.device_put(out[0] if call.unbatched else out)
+
+
+@jax.jit
+def online_softmax_step(m, l, a, q_b, k_b, v_b, bias, allowed, scale, softcap):
+    """Steps 1-5 and 7 on one tile: (m, l, a) (B·H, Tb, ·) after its keys. q_b (B·H, Tb,
+    D), k_b (B·H, Sb, D) and v_b (B·H, Sb, E) in the working precision, bias (B·H, Tb, Sb)
+    what ALiBi and a float mask add, allowed (B·H, Tb, Sb) bool."""
+    # 1. Scores, and 2. the scale, so that their spread does not grow with D.
+    x = jnp.einsum("rtd,rsd->rts", q_b, k_b, precision=HIGHEST) * scale  # (B·H, Tb, Sb)
+    # 3. Softcap: squash the scores smoothly into (-softcap, softcap); a subnormal
+    # x / softcap keeps the score (flash_tiles.py: huge softcaps).
+    if softcap is not None:
+        ratio = x / softcap  # (B·H, Tb, Sb)
+        capped = softcap * jnp.tanh(ratio)  # (B·H, Tb, Sb)
+        x = jnp.where(jnp.abs(ratio) < jnp.finfo(x.dtype).tiny, x, capped)  # (B·H, Tb, Sb)
+    # 4. Mask: ALiBi's bias and a float mask are added; every key a query may not see
+    # gets -inf.
+    x = jnp.where(allowed, x + bias, -jnp.inf)  # (B·H, Tb, Sb)
+
+    # 5. Softmax, online: the new running maximum, and α to move l and a onto it.
+    # A row that has seen only blocked keys takes its exponents against 0.
+    m_new = jnp.maximum(m, x.max(axis=-1, keepdims=True))  # (B·H, Tb, 1)
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # (B·H, Tb, 1)
+    alpha = jnp.exp(m - m_safe)  # (B·H, Tb, 1)
+    p = jnp.exp(x - m_safe)  # (B·H, Tb, Sb)
+    l = alpha * l + p.sum(axis=-1, keepdims=True)  # (B·H, Tb, 1)
+
+    # 7. Weighted sum of the values, accumulated unnormalised.
+    a = alpha * a + jnp.einsum("rts,rse->rte", p, v_b, precision=HIGHEST)  # (B·H, Tb, E)
+    return m_new, l, a
+
+
+@jax.jit
+def normalised(m, l, a, sink):
+    """a / l, after the sink (B·H, 1, 1) if any joins as one more key of the recurrence
+    whose value row is 0 (a row that saw no key gets none, and returns 0)."""
+    if sink is not None:
+        x = jnp.where(l > 0, sink, -jnp.inf)  # (B·H, Tb, 1)
+        m_new = jnp.maximum(m, x)  # (B·H, Tb, 1)
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # (B·H, Tb, 1)
+        alpha = jnp.exp(m - m_safe)  # (B·H, Tb, 1)
+        p = jnp.exp(x - m_safe)  # (B·H, Tb, 1)
+        l = alpha * l + p  # (B·H, Tb, 1)
+        # p · (its value row, 0): NaN for a NaN or +inf sink, as the row must be.
+        a = alpha * a + p * 0.0  # (B·H, Tb, E)
+    return a / jnp.where(l > 0, l, 1.0)  # (B·H, Tb, E)
+
+
+def _tile(q, k, v, mask, alibi, call, span, work):
+    """Steps 1-4's inputs on tile (t0, Tb, s0, Sb), on the host: (q_b, k_b, v_b, bias,
+    allowed) as ``online_softmax_step`` takes them, every head's rows stacked and padded
+    (``_textbook``), or None where no query of the block may see a key of the tile."""
+    t0, Tb, s0, Sb = span
+    t = np.arange(t0, t0 + Tb)[:, None]  # (Tb, 1)
+    s = np.arange(s0, s0 + Sb)[None, :]  # (1, Sb)
+    allowed = (t < call.T) & (s < call.S) & _visible(call, t, s)  # (Tb, Sb)
+    if not allowed.any():
+        return None
+    B, H, T, S, G = call.B, call.H, call.T, call.S, call.G
+    rows, keys = slice(t0, min(t0 + Tb, T)), slice(s0, min(s0 + Sb, S))
+    # Grouped-query attention: query head h reads key/value head h // G.
+    q_b = q[:, :, rows].astype(work)  # (B, H, Tb, D)
+    k_b = np.repeat(k[:, :, keys].astype(work), G, axis=1)  # (B, H, Sb, D)
+    v_b = np.repeat(v[:, :, keys].astype(work), G, axis=1)  # (B, H, Sb, E)
+    bias = np.zeros((1, 1, Tb, Sb), dtype=work)  # (1, 1, Tb, Sb)
+    if alibi is not None:
+        slopes = alibi.astype(work).reshape(-1, H, 1, 1)  # (B|1, H, 1, 1)
+        bias = bias - slopes * np.abs(t + S - T - s).astype(work)  # (B|1, H, Tb, Sb)
+    if mask is not None:
+        m_b = np.zeros(mask.shape[:2] + (Tb, Sb), dtype=mask.dtype)  # (B|1, H|1, Tb, Sb)
+        m_b[:, :, : rows.stop - t0, : keys.stop - s0] = mask[:, :, rows, keys]
+        if m_b.dtype == np.bool_:
+            allowed = allowed & m_b  # (B|1, H|1, Tb, Sb)
+        else:
+            m_b = m_b.astype(work)  # (B|1, H|1, Tb, Sb)
+            allowed = allowed & (m_b != -np.inf)  # (B|1, H|1, Tb, Sb)
+            bias = bias + np.where(m_b == -np.inf, 0.0, m_b)  # (B|1, H|1, Tb, Sb)
+    bias = np.broadcast_to(bias, (B, H, Tb, Sb))  # (B, H, Tb, Sb)
+    allowed = np.broadcast_to(allowed, (B, H, Tb, Sb))  # (B, H, Tb, Sb)
+    # A value row no query of the tile may see (per head) is replaced by 0: its weight 0
+    # times a NaN held there would be NaN.
+    used = allowed[..., : keys.stop - s0].any(axis=-2)[..., None]  # (B, H, Sb, 1)
+    v_b = np.where(used, v_b, 0.0).astype(work)  # (B, H, Sb, E)
+    R, Dp, Ep = _pow2(B * H), _pow2(call.D), _pow2(call.E)
+    return (
+        _padded(q_b.reshape(B * H, -1, call.D), R, Tb, Dp),  # (B·H, Tb, D), padded
+        _padded(k_b.reshape(B * H, -1, call.D), R, Sb, Dp),  # (B·H, Sb, D), padded
+        _padded(v_b.reshape(B * H, -1, call.E), R, Sb, Ep),  # (B·H, Sb, E), padded
+        _padded(bias.reshape(B * H, Tb, Sb), R),  # (B·H, Tb, Sb), padded
+        _padded(allowed.reshape(B * H, Tb, Sb), R),  # (B·H, Tb, Sb), padded blocked
+    )
+
+
+def _pow2(n: int) -> int:
+    """n rounded up to a power of two, at least 8: the sizes of a tile's padded axes."""
+    return max(8, 1 << (n - 1).bit_length())
+
+
+def _padded(x: np.ndarray, *sizes: int) -> np.ndarray:
+    """x zero-padded (False for bool) at the end of its first axes up to ``sizes``."""
+    widths = [(0, n - m) for n, m in zip(sizes, x.shape)] + [(0, 0)] * (x.ndim - len(sizes))
+    return np.pad(x, widths)
+
+
+def _visible(call, t: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """Which keys s each query t may see by position (NumPy's ``flash.visible``): the
+    causal triangle, the window's sides and the chunks, from t's aligned diagonal."""
+    t = t + (0 if call.causal_alignment == "top_left" else call.S - call.T)  # (Tb, 1)
+    allowed = np.ones(np.broadcast_shapes(t.shape, s.shape), dtype=bool)  # (Tb, Sb)
+    if call.is_causal:
+        allowed &= s <= t
+    left, right = call.window if call.window is not None else (None, None)
+    if left is not None:
+        allowed &= s >= t - left
+    if right is not None:
+        allowed &= s <= t + right
+    if call.chunk_size is not None:
+        allowed &= t // call.chunk_size == s // call.chunk_size
+    return allowed
 
 
 def attention_vjp(

@@ -287,18 +287,17 @@ class Tiles:
     def online_softmax(
         self, qi: jax.Array, i: jax.Array, rows=None, span=None
     ) -> tuple[jax.Array, ...]:
-        """Steps 3-5 and 7 of query block i over its key blocks: the running max m, the
-        row sums l (B, K, G·Tb) and the unnormalised output acc (B, K, G·Tb, E). ``rows``
-        and ``span``: one packed document's (``scores``, ``walk``)."""
+        """Steps 3-5 and 7 of query block i over its key blocks, ``flash.py``'s recurrence
+        on the grouped tiles: the running max m, the running sum l (B, K, G·Tb) and the
+        unnormalised output a (B, K, G·Tb, E). ``rows`` and ``span``: one packed
+        document's (``scores``, ``walk``)."""
 
         def key_block(j: jax.Array, carry: tuple, banded_tile: bool) -> tuple:
-            m, l, acc = carry  # (B, K, G·Tb), (B, K, G·Tb), (B, K, G·Tb, E)
+            m, l, a = carry  # (B, K, G·Tb), (B, K, G·Tb), (B, K, G·Tb, E)
             x, _, used = self.scores(qi, i, j, banded_tile, rows)  # (B, K, G·Tb, Sb), 1, 3, 4
 
-            # 5. Softmax over the keys, online: rescale what was accumulated against the
-            # old running max onto the new one (``flash.py``'s docstring). A row that
-            # has seen only blocked keys keeps max -inf; its exponent is taken against 0,
-            # so its weights are exactly 0 instead of exp(-inf - -inf) = NaN.
+            # 5. Softmax, online: the new running maximum, and α to move l and a onto it.
+            # A row that has seen only blocked keys takes its exponents against 0.
             m_new = jnp.maximum(m, x.max(axis=-1))  # (B, K, G·Tb)
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # (B, K, G·Tb)
             alpha = jnp.exp(m - m_safe)  # (B, K, G·Tb)
@@ -309,13 +308,13 @@ class Tiles:
             pv = jnp.einsum(
                 "bkrs,bkse->bkre", p, self.values(j, used), precision=HIGHEST
             )  # (B, K, G·Tb, E)
-            return m_new, l, alpha[..., None] * acc + pv
+            return m_new, l, alpha[..., None] * a + pv
 
         B, K, R, E = self.B, self.K, self.G * self.Tb, self.v.shape[-1]
         carry = (
             jnp.full((B, K, R), -jnp.inf, dtype=self.work),  # m: (B, K, G·Tb)
             jnp.zeros((B, K, R), dtype=self.work),  # l: (B, K, G·Tb)
-            jnp.zeros((B, K, R, E), dtype=self.work),  # acc: (B, K, G·Tb, E)
+            jnp.zeros((B, K, R, E), dtype=self.work),  # a: (B, K, G·Tb, E)
         )
         return self.walk(i, key_block, carry, span)
 

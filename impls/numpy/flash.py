@@ -2,105 +2,39 @@
 
     out = softmax(mask(softcap(scale · q kᵀ))) v
 
-The core page (``attention.py``) builds every score at once: a (B, H, T, S) array, 16
-GiB in float32 for one 16384-token batch of 16 heads (16 · 16384² · 4 bytes). Yet each
-output row only needs a weighted average of value rows, and an average can be accumulated
-a block of keys at a time, if the softmax can be too. The *online softmax* makes it so.
+The core page builds every score at once, a (B, H, T, S) array: 16 GiB in float32 for
+16 heads of 16384 tokens. Yet an output row is a weighted average of value rows, which
+can be built a block of keys at a time if the softmax can: the *online softmax*. For one
+query row with scores x_1 … x_S and any constant m,
 
-The online softmax. For one query row with scores x_1 … x_S, the softmax-weighted sum is
+    out = Σ_s exp(x_s − m) v_s / Σ_s exp(x_s − m)
 
-    out = Σ_s exp(x_s - m) v_s / Σ_s exp(x_s - m)        for any constant m
+m cancels; it is there so that exp() cannot overflow, which needs m ≥ every x_s. Walk the
+keys in blocks and keep three running quantities:
 
-The constant cancels between numerator and denominator; it is there only so that exp()
-cannot overflow, which needs m >= max_s x_s. Split the keys into blocks and keep, after
-block j, three running quantities:
+    m   the largest score seen so far                  the running maximum
+    l   Σ exp(x_s − m) over the keys seen              the running sum
+    a   Σ exp(x_s − m) v_s over the keys seen          the unnormalised output
 
-    m_j = max of all scores seen so far                          the running row max
-    l_j = Σ_{s seen} exp(x_s - m_j)                              the running row sum
-    a_j = Σ_{s seen} exp(x_s - m_j) v_s                          the unnormalised output
+A new block of scores x raises the maximum to m' = max(m, max_s x_s); α = exp(m − m') ≤ 1
+moves what was summed against m onto m':
 
-A new block with scores x_s (s in block j+1) updates them as
+    l' = α · l + Σ_{s in block} exp(x_s − m')
+    a' = α · a + Σ_{s in block} exp(x_s − m') v_s
 
-    m_{j+1} = max(m_j, max_{s in block} x_s)
-    α       = exp(m_j - m_{j+1})                                 <= 1
-    l_{j+1} = α · l_j + Σ_{s in block} exp(x_s - m_{j+1})
-    a_{j+1} = α · a_j + Σ_{s in block} exp(x_s - m_{j+1}) v_s
+and after the last block out = a / l. The rescaling is exact: exp(x − m) · exp(m − m')
+= exp(x − m'), so l and a end as the two sums above with m the row's true maximum; only
+the rounding differs from the core page. ``online_softmax_row`` is this recurrence for
+one row; ``attention`` runs it, with the same names, on tiles of Tb rows and Sb keys.
+docs/walkthrough/flash.md follows the worked example through it, tile by tile.
 
-and after the last block out = a / l. Why the rescaling is exact, not an approximation:
-every term of l_j and a_j carries the factor exp(-m_j), and exp(x_s - m_j) · exp(m_j -
-m_{j+1}) = exp(x_s - m_{j+1}) is an identity, so multiplying by α re-bases the old terms
-onto the new maximum. After the last block l and a are exactly the two sums of the formula
-above with m = the true row max; only floating-point rounding differs from the reference
-(different summation order). Because m only grows, α <= 1 and nothing overflows.
+Blocked keys have score −inf. A row that has seen only blocked keys has m = −inf, and
+exp(x − m) would be exp(−inf + inf) = NaN: its exponents are taken against 0 instead, so
+its weights are 0, and a row that never sees a key returns exactly 0, as the core page's.
 
-Blocked keys. A key s the query may not see has score -inf. If a row has seen only blocked
-keys, m_j = -inf and exp(x - m_j) would be exp(-inf + inf) = NaN; so the exponent is taken
-against m_safe = 0 in that case, which gives exp(-inf) = 0 for the blocked keys and α = 0
-for the (empty) history. A row that never sees a key ends with l = 0 and a = 0, and returns
-exactly 0, as the reference does.
-
-Sinks. An attention sink (one logit per query head, gpt-oss) is one more term of the row
-sum l with no value row: after the last key tile it is folded in like one more block,
-m' = max(m, sink), l' = exp(m - m') · l + exp(sink - m'), a' = exp(m - m') · a, so a sink
-of 1e4 cannot overflow either. A row with no key keeps l = 0 and returns 0.
-
-ALiBi. Its bias −slope · |t + S − T − s| depends only on the query's and the key's
-positions, so each score tile adds its own slice of it, computed there from the tile's
-row and column indices: no (T, S) bias is ever built.
-
-Skipping tiles. Causal and window masks are bands around the diagonal. For a block of
-queries, the keys split into ranges: keys no row of the block may see are skipped, keys
-every row sees need no masking, and only the two diagonal strips between them (each as
-wide as the query block) are masked key by key. Chunked local attention (Llama 4) cuts
-those ranges to the chunks the block's rows lie in: key tiles wholly outside them are
-skipped, and a block that spans a chunk boundary masks key by key. That is where fused
-kernels get their 2× causal speed-up. (A user-supplied mask is an input: its tiles are
-sliced, and a fully blocked tile is still computed.)
-
-Scale. Every tile's product starts from the same query tile, so the scale is applied to
-it once, (scale·q)·kᵀ: Tb·D multiplies instead of Tb·S. Under a huge scale that order can
-overflow where the core page's (q·kᵀ)·scale does not: scale·q itself, or a partial sum of
-the product (scale 1e308, q·k = 1.36 gives a finite score of 1.36e308; SPEC §4.1 says such
-a score is ordinary). So where the scale could make that happen at all, an entry of the
-prescaled product that is not finite is computed again in the core page's order
-(``flash_tiles.KeyTiles.rescored``): it is then ±inf exactly where the score overflows.
-Elsewhere no entry can overflow, and nothing is checked.
-
-The backward pass, ``attention_vjp``, is FlashAttention-2's: it keeps no T × S matrix
-either, because the forward's log-sum-exp per row is enough to recompute any tile's
-weights. Its derivation is in its docstring.
-
-Memory. No input is copied whole: tiles are sliced from views of q, k and v (and cast
-to the working precision tile by tile), and each finished query block is written
-straight into the output. Beyond inputs and output, one call holds a (B·K, G·Tb, Sb)
-score tile (reused from tile to tile), a (B·K, G·Tb, E) accumulator and a (B·K, G·Tb, D)
-query tile: with the defaults and B=1, H=8, about 6 MiB in float32, whatever T and S are.
-The backward holds a few such tiles more, and per query block its Tb log-sum-exps.
-
-Where things are. This page holds the algorithm as derived here: ``attention``,
-``attention_vjp``, the online softmax and the backward on one query block.
-``flash_tiles.py`` holds the tiles: which key tiles a query block visits (the band),
-steps 1, 3 and 4 on one tile, and the tuned pass the calls run first, the online softmax
-with the max deferred (no max, no rescaling in the common case); ``fast_online_softmax``
-below falls back from it to the textbook version row by row. The packed and paged entry
-points of the blockwise walk are on their pages, ``packed.py`` and ``paged.py``.
-
-Shape legend: the core page's (``attention.py``), and
-
-    Tb query block     Sb key block       (the last block of each may be shorter)
-
-The grouped layout. Query head h = k·G + g shares key/value head k (PyTorch's
-repeat_interleave order), so the G query heads of a key/value head are stacked as G·Tb
-rows of one tile: (B·K, G·Tb, ·). Each key tile is then read and multiplied once for
-its G query heads, not G times, and no input is repeated or copied, which the
-memory-efficient impls must avoid (the core page repeats k and v instead).
-
-Supports: bool and float masks, causal masking aligned top-left or bottom-right, sliding
-windows, chunked local attention, ALiBi, softcapping, attention sinks, grouped-query and
-multi-query attention (K < H), float64, float32, float16 and bfloat16 (``ml_dtypes``,
-computed in float32 and rounded once), unbatched inputs, and the backward pass of all of
-them with a float mask's gradient. A query row with no key left to attend returns exactly
-0. Not supported: dropout (``dropout_p > 0`` raises NotImplementedError).
+``attention(..., fast=True)``, what the numpy-flash backend runs, gives the same rows
+faster through the optimisations of ``flash_tiles.py``, on whose tiles ``attention_vjp``
+runs FlashAttention-2's backward. Shapes: the core page's, and Tb query block, Sb key block.
 """
 
 from __future__ import annotations
@@ -108,7 +42,23 @@ from __future__ import annotations
 import numpy as np
 
 from .. import contract
-from .flash_tiles import KeyTiles, deferred_max_softmax, in_range, prepare, query_tile
+from . import flash_tiles
+from .flash_tiles import KeyTiles, fast_online_softmax, log_sum_exp, normalise
+
+
+def online_softmax_row(x: np.ndarray, v: np.ndarray, block: int) -> np.ndarray:
+    """The recurrence for one query row: scores x (S,), values v (S, E), ``block`` keys at
+    a time (the first block holding a visible key: ``attention`` lifts that)."""
+    m, l, a = -np.inf, 0.0, np.zeros(v.shape[-1])  # a: (E,)
+    for s0 in range(0, len(x), block):
+        x_b, v_b = x[s0 : s0 + block], v[s0 : s0 + block]  # (Sb,), (Sb, E)
+        m_new = max(m, x_b.max())  # the running maximum
+        alpha = np.exp(m - m_new)  # α: what was summed against m, onto m_new
+        p = np.exp(x_b - m_new)  # (Sb,)
+        l = alpha * l + p.sum()
+        a = alpha * a + p @ v_b  # (E,)
+        m = m_new
+    return a / l  # (E,)
 
 
 def attention(
@@ -128,69 +78,227 @@ def attention(
     alibi_slopes: np.ndarray | None = None,
     block_q: int = 256,
     block_k: int = 512,
+    fast: bool = False,
 ) -> np.ndarray:
     """Scaled dot-product attention, computed one (query block, key block) tile at a time.
 
     Args:
-      q: queries, (B, H, T, D) or unbatched (H, T, D).
-      k: keys, (B, K, S, D) or (K, S, D); K must divide H.
-      v: values, (B, K, S, E) or (K, S, E).
-      mask: bool (True = may attend) or floating (added to the scores, -inf blocks),
-        broadcastable to (B, H, T, S).
-      is_causal: query t attends only keys s on or before its diagonal.
-      scale: multiplies q·k; defaults to 1/√D.
-      causal_alignment: where the diagonal sits when T != S. "top_left": s <= t.
-        "bottom_right": s <= t + S - T (the last query sees the last key, as in a KV cache).
-        Also places the window's diagonal.
-      window: (left, right): query t attends keys in [t' - left, t' + right] where t' is
-        its aligned diagonal; None on a side is unbounded.
-      softcap: scores become softcap · tanh(scores / softcap) before masking.
+      q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks,
+        chunk_size, alibi_slopes: as for the core page's ``attention``.
       dropout_p: must be 0; dropout is not supported here.
-      sinks: (H,), same dtype as q: one logit per query head that joins every row's
-        softmax and carries no value; None for none.
-      chunk_size: query t attends only keys s in its own chunk, (t + offset) // chunk_size
-        == s // chunk_size, offset placed by causal_alignment (Llama 4); None for none.
-      alibi_slopes: (H,) or (B, H), float32 or q's dtype: ALiBi adds -slope · |t + S - T -
-        s| to the scores after the softcap, whatever causal_alignment says; None for none.
-      block_q: Tb, queries per tile (per query head).
-      block_k: Sb, keys per tile.
+      block_q, block_k: Tb and Sb, queries (per head) and keys per tile.
+      fast: the same rows through ``flash_tiles.py``'s optimisations.
 
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
     """
-    # 0. Validate with the input contract every impl shares (the contract package, called in
-    # prepare), and lay the inputs out by key/value head, as views.
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
     options.update(chunk_size=chunk_size, alibi_slopes=alibi_slopes)
-    call, q, tiles = prepare(q, k, v, mask, options, block_q, block_k)
-    B, H, K, G, T, E = call.B, call.H, call.K, call.G, call.T, call.E
-    out = np.empty((B * K, G, T, E), dtype=q.dtype)  # (B·K, G, T, E)
+    if fast:
+        return flash_tiles.attention(q, k, v, mask, options, block_q, block_k)
+    # 0. Validate with the input contract every impl shares; add the batch axis.
+    call, q, k, v, mask, slopes = batched(q, k, v, mask, options, block_q, block_k)
+    B, H, T, S, E = call.B, call.H, call.T, call.S, call.E
+    work = np.float64 if q.dtype == np.float64 else np.float32  # float16 is computed in float32
+    out = np.empty((B, H, T, E), dtype=q.dtype)  # (B, H, T, E)
 
     for t0 in range(0, T, block_q):
         t1 = min(t0 + block_q, T)
-        Tb = t1 - t0
-        # 1. Scores: every query of the block against every key, one key tile at a time
-        # (KeyTiles.scores). Every tile's product starts from this query tile, so
-        # 2. Scale, so that the scores' spread does not grow with the head size D, is
-        # applied to it once, here: Tb·D multiplies instead of Tb·S (see Scale above).
-        qs = query_tile(q, t0, t1, call.scale, tiles.work)  # (B·K, G·Tb, D)
+        m = np.full((B, H, t1 - t0, 1), -np.inf, dtype=work)  # (B, H, Tb, 1)
+        l = np.zeros((B, H, t1 - t0, 1), dtype=work)  # (B, H, Tb, 1)
+        a = np.zeros((B, H, t1 - t0, E), dtype=work)  # (B, H, Tb, E)
+        for s0 in range(0, S, block_k):
+            s1 = min(s0 + block_k, S)
+            # Steps 1-4 on the tile; None where no query of the block may see a key of it.
+            x, v_b = tile(q, k, v, mask, slopes, call, (t0, t1, s0, s1), work)  # (B, H, Tb, Sb)
+            if x is None:
+                continue
+            # 5. Softmax, online: the new running maximum, and α to move l and a onto it.
+            # A row that has seen only blocked keys takes its exponents against 0.
+            m_new = np.maximum(m, x.max(axis=-1, keepdims=True))  # (B, H, Tb, 1)
+            m_safe = np.where(np.isfinite(m_new), m_new, 0.0)  # (B, H, Tb, 1)
+            with np.errstate(over="ignore", invalid="ignore"):  # see Edge cases below
+                alpha = np.exp(m - m_safe)  # (B, H, Tb, 1)
+                p = np.exp(x - m_safe)  # (B, H, Tb, Sb)
+                l = alpha * l + p.sum(axis=-1, keepdims=True)  # (B, H, Tb, 1)
 
-        # Steps 3-5 and 7, key tile by key tile: the online softmax (online_softmax,
-        # below), run through its tuned form first (fast_online_softmax, at the end of
-        # the page), which gives the same rows.
-        acc, l, m = fast_online_softmax(qs, t0, t1, tiles)
+                # 7. Weighted sum of the values, accumulated unnormalised.
+                a = alpha * a + np.matmul(p, v_b)  # (B, H, Tb, E)
+            m = m_new
+
         if sinks is not None:
-            acc, l, _ = add_sink(acc, l, m, sink_rows(sinks, call, Tb, tiles.work))
-
-        # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
-        # Assigning into out rounds to the output dtype once.
-        acc = normalise(acc, l)  # (B·K, G·Tb, E)
-        out[:, :, t0:t1] = acc.reshape(B * K, G, Tb, E)  # (B·K, G, Tb, E)
-
-    # The query heads back in order h = k·G + g.
-    out = out.reshape(B, H, T, E)  # (B, H, T, E)
+            m, l, a = add_sink_key(m, l, a, sinks, work)
+        # Normalise once, at the end; a row that saw no key has l = 0 and a = 0 and gives
+        # 0. Assigning into out rounds to the output dtype once.
+        with np.errstate(invalid="ignore"):  # inf / inf: see Edge cases below
+            out[:, :, t0:t1] = a / np.where(l > 0, l, 1.0)  # (B, H, Tb, E)
     return out[0] if call.unbatched else out
+
+
+def tile(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    mask: np.ndarray | None,
+    slopes: np.ndarray | None,
+    call: contract.Checked,
+    span: tuple[int, int, int, int],
+    work: type,
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Steps 1-4 on tile (t0:t1, s0:s1): the masked scores (B, H, Tb, Sb) and the values
+    (B, H, Sb, E) in the working precision, or (None, None) where the causal triangle, the
+    window or the chunks let no query of the block see any key of the tile (skipped: the
+    fused kernels' 2× causal speed-up)."""
+    t0, t1, s0, s1 = span
+    allowed = visible(call, t0, t1, s0, s1)  # (Tb, Sb)
+    if not allowed.any():
+        return None, None
+    # Grouped-query attention: query head h reads key/value head h // G.
+    q_b = q[:, :, t0:t1].astype(work)  # (B, H, Tb, D)
+    k_b = np.repeat(k[:, :, s0:s1].astype(work), call.G, axis=1)  # (B, H, Sb, D)
+    v_b = np.repeat(v[:, :, s0:s1].astype(work), call.G, axis=1)  # (B, H, Sb, E)
+
+    # 1. Scores, and 2. the scale, so that their spread does not grow with D.
+    with np.errstate(over="ignore", invalid="ignore"):  # see Edge cases below
+        x = np.matmul(q_b, k_b.transpose(0, 1, 3, 2)) * work(call.scale)  # (B, H, Tb, Sb)
+
+    # 3. Softcap: squash the scores smoothly into (-softcap, softcap).
+    if call.softcap is not None:
+        with np.errstate(over="ignore"):  # x / softcap = ±inf has tanh ±1
+            x = call.softcap * np.tanh(x / call.softcap)  # (B, H, Tb, Sb)
+
+    # 4. Mask: ALiBi's bias and a float mask are added; every key a query may not see
+    # gets -inf.
+    if slopes is not None:
+        x = x + alibi_bias(slopes, call, t0, t1, s0, s1)  # (B, H, Tb, Sb)
+    if mask is not None and mask.dtype == np.bool_:
+        allowed = allowed & mask[:, :, t0:t1, s0:s1]  # (B|1, H|1, Tb, Sb)
+    elif mask is not None:
+        m_b = mask[:, :, t0:t1, s0:s1].astype(work)  # (B|1, H|1, Tb, Sb)
+        with np.errstate(invalid="ignore"):  # +inf + -inf: blocked below anyway
+            x = x + m_b  # (B, H, Tb, Sb)
+        allowed = allowed & (m_b != -np.inf)  # (B|1, H|1, Tb, Sb)
+    x = np.where(allowed, x, -np.inf)  # (B, H, Tb, Sb)
+    v_b = unseen_values_zeroed(v_b, allowed)  # (B, H, Sb, E)
+    return x, v_b
+
+
+def visible(call: contract.Checked, t0: int, t1: int, s0: int, s1: int) -> np.ndarray:
+    """Which keys each query of the tile may see by position: (Tb, Sb) bool. Query t's
+    diagonal is key t (top-left) or t + S − T (bottom-right: the last query sees the last
+    key); causality keeps the keys up to it, the window those within its sides, and
+    chunked attention those in the diagonal's chunk."""
+    offset = 0 if call.causal_alignment == "top_left" else call.S - call.T
+    t = np.arange(t0, t1)[:, None] + offset  # (Tb, 1): each query's diagonal
+    s = np.arange(s0, s1)[None, :]  # (1, Sb)
+    allowed = np.ones((t1 - t0, s1 - s0), dtype=bool)  # (Tb, Sb)
+    if call.is_causal:
+        allowed &= s <= t
+    left, right = call.window if call.window is not None else (None, None)
+    if left is not None:
+        allowed &= s >= t - left
+    if right is not None:
+        allowed &= s <= t + right
+    if call.chunk_size is not None:
+        # Floor division puts a negative position in a chunk of no key.
+        allowed &= t // call.chunk_size == s // call.chunk_size
+    return allowed
+
+
+def alibi_bias(
+    slopes: np.ndarray, call: contract.Checked, t0: int, t1: int, s0: int, s1: int
+) -> np.ndarray:
+    """ALiBi's bias on the tile, (B|1, H, Tb, Sb): −slope · |t + S − T − s|, the distance
+    from the bottom-right diagonal whatever the causal alignment, from the tile's own
+    positions: no (T, S) bias is ever built."""
+    t = np.arange(t0, t1)[:, None]  # (Tb, 1)
+    s = np.arange(s0, s1)[None, :]  # (1, Sb)
+    distance = np.abs(t + call.S - call.T - s).astype(slopes.dtype)  # (Tb, Sb)
+    return -slopes * distance  # (B|1, H, Tb, Sb)
+
+
+def add_sink_key(
+    m: np.ndarray, l: np.ndarray, a: np.ndarray, sinks: np.ndarray, work: type
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The sinks (one logit per query head): one more key per row, through the same update,
+    whose value row is 0; a row that saw no key gets none, and stays 0."""
+    x = np.asarray(sinks).astype(work).reshape(1, -1, 1, 1)  # (1, H, 1, 1)
+    x = np.where(l > 0, x, -np.inf)  # (B, H, Tb, 1)
+    m_new = np.maximum(m, x)  # (B, H, Tb, 1)
+    m_safe = np.where(np.isfinite(m_new), m_new, 0.0)  # (B, H, Tb, 1)
+    with np.errstate(over="ignore", invalid="ignore"):  # see Edge cases below
+        alpha = np.exp(m - m_safe)  # (B, H, Tb, 1)
+        p = np.exp(x - m_safe)  # (B, H, Tb, 1)
+        l = alpha * l + p  # (B, H, Tb, 1)
+        a = alpha * a + p * 0.0  # (B, H, Tb, E): p · (its value row, 0)
+    return m_new, l, a
+
+
+# Edge cases: the guards the spec's edges need, below the lesson.
+#
+# - Step 0, ``batched``: the contract names a bad argument, its expected shape and what was
+#   given (SPEC §8); float16 and bfloat16 are computed in float32, whose exp() does not
+#   overflow past 11.09 and whose sums keep the small weights, and rounded once.
+# - Overflow (SPEC §3.8, §4.1, §4.8, §4.9): a score of +inf (q·k overflowed, or a +inf
+#   float mask entry), an inf value, or a weighted sum past the largest float makes its
+#   row NaN, as IEEE arithmetic says: inf − inf, inf / inf and inf · 0 are that NaN, not a
+#   fault, so those warnings are silenced where they can happen. The scale multiplies
+#   q·kᵀ after the product, as on the core page, so a finite score near 1e308 stays finite.
+# - A softcap near 1e308: x / softcap may be subnormal, and its tanh is kept exact by
+#   NumPy; a score far above the softcap gives x / softcap = ±inf, whose tanh is ±1.
+# - Blocked keys (SPEC §4.3, §4.7): their scores are replaced by −inf, not only pushed
+#   down by adding −inf, since NaN + −inf is NaN; a value row that no query of the tile may
+#   see is replaced by 0 (``unseen_values_zeroed``), since its weight 0 times a NaN or inf
+#   held there (padding, a KV-cache slot not yet written) is NaN.
+# - Sinks (SPEC §15.3, §15.4): a sink of 1e4 joins the maximum, so nothing overflows; a NaN
+#   or +inf sink makes a row with a key NaN through p · 0, and a row with no key stays 0.
+
+
+def unseen_values_zeroed(v_b: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """The tile's value rows (B, H, Sb, E), those that no query of the tile may see (per
+    head) replaced by 0 (Edge cases, above)."""
+    if np.all(allowed):
+        return v_b
+    used = np.any(allowed, axis=-2)[..., None]  # (B|1, H|1, Sb, 1) or (Sb, 1)
+    return np.where(used, v_b, 0.0)  # (B, H, Sb, E)
+
+
+def batched(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    mask: np.ndarray | None,
+    options: dict,
+    block_q: int,
+    block_k: int,
+) -> tuple:
+    """Step 0: the input contract's checks (Edge cases, above); then the batch axis, added
+    to unbatched inputs, the mask as (B|1, H|1, T, S), and ALiBi's slopes as (B|1, H, 1, 1)
+    in the working precision, or None."""
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    mask = None if mask is None else np.asarray(mask)
+    slopes = options["alibi_slopes"]
+    if slopes is not None:
+        options["alibi_slopes"] = slopes = np.asarray(slopes)
+    call = contract.check(
+        q,
+        k,
+        v,
+        mask=mask,
+        **options,
+        unsupported={"dropout_p": "numpy-flash is blockwise attention without dropout"},
+        tiles={"block_q": block_q, "block_k": block_k},
+    )
+    if call.unbatched:
+        q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
+    if mask is not None:
+        b, h = call.mask_shape[:2]
+        mask = np.broadcast_to(mask.reshape(call.mask_shape), (b, h, call.T, call.S))
+    if slopes is not None:
+        work = np.float64 if q.dtype == np.float64 else np.float32
+        slopes = slopes.astype(work).reshape(-1, call.H, 1, 1)  # (B|1, H, 1, 1)
+    return call, q, k, v, mask, slopes
 
 
 def attention_vjp(
@@ -287,7 +395,7 @@ def attention_vjp(
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
     options.update(chunk_size=chunk_size, alibi_slopes=alibi_slopes)
     d_out = np.asarray(d_out)
-    call, q, tiles = prepare(q, k, v, mask, options, block_q, block_k, d_out=d_out)
+    call, q, tiles = flash_tiles.prepare(q, k, v, mask, options, block_q, block_k, d_out=d_out)
     B, H, K, G, T, S, D, E = call.B, call.H, call.K, call.G, call.T, call.S, call.D, call.E
     work = tiles.work
     d_out = d_out.reshape(B * K, G, T, E)  # (B·K, G, T, E), a view
@@ -303,11 +411,11 @@ def attention_vjp(
         Tb = t1 - t0
         # Forward steps 1-5 and 7 for this block, as in ``attention``: its rows' output
         # O and log-sum-exp, the one number per row the backward needs.
-        qs = query_tile(q, t0, t1, call.scale, work)  # (B·K, G·Tb, D)
+        qs = flash_tiles.query_tile(q, t0, t1, call.scale, work)  # (B·K, G·Tb, D)
         acc, l, m = fast_online_softmax(qs, t0, t1, tiles)
         if sinks is not None:
-            sink = sink_rows(sinks, call, Tb, work)  # (B·K, G·Tb, 1)
-            acc, l, m = add_sink(acc, l, m, sink)
+            sink = flash_tiles.sink_rows(sinks, call, Tb, work)  # (B·K, G·Tb, 1)
+            acc, l, m = flash_tiles.add_sink(acc, l, m, sink)
         o = normalise(acc, l)  # (B·K, G·Tb, E)
         some = l > 0  # (B·K, G·Tb, 1)
         lse = log_sum_exp(m, l)  # (B·K, G·Tb, 1)
@@ -341,66 +449,6 @@ def attention_vjp(
     if sinks is not None:
         grads.append(d_sinks.sum(axis=0).reshape(H).astype(q.dtype))  # (H,)
     return tuple(grads)
-
-
-def sink_rows(sinks: np.ndarray, call: contract.Checked, Tb: int, work: type) -> np.ndarray:
-    """Each row's sink logit in the grouped layout, (B·K, G·Tb, 1): row g·Tb + t of key/value
-    head k belongs to query head h = k·G + g."""
-    B, K, G = call.B, call.K, call.G
-    rows = np.asarray(sinks).astype(work).reshape(1, K, G, 1)  # (1, K, G, 1)
-    return np.broadcast_to(rows, (B, K, G, Tb)).reshape(B * K, G * Tb, 1)  # (B·K, G·Tb, 1)
-
-
-def add_sink(
-    acc: np.ndarray, l: np.ndarray, m: np.ndarray, sink: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Fold each row's sink into its (acc, l, m) after the last key tile, as one more block
-    of one key whose value row is 0 (the module docstring's Sinks): a row with no key (l =
-    0) is left alone, and a NaN or +inf sink makes a row with a key NaN (SPEC §15.4)."""
-    some = l > 0  # (B·K, G·Tb, 1)
-    sink = np.where(some, sink, -np.inf)  # (B·K, G·Tb, 1)
-    m_new = np.maximum(m, sink)  # (B·K, G·Tb, 1)
-    m_safe = np.where(np.isfinite(m_new), m_new, 0.0)  # (B·K, G·Tb, 1)
-    with np.errstate(over="ignore", invalid="ignore"):
-        alpha = np.exp(m - m_safe)  # (B·K, G·Tb, 1)
-        l = alpha * l + np.exp(sink - m_safe)  # (B·K, G·Tb, 1)
-    bad = np.isnan(sink) | (sink == np.inf)  # (B·K, G·Tb, 1)
-    acc = np.where(bad, np.nan, alpha * acc)  # (B·K, G·Tb, E)
-    return acc, np.where(bad, np.nan, l), m_safe
-
-
-def online_softmax(
-    qs: np.ndarray, t0: int, t1: int, tiles: KeyTiles
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Steps 3-5 and 7 of one query block over its key tiles, with the running max (the
-    module docstring's derivation): the unnormalised output acc (B·K, G·Tb, E), the row
-    sums l and the constant m they are taken against, (B·K, G·Tb, 1) each."""
-    BK, R, _ = qs.shape  # R = G·Tb rows
-    work = qs.dtype
-    m = np.full((BK, R, 1), -np.inf, dtype=work)  # (B·K, G·Tb, 1)
-    l = np.zeros((BK, R, 1), dtype=work)  # (B·K, G·Tb, 1)
-    acc = np.zeros((BK, R, tiles.v.shape[-1]), dtype=work)  # (B·K, G·Tb, E)
-    for s0, s1, whole in tiles.ranges(t0, t1):
-        x, used = tiles.scores(qs, t0, t1, s0, s1, whole)  # (B·K, G·Tb, Sb), steps 1, 3, 4
-
-        # 5. Softmax over the keys, online: rescale what was accumulated against the
-        # old running max onto the new one (see the module docstring). A row that has
-        # seen only blocked keys keeps max -inf; its exponent is taken against 0, so
-        # its weights are exactly 0 instead of exp(-inf - -inf) = NaN.
-        m_new = np.maximum(m, x.max(axis=-1, keepdims=True))  # (B·K, G·Tb, 1)
-        m_safe = np.where(np.isfinite(m_new), m_new, 0.0)  # (B·K, G·Tb, 1)
-        # A score of +inf (q·k overflowed) makes its row NaN, and so does an inf value
-        # or one whose weighted sum overflows, as the spec defines (§3.8, §4.8, §4.9):
-        # inf − inf and inf · 0 are that NaN, not a fault.
-        with np.errstate(over="ignore", invalid="ignore"):
-            alpha = np.exp(m - m_safe)  # (B·K, G·Tb, 1)
-            p = np.exp(x - m_safe)  # (B·K, G·Tb, Sb)
-            l = alpha * l + p.sum(axis=-1, keepdims=True)  # (B·K, G·Tb, 1)
-
-            # 7. Weighted sum of the values, accumulated unnormalised.
-            acc = alpha * acc + p @ tiles.values(s0, s1, used)  # (B·K, G·Tb, E)
-        m = m_new
-    return acc, l, np.where(np.isfinite(m), m, 0.0)
 
 
 def backward_block(
@@ -477,38 +525,3 @@ def backward_block(
         dk[:, s0:s1] += dk_b  # (B·K, Sb, D)
         dv[:, s0:s1] += dv_b  # (B·K, Sb, E)
     return dq
-
-
-def normalise(acc: np.ndarray, l: np.ndarray) -> np.ndarray:
-    """out = acc / l, in place; a row that saw no key has l = 0 and acc = 0 and gives 0."""
-    # A row whose sums overflowed (a +inf score) is NaN, as the spec defines (§3.8):
-    # inf / inf is that NaN.
-    with np.errstate(invalid="ignore"):
-        acc /= np.where(l > 0, l, 1.0)  # (B·K, G·Tb, E)
-    return acc
-
-
-def log_sum_exp(m: np.ndarray, l: np.ndarray) -> np.ndarray:
-    """Each row's log-sum-exp m + log l, what the backward needs of the forward: +inf for a
-    row with no key (l = 0), so that its weights exp(Z − lse) are all 0; NaN for a row that
-    read a +inf score (l = +inf; see backward_block)."""
-    some = l > 0
-    lse = np.where(some, m + np.log(np.where(some, l, 1.0)), np.inf)
-    return np.where(l == np.inf, np.nan, lse)
-
-
-def fast_online_softmax(
-    qs: np.ndarray, t0: int, t1: int, tiles: KeyTiles
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``online_softmax``'s (acc, l, m) for one query block: from the tuned pass with the
-    max deferred (``flash_tiles.deferred_max_softmax``, m = 0) for the rows where that is
-    exact, and from ``online_softmax`` for the others, row by row."""
-    acc, l = deferred_max_softmax(qs, t0, t1, tiles)
-    m = np.zeros_like(l)  # (B·K, G·Tb, 1)
-    exact = in_range(acc, l)  # (B·K, G·Tb, 1)
-    if not exact.all():
-        acc_m, l_m, m_m = online_softmax(qs, t0, t1, tiles)
-        acc = np.where(exact, acc, acc_m)  # (B·K, G·Tb, E)
-        l = np.where(exact, l, l_m)  # (B·K, G·Tb, 1)
-        m = np.where(exact, m, m_m)  # (B·K, G·Tb, 1)
-    return acc, l, m

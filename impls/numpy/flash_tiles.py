@@ -1,17 +1,36 @@
-"""The tiles of blockwise attention in NumPy (``flash.py``): which key tiles a query block
-visits, steps 1, 3 and 4 on one tile, and the tuned pass the calls run first.
+"""The fast path of blockwise attention in NumPy: ``flash.py``'s algorithm, made fast.
 
-``flash.py`` is the algorithm (the online softmax, forward and backward, derived in its
-docstring); this page is what it walks over:
+``flash.py`` teaches the online softmax on plain tiles; ``flash.attention(..., fast=True)``
+(what the numpy-flash backend runs) hands the whole call to ``attention`` below, which
+gives the same rows, up to rounding, faster. Each thing on this page is an optimisation,
+none a new idea:
 
-- ``prepare``: step 0 and the grouped layout, query head h = k·G + g as row g·Tb + t of
-  key/value head k's tiles (``flash.py``'s docstring, The grouped layout);
-- ``KeyTiles``: the keys and values, the mask and the band of one call, and steps 1, 3
-  and 4 on one tile; ``Band``: which keys the causal, window and chunk rules let a query
-  block see, so that the tiles it cannot see are never visited;
-- ``deferred_max_softmax``: the online softmax with its max deferred, the common case
-  without a max or a rescale; ``flash.fast_online_softmax`` falls back from it, row by
-  row. Its section, at the end, says why it is exact and what it saves.
+- Optimisation 1, the grouped layout (``prepare``). Query head h = k·G + g shares
+  key/value head k (PyTorch's repeat_interleave order), so the G query heads of a
+  key/value head are stacked as G·Tb rows of one tile, (B·K, G·Tb, ·), as views: each key
+  tile is read and multiplied once for its G query heads, and no input is repeated or
+  copied (the textbook path repeats each key tile G times).
+- Optimisation 2, the scale on the query tile (``query_tile``). Every tile's product
+  starts from the same query tile, so the scale is applied to it once, (scale·q)·kᵀ:
+  Tb·D multiplies instead of Tb·Sb per tile. Under a huge scale that order can overflow
+  where (q·kᵀ)·scale does not (scale 1e308, q·k = 1.36: a finite score of 1.36e308), so
+  where the scale could make that happen at all (``may_overflow``), an entry of the
+  product that is not finite is computed again in the textbook order
+  (``KeyTiles.rescored``); elsewhere nothing is checked.
+- Optimisation 3, a reused score buffer (``KeyTiles.scores``): one (B·K, G·Tb, Sb) tile
+  is allocated once and written in place from tile to tile, as are the softcap and the
+  exponentials; the 5-D view (B, K, G, Tb, Sb) of it takes the masks without a copy.
+- Optimisation 4, tiles skipped by ranges (``Band``). Causal and window masks are bands
+  around the diagonal: for a query block, the keys split into ranges no row may see
+  (never visited), ranges every row sees (no mask computed) and the two diagonal strips
+  between them, masked key by key. Chunks cut those ranges to the block's chunks.
+- Optimisation 5, the maximum deferred (``deferred_max_softmax``, at the end, with why
+  it is exact and what it saves): no maximum, no rescaling in the common case.
+
+Memory: beyond inputs and output, one call holds a score tile, a (B·K, G·Tb, E)
+accumulator and a (B·K, G·Tb, D) query tile: with the default tiles and B=1, H=8, about
+6 MiB in float32, whatever T and S are. The backward (``flash.attention_vjp``) walks the
+same tiles.
 
 Shape legend: the core page's (``attention.py``), and Tb query block, Sb key block.
 """
@@ -66,7 +85,7 @@ def prepare(
     if slopes is not None:
         # One slope per query head, in the grouped layout the score tiles have.
         slopes = slopes.astype(work).reshape(-1, K, G, 1, 1)  # (B|1, K, G, 1, 1)
-    # The grouped layout (flash.py's docstring): a view, no copy of an input.
+    # Optimisation 1, the grouped layout: a view, no copy of an input.
     q = q.reshape(B * K, G, T, D)  # (B·K, G, T, D)
     tiles = KeyTiles(
         k.reshape(B * K, S, D),  # (B·K, S, D)
@@ -97,9 +116,8 @@ def query_tile(q: np.ndarray, t0: int, t1: int, scale: float, work: type) -> np.
 
 
 def may_overflow(q: np.ndarray, k: np.ndarray, scale: float, work: type) -> bool:
-    """Whether the prescaled product (scale·q)·kᵀ could overflow anywhere (flash.py's
-    docstring, Scale): its terms and partial sums are at most D · scale · max|q| · max|k|
-    in size. A NaN or an inf in q or k (garbage in a slot no query sees) counts as could."""
+    """Whether the prescaled product (scale·q)·kᵀ could overflow anywhere (optimisation
+    2): its terms and partial sums are at most D · scale · max|q| · max|k| in size. A NaN or an inf in q or k (garbage in a slot no query sees) counts as could."""
     if q.size == 0 or k.size == 0:
         return False
     largest = _largest_magnitude(q) * _largest_magnitude(k)
@@ -225,8 +243,8 @@ class KeyTiles:
     def rescored(self, x: np.ndarray, kb: np.ndarray, t0: int, t1: int) -> None:
         """Step 1 again, in place, for the entries of the tile x (B·K, G·Tb, Sb) that the
         prescaled product left inf or NaN: (q·kᵀ)·scale, as the core page orders it, is
-        ±inf where the score overflows and finite where it does not (flash.py's
-        docstring, Scale). A NaN from a NaN in q or k stays NaN."""
+        ±inf where the score overflows and finite where it does not (optimisation 2). A
+        NaN from a NaN in q or k stays NaN."""
         bad = ~np.isfinite(x)  # (B·K, G·Tb, Sb)
         if not bad.any():
             return
@@ -357,10 +375,45 @@ def grouped(x: np.ndarray, K: int, G: int) -> np.ndarray:
     return x.reshape(b, K, G, t, s)  # (B|1, K, G, T, S)
 
 
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    mask: np.ndarray | None,
+    options: dict,
+    block_q: int,
+    block_k: int,
+) -> np.ndarray:
+    """``flash.attention(..., fast=True)``: the same output, through optimisations 1-5."""
+    call, q, tiles = prepare(q, k, v, mask, options, block_q, block_k)
+    B, H, K, G, T, E = call.B, call.H, call.K, call.G, call.T, call.E
+    out = np.empty((B * K, G, T, E), dtype=q.dtype)  # (B·K, G, T, E)
+
+    for t0 in range(0, T, block_q):
+        t1 = min(t0 + block_q, T)
+        Tb = t1 - t0
+        # Steps 1 and 2 start here: the query tile, scaled once (optimisation 2).
+        qs = query_tile(q, t0, t1, call.scale, tiles.work)  # (B·K, G·Tb, D)
+        # Steps 3-5 and 7, key tile by key tile, the maximum deferred (optimisation 5).
+        acc, l, m = fast_online_softmax(qs, t0, t1, tiles)
+        if options["sinks"] is not None:
+            sink = sink_rows(options["sinks"], call, Tb, tiles.work)  # (B·K, G·Tb, 1)
+            acc, l, _ = add_sink(acc, l, m, sink)
+
+        # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
+        # Assigning into out rounds to the output dtype once.
+        acc = normalise(acc, l)  # (B·K, G·Tb, E)
+        out[:, :, t0:t1] = acc.reshape(B * K, G, Tb, E)  # (B·K, G, Tb, E)
+
+    # The query heads back in order h = k·G + g.
+    out = out.reshape(B, H, T, E)  # (B, H, T, E)
+    return out[0] if call.unbatched else out
+
+
 # ----------------------------------------------------------------------------------------
-# The tuned path. ``flash.py`` is the algorithm as its docstring derives it; its calls
-# run the online softmax through the function below first, which gives the same rows
-# faster where it is exact (``flash.fast_online_softmax`` makes the choice).
+# Optimisation 5: the maximum deferred. ``fast_online_softmax`` runs the online softmax
+# through ``deferred_max_softmax`` first, which gives the same rows faster where it is
+# exact, and takes the others from the recurrence with the maximum, ``online_softmax``.
 #
 # Deferring the max. Since any constant m gives the same answer, m = 0 does too, as long
 # as nothing leaves the floating-point range: then there is no max to find, nothing to
@@ -371,7 +424,7 @@ def grouped(x: np.ndarray, K: int, G: int) -> np.ndarray:
 # and its output sums a finite. An overflow shows as inf or NaN in l or a; a weight small
 # enough to underflow is below tiny, so with l >= √tiny all such weights together weigh
 # less than S · √tiny of the row, far below rounding. A row that fails the check (huge or
-# very negative scores, no key at all, a NaN) is taken from ``flash.online_softmax`` over its
+# very negative scores, no key at all, a NaN) is taken from ``online_softmax`` over its
 # block instead; the choice is made row by row, so a row's result never depends on
 # another row's values. The backward's log-sum-exp is then log l (m = 0) or m + log l.
 #
@@ -391,7 +444,7 @@ def grouped(x: np.ndarray, K: int, G: int) -> np.ndarray:
 def deferred_max_softmax(
     qs: np.ndarray, t0: int, t1: int, tiles: KeyTiles
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``flash.online_softmax``'s (acc, l) for one query block with the max deferred
+    """``online_softmax``'s (acc, l) for one query block with the max deferred
     (m = 0): exact for the rows ``in_range`` passes, and for those only."""
     BK, R, _ = qs.shape  # R = G·Tb rows
     work = qs.dtype
@@ -421,3 +474,99 @@ def in_range(acc: np.ndarray, l: np.ndarray) -> np.ndarray:
     floor = math.sqrt(np.finfo(l.dtype).tiny)
     finite = np.isfinite(acc).all(axis=-1, keepdims=True)  # (B·K, G·Tb, 1)
     return (l >= floor) & np.isfinite(l) & finite  # (B·K, G·Tb, 1)
+
+
+def fast_online_softmax(
+    qs: np.ndarray, t0: int, t1: int, tiles: KeyTiles
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The online softmax's (acc, l, m) for one query block: from ``deferred_max_softmax``
+    (m = 0) for the rows where that is exact, and from ``online_softmax`` for the others,
+    row by row."""
+    acc, l = deferred_max_softmax(qs, t0, t1, tiles)
+    m = np.zeros_like(l)  # (B·K, G·Tb, 1)
+    exact = in_range(acc, l)  # (B·K, G·Tb, 1)
+    if not exact.all():
+        acc_m, l_m, m_m = online_softmax(qs, t0, t1, tiles)
+        acc = np.where(exact, acc, acc_m)  # (B·K, G·Tb, E)
+        l = np.where(exact, l, l_m)  # (B·K, G·Tb, 1)
+        m = np.where(exact, m, m_m)  # (B·K, G·Tb, 1)
+    return acc, l, m
+
+
+def online_softmax(
+    qs: np.ndarray, t0: int, t1: int, tiles: KeyTiles
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Steps 3-5 and 7 of one query block over its key tiles, with the running max:
+    ``flash.py``'s recurrence on the grouped tiles, for the rows the deferred maximum
+    cannot take. The unnormalised output acc (B·K, G·Tb, E), the row sums l and the
+    constant m they are taken against, (B·K, G·Tb, 1) each."""
+    BK, R, _ = qs.shape  # R = G·Tb rows
+    work = qs.dtype
+    m = np.full((BK, R, 1), -np.inf, dtype=work)  # (B·K, G·Tb, 1)
+    l = np.zeros((BK, R, 1), dtype=work)  # (B·K, G·Tb, 1)
+    acc = np.zeros((BK, R, tiles.v.shape[-1]), dtype=work)  # (B·K, G·Tb, E)
+    for s0, s1, whole in tiles.ranges(t0, t1):
+        x, used = tiles.scores(qs, t0, t1, s0, s1, whole)  # (B·K, G·Tb, Sb), steps 1, 3, 4
+
+        # 5. Softmax over the keys, online: rescale what was accumulated against the
+        # old running max onto the new one (flash.py's docstring). A row that has
+        # seen only blocked keys keeps max -inf; its exponent is taken against 0, so
+        # its weights are exactly 0 instead of exp(-inf - -inf) = NaN.
+        m_new = np.maximum(m, x.max(axis=-1, keepdims=True))  # (B·K, G·Tb, 1)
+        m_safe = np.where(np.isfinite(m_new), m_new, 0.0)  # (B·K, G·Tb, 1)
+        # A score of +inf (q·k overflowed) makes its row NaN, and so does an inf value
+        # or one whose weighted sum overflows, as the spec defines (§3.8, §4.8, §4.9):
+        # inf − inf and inf · 0 are that NaN, not a fault.
+        with np.errstate(over="ignore", invalid="ignore"):
+            alpha = np.exp(m - m_safe)  # (B·K, G·Tb, 1)
+            p = np.exp(x - m_safe)  # (B·K, G·Tb, Sb)
+            l = alpha * l + p.sum(axis=-1, keepdims=True)  # (B·K, G·Tb, 1)
+
+            # 7. Weighted sum of the values, accumulated unnormalised.
+            acc = alpha * acc + p @ tiles.values(s0, s1, used)  # (B·K, G·Tb, E)
+        m = m_new
+    return acc, l, np.where(np.isfinite(m), m, 0.0)
+
+
+def sink_rows(sinks: np.ndarray, call: contract.Checked, Tb: int, work: type) -> np.ndarray:
+    """Each row's sink logit in the grouped layout, (B·K, G·Tb, 1): row g·Tb + t of key/value
+    head k belongs to query head h = k·G + g."""
+    B, K, G = call.B, call.K, call.G
+    rows = np.asarray(sinks).astype(work).reshape(1, K, G, 1)  # (1, K, G, 1)
+    return np.broadcast_to(rows, (B, K, G, Tb)).reshape(B * K, G * Tb, 1)  # (B·K, G·Tb, 1)
+
+
+def add_sink(
+    acc: np.ndarray, l: np.ndarray, m: np.ndarray, sink: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Fold each row's sink into its (acc, l, m) after the last key tile, as one more block
+    of one key whose value row is 0 (as ``flash.attention`` does): a row with no key (l =
+    0) is left alone, and a NaN or +inf sink makes a row with a key NaN (SPEC §15.4)."""
+    some = l > 0  # (B·K, G·Tb, 1)
+    sink = np.where(some, sink, -np.inf)  # (B·K, G·Tb, 1)
+    m_new = np.maximum(m, sink)  # (B·K, G·Tb, 1)
+    m_safe = np.where(np.isfinite(m_new), m_new, 0.0)  # (B·K, G·Tb, 1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        alpha = np.exp(m - m_safe)  # (B·K, G·Tb, 1)
+        l = alpha * l + np.exp(sink - m_safe)  # (B·K, G·Tb, 1)
+    bad = np.isnan(sink) | (sink == np.inf)  # (B·K, G·Tb, 1)
+    acc = np.where(bad, np.nan, alpha * acc)  # (B·K, G·Tb, E)
+    return acc, np.where(bad, np.nan, l), m_safe
+
+
+def normalise(acc: np.ndarray, l: np.ndarray) -> np.ndarray:
+    """out = acc / l, in place; a row that saw no key has l = 0 and acc = 0 and gives 0."""
+    # A row whose sums overflowed (a +inf score) is NaN, as the spec defines (§3.8):
+    # inf / inf is that NaN.
+    with np.errstate(invalid="ignore"):
+        acc /= np.where(l > 0, l, 1.0)  # (B·K, G·Tb, E)
+    return acc
+
+
+def log_sum_exp(m: np.ndarray, l: np.ndarray) -> np.ndarray:
+    """Each row's log-sum-exp m + log l, what the backward needs of the forward: +inf for a
+    row with no key (l = 0), so that its weights exp(Z − lse) are all 0; NaN for a row that
+    read a +inf score (l = +inf; see backward_block)."""
+    some = l > 0
+    lse = np.where(some, m + np.log(np.where(some, l, 1.0)), np.inf)
+    return np.where(l == np.inf, np.nan, lse)

@@ -10,6 +10,7 @@ from conformance.backends import numpy_dtype
 from conformance.fixtures.oracle import naive_same_precision
 from conformance.suite import edges
 from conformance.suite.cases import case_entries, load_case, worked_example
+from conformance.suite.diagnosis import output_dtype
 from conformance.suite.helpers import as64, fixture_marks, oracle_attention
 from conformance.suite.measure import publish
 from conformance.suite.requirements import requires, uses_dtype
@@ -55,7 +56,7 @@ def test_fixture_case(backend, case_id, request):
     )
     expect(
         out.dtype == case.inputs()[0].dtype,
-        "returns an output in another dtype than its inputs",
+        output_dtype(case.inputs()[0].dtype, out.dtype),
         f"{case.id}: dtype {out.dtype}, expected {case.dtype} (SPEC §2.4)",
     )
     assert_within(

@@ -17,6 +17,11 @@ sink in the numerator), a float64 textbook on the oracle's ``allowed_keys``
 A misreading counts only where it changes the answer: the correct output must depart from
 it beyond the tolerance, or the sentence could name a bug the inputs cannot show.
 
+Every misreading the output equals is kept (``find``): where the case cannot tell two
+apart, the failure names both, and over a run ``explaining_causes`` names each failure by
+the one the most failures show. An output no misreading explains gets where its error lies
+(``where_it_departs``).
+
 The pass is cheap and runs only on departures: a few float64 runs of the failing call.
 """
 
@@ -560,7 +565,7 @@ def find(actual, calls: list, tol: float) -> Found:
                 alike.append(other.sentence)
     if len(alike) == 1:
         return Found(first.sentence, sentences, None)
-    return Found(f"{'; or, alike on this case, '.join(alike)}", sentences, None)
+    return Found("; or, alike on this case, ".join(alike), sentences, None)
 
 
 #: Misreadings named alone even where another gives the same output: garbage in the

@@ -159,7 +159,7 @@ def test_an_unexplained_departure_says_where_it_lies():
     found = find(wrong, calls, 1e-9)
     assert found.sentence is None and found.matches == ()
     assert found.where == (
-        "the error lies in batch elements 1 of 2, heads 0 of 2, rows 2-3 of 4, every channel (3)"
+        "the error lies in batch element 1 of 2, head 0 of 2, rows 2-3 of 4, every channel (3)"
     )
     mask = np.ones((4, 5), dtype=bool)
     mask[:, 1] = False

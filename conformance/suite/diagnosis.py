@@ -622,7 +622,7 @@ def where_it_departs(actual, call: Call, right, tol: float) -> str | None:
         if len(which) == n:
             parts.append(f"every {noun} ({n})" if n > 1 else f"the one {noun}")
         else:
-            parts.append(f"{plural} {_ranges(which)} of {n}")
+            parts.append(f"{noun if len(which) == 1 else plural} {_ranges(which)} of {n}")
     moved = []
     for name in ("mask", *sorted(call.options)):
         if name == "causal_alignment" or (name == "mask" and call.mask is None):

@@ -326,6 +326,41 @@ def softmax_tiles_max_kept_at_zero(scores, dtype):
         return p / np.where(total > 0, total, 1.0)
 
 
+def online_softmax(scores, tile, *, rescale_sum=True, rescale_acc=True):
+    """The weights a blockwise (online) softmax over key tiles of ``tile`` leaves: its loop
+    run with V = the identity over the keys, so that the accumulator over the sum is the
+    weights themselves (and their product with v what the kernel returns). When a tile
+    raises the row's maximum, the running sum and the accumulator are rescaled by
+    exp(old max - new max); ``rescale_sum`` or ``rescale_acc`` False leaves one out."""
+    m = np.full((*scores.shape[:-1], 1), -np.inf, dtype=scores.dtype)  # (B, H, T, 1)
+    total = np.zeros_like(m)  # (B, H, T, 1)
+    acc = np.zeros_like(scores)  # (B, H, T, S): the accumulator, V = the identity
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        for s0 in range(0, scores.shape[-1], tile):
+            x = scores[..., s0 : s0 + tile]  # (B, H, T, Sb)
+            m_new = np.maximum(m, x.max(axis=-1, keepdims=True))
+            shift = np.where(np.isfinite(m_new), m_new, 0.0)  # a fully masked tile so far
+            alpha = np.exp(m - shift)  # (B, H, T, 1)
+            p = np.exp(x - shift)  # (B, H, T, Sb)
+            total = (alpha if rescale_sum else 1.0) * total + p.sum(axis=-1, keepdims=True)
+            acc = (alpha if rescale_acc else 1.0) * acc
+            acc[..., s0 : s0 + tile] += p
+            m = m_new
+        return acc / np.where(total > 0, total, 1.0)
+
+
+def softmax_tiles_sum_not_rescaled(scores, dtype):
+    """BUG: a blockwise softmax over key tiles of 512 whose running sum is not rescaled
+    when a tile raises the row's maximum."""
+    return online_softmax(scores, 512, rescale_sum=False)
+
+
+def softmax_tiles_accumulator_not_rescaled(scores, dtype):
+    """BUG: a blockwise softmax over key tiles of 1,024 whose accumulator is not rescaled
+    when a tile raises the row's maximum."""
+    return online_softmax(scores, 1024, rescale_acc=False)
+
+
 def softmax_no_identity(scores, dtype):
     """BUG: the row max of an empty key axis (S = 0) raises instead of starting at -inf."""
     row_max = scores.max(axis=-1, keepdims=True)
@@ -951,6 +986,21 @@ MUTANTS = {
         _mutant("mutant-tiles-max-kept-at-zero", "softmax", softmax_tiles_max_kept_at_zero),
         {"4.4"},
         "test_tile_boundary_cases",
+    ),
+    # Blockwise kernels at the key tiles CPUs use: a missed rescale when the row max grows.
+    "mutant-tiles-sum-not-rescaled": (
+        _mutant("mutant-tiles-sum-not-rescaled", "softmax", softmax_tiles_sum_not_rescaled),
+        {"4.4"},
+        "test_long_rows",
+    ),
+    "mutant-tiles-accumulator-not-rescaled": (
+        _mutant(
+            "mutant-tiles-accumulator-not-rescaled",
+            "softmax",
+            softmax_tiles_accumulator_not_rescaled,
+        ),
+        {"4.4"},
+        "test_long_rows",
     ),
     "mutant-empty-keys-raise": (
         _mutant("mutant-empty-keys-raise", "softmax", softmax_no_identity),

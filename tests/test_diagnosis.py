@@ -14,7 +14,8 @@ import math
 
 import numpy as np
 import pytest
-from mutants import MUTANTS
+from mutants import MUTANTS, online_softmax
+from mutants import _mutant as _mutant_class
 
 from conformance import load_backend
 from conformance.suite.behaviours import behaviour
@@ -103,6 +104,14 @@ def _problem(name: str, seed: int = 5):
         E = 9
     if name == "gqa-tiled":
         H, K = 4, 2
+    if name == "scale-1-over-d-or-model-width":
+        H, K = 4, 4  # H = D: 1/D and 1/√(H·D) are the same number
+    if name == "keys-as-if-s-is-t":
+        T, S = 3, 6
+    if name == "keys-past-s":
+        T, S = 6, 3
+    if name.startswith("tiles-"):
+        return _tiles_problem(name)
     q, k, v = random_qkv(seed, B=2, H=H, K=K, T=T, S=S, D=D, E=E)
     bool_mask = rng.random((2, 1, T, S)) < 0.7
     bool_mask[..., 0] = True
@@ -116,6 +125,9 @@ def _problem(name: str, seed: int = 5):
     empty = bool_mask.copy()
     empty[0, 0, 1] = False  # (B, 1, T, S): batch 0's row 1 attends nothing
     sinks = rng.standard_normal(H)
+    # The last key of row 0 is blocked by causality, and its mask entry is +inf.
+    blocked_inf = np.where(np.isinf(float_mask), 0.5, float_mask)
+    blocked_inf[0, 0, 0, S - 1] = np.inf
     plans = {
         "causal-ignored-with-mask": ({"mask": bool_mask, "is_causal": True}, _drop("is_causal")),
         "causal-ignored": ({"is_causal": True}, _drop("is_causal")),
@@ -124,8 +136,9 @@ def _problem(name: str, seed: int = 5):
             {"is_causal": True},
             _set(causal_alignment="bottom_right"),
         ),
+        # A window that reaches past key T - 1: keys read as if S = T would not give it.
         "top-left-for-bottom-right": (
-            {"is_causal": True, "causal_alignment": "bottom_right"},
+            {"window": (2, 2), "causal_alignment": "bottom_right"},
             _set(causal_alignment="top_left"),
         ),
         "diagonal-without-own-key": ({"is_causal": True}, _band(-1)),
@@ -144,6 +157,17 @@ def _problem(name: str, seed: int = 5):
         "bool-mask-flipped": ({"mask": bool_mask}, _mask(lambda m, q: ~m)),
         "gqa-tiled": ({"is_causal": True}, _tiled),
         "sink-scaled": ({"sinks": sinks}, _set(sinks=sinks / 2)),
+        "window-ignored-without-mask": ({"window": (1, 1)}, _drop("window")),
+        "scale-1-over-sqrt-model-width": ({}, _set(scale=1 / math.sqrt(H * D))),
+        "scale-1-over-d-or-model-width": ({}, _set(scale=1 / D)),
+        "scale-sqrt-d": ({}, _set(scale=math.sqrt(D))),
+        "float-mask-scaled": ({"mask": float_mask}, _mask(lambda m, q: m / math.sqrt(D))),
+        "mask-batch-repeated": ({"mask": bool_mask}, _repeated_over_heads),
+        "softcap-ignored": ({"softcap": 1.0}, _drop("softcap")),
+        "sinks-dropped": ({"sinks": sinks}, _drop("sinks")),
+        "keys-as-if-s-is-t": ({}, lambda q, k, v, o: (q, k[:, :, :T], v[:, :, :T], o)),
+        "keys-past-s": ({"is_causal": True}, _keys_past_s),
+        "causal-added": ({"mask": blocked_inf, "is_causal": True}, _causal_added),
     }
     if name == "scale-before-product":
         # Scores up to 1.36e308 are finite; q · scale = 2.72e308 is not (SPEC §4.1).
@@ -167,6 +191,47 @@ def _problem(name: str, seed: int = 5):
     if name == "softcap-after-mask":
         return q, k, v, {"mask": padding, "softcap": 2.0}, _softcap_after_mask
     return q, k, v, {"sinks": sinks}, _mutant("mutant-sink-in-numerator")
+
+
+def _repeated_over_heads(q, k, v, o):
+    """A (B, 1, T, S) mask spread over the heads as ``mask.repeat(H, 1, 1)`` on (B, T, S)
+    does for q reshaped to (B·H, T, D)."""
+    B, H, T, S = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    flat = np.tile(o["mask"][:, 0], (H, 1, 1))  # (H·B, T, S): torch's repeat
+    return q, k, v, {**o, "mask": flat.reshape(B, H, T, S)}
+
+
+def _keys_past_s(q, k, v, o):
+    """Key slots S .. T - 1 read as if they existed: they hold NaN."""
+    B, K, S, T = k.shape[0], k.shape[1], k.shape[2], q.shape[2]
+    k = np.concatenate([k, np.full((B, K, T - S, k.shape[-1]), np.nan)], axis=2)  # (B, K, T, D)
+    v = np.concatenate([v, np.full((B, K, T - S, v.shape[-1]), np.nan)], axis=2)  # (B, K, T, E)
+    return q, k, v, o
+
+
+def _causal_added(q, k, v, o):
+    """Causality added to the float mask as 0 / -inf, not selected."""
+    T, S = q.shape[2], k.shape[2]
+    with np.errstate(invalid="ignore"):
+        mask = o["mask"] + np.where(np.tri(T, S, 0, dtype=bool), 0.0, -np.inf)  # (B, 1, T, S)
+    return q, k, v, {**_without(o, "is_causal"), "mask": mask}
+
+
+def _tiles_problem(name: str):
+    """Rows longer than two key tiles whose scores grow from key to key, so that the second
+    tile raises the row's maximum; planted: ``tests/mutants.py``'s online softmax over
+    those tiles with the named rescale left out."""
+    which, tile = name.split("-")[1], int(name.rsplit("-", 1)[-1])
+    S = tile + 52
+    q, k, v = random_qkv(9, B=1, H=1, T=2, S=S, D=4)
+    q[..., 0] = 1.0
+    k[..., 0] = 16.0 * np.arange(S) / S  # scores grow by 8 from the first key to the last
+    rescale = {"rescale_sum" if which == "sum" else "rescale_acc": False}
+
+    def broken(scores, dtype):
+        return online_softmax(scores, tile, **rescale)
+
+    return q, k, v, {}, _mutant_class(name, "softmax", broken)().attention
 
 
 def _prescaled(q, k, v, options):

@@ -38,6 +38,11 @@ from conformance.suite.tolerance import EPS, Departure, Seen
 #: its last call (``call_features``, as JSON).
 PROPERTY = "conformance-behaviour"
 FEATURES = "conformance-call"
+#: The sentences of every misreading a failing test's output equals (JSON list), for
+#: ``diagnosis.explaining_causes`` to name the run's failures by the cause that explains
+#: the most; and, for an output no misreading explains, where its error lies.
+MISREADINGS = "conformance-misreadings"
+WHERE = "conformance-where"
 #: Precisions a float64 result can show instead of its own, most precise first: an error
 #: within ``PRECISION_SLACK`` eps of one (scaled by max(1, |expected|)) is that precision.
 LOWER_PRECISIONS = {"float64": ("float32",)}
@@ -123,13 +128,15 @@ def _precision(seen: Seen, calls) -> str | None:
     return None
 
 
-def of_seen(seen: Seen, calls) -> str | None:
+def of_seen(seen: Seen, calls, found: diagnosis.Found | None = None) -> str | None:
     """The cross-cutting cause a comparison shows, if any: a misreading of attention that
-    explains the whole output first, since it explains the rows with no key too."""
+    explains the whole output first, since it explains the rows with no key too (``found``:
+    the diagnosis of ``seen``, where it was already made)."""
     if seen.actual is not None:
-        named = diagnosis.diagnose(seen.actual, calls, seen.tolerance)
-        if named:
-            return named
+        if found is None:
+            found = diagnosis.find(seen.actual, calls, seen.tolerance)
+        if found.sentence:
+            return found.sentence
     if seen.empty_rows_wrong:
         if calls and calls[-1][2] == "attention_vjp":
             what = "NaN" if seen.nan_in_empty_rows else "not 0"
@@ -159,11 +166,46 @@ def behaviour(err: BaseException | None, calls: list, clause: str | None, title:
     if getattr(inner, "_conformance_raised_by", None):
         return raised(inner)
     if isinstance(inner, Departure):
-        cause = of_seen(inner.seen, calls) if inner.seen is not None else None
+        cause = None
+        if inner.seen is not None:
+            found = _found(inner, calls)
+            cause = of_seen(inner.seen, calls, found)
         return cause or inner.behaviour or fallback
     if type(inner).__name__ == "Failed" and str(inner).startswith("Timeout"):
         return "hangs: no answer within the time limit"
     return fallback
+
+
+def _found(departure: Departure, calls) -> diagnosis.Found:
+    """The diagnosis of a departure's output, made once and kept on the departure."""
+    found = getattr(departure, "_conformance_found", None)
+    if found is None:
+        seen = departure.seen
+        found = diagnosis.NOTHING
+        if seen is not None and seen.actual is not None:
+            found = diagnosis.find(seen.actual, calls, seen.tolerance)
+        departure._conformance_found = found
+    return found
+
+
+def misreadings(err: BaseException | None, calls: list) -> list[str]:
+    """The sentences of every misreading of attention that a failing test's output equals
+    (``diagnosis.find``), in ``diagnosis.MISREADINGS``' order; [] where none does or the
+    failure saw no output."""
+    inner = _innermost(err) if err is not None else None
+    if not isinstance(inner, Departure):
+        return []
+    return list(_found(inner, calls).matches)
+
+
+def where(err: BaseException | None, calls: list) -> str | None:
+    """For a failing comparison that no misreading explains: which batch elements, heads,
+    rows and channels hold the error, and which options, left out, bring the output
+    nearer (``diagnosis.where_it_departs``); None otherwise."""
+    inner = _innermost(err) if err is not None else None
+    if not isinstance(inner, Departure):
+        return None
+    return _found(inner, calls).where
 
 
 def _innermost(err: BaseException) -> BaseException:

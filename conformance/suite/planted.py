@@ -178,3 +178,39 @@ def textbook(call: Call, *, read_blocked=None, cap_after_mask=False, sink_in_num
         live = (scores != -np.inf).any(axis=-1, keepdims=True)
         weights = np.where(live, p / np.where(total > 0, total, 1.0), 0.0)
         return np.matmul(weights, v)  # (B, H, T, E)
+
+
+def blockwise(call: Call, tile: int, *, rescale_sum=True, rescale_acc=True):
+    """Float64 attention as a blockwise (online) softmax over key tiles of ``tile`` keys
+    computes it: per tile, the running maximum, the running sum and the accumulator, the
+    last two rescaled by exp(old max - new max) when a tile raises the maximum;
+    ``rescale_sum`` or ``rescale_acc`` False leaves that rescale out. None where the call
+    has sinks or ALiBi slopes, which this loop does not model."""
+    if call.options.get("alibi_slopes") is not None or call.options.get("sinks") is not None:
+        return None
+    k, v = expanded(call)
+    ok = allowed(call)
+    bias = np.where(ok, 0.0, -np.inf)  # (B, H, T, S)
+    if call.float_mask:
+        bias = bias + np.where(ok, np.broadcast_to(call.mask, ok.shape), 0.0)
+    used = ok.any(axis=2)[..., None]  # (B, H, S, 1)
+    k, v = np.where(used, k, 0.0), np.where(used, v, 0.0)
+    cap = call.options.get("softcap")
+    with np.errstate(all="ignore"):
+        scores = np.matmul(call.q, np.swapaxes(k, -1, -2)) * call.scale  # (B, H, T, S)
+        if cap is not None:
+            scores = cap * np.tanh(scores / cap)
+        scores = scores + bias
+        m = np.full((*scores.shape[:-1], 1), -np.inf)  # (B, H, T, 1)
+        total = np.zeros_like(m)  # (B, H, T, 1)
+        acc = np.zeros((*scores.shape[:-1], v.shape[-1]))  # (B, H, T, E)
+        for s0 in range(0, scores.shape[-1], tile):
+            x = scores[..., s0 : s0 + tile]  # (B, H, T, Sb)
+            m_new = np.maximum(m, x.max(axis=-1, keepdims=True))
+            shift = np.where(np.isfinite(m_new), m_new, 0.0)
+            alpha = np.exp(m - shift)  # (B, H, T, 1)
+            p = np.exp(x - shift)  # (B, H, T, Sb)
+            total = (alpha if rescale_sum else 1.0) * total + p.sum(axis=-1, keepdims=True)
+            acc = (alpha if rescale_acc else 1.0) * acc + np.matmul(p, v[..., s0 : s0 + tile, :])
+            m = m_new
+        return acc / np.where(total > 0, total, 1.0)  # (B, H, T, E)

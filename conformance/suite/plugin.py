@@ -368,6 +368,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     found = behaviours.behaviour(err, calls, clause, clause_titles().get(clause or "", ""))
     rep.user_properties.append((behaviours.PROPERTY, found))
     rep.user_properties.append((behaviours.FEATURES, json.dumps(behaviours.call_features(calls))))
+    rep.user_properties.append(
+        (behaviours.MISREADINGS, json.dumps(behaviours.misreadings(err, calls)))
+    )
+    located = behaviours.where(err, calls)
+    if located:
+        rep.user_properties.append((behaviours.WHERE, located))
     if not rep.failed or not calls:
         return
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", item.name)[:150]
@@ -380,5 +386,5 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         text = replay.replay_snippet(path, lines)
     rep.user_properties.append(("reproduce", text))
     if hasattr(rep.longrepr, "addsection"):
-        rep.longrepr.addsection("behaviour", found)
+        rep.longrepr.addsection("behaviour", found + (f"\n{located}" if located else ""))
         rep.longrepr.addsection("reproduce", text)

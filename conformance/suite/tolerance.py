@@ -239,6 +239,15 @@ def expect(ok: bool, behaviour: str, message: str) -> None:
         raise Departure(message, behaviour)
 
 
+def expect_seen(ok: bool, behaviour: str, message: str, actual, tol: float) -> None:
+    """``expect``, for a check on the output of the test's last call: a failure carries that
+    output, so that the diagnosis holds it against the misreadings of attention before the
+    test's ``behaviour`` names it (a NaN that a tiled GQA head lost is that tiling)."""
+    if not ok:
+        seen = Seen(tolerance=float(tol), actual=np.asarray(actual, dtype=np.float64))
+        raise Departure(message, behaviour, seen)
+
+
 def assert_rows_zero(out, rows, context: str, v=None) -> None:
     """Assert that the rows ``rows`` (a bool array over out's leading axes) of ``out`` are
     exactly 0 in every channel: the queries that have no key to attend (SPEC §4.3). With

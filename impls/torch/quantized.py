@@ -91,7 +91,7 @@ def attention_quantized(
     )  # fmt: skip
     if call.unbatched:
         raise ValueError(f"q shape should be (B, H, T, D) for quantized attention, got {q.shape}")
-    B, H, K, S, G = call.B, call.H, call.K, call.S, call.G
+    B, K, S, G = call.B, call.K, call.S, call.G
     dq = check_descale("q_descale", q_descale, B, K, S, None, per_token=False)  # (B|1, K|1)
     dk = per_slot(check_descale("k_descale", k_descale, B, K, S, block_size), B, K, S, block_size)
     dv = per_slot(check_descale("v_descale", v_descale, B, K, S, block_size), B, K, S, block_size)

@@ -328,7 +328,8 @@ class TorchFp8Backend(_TorchBackend):
 
     def codes(self, x: np.ndarray):
         """float8 codes cross as their bytes (torch.from_numpy knows no ml_dtypes type)."""
-        x = np.ascontiguousarray(x)
+        x = np.asarray(x)
+        x = x if x.flags.c_contiguous else x.copy()  # ascontiguousarray would make () (1,)
         if x.dtype.name.startswith("float8"):
             raw = self.torch.from_numpy(x.view(np.uint8))
             return raw.view(getattr(self.torch, x.dtype.name))

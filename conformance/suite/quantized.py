@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from conformance.fixtures import quantized as fq
+from conformance.suite.helpers import oracle_attention
 from conformance.suite.tolerance import EPS, FACTOR, FLOOR, finite_error
 
 #: The float32 floor of SPEC §7.1: the steps around P are float32 in every pipeline.
@@ -33,13 +34,16 @@ def outside_sections(backend, item: pytest.Item) -> str | None:
     return f"{backend.name} runs SPEC §{', §'.join(sections)} only (quantized operands)"
 
 
-def quantise(x: np.ndarray, fmt: str, granularity: str, *, block_size=None, K=None, rng=None):
+def quantise(
+    x: np.ndarray, fmt: str, granularity: str, *, block_size=None, K=None, rng=None, room=1.0
+):
     """Codes and a float32 descale of x (B, N, S, ·) at ``granularity`` (SPEC §20.2).
 
     The descale is amax / the format's largest value over each group, times a factor drawn
     in [1.05, 1.45] or [1.55, 1.95] (never 1, different per group) so that a descale
     dropped, replaced by 1, applied twice or taken from another head changes the answer;
-    a factor above 1 keeps every code inside the format, so no code saturates.
+    a factor above 1 keeps every code inside the format, so no code saturates. ``room``
+    multiplies the factor: with 2, every code can be doubled and stay inside.
     For q, whose descale is per key/value head, ``K`` groups the heads."""
     x = np.asarray(x, dtype=np.float64)
     B, N, S = x.shape[:3]
@@ -56,6 +60,7 @@ def quantise(x: np.ndarray, fmt: str, granularity: str, *, block_size=None, K=No
     amax = np.abs(groups).max(axis=-1)
     rng = rng or np.random.default_rng(0)
     jitter = rng.uniform(1.05, 1.45, amax.shape) + rng.integers(0, 2, amax.shape) * 0.5
+    jitter = jitter * room
     descale = (np.where(amax > 0, amax, 1.0) / fq.LARGEST[fmt] * jitter).astype(np.float32)
     if granularity == "tensor":
         descale = descale.reshape(())
@@ -77,9 +82,21 @@ def bound(actual_pipeline: np.ndarray, expected: np.ndarray) -> float:
     return FACTOR * finite_error(actual_pipeline, expected) + FLOOR32 * scale
 
 
+def expected(operands: dict, **options) -> np.ndarray:
+    """The oracle on the dequantised operands (SPEC §20.3), kept for the process like every
+    oracle result the suite asks for (``helpers.oracle_attention``)."""
+    L = operands.get("block_size")
+    return oracle_attention(
+        fq.dequantize(operands["q"], operands["q_descale"]),
+        fq.dequantize(operands["k"], operands["k_descale"], L),
+        fq.dequantize(operands["v"], operands["v_descale"], L),
+        **options,
+    )
+
+
 def expected_and_bound(backend, operands: dict, **options) -> tuple[np.ndarray, float]:
     """The oracle on the dequantised operands and §20.6's bound for ``backend``'s pipeline."""
-    y = fq.oracle_quantized(*_args(operands), block_size=operands.get("block_size"), **options)
+    y = expected(operands, **options)
     run = fq.pipeline(
         *_args(operands),
         backend.quantized.pipeline,
@@ -129,6 +146,7 @@ def operands(
     granularities=("head", "head", "head"),
     block_size=None,
     q_spread=2.0,
+    room=1.0,
 ) -> dict:
     """Random q, k, v quantised at the given formats and granularities (SPEC §20.2)."""
     rng = np.random.default_rng(seed)
@@ -137,6 +155,6 @@ def operands(
     v = rng.standard_normal((B, K, S, E))
     out = {"block_size": block_size}
     for role, x, fmt, gran in zip("qkv", (q, k, v), formats, granularities):
-        codes, descale = quantise(x, fmt, gran, block_size=block_size, K=K, rng=rng)
+        codes, descale = quantise(x, fmt, gran, block_size=block_size, K=K, rng=rng, room=room)
         out[role], out[f"{role}_descale"] = codes, descale
     return out

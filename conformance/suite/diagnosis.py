@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from conformance.suite import quantized_diagnosis
 from conformance.suite.planted import Call, allowed, call_of, expanded, oracle_run, textbook
 from conformance.suite.tolerance import nonfinite_mismatch
 
@@ -330,6 +331,8 @@ def diagnose(actual, calls: list, tol: float) -> str | None:
     """The sentence of the first misreading whose output ``actual`` (the last call's
     output) equals within ``tol``, or None: where the last call is no plain ``attention``
     call, where ``actual`` is right for it, or where no misreading fits."""
+    if calls and calls[-1][2] == "attention_quantized":
+        return quantized_diagnosis.diagnose(actual, calls, tol)  # SPEC §20
     if not calls or calls[-1][2] != "attention":
         return None
     call = call_of(calls[-1][3], calls[-1][4])

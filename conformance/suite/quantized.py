@@ -146,12 +146,13 @@ def operands(
     granularities=("head", "head", "head"),
     block_size=None,
     q_spread=2.0,
+    k_spread=1.0,
     room=1.0,
 ) -> dict:
     """Random q, k, v quantised at the given formats and granularities (SPEC §20.2)."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((B, H, T, D)) * q_spread
-    k = rng.standard_normal((B, K, S, D))
+    k = rng.standard_normal((B, K, S, D)) * k_spread
     v = rng.standard_normal((B, K, S, E))
     out = {"block_size": block_size}
     for role, x, fmt, gran in zip("qkv", (q, k, v), formats, granularities):

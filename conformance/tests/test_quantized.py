@@ -92,7 +92,7 @@ PAIRS = list(
 )
 
 
-@pytest.mark.clause("20.3", "20.6")
+@pytest.mark.clause("20.3", "20.1", "20.2", "20.6")
 @pytest.mark.parametrize(
     ("form", "setup"),
     [
@@ -322,3 +322,22 @@ def test_fp8_output_is_the_oracles_output_quantised(backend, fmt):
         "the suite's out_descale puts no output past the format",
         "no output lies past the largest code: the rule is not shown",
     )
+
+
+@pytest.mark.clause("20.2")
+@pytest.mark.parametrize(
+    ("name", "value", "error"),
+    [
+        ("k_descale", np.ones((2, 2, 12), np.float32), ValueError),
+        ("q_descale", np.ones((2, 4), np.float32), ValueError),
+        ("v_descale", np.ones((2, 2), np.float64), TypeError),
+    ],
+    ids=["k-per-token-wrong-S", "q-per-query-head", "v-float64"],
+)
+def test_a_descale_of_no_granularity_is_refused(backend, name, value, error):
+    """A descale whose shape is none of §20.2's (k per token with S + 1 entries; q per query
+    head, (B, H)) raises ValueError, one not float32 TypeError, naming the argument."""
+    o = dict(sq.operands(40))
+    o[name] = value
+    with pytest.raises(error, match=name):
+        sq.call(backend, o)

@@ -1,0 +1,79 @@
+"""SPEC §20 on the project's side: the dequantised operand is exact, the quantized forms
+are declared and checked, and a backend without the capability refuses the entry point."""
+
+from __future__ import annotations
+
+import mpmath
+import numpy as np
+import pytest
+from conformance.fixtures import quantized as fq
+from conformance.impls.numpy import quantized as page
+
+from conformance import load_backend
+from conformance.backends.registry import BUILTIN
+from conformance.suite import quantized as sq
+from conformance.vocabulary import QuantizedForm
+
+
+@pytest.mark.clause("20.1")
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2", "int8"])
+def test_codes_times_descale_is_exact_in_float64(fmt):
+    """Every code of the format times random float32 descales: the float64 product is the
+    exact product (50 digits), in the oracle's dequantise and in the NumPy page's."""
+    if fmt == "int8":
+        codes = np.arange(-127, 128).astype(np.int8)
+    else:
+        codes = np.arange(256, dtype=np.uint8).view(fq.code_dtype(fmt))
+        codes = codes[np.isfinite(codes.astype(np.float64))]
+    rng = np.random.default_rng(0)
+    descale = rng.uniform(1e-4, 10, 4).astype(np.float32)
+    for d in descale:
+        x = codes.reshape(1, 1, -1, 1)
+        got = fq.dequantize(x, d).ravel()
+        ctx = mpmath.MPContext()
+        ctx.dps = 50
+        exact = [ctx.mpf(float(c)) * ctx.mpf(float(d)) for c in codes.astype(np.float64)]
+        assert all(ctx.mpf(float(g)) == e for g, e in zip(got, exact))
+        assert np.array_equal(page.dequantize(x, d).ravel(), got)
+
+
+@pytest.mark.clause("20.5")
+def test_the_cast_rules():
+    """465 in e4m3: 448 saturating, NaN overflowing; 61,440 in e5m2: 57,344 or inf; the
+    round-to-nearest-even of 464 is 448 under both."""
+    e4, e5 = "float8_e4m3fn", "float8_e5m2"
+    cast = lambda x, f, r: float(fq.cast(np.array([x]), f, r).astype(np.float64)[0])  # noqa: E731
+    assert cast(465, e4, "saturate") == 448 and np.isnan(cast(465, e4, "overflow"))
+    assert cast(464, e4, "overflow") == 448
+    assert cast(61440, e5, "saturate") == 57344 and cast(61440, e5, "overflow") == np.inf
+    assert cast(-61440, e5, "overflow") == -np.inf
+
+
+@pytest.mark.clause("20.7")
+def test_the_quantized_backends_declare_their_form():
+    """Each shipped backend with "quantized" declares a QuantizedForm and runs §20 alone;
+    a form with a format or granularity the spec does not know is refused by name."""
+    quantized = [n for n, cls in BUILTIN.items() if "quantized" in cls.capabilities]
+    assert set(quantized) == {"numpy-fp8", "torch-fp8", "jax-fp8"}
+    backend = load_backend("numpy-fp8", pipeline="e4m3_normalized")
+    assert isinstance(backend.quantized, QuantizedForm)
+    assert backend.quantized.pipeline == "e4m3_normalized" and backend.sections == ("20",)
+    with pytest.raises(ValueError, match="granularities"):
+        QuantizedForm(
+            formats={"q": ("int8",), "k": ("int8",), "v": ("float8_e4m3fn",)},
+            granularities={"q": ("token",), "k": ("head",), "v": ("head",)},
+            pipeline="float32",
+        )
+    with pytest.raises(ValueError, match="formats"):
+        QuantizedForm(
+            formats={"q": ("int8",), "k": ("int8",), "v": ("int8",)},
+            granularities={"q": ("head",), "k": ("head",), "v": ("head",)},
+            pipeline="float32",
+        )
+
+
+@pytest.mark.clause("20.8")
+def test_without_the_capability_attention_quantized_is_refused():
+    o = sq.operands(41)
+    with pytest.raises(NotImplementedError, match="quantized"):
+        sq.call(load_backend("numpy"), o)

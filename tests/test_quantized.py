@@ -3,6 +3,8 @@ are declared and checked, and a backend without the capability refuses the entry
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mpmath
 import numpy as np
 import pytest
@@ -13,6 +15,8 @@ from conformance import load_backend
 from conformance.backends.registry import BUILTIN
 from conformance.suite import quantized as sq
 from conformance.vocabulary import QuantizedForm
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.clause("20.1")
@@ -77,3 +81,66 @@ def test_without_the_capability_attention_quantized_is_refused():
     o = sq.operands(41)
     with pytest.raises(NotImplementedError, match="quantized"):
         sq.call(load_backend("numpy"), o)
+
+
+@pytest.mark.clause("20.7")
+def test_a_profile_declares_its_quantized_form(tmp_path):
+    """examples/fp8_attention.toml gives a backend of SPEC §20 alone, in the declared form;
+    its output on the suite's operands is within §20.6's bound; a [quantized] table with an
+    unknown key, or without the descales' keywords, is refused by name."""
+    from conformance.adapters.profiles import ProfileError, read_profile
+
+    backend = read_profile(ROOT / "examples" / "fp8_attention.toml").resolve()
+    assert backend.sections == ("20",) and backend.quantized.pipeline == "e4m3_unnormalized"
+    assert "causal_top_left" not in backend.forms
+    o = sq.operands(42)
+    options = {"is_causal": True, "causal_alignment": "bottom_right"}
+    expected, bound = sq.expected_and_bound(backend, o, **options)
+    assert np.abs(sq.call(backend, o, **options) - expected).max() <= bound
+    text = (ROOT / "examples" / "fp8_attention.toml").read_text()
+    for bad, words in (
+        ('pipeline = "e4m3_unnormalized"', "pipeline should be one of"),
+        ('descales = { q = "q_descale", k = "k_descale", v = "v_descale" }', "descales"),
+    ):
+        path = tmp_path / "bad.toml"
+        broken = text.replace(bad, 'pipeline = "fp4"' if "pipeline" in bad else "")
+        path.write_text(broken)
+        with pytest.raises(ProfileError, match=words):
+            read_profile(path).resolve()
+
+
+def flashinfer_style(q, k, v, *, q_scale, k_scale, v_scale, sm_scale=None):
+    """A NumPy function with FlashInfer's scalar scales: the operands dequantised, then the
+    textbook (for the kit's test of descale_form = "scalar")."""
+    q, k, v = (x.astype(np.float64) * s for x, s in ((q, q_scale), (k, k_scale), (v, v_scale)))
+    G = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    s = q @ np.swapaxes(k, -1, -2) * (sm_scale or 1 / np.sqrt(q.shape[-1]))
+    w = np.exp(s - s.max(-1, keepdims=True))
+    return (w / w.sum(-1, keepdims=True) @ v).astype(np.float32)
+
+
+@pytest.mark.clause("20.7")
+def test_scalar_descales_reach_the_function_as_floats():
+    from conformance.adapters.quantized import QuantizedFunctionBackend
+
+    backend = QuantizedFunctionBackend(
+        flashinfer_style,
+        name="flashinfer-style",
+        framework="numpy",
+        layout="BHTD",
+        caps=["gqa"],
+        table={
+            "formats": {r: ["float8_e4m3fn"] for r in "qkv"},
+            "granularities": {r: ["tensor"] for r in "qkv"},
+            "pipeline": "float32",
+            "descales": {"q": "q_scale", "k": "k_scale", "v": "v_scale"},
+            "descale_form": "scalar",
+            "options": {"scale": "sm_scale"},
+        },
+    )
+    o = sq.operands(43, granularities=("tensor",) * 3)
+    expected, bound = sq.expected_and_bound(backend, o)
+    assert np.abs(sq.call(backend, o) - expected).max() <= bound
+    with pytest.raises(ValueError, match="scalar q descale"):
+        sq.call(backend, sq.operands(43))

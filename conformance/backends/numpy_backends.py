@@ -191,7 +191,16 @@ def quantized_form(pipeline: str, cast_rule: str) -> QuantizedForm:
 
 #: The quantized backends implement SPEC §20 alone, with these options of ``attention``.
 QUANTIZED_CAPABILITIES = frozenset(
-    {"quantized", "gqa", "value_dim", "causal_bottom_right", "window", "softcap", "sinks"}
+    {
+        "quantized",
+        "gqa",
+        "value_dim",
+        "causal_bottom_right",
+        "window",
+        "softcap",
+        "sinks",
+        "error_messages",
+    }
 )
 
 

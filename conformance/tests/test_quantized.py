@@ -38,10 +38,13 @@ FORMS = {
     "e5m2-head": ((E5M2,) * 3, ("head",) * 3, None),
     "int8-qk-e4m3-v": (("int8", "int8", E4M3), ("head", "head", "token"), None),
 }
+#: The last T queries of a sequence of S keys (a KV cache's, FlashAttention's causal).
+DECODE = {"is_causal": True, "causal_alignment": "bottom_right"}
 #: The options of attention that quantization meets (SPEC §20.3), with what they need.
 SETUPS = {
     "plain": ({}, ()),
-    "causal": ({"is_causal": True}, ("causal",)),
+    "causal": ({"is_causal": True}, ("causal", "causal_top_left")),
+    "decode": ({"is_causal": True, "causal_alignment": "bottom_right"}, ("causal_bottom_right",)),
     "bottom-right-window-softcap": (
         {"is_causal": True, "causal_alignment": "bottom_right", "window": (3, 1), "softcap": 2.0},
         ("causal_bottom_right", "window", "softcap"),
@@ -115,12 +118,13 @@ def test_quantized_matches_the_oracle_on_dequantised_operands(backend, form, set
 
 @pytest.mark.clause("20.4")
 @pytest.mark.parametrize("role", ["q", "k", "v"])
+@requires("causal", "causal_bottom_right")
 def test_swapped_descales_change_exactly_those_heads(backend, role):
     """Descales per (batch, key/value head), drawn apart and never 1: swapping those of two
     key/value heads of batch 0 leaves every other (batch, head)'s rows bit for bit as they
     were and gives the two heads what the oracle says for the swapped descales."""
     o = sq.operands(32)
-    before = sq.call(backend, o, is_causal=True)
+    before = sq.call(backend, o, **DECODE)
     swapped = dict(o)
     d = np.array(o[f"{role}_descale"])
     expect(
@@ -135,7 +139,7 @@ def test_swapped_descales_change_exactly_those_heads(backend, role):
         swapped,
         f"{role}'s descales of heads 0 and 1 swapped",
         f"{role}'s descale is not the one of its own (batch, key/value head)",
-        is_causal=True,
+        **DECODE,
     )
     assert_identical(
         after[1],
@@ -153,6 +157,7 @@ def test_swapped_descales_change_exactly_those_heads(backend, role):
 @pytest.mark.clause("20.4")
 @pytest.mark.parametrize("role", ["q", "k", "v"])
 @pytest.mark.parametrize("form", ["e4m3-head", "e4m3-token"])
+@requires("causal", "causal_bottom_right")
 def test_power_of_two_moved_into_the_codes_changes_nothing(backend, role, form):
     """codes × 2 with descale / 2 is the same operand, exactly (both stay representable:
     the codes leave a factor 2 of room): the output is bit for bit the same."""
@@ -170,15 +175,11 @@ def test_power_of_two_moved_into_the_codes_changes_nothing(backend, role, form):
     )
     moved[f"{role}_descale"] = (np.asarray(o[f"{role}_descale"]) / 2).astype(np.float32)
     assert_identical(
-        sq.call(backend, moved, is_causal=True),
-        sq.call(backend, o, is_causal=True),
+        sq.call(backend, moved, **DECODE),
+        sq.call(backend, o, **DECODE),
         f"{backend.name}: {role}'s codes doubled and its descale halved ({form})",
         behaviour="a power of two moved between codes and descale changes the output",
     )
-
-
-#: The last T queries of a sequence of S keys: every row sees nearly all of them.
-DECODE = {"is_causal": True, "causal_alignment": "bottom_right"}
 
 
 def _constant_v(o: dict, code: float = 1.5, descale: float = 0.37) -> tuple[dict, float]:
@@ -259,26 +260,27 @@ def test_growing_row_maxima_stay_finite(backend):
 
 
 @pytest.mark.clause("20.4")
+@requires("causal", "causal_bottom_right")
 def test_no_future_leakage_through_block_descales(backend):
-    """Causal with k and v descaled per block of 4 tokens: a row reads nothing of the
-    future tokens of its block, so changing their codes (the block's descale kept) leaves
-    every earlier row bit for bit as it was."""
+    """Causal (bottom-right, T = 7, S = 11: row t sees keys up to t + 4) with k and v
+    descaled per block of 4 tokens: changing the codes of keys 10 and 11, the future of
+    every row but the last, inside block 2 (keys 8-11, whose descale is kept), leaves rows
+    0-5 bit for bit as they were."""
     formats, granularities, L = FORMS["e4m3-block4"]
     if not all(sq.supported(backend, r, f, g) for r, f, g in zip("qkv", formats, granularities)):
         pytest.skip(f"{backend.name} does not declare k and v per block (§20.7)")
     o = sq.operands(38, formats=formats, granularities=granularities, block_size=L)
-    T = 7  # T = 7, S = 11: top-left, row t sees keys 0..t
-    before = sq.call(backend, o, is_causal=True)
+    before = sq.call(backend, o, **DECODE)
     changed = dict(o)
     for role in ("k", "v"):
         codes = np.asarray(o[role]).astype(np.float64)
-        codes[:, :, 6:] = -codes[:, :, 6:] * 0.5  # tokens 6.. lie in block 1 (4..7) and after
+        codes[:, :, 10:] = -codes[:, :, 10:] * 0.5
         changed[role] = fq.cast(codes, E4M3, "saturate")
-    after = sq.call(backend, changed, is_causal=True)
+    after = sq.call(backend, changed, **DECODE)
     assert_identical(
         after[:, :, :6],
         before[:, :, :6],
-        f"{backend.name}: rows 0-5 after the codes of keys 6-10 changed (T={T})",
+        f"{backend.name}: rows 0-5 after the codes of keys 10 and 11 changed",
         behaviour="a per-block descale leaks future tokens into earlier causal rows",
     )
 
@@ -325,6 +327,7 @@ def test_fp8_output_is_the_oracles_output_quantised(backend, fmt):
 
 
 @pytest.mark.clause("20.2")
+@requires("error_messages")
 @pytest.mark.parametrize(
     ("name", "value", "error"),
     [

@@ -18,6 +18,7 @@ import pytest
 
 from conformance.fixtures import quantized as fq
 from conformance.suite import quantized as sq
+from conformance.suite.cases import case_entries, case_marks, load_case
 from conformance.suite.quantized_diagnosis import other_cast_rule
 from conformance.suite.requirements import requires
 from conformance.suite.tolerance import assert_identical, assert_within, expect
@@ -344,3 +345,42 @@ def test_a_descale_of_no_granularity_is_refused(backend, name, value, error):
     o[name] = value
     with pytest.raises(error, match=name):
         sq.call(backend, o)
+
+
+@pytest.mark.parametrize(
+    "case_id",
+    [
+        pytest.param(e["id"], marks=case_marks(e, "11.1"), id=e["id"])
+        for e in case_entries(("attention_quantized",))
+    ],
+)
+def test_quantized_fixture(backend, case_id):
+    """The stored quantized cases (fixtures/manifest.json, kind "attention_quantized"): the
+    codes from their bytes, the stored descales, the stored oracle output (50 digits), the
+    bound from the declared pipeline on this machine (as §7.2's naive run). The first is the
+    worked example quantised: its answer is the seed's."""
+    case = load_case(case_id)
+    entry = case.meta
+    for role, fmt, gran in zip("qkv", entry["formats"], entry["granularities"]):
+        if not sq.supported(backend, role, fmt, gran):
+            pytest.skip(f"{backend.name} does not declare {role} in {fmt} per {gran} (§20.7)")
+    o = {
+        role: case.arrays[f"{role}_codes"].view(fq.code_dtype(fmt))
+        for role, fmt in zip("qkv", entry["formats"])
+    }
+    o |= {f"{r}_descale": case.arrays[f"{r}_descale"] for r in "qkv"}
+    o["block_size"] = entry["block_size"]
+    options = dict(entry["options"])
+    if options.get("window") is not None:
+        options["window"] = tuple(options["window"])
+    expected = case.arrays["expected"]
+    run = fq.pipeline(
+        *sq._args(o), backend.quantized.pipeline, block_size=o["block_size"], **options
+    )
+    assert_within(
+        sq.call(backend, o, **options),
+        expected,
+        sq.bound(run, expected),
+        f"{backend.name}: fixture {case_id} (P pipeline {backend.quantized.pipeline})",
+        behaviour="quantized attention differs from the stored oracle output",
+    )

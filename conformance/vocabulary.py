@@ -175,12 +175,3 @@ class QuantizedForm:
             f"pipeline={self.pipeline!r}, out_formats={self.out_formats}, "
             f"cast_rule={self.cast_rule!r})"
         )
-
-
-def quant_dtype(name: str) -> np.dtype:
-    """The NumPy dtype of a quantized format: ``ml_dtypes``' float8 types, or int8."""
-    if name == "int8":
-        return np.dtype(np.int8)
-    import ml_dtypes
-
-    return np.dtype(getattr(ml_dtypes, name))

@@ -144,3 +144,26 @@ def test_scalar_descales_reach_the_function_as_floats():
     assert np.abs(sq.call(backend, o) - expected).max() <= bound
     with pytest.raises(ValueError, match="scalar q descale"):
         sq.call(backend, sq.operands(43))
+
+
+@pytest.mark.clause("20.1")
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2", "int8"])
+def test_the_pages_quantise_within_half_a_code(fmt):
+    """The pages' first lesson: per (batch, head), amax lands on the largest code, and
+    codes × descale is within half a code's spacing of x (ties to even, no saturation)."""
+    torch = pytest.importorskip("torch")
+    from conformance.impls.torch import quantized as torch_page
+
+    x = np.random.default_rng(7).standard_normal((2, 3, 5, 4)) * 3
+    codes, descale = page.quantize(x, fmt, axes=(0, 1))
+    values = page.dequantize(codes, descale)
+    spacing = {"float8_e4m3fn": 2.0**-3, "float8_e5m2": 2.0**-2, "int8": None}[fmt]
+    amax = np.abs(x).max(axis=(2, 3), keepdims=True)
+    if spacing is None:  # int8: integer codes, spacing one descale
+        assert (np.abs(values - x) <= descale[..., None, None] / 2 + 1e-12).all()
+    else:  # floats: half a spacing relative to the value, or of the smallest normal
+        assert (np.abs(values - x) <= np.maximum(np.abs(x), amax * 2.0**-14) * spacing).all()
+    assert np.abs(codes.astype(np.float64)).max() == fq.LARGEST[fmt]
+    t_codes, t_descale = torch_page.quantize(torch.from_numpy(x), fmt, axes=(0, 1))
+    assert np.array_equal(t_descale.numpy(), descale)
+    assert np.array_equal(t_codes.to(torch.float64).numpy(), codes.astype(np.float64))

@@ -17,12 +17,13 @@ it without ever forming codes × descale:
 
 Why fold: the descales of a (batch, key/value head) are constants of every score of that
 head, so they join the softmax scale and the product stays on the codes (the fast path of
-an FP8 tensor core). Why 2⁸: P ∈ (0, 1] would sit in e4m3's subnormals, or below them,
-where a weight of 2⁻¹⁰ rounds to 0; times 2⁸ it lies in [2⁻¹⁶ · 2⁸, 256], normal down to
-2⁻⁶ / 2⁸ = 2⁻¹⁴ of the row's largest weight, and never past 448. Why ℓ from float32 P: the
-rounding of P then errs by at most 2⁻⁴ of each weight, never of the sum. The other
-pipelines: ``p_pipeline="float32"`` keeps P, ``"e4m3_normalized"`` rounds P / ℓ (whose
-small weights underflow: the cost SPEC §20.6 measures).
+an FP8 tensor core). Why 2⁸: e4m3's normal numbers start at 2⁻⁶, so a weight P below
+2⁻⁶ (of the row's largest, which is 1) keeps fewer than 4 significant bits and one below
+2⁻¹⁰ rounds to 0; P · 2⁸ stays normal down to P = 2⁻¹⁴, and at most 256 it never passes
+448, so no cast rule is ever involved. Why ℓ from float32 P: the rounding of P then errs
+by at most 2⁻⁴ of each weight, and the sum that divides them is exact to float32. The
+other pipelines: ``p_pipeline="float32"`` keeps P, ``"e4m3_normalized"`` rounds P / ℓ
+(whose small weights underflow: the cost SPEC §20.6 measures).
 
 Shape legend: B batch · H query heads · K key/value heads · G = H // K · T query length ·
 S key/value length · D q/k head dim · E v head dim; q (B, H, T, D), k (B, K, S, D),

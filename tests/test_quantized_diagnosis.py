@@ -11,6 +11,9 @@ answer is named by nothing.
 
 from __future__ import annotations
 
+import functools
+
+import ml_dtypes
 import numpy as np
 import pytest
 from conformance.fixtures import quantized as fq
@@ -162,3 +165,56 @@ def test_the_fp8_backends_declare_their_cast_rules():
     assert NumpyFp8Backend.cast_rule == "overflow"
     got = fq.cast(np.array([465.0]), "float8_e4m3fn", "overflow").astype(np.float64)
     assert np.isnan(got).all()
+
+
+def tiled_fp8(q, k, v, *, q_descale, k_descale, v_descale, scale=None, stale=False):
+    """FlashAttention-3's forward in NumPy, key tiles of 32; with ``stale``, P of each tile
+    is taken at the maximum of the tiles before it (FlashAttention #2577's bug), so a
+    growing score pushes P · 2⁸ past 448, which ml_dtypes' cast makes NaN."""
+    B, H, T, D = q.shape
+    G = H // k.shape[1]
+    f32 = np.float32
+    q, k, v = (x.astype(f32) for x in (q, k, v))
+    k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    head = np.repeat(q_descale * k_descale, G, axis=1)[..., None, None].astype(f32)
+    m = np.full((B, H, T, 1), -np.inf, f32)
+    row_sum = np.zeros((B, H, T, 1), f32)
+    acc = np.zeros((B, H, T, v.shape[-1]), f32)
+    for j in range(0, k.shape[2], 32):
+        s = q @ np.swapaxes(k[:, :, j : j + 32], -1, -2) * f32(scale) * head
+        m_new = np.maximum(m, s.max(-1, keepdims=True))
+        at = m if stale and np.isfinite(m).all() else m_new
+        alpha = np.exp(np.where(np.isfinite(m), m - at, -np.inf)).astype(f32)
+        p = np.exp(s - at).astype(f32)
+        row_sum = row_sum * alpha + p.sum(-1, keepdims=True)
+        p8 = (p * 256).astype(ml_dtypes.float8_e4m3fn).astype(f32)
+        acc = acc * alpha + p8 @ v[:, :, j : j + 32]
+        m = at
+    return acc / 256 / row_sum * np.repeat(v_descale, G, axis=1)[..., None, None]
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["running-max", "stale-max"])
+def test_a_stale_row_maximum_fails_the_growing_scores_test(stale):
+    """The suite's test of growing row maxima passes a tiled kernel that rounds P at its
+    running maximum and fails one that rounds it at the maximum before the tile."""
+    from conformance.adapters.quantized import QuantizedFunctionBackend
+    from conformance.tests.test_quantized import test_growing_row_maxima_stay_finite
+
+    backend = QuantizedFunctionBackend(
+        functools.partial(tiled_fp8, stale=stale),
+        name="tiled-" + ("stale" if stale else "running"),
+        framework="numpy",
+        layout="BHTD",
+        caps=["gqa"],
+        table={
+            "formats": {r: ["float8_e4m3fn"] for r in "qkv"},
+            "granularities": {r: ["head"] for r in "qkv"},
+            "descales": {r: f"{r}_descale" for r in "qkv"},
+            "options": {"scale": "scale"},
+        },
+    )
+    if not stale:
+        test_growing_row_maxima_stay_finite(backend)
+        return
+    with pytest.raises(Departure):
+        test_growing_row_maxima_stay_finite(backend)

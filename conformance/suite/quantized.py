@@ -165,3 +165,18 @@ def operands(
         codes, descale = quantise(x, fmt, gran, block_size=block_size, K=K, rng=rng, room=room)
         out[role], out[f"{role}_descale"] = codes, descale
     return out
+
+
+def growing_scores(seed: int) -> dict:
+    """Operands whose scores (at scale 1) grow key after key from about 6 to 64, with every
+    key on one line through the origin: each tile's row maximum is above the last's, so a
+    kernel that rounds P at a stale maximum pushes P · 2⁸ past e4m3's 448 (SPEC §20.4)."""
+    o = operands(seed, B=1, H=2, K=1, T=3, S=128, D=8, E=8)
+    rng = np.random.default_rng(seed + 1)
+    u = rng.standard_normal(8)
+    u /= np.linalg.norm(u)
+    k = np.linspace(0.1, 1.0, 128)[:, None] * u * 8.0  # (S, D)
+    q = np.broadcast_to(u * 8.0, (1, 2, 3, 8))
+    o["q"], o["q_descale"] = quantise(q, "float8_e4m3fn", "head", K=1, rng=rng)
+    o["k"], o["k_descale"] = quantise(k[None, None], "float8_e4m3fn", "head", rng=rng)
+    return o

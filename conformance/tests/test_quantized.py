@@ -238,14 +238,7 @@ def test_growing_row_maxima_stay_finite(backend):
     """Scores that grow key after key, up to about 60 (every tile's maximum above the last
     one's): P never passes the format's largest value, so the output is finite, and
     within the bound."""
-    o = sq.operands(36, B=1, H=2, K=1, T=3, S=128, D=8, E=8)
-    rng = np.random.default_rng(37)
-    u = rng.standard_normal(8)
-    u /= np.linalg.norm(u)
-    k = np.linspace(0.1, 1.0, 128)[:, None] * u * 8.0  # (S, D)
-    q = np.broadcast_to(u * 8.0, (1, 2, 3, 8))
-    o["q"], o["q_descale"] = sq.quantise(q, E4M3, "head", K=1, rng=rng)
-    o["k"], o["k_descale"] = sq.quantise(k[None, None], E4M3, "head", rng=rng)
+    o = sq.growing_scores(36)
     out = _check(
         backend,
         o,

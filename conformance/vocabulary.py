@@ -39,6 +39,9 @@ CAPABILITIES = {
     "(SPEC §14)",
     "sharded_heads": "a sharded backend that splits heads over the devices (Ulysses), for "
     "any H and K: uneven head counts and K not dividing P included (SPEC §14.8)",
+    "quantized": "quantized operands: attention_quantized(q, k, v, q_descale=, k_descale=, "
+    "v_descale=), codes in float8 or int8 with float32 descales, in the form the backend "
+    "declares as its ``quantized`` attribute (SPEC §20)",
 }
 #: Claiming a gradient capability means implementing ``attention_vjp`` (and, for
 #: "module_grad", ``module_param_grads``), so these are opted into one by one: they are not
@@ -53,6 +56,11 @@ DTYPES = ("float64", "float32", "float16", "bfloat16")
 #: promised before they existed, and has their tests skipped by name.
 VARIANT_CAPABILITIES = frozenset({"sinks", "chunked", "alibi", "packed", "paged"})
 
+#: Quantized operands (SPEC §20) are a separate entry point with its own declaration (a
+#: ``QuantizedForm``), opted into by name like the variants, but not an option of
+#: ``attention``: kept apart from ``VARIANT_CAPABILITIES``, whose members are options.
+QUANTIZED_CAPABILITIES = frozenset({"quantized"})
+
 #: Every capability of the forward pass ("sharded" and "sharded_heads" describe how a
 #: backend runs, not a feature of the function: only the context-parallel backends
 #: declare them).
@@ -60,6 +68,7 @@ ALL_CAPABILITIES = (
     frozenset(CAPABILITIES)
     - GRAD_CAPABILITIES
     - VARIANT_CAPABILITIES
+    - QUANTIZED_CAPABILITIES
     - {"sharded", "sharded_heads"}
 )
 
@@ -98,3 +107,71 @@ def numpy_dtype(name: str) -> np.dtype:
 
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
+
+
+#: The formats of a quantized operand's codes (SPEC §20.1), by their ``ml_dtypes`` names;
+#: int8 for q and k only. Each with its largest finite value.
+QUANT_FORMATS = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0, "int8": 127.0}
+#: How a value past a format's largest finite one is cast (SPEC §20.5): clipped to it
+#: ("saturate", torch's eager cast), or the format's overflow value ("overflow": NaN in
+#: float8_e4m3fn, which has no infinity; ±inf in float8_e5m2; ml_dtypes' cast).
+CAST_RULES = ("saturate", "overflow")
+#: The granularities of a descale (SPEC §20.2), from its shape.
+GRANULARITIES = ("tensor", "head", "token", "block")
+#: What happens to P = exp(s − m) before P·V (SPEC §20.6): kept in float32, (a);
+#: FlashAttention-3's unnormalised P · 2⁸ rounded to float8_e4m3fn with the row sum from
+#: float32 P, (b); the normalised P rounded to float8_e4m3fn, (c).
+P_PIPELINES = ("float32", "e4m3_unnormalized", "e4m3_normalized")
+
+
+class QuantizedForm:
+    """What a backend with the capability "quantized" takes and does (SPEC §20.7).
+
+    formats: {"q": ..., "k": ..., "v": ...}, each a tuple of ``QUANT_FORMATS`` names.
+    granularities: {"q": ..., "k": ..., "v": ...}, each a tuple of ``GRANULARITIES``.
+    pipeline: one of ``P_PIPELINES``. out_formats: the formats it can return its output
+    in with an ``out_descale`` (empty: float32 only). cast_rule: one of ``CAST_RULES``.
+    """
+
+    def __init__(
+        self,
+        *,
+        formats: dict[str, tuple[str, ...]],
+        granularities: dict[str, tuple[str, ...]],
+        pipeline: str,
+        out_formats: tuple[str, ...] = (),
+        cast_rule: str = "saturate",
+    ) -> None:
+        for role in ("q", "k", "v"):
+            bad = set(formats[role]) - set(QUANT_FORMATS)
+            if bad or (role == "v" and "int8" in formats[role]):
+                raise ValueError(
+                    f"formats[{role!r}] should be among {sorted(QUANT_FORMATS)} (int8 for q "
+                    f"and k only), got {formats[role]}"
+                )
+            bad = set(granularities[role]) - set(GRANULARITIES)
+            if bad or (role == "q" and set(granularities[role]) - {"tensor", "head"}):
+                raise ValueError(
+                    f"granularities[{role!r}] should be among {GRANULARITIES} (q: tensor or "
+                    f"head), got {granularities[role]}"
+                )
+        if pipeline not in P_PIPELINES:
+            raise ValueError(f"pipeline should be one of {P_PIPELINES}, got {pipeline!r}")
+        if cast_rule not in CAST_RULES:
+            raise ValueError(f"cast_rule should be one of {CAST_RULES}, got {cast_rule!r}")
+        if set(out_formats) - {"float8_e4m3fn", "float8_e5m2"}:
+            raise ValueError(
+                f"out_formats should be float8_e4m3fn or float8_e5m2, got {out_formats}"
+            )
+        self.formats = {r: tuple(formats[r]) for r in ("q", "k", "v")}
+        self.granularities = {r: tuple(granularities[r]) for r in ("q", "k", "v")}
+        self.pipeline = pipeline
+        self.out_formats = tuple(out_formats)
+        self.cast_rule = cast_rule
+
+    def __repr__(self) -> str:
+        return (
+            f"QuantizedForm(formats={self.formats}, granularities={self.granularities}, "
+            f"pipeline={self.pipeline!r}, out_formats={self.out_formats}, "
+            f"cast_rule={self.cast_rule!r})"
+        )

@@ -17,7 +17,7 @@ import numpy as np
 
 from conformance.backends.paged import PagedEntryPoints
 from conformance.impls import contract
-from conformance.vocabulary import option_is_set
+from conformance.vocabulary import QuantizedForm, option_is_set
 
 
 class BackendUnavailable(LookupError):
@@ -53,6 +53,12 @@ class Backend(PagedEntryPoints):
     dtypes: tuple[str, ...] = ("float64", "float32")
     options: Mapping[str, Any] = MappingProxyType({})
     conformance_options: Mapping[str, Any] = MappingProxyType({})
+    #: With the capability "quantized": the formats, granularities, P pipeline and output
+    #: formats of ``attention_quantized`` (SPEC §20.7).
+    quantized: QuantizedForm | None = None
+    #: The SPEC sections whose tests this backend runs, when it implements only those (the
+    #: quantized backends run §20 alone); empty: every section.
+    sections: tuple[str, ...] = ()
 
     def from_numpy(self, x: np.ndarray) -> Any:
         return x
@@ -109,6 +115,46 @@ class Backend(PagedEntryPoints):
 
     def _attention(self, q, k, v, **options):
         raise NotImplementedError
+
+    def attention_quantized(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        *,
+        q_descale: np.ndarray,
+        k_descale: np.ndarray,
+        v_descale: np.ndarray,
+        block_size: int | None = None,
+        out_descale: np.ndarray | None = None,
+        out_format: str | None = None,
+        **options: Any,
+    ) -> np.ndarray:
+        """Attention on quantized operands (capability "quantized", SPEC §20), NumPy in and
+        out: q, k, v codes (``ml_dtypes`` float8 arrays or int8) shaped as for
+        ``attention``, float32 descales of SPEC §20.2's shapes; out (B, H, T, E) float32,
+        or codes in ``out_format`` with ``out_descale``. ``options`` as for ``attention``
+        (no dropout)."""
+        if "quantized" not in self.capabilities:
+            raise NotImplementedError(
+                f"attention_quantized is not supported: {self.name} does not declare the "
+                "'quantized' capability (SPEC §20)"
+            )
+        options = {
+            key: value
+            for key, value in options.items()
+            if (value is not None if key == "mask" else option_is_set(key, value))
+        }
+        if out_descale is not None:
+            options.update(out_descale=out_descale, out_format=out_format)
+        out = self._attention_quantized(
+            q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+            block_size=block_size, **options,
+        )  # fmt: skip
+        return self.to_numpy(out)
+
+    def _attention_quantized(self, q, k, v, **options):
+        raise NotImplementedError(f"{self.name} does not declare the 'quantized' capability")
 
     def _sinks(self, sinks: Any, q: Any) -> Any:
         """The sink logits in the backend's framework; refused by name (SPEC §8.5) where

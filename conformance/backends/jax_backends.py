@@ -11,7 +11,12 @@ import numpy as np
 
 from conformance.backends.arrays import JaxFramework, import_jax
 from conformance.backends.base import Backend, BackendUnavailable
-from conformance.backends.numpy_backends import BLOCKWISE_CAPABILITIES, Blockwise
+from conformance.backends.numpy_backends import (
+    BLOCKWISE_CAPABILITIES,
+    QUANTIZED_CAPABILITIES,
+    Blockwise,
+    quantized_form,
+)
 from conformance.vocabulary import ALL_CAPABILITIES, DTYPES, GRAD_CAPABILITIES
 
 
@@ -250,3 +255,48 @@ class JaxUlyssesBackend(JaxRingBackend):
     impl_module = "conformance.impls.jax.ulysses"
     capabilities = JaxRingBackend.capabilities | {"sharded_heads"}
     conformance_options = MappingProxyType({"shards": 3, "layout": "zigzag"})
+
+
+class JaxFp8Backend(Backend):
+    """Quantized attention (SPEC §20) on the JAX page, float8 products with
+    ``preferred_element_type=float32``: ``load_backend("jax-fp8", pipeline=...)``,
+    FlashAttention-3's pipeline by default."""
+
+    name = "jax-fp8"
+    framework = "jax"
+    impl_module = "conformance.impls.jax.quantized"
+    capabilities = QUANTIZED_CAPABILITIES
+    dtypes = ("float32",)
+    sections = ("20",)
+    #: The page clamps before casting (SPEC §20.5).
+    cast_rule = "saturate"
+
+    def __init__(self, *, pipeline: str = "e4m3_unnormalized") -> None:
+        self.jax = import_jax()
+        self.impl = importlib.import_module(self.impl_module)
+        self.quantized = quantized_form(pipeline, self.cast_rule)
+        self.options = {"pipeline": pipeline} if pipeline != "e4m3_unnormalized" else {}
+
+    def from_numpy(self, x):
+        return self.jax.device_put(np.asarray(x))
+
+    def versions(self):
+        return {**super().versions(), "jax": self.jax.__version__}
+
+    def _attention_quantized(self, q, k, v, **options):
+        arrays = {n: options.pop(n) for n in ("q_descale", "k_descale", "v_descale")}
+        for name in ("mask", "sinks"):
+            if name in options:
+                arrays[name] = options.pop(name)
+        arrays = {n: self.from_numpy(a) for n, a in arrays.items()}
+        if options.get("out_format") is None:
+            options.pop("out_format", None)
+        if "out_descale" in options:
+            options["out_descale"] = float(options["out_descale"])
+        return self.impl.attention_quantized(
+            *(self.from_numpy(x) for x in (q, k, v)), p_pipeline=self.quantized.pipeline,
+            **arrays, **options,
+        )  # fmt: skip
+
+    def release(self):
+        self.impl.compiled.clear_cache()

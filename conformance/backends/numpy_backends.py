@@ -8,7 +8,7 @@ from types import MappingProxyType
 import numpy as np
 
 from conformance.backends.base import Backend
-from conformance.vocabulary import ALL_CAPABILITIES, DTYPES, GRAD_CAPABILITIES
+from conformance.vocabulary import ALL_CAPABILITIES, DTYPES, GRAD_CAPABILITIES, QuantizedForm
 
 
 class NumpyBackend(Backend):
@@ -170,3 +170,67 @@ class NumpyFlashBackend(Backend):
 
     def _attention_paged_vjp(self, *arrays, **options):
         return self.paged.attention_paged_flash_vjp(*arrays, **self.tiles._query_tiles(), **options)
+
+
+#: What the quantized pages take (SPEC §20.7): e4m3 and e5m2 operands (int8 for q and k),
+#: descales of every granularity, float32 or float8 output.
+QUANTIZED_FORMATS = {
+    "q": ("float8_e4m3fn", "float8_e5m2", "int8"),
+    "k": ("float8_e4m3fn", "float8_e5m2", "int8"),
+    "v": ("float8_e4m3fn", "float8_e5m2"),
+}
+QUANTIZED_GRANULARITIES = {
+    "q": ("tensor", "head"),
+    "k": ("tensor", "head", "token", "block"),
+    "v": ("tensor", "head", "token", "block"),
+}
+
+
+def quantized_form(pipeline: str, cast_rule: str) -> QuantizedForm:
+    """The quantized pages' declaration, with the P pipeline a backend was loaded with."""
+    return QuantizedForm(
+        formats=QUANTIZED_FORMATS,
+        granularities=QUANTIZED_GRANULARITIES,
+        pipeline=pipeline,
+        out_formats=("float8_e4m3fn", "float8_e5m2"),
+        cast_rule=cast_rule,
+    )
+
+
+#: The quantized backends implement SPEC §20 alone, with these options of ``attention``.
+QUANTIZED_CAPABILITIES = frozenset(
+    {
+        "quantized",
+        "gqa",
+        "value_dim",
+        "causal_bottom_right",
+        "window",
+        "softcap",
+        "sinks",
+        "error_messages",
+    }
+)
+
+
+class NumpyFp8Backend(Backend):
+    """Quantized attention (SPEC §20) on the NumPy page, through ``ml_dtypes``:
+    ``load_backend("numpy-fp8", pipeline="float32" | "e4m3_unnormalized" |
+    "e4m3_normalized")``, FlashAttention-3's pipeline by default."""
+
+    name = "numpy-fp8"
+    impl_module = "conformance.impls.numpy.quantized"
+    capabilities = QUANTIZED_CAPABILITIES
+    dtypes = ("float32",)
+    sections = ("20",)
+    #: ml_dtypes' cast: past the largest finite value, NaN in e4m3 (SPEC §20.5).
+    cast_rule = "overflow"
+
+    def __init__(self, *, pipeline: str = "e4m3_unnormalized") -> None:
+        self.impl = importlib.import_module(self.impl_module)
+        self.quantized = quantized_form(pipeline, self.cast_rule)
+        self.options = {"pipeline": pipeline} if pipeline != "e4m3_unnormalized" else {}
+
+    def _attention_quantized(self, q, k, v, *, out_format=None, **options):
+        if out_format is not None:
+            options.update(out_format=out_format, cast_rule=self.cast_rule)
+        return self.impl.attention_quantized(q, k, v, p_pipeline=self.quantized.pipeline, **options)

@@ -14,11 +14,13 @@ from conformance.backends.base import Backend, BackendUnavailable
 from conformance.backends.jax_backends import (
     JaxBackend,
     JaxFlashBackend,
+    JaxFp8Backend,
     JaxRingBackend,
     JaxUlyssesBackend,
 )
-from conformance.backends.numpy_backends import NumpyBackend, NumpyFlashBackend
+from conformance.backends.numpy_backends import NumpyBackend, NumpyFlashBackend, NumpyFp8Backend
 from conformance.backends.torch_backends import (
+    TorchFp8Backend,
     TorchModuleBackend,
     TorchNaiveBackend,
     TorchRingBackend,
@@ -60,6 +62,9 @@ BUILTIN: dict[str, type[Backend]] = {
     **{f"torch-ring-p{P}": _at_shards(TorchRingBackend, P) for P in (1, 2, 4)},
     "torch-ulysses": TorchUlyssesBackend,
     "torch-ulysses-p2": _at_shards(TorchUlyssesBackend, 2),
+    "numpy-fp8": NumpyFp8Backend,
+    "jax-fp8": JaxFp8Backend,
+    "torch-fp8": TorchFp8Backend,
 }
 #: The framework each built-in backend needs, to tell "not installed" from "broken".
 REQUIRES = {
@@ -76,6 +81,8 @@ REQUIRES = {
     **{f"torch-ring-p{P}": "torch" for P in (1, 2, 4)},
     "torch-ulysses": "torch",
     "torch-ulysses-p2": "torch",
+    "jax-fp8": "jax",
+    "torch-fp8": "torch",
 }
 
 

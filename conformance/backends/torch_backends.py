@@ -11,6 +11,7 @@ import numpy as np
 
 from conformance.backends.arrays import TorchFramework
 from conformance.backends.base import Backend
+from conformance.backends.numpy_backends import QUANTIZED_CAPABILITIES, quantized_form
 from conformance.vocabulary import ALL_CAPABILITIES, DTYPES, GRAD_CAPABILITIES
 
 
@@ -305,3 +306,52 @@ class TorchSdpaBackend(_TorchBackend):
         if seed is not None:
             self.torch.manual_seed(seed)
         return self.impl.attention(q, k, v, **options)
+
+
+class TorchFp8Backend(_TorchBackend):
+    """Quantized attention (SPEC §20) on the PyTorch page, with torch's float8 dtypes:
+    ``load_backend("torch-fp8", pipeline=...)``, FlashAttention-3's pipeline by default."""
+
+    name = "torch-fp8"
+    impl_module = "conformance.impls.torch.quantized"
+    capabilities = QUANTIZED_CAPABILITIES
+    dtypes = ("float32",)
+    sections = ("20",)
+    #: The page clamps before casting: torch's own e5m2 cast does not (SPEC §20.5).
+    cast_rule = "saturate"
+
+    def __init__(self, *, pipeline: str = "e4m3_unnormalized") -> None:
+        super().__init__()
+        self.impl = importlib.import_module(self.impl_module)
+        self.quantized = quantized_form(pipeline, self.cast_rule)
+        self.options = {"pipeline": pipeline} if pipeline != "e4m3_unnormalized" else {}
+
+    def codes(self, x: np.ndarray):
+        """float8 codes cross as their bytes (torch.from_numpy knows no ml_dtypes type)."""
+        x = np.asarray(x)
+        x = x if x.flags.c_contiguous else x.copy()  # ascontiguousarray would make () (1,)
+        if x.dtype.name.startswith("float8"):
+            raw = self.torch.from_numpy(x.view(np.uint8))
+            return raw.view(getattr(self.torch, x.dtype.name))
+        return self.torch.from_numpy(x)
+
+    def to_numpy(self, x):
+        if x.dtype in (self.torch.float8_e4m3fn, self.torch.float8_e5m2):
+            import ml_dtypes
+
+            fmt = str(x.dtype).removeprefix("torch.")
+            return x.view(self.torch.uint8).numpy().view(getattr(ml_dtypes, fmt))
+        return super().to_numpy(x)
+
+    def _attention_quantized(self, q, k, v, *, out_format=None, **options):
+        arrays = {n: options.pop(n) for n in ("q_descale", "k_descale", "v_descale")}
+        for name in ("mask", "sinks"):
+            if name in options:
+                arrays[name] = options.pop(name)
+        arrays = {n: self.codes(np.asarray(a)) for n, a in arrays.items()}
+        if out_format is not None:
+            options["out_format"] = out_format
+        return self.impl.attention_quantized(
+            self.codes(q), self.codes(k), self.codes(v), p_pipeline=self.quantized.pipeline,
+            **arrays, **options,
+        )  # fmt: skip

@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from conformance.suite import quantized_diagnosis
 from conformance.suite.planted import (
     Call,
     allowed,
@@ -527,6 +528,9 @@ def find(actual, calls: list, tol: float) -> Found:
     apart (a misreading that ``PRECEDES`` names alone). ``NOTHING`` where the last call is
     no plain ``attention`` call or ``actual`` is right for it; where no misreading fits,
     ``where`` says where the error lies."""
+    if calls and calls[-1][2] == "attention_quantized":
+        sentence = quantized_diagnosis.diagnose(actual, calls, tol)  # SPEC §20
+        return Found(sentence, (sentence,) if sentence else (), None)
     if not calls or calls[-1][2] != "attention":
         return NOTHING
     call = call_of(calls[-1][3], calls[-1][4])

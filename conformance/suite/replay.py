@@ -31,6 +31,7 @@ from conformance.suite.requirements import SuiteError, undeclared
 #: The backend methods a replay covers: everything that computes.
 RECORDED = (
     "attention",
+    "attention_quantized",
     "attention_vjp",
     "attention_packed",
     "attention_packed_vjp",

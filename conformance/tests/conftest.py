@@ -14,6 +14,7 @@ import pytest
 from conformance import backends
 from conformance.suite import replay
 from conformance.suite.plugin import conformance_backend, conformance_backends
+from conformance.suite.quantized import outside_sections
 from conformance.suite.requirements import common_dtype, declared_refusal, item_needs, lacking
 
 
@@ -56,7 +57,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         except ValueError as err:
             raise pytest.UsageError(f"{item.nodeid}: {err}") from err
         loaded = [conformance_backend(name) for name in names]
-        why = next((w for b in loaded if (w := lacking(b, caps, dtypes))), None)
+        # A backend of some sections only (SPEC §20's) skips the others by that name first.
+        why = next((w for b in loaded if (w := outside_sections(b, item))), None)
+        why = why or next((w for b in loaded if (w := lacking(b, caps, dtypes))), None)
         why = why or next((w for b in loaded if (w := declared_refusal(b, item))), None)
         if why is None and "dtype" in getattr(item, "fixturenames", ()):
             if common_dtype(loaded) is None:

@@ -103,6 +103,7 @@ KEYS = {
     "probe",
     "packed",
     "forms",
+    "quantized",
 }
 MASK_KEYS = {"bool", "bool_true", "float", "blocked"}
 FORMS_KEYS = {"causal", "alignments", "window_sides", "scale"}
@@ -142,6 +143,8 @@ class Profile:
     probe: str = ""
     packed: str | None = None
     forms: frozenset[str] | None = None
+    #: The [quantized] table: a quantized function, run on SPEC §20 alone.
+    quantized: dict | None = None
 
     def missing(self) -> list[str]:
         """The distributions in ``requires`` that are not installed here."""
@@ -179,6 +182,8 @@ class Profile:
         why = self._hardware_missing()
         if why:
             raise ProfileError(f"profile {self.name!r} ({self.path}) cannot run here: {why}")
+        if self.quantized is not None:
+            return self._quantized_backend()
         try:
             return resolve_impl(
                 self.target,
@@ -193,6 +198,18 @@ class Profile:
                 packed=self.packed,
                 forms=self.forms,
             )
+        except (ImplUnavailable, ValueError) as err:
+            raise ProfileError(f"profile {self.name!r} ({self.path}): {err}") from err
+
+    def _quantized_backend(self) -> Backend:
+        """The function of a [quantized] profile (``conformance.adapters.quantized``)."""
+        from conformance.adapters.quantized import QuantizedFunctionBackend
+
+        try:
+            return QuantizedFunctionBackend(
+                import_target(self.target), name=self.name, framework=self.framework,
+                layout=self.layout, caps=self.capabilities, table=self.quantized,
+            )  # fmt: skip
         except (ImplUnavailable, ValueError) as err:
             raise ProfileError(f"profile {self.name!r} ({self.path}): {err}") from err
 
@@ -307,6 +324,7 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
         probe=probe,
         packed=packed,
         forms=takes,
+        quantized=data.get("quantized"),
     )
 
 

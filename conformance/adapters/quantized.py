@@ -1,0 +1,153 @@
+"""A user's quantized attention function as a backend of SPEC §20, from its profile's
+``[quantized]`` table.
+
+    [quantized]
+    formats = { q = ["float8_e4m3fn"], k = ["float8_e4m3fn"], v = ["float8_e4m3fn"] }
+    granularities = { q = ["head"], k = ["head"], v = ["head"] }
+    pipeline = "e4m3_unnormalized"         # float32 | e4m3_unnormalized | e4m3_normalized
+    cast_rule = "saturate"                 # or "overflow"; with out_formats
+    out_formats = []                       # ["float8_e4m3fn"]: takes out_descale
+    descales = { q = "q_descale", k = "k_descale", v = "v_descale" }
+    descale_form = "array"                 # "scalar": a Python float (FlashInfer's q_scale)
+    options = { is_causal = "causal", scale = "softmax_scale" }
+    alignment = "bottom_right"             # its causality's alignment (FlashAttention's)
+
+The suite makes the codes and the descales itself, in the formats and granularities
+declared, and hands them to the function in its framework (torch float8 tensors, JAX
+float8 arrays, ``ml_dtypes`` arrays for NumPy) and layout (BHTD or BTHD: FlashAttention-3
+takes (B, T, H, D)), each descale under its keyword: an array of SPEC §20.2's shape
+(FlashAttention-3's (B, K)), or a float for a per-tensor scale. The function returns out
+in that layout, float32, or codes with ``out_descale``. Its profile's other keys (name,
+target, framework, layout, requires, capabilities) are read as for any profile; the
+backend runs §20 alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from conformance.backends import Backend
+from conformance.vocabulary import QuantizedForm
+
+QUANTIZED_KEYS = {
+    "formats",
+    "granularities",
+    "pipeline",
+    "cast_rule",
+    "out_formats",
+    "descales",
+    "descale_form",
+    "options",
+    "alignment",
+}
+#: The options of ``attention`` a quantized function may take, by the spec's names.
+QUANTIZED_OPTIONS = ("is_causal", "scale", "causal_alignment", "window", "softcap", "sinks")
+
+
+class QuantizedFunctionBackend(Backend):
+    """A quantized attention function described by a profile (SPEC §20.7)."""
+
+    dtypes = ("float32",)
+    sections = ("20",)
+
+    def __init__(self, func, *, name: str, framework: str, layout: str, caps, table: dict):
+        where = f"profile {name!r} [quantized]"
+        unknown = sorted(set(table) - QUANTIZED_KEYS)
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {unknown}; known: {sorted(QUANTIZED_KEYS)}")
+        try:
+            self.quantized = QuantizedForm(
+                formats={r: tuple(table["formats"][r]) for r in "qkv"},
+                granularities={r: tuple(table["granularities"][r]) for r in "qkv"},
+                pipeline=table.get("pipeline", "e4m3_unnormalized"),
+                out_formats=tuple(table.get("out_formats", ())),
+                cast_rule=table.get("cast_rule", "saturate"),
+            )
+        except KeyError as err:
+            raise ValueError(f"{where}: {err.args[0]!r} of q, k and v is required") from err
+        self.descales = dict(table.get("descales", {}))
+        if set(self.descales) != {"q", "k", "v"}:
+            raise ValueError(f"{where}: descales should name the keyword of q, k and v")
+        self.descale_form = table.get("descale_form", "array")
+        if self.descale_form not in ("array", "scalar"):
+            raise ValueError(
+                f"{where}: descale_form should be 'array' or 'scalar', got {self.descale_form!r}"
+            )
+        self.keywords = dict(table.get("options", {}))
+        bad = sorted(set(self.keywords) - set(QUANTIZED_OPTIONS))
+        if bad:
+            raise ValueError(f"{where}: options names {bad}; known: {QUANTIZED_OPTIONS}")
+        if layout not in ("BHTD", "BTHD"):
+            raise ValueError(f"{where}: layout should be BHTD or BTHD, got {layout!r}")
+        self.alignment = table.get("alignment", "top_left")
+        if self.alignment not in ("top_left", "bottom_right"):
+            raise ValueError(f"{where}: alignment should be top_left or bottom_right")
+        self.func, self.name, self.framework, self.layout = func, name, framework, layout
+        self.capabilities = frozenset({"quantized", *caps})
+        #: What the function takes (the suite skips a test needing anything else, by name);
+        #: causality in its one alignment, which is then not passed on.
+        self.takes = {*self.keywords, "causal_alignment"} - (
+            set() if "is_causal" in self.keywords else {"causal_alignment"}
+        )
+        forms = {"causal": "is_causal", "scale": "scale"}
+        self.forms = frozenset(f for f, o in forms.items() if o in self.keywords) | (
+            {"causal_top_left"} if self.alignment == "top_left" else set()
+        )
+
+    def _attention_quantized(self, q, k, v, *, out_format=None, **options):
+        kwargs: dict[str, Any] = {}
+        for role in "qkv":
+            d = np.asarray(options.pop(f"{role}_descale"))
+            if self.descale_form == "scalar":
+                if d.ndim:
+                    raise ValueError(f"{self.name} takes a scalar {role} descale, got {d.shape}")
+                kwargs[self.descales[role]] = float(d)
+            else:
+                kwargs[self.descales[role]] = self._array(d)
+        block_size = options.pop("block_size", None)
+        if block_size is not None:
+            kwargs["block_size"] = block_size
+        out_descale = options.pop("out_descale", None)
+        if out_descale is not None:
+            kwargs.update(out_descale=float(out_descale), out_format=out_format)
+        alignment = options.pop("causal_alignment", "top_left")
+        if options.get("is_causal") and alignment != self.alignment:
+            raise NotImplementedError(f"{self.name} is causal {self.alignment} only")
+        for option, value in options.items():
+            if option not in self.keywords:
+                raise NotImplementedError(f"{self.name} takes no {option} (its profile's options)")
+            kwargs[self.keywords[option]] = self._array(value) if option == "sinks" else value
+        q, k, v = (self._array(self._laid_out(x)) for x in (q, k, v))
+        return self._laid_out(self._numpy(self.func(q, k, v, **kwargs)))
+
+    def _laid_out(self, x: np.ndarray) -> np.ndarray:
+        """BTHD ↔ BHTD: the same swap both ways."""
+        return np.swapaxes(x, 1, 2) if self.layout == "BTHD" else x
+
+    def _array(self, x):
+        x = np.ascontiguousarray(x) if np.ndim(x) else np.asarray(x)
+        if self.framework == "torch":
+            import torch
+
+            if x.dtype.name.startswith("float8"):
+                return torch.from_numpy(x.view(np.uint8)).view(getattr(torch, x.dtype.name))
+            return torch.from_numpy(x)
+        if self.framework == "jax":
+            import jax
+
+            return jax.device_put(x)
+        return x
+
+    def _numpy(self, out) -> np.ndarray:
+        if self.framework != "torch":
+            return np.asarray(out)
+        import torch
+
+        if out.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            import ml_dtypes
+
+            fmt = str(out.dtype).removeprefix("torch.")
+            return out.view(torch.uint8).numpy().view(getattr(ml_dtypes, fmt))
+        return out.detach().numpy()

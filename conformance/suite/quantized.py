@@ -1,0 +1,182 @@
+"""What the tests of SPEC §20 share: the operands they quantise, the derived tolerance, and
+which backends run which sections.
+
+The suite makes the codes and descales itself (SPEC §20.7): a backend, or a user's
+function through its profile, declares the formats and granularities it takes, and the
+tests hand it exactly those. The expected output is the oracle on the dequantised
+operands (``conformance.fixtures.quantized``); the tolerance is §20.6's, from the
+declared P pipeline run plainly on the same operands.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conformance.fixtures import quantized as fq
+from conformance.suite.helpers import oracle_attention
+from conformance.suite.tolerance import EPS, FACTOR, FLOOR, finite_error
+
+#: The float32 floor of SPEC §7.1: the steps around P are float32 in every pipeline.
+FLOOR32 = FLOOR["float32"] * EPS["float32"]
+
+
+def outside_sections(backend, item: pytest.Item) -> str | None:
+    """Why ``backend`` does not run ``item``: it declares ``sections`` (the quantized
+    backends run SPEC §20 alone) and the item's clause lies in none of them."""
+    sections = getattr(backend, "sections", ())
+    if not sections:
+        return None
+    marker = item.get_closest_marker("clause")
+    clauses = marker.args if marker else ()
+    if any(str(c).split(".")[0] in sections for c in clauses):
+        return None
+    return f"{backend.name} runs SPEC §{', §'.join(sections)} only (quantized operands)"
+
+
+def quantise(
+    x: np.ndarray, fmt: str, granularity: str, *, block_size=None, K=None, rng=None, room=1.0
+):
+    """Codes and a float32 descale of x (B, N, S, ·) at ``granularity`` (SPEC §20.2).
+
+    The descale is amax / the format's largest value over each group, times a factor drawn
+    in [1.05, 1.45] or [1.55, 1.95] (never 1, different per group) so that a descale
+    dropped, replaced by 1, applied twice or taken from another head changes the answer;
+    a factor above 1 keeps every code inside the format, so no code saturates. ``room``
+    multiplies the factor: with 2, every code can be doubled and stay inside.
+    For q, whose descale is per key/value head, ``K`` groups the heads."""
+    x = np.asarray(x, dtype=np.float64)
+    B, N, S = x.shape[:3]
+    if granularity == "tensor":
+        groups = x.reshape(1, 1, -1)
+    elif granularity == "head":
+        groups = x.reshape(B, K or N, -1)
+    elif granularity == "token":
+        groups = x.reshape(B, N, S, -1)
+    else:
+        n = -(-S // block_size)
+        pad = np.zeros((B, N, n * block_size - S, x.shape[3]))
+        groups = np.concatenate([x, pad], axis=2).reshape(B, N, n, -1)
+    amax = np.abs(groups).max(axis=-1)
+    rng = rng or np.random.default_rng(0)
+    jitter = rng.uniform(1.05, 1.45, amax.shape) + rng.integers(0, 2, amax.shape) * 0.5
+    jitter = jitter * room
+    descale = (np.where(amax > 0, amax, 1.0) / fq.LARGEST[fmt] * jitter).astype(np.float32)
+    if granularity == "tensor":
+        descale = descale.reshape(())
+    full = fq.expand_descale(
+        descale if granularity != "head" or K is None else np.repeat(descale, N // K, axis=1),
+        B,
+        N,
+        S,
+        block_size,
+    )
+    codes = fq.cast(x / full[..., None], fmt, "saturate")
+    return codes, descale
+
+
+def bound(actual_pipeline: np.ndarray, expected: np.ndarray) -> float:
+    """SPEC §20.6: 2 · max |pipeline − oracle| + 8 · 2⁻²³ · max(1, max |oracle|)."""
+    expected = np.asarray(expected, dtype=np.float64)
+    scale = max(1.0, float(np.max(np.abs(expected[np.isfinite(expected)]), initial=0.0)))
+    return FACTOR * finite_error(actual_pipeline, expected) + FLOOR32 * scale
+
+
+def expected(operands: dict, **options) -> np.ndarray:
+    """The oracle on the dequantised operands (SPEC §20.3), kept for the process like every
+    oracle result the suite asks for (``helpers.oracle_attention``)."""
+    L = operands.get("block_size")
+    return oracle_attention(
+        fq.dequantize(operands["q"], operands["q_descale"]),
+        fq.dequantize(operands["k"], operands["k_descale"], L),
+        fq.dequantize(operands["v"], operands["v_descale"], L),
+        **options,
+    )
+
+
+def expected_and_bound(backend, operands: dict, **options) -> tuple[np.ndarray, float]:
+    """The oracle on the dequantised operands and §20.6's bound for ``backend``'s pipeline."""
+    y = expected(operands, **options)
+    run = fq.pipeline(
+        *_args(operands),
+        backend.quantized.pipeline,
+        block_size=operands.get("block_size"),
+        **options,
+    )
+    return y, bound(run, y)
+
+
+def _args(o: dict) -> tuple:
+    return o["q"], o["k"], o["v"], o["q_descale"], o["k_descale"], o["v_descale"]
+
+
+def call(backend, operands: dict, **options) -> np.ndarray:
+    """``backend.attention_quantized`` on ``operands``, float64 out; a test whose options a
+    function's profile does not take (a mask) is skipped, naming it (SPEC §20.7)."""
+    takes = getattr(backend, "takes", None)
+    if takes is not None:
+        for option in options:
+            if option not in takes:
+                pytest.skip(f"{backend.name} takes no {option} (its profile's [quantized] options)")
+    return np.asarray(
+        backend.attention_quantized(
+            operands["q"],
+            operands["k"],
+            operands["v"],
+            q_descale=operands["q_descale"],
+            k_descale=operands["k_descale"],
+            v_descale=operands["v_descale"],
+            block_size=operands.get("block_size"),
+            **options,
+        ),
+        dtype=np.float64,
+    )
+
+
+def supported(backend, role: str, fmt: str, granularity: str) -> bool:
+    form = backend.quantized
+    return fmt in form.formats[role] and granularity in form.granularities[role]
+
+
+def operands(
+    seed: int,
+    *,
+    B=2,
+    H=4,
+    K=2,
+    T=7,
+    S=11,
+    D=8,
+    E=8,
+    formats=("float8_e4m3fn",) * 3,
+    granularities=("head", "head", "head"),
+    block_size=None,
+    q_spread=2.0,
+    k_spread=1.0,
+    room=1.0,
+) -> dict:
+    """Random q, k, v quantised at the given formats and granularities (SPEC §20.2)."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, H, T, D)) * q_spread
+    k = rng.standard_normal((B, K, S, D)) * k_spread
+    v = rng.standard_normal((B, K, S, E))
+    out = {"block_size": block_size}
+    for role, x, fmt, gran in zip("qkv", (q, k, v), formats, granularities):
+        codes, descale = quantise(x, fmt, gran, block_size=block_size, K=K, rng=rng, room=room)
+        out[role], out[f"{role}_descale"] = codes, descale
+    return out
+
+
+def growing_scores(seed: int) -> dict:
+    """Operands whose scores (at scale 1) grow key after key from about 6 to 64, with every
+    key on one line through the origin: each tile's row maximum is above the last's, so a
+    kernel that rounds P at a stale maximum pushes P · 2⁸ past e4m3's 448 (SPEC §20.4)."""
+    o = operands(seed, B=1, H=2, K=1, T=3, S=128, D=8, E=8)
+    rng = np.random.default_rng(seed + 1)
+    u = rng.standard_normal(8)
+    u /= np.linalg.norm(u)
+    k = np.linspace(0.1, 1.0, 128)[:, None] * u * 8.0  # (S, D)
+    q = np.broadcast_to(u * 8.0, (1, 2, 3, 8))
+    o["q"], o["q_descale"] = quantise(q, "float8_e4m3fn", "head", K=1, rng=rng)
+    o["k"], o["k_descale"] = quantise(k[None, None], "float8_e4m3fn", "head", rng=rng)
+    return o

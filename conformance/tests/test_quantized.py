@@ -1,0 +1,379 @@
+"""SPEC §20: quantized operands. The expected output is the oracle on the dequantised q, k
+and v (codes × descale, exact in float64), held to §20.6's bound: twice the error of the
+backend's declared P pipeline run plainly on the same operands, plus float32's floor.
+The checks of §20.4 need no bound: a swap of two heads' descales leaves every other
+head's output bit for bit as it was, a power of two moved between codes and descale
+leaves the output bit for bit as it was, and a causal row is bit for bit the same
+whatever the future tokens of its block hold.
+
+One shape serves nearly every test (B=2, H=4, K=2, T=7, S=11, D=E=8); the long rows of
+§20.4's mass conservation add S = 127, 128, 129 and 4,096 with T=3."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from conformance.fixtures import quantized as fq
+from conformance.suite import quantized as sq
+from conformance.suite.cases import case_entries, case_marks, load_case
+from conformance.suite.quantized_diagnosis import other_cast_rule
+from conformance.suite.requirements import requires
+from conformance.suite.tolerance import assert_identical, assert_within, expect
+
+pytestmark = requires("quantized", "gqa")
+
+E4M3 = "float8_e4m3fn"
+E5M2 = "float8_e5m2"
+
+#: (formats of q, k, v; granularities of q, k, v; block length): FlashAttention-3's
+#: per-head e4m3, cuDNN's and Transformer Engine's per tensor, a KV cache's per token, per
+#: block of 4 tokens, e5m2, and SageAttention's int8 q and k.
+FORMS = {
+    "e4m3-head": ((E4M3,) * 3, ("head",) * 3, None),
+    "e4m3-tensor": ((E4M3,) * 3, ("tensor",) * 3, None),
+    "e4m3-token": ((E4M3,) * 3, ("head", "token", "token"), None),
+    "e4m3-block4": ((E4M3,) * 3, ("head", "block", "block"), 4),
+    "e5m2-head": ((E5M2,) * 3, ("head",) * 3, None),
+    "int8-qk-e4m3-v": (("int8", "int8", E4M3), ("head", "head", "token"), None),
+}
+#: The last T queries of a sequence of S keys (a KV cache's, FlashAttention's causal).
+DECODE = {"is_causal": True, "causal_alignment": "bottom_right"}
+#: The options of attention that quantization meets (SPEC §20.3), with what they need.
+SETUPS = {
+    "plain": ({}, ()),
+    "causal": ({"is_causal": True}, ("causal", "causal_top_left")),
+    "decode": ({"is_causal": True, "causal_alignment": "bottom_right"}, ("causal_bottom_right",)),
+    "bottom-right-window-softcap": (
+        {"is_causal": True, "causal_alignment": "bottom_right", "window": (3, 1), "softcap": 2.0},
+        ("causal_bottom_right", "window", "softcap"),
+    ),
+    "sinks": ({"sinks": np.array([0.5, -1.0, 2.0, 0.0], np.float32)}, ("sinks",)),
+    "bool-mask": ({"mask": "bool"}, ()),
+}
+
+
+def _form(backend, name: str) -> dict:
+    """The operands of form ``name``, or a skip naming what the backend does not declare."""
+    formats, granularities, L = FORMS[name]
+    for role, fmt, gran in zip("qkv", formats, granularities):
+        if not sq.supported(backend, role, fmt, gran):
+            pytest.skip(f"{backend.name} does not declare {role} in {fmt} per {gran} (§20.7)")
+    return sq.operands(30, formats=formats, granularities=granularities, block_size=L)
+
+
+def _options(name: str) -> dict:
+    options = dict(SETUPS[name][0])
+    if options.get("mask") == "bool":
+        mask = np.random.default_rng(31).random((2, 4, 7, 11)) < 0.7
+        mask[0, 1, 2] = False  # a row with no key: exactly 0
+        options["mask"] = mask
+    return options
+
+
+def _check(backend, o: dict, what: str, behaviour: str, **options) -> np.ndarray:
+    expected, bound = sq.expected_and_bound(backend, o, **options)
+    out = sq.call(backend, o, **options)
+    assert_within(
+        out,
+        expected,
+        bound,
+        f"{backend.name}: {what} (P pipeline {backend.quantized.pipeline}); SPEC §20.6's bound "
+        "is 2 · the pipeline's error + float32's floor",
+        behaviour=behaviour,
+    )
+    return out
+
+
+#: Every form once with each setup in turn, and FlashAttention-3's form with every setup:
+#: all forms and all setups, without their product (each pair is a JAX program).
+PAIRS = list(
+    dict.fromkeys(
+        [*zip(FORMS, itertools.cycle(SETUPS)), *(("e4m3-head", setup) for setup in SETUPS)]
+    )
+)
+
+
+@pytest.mark.clause("20.3", "20.1", "20.2", "20.6")
+@pytest.mark.parametrize(
+    ("form", "setup"),
+    [
+        pytest.param(form, setup, marks=requires(*SETUPS[setup][1]), id=f"{form}-{setup}")
+        for form, setup in PAIRS
+    ],
+)
+def test_quantized_matches_the_oracle_on_dequantised_operands(backend, form, setup):
+    """Every format and granularity, and every option attention meets: the oracle's answer
+    on codes × descale, within twice the declared pipeline's own error."""
+    o = _form(backend, form)
+    _check(
+        backend,
+        o,
+        f"{form}, {setup}",
+        "quantized attention differs from the oracle on the dequantised operands",
+        **_options(setup),
+    )
+
+
+@pytest.mark.clause("20.4")
+@pytest.mark.parametrize("role", ["q", "k", "v"])
+@requires("causal", "causal_bottom_right")
+def test_swapped_descales_change_exactly_those_heads(backend, role):
+    """Descales per (batch, key/value head), drawn apart and never 1: swapping those of two
+    key/value heads of batch 0 leaves every other (batch, head)'s rows bit for bit as they
+    were and gives the two heads what the oracle says for the swapped descales."""
+    o = sq.operands(32)
+    before = sq.call(backend, o, **DECODE)
+    swapped = dict(o)
+    d = np.array(o[f"{role}_descale"])
+    expect(
+        d[0, 0] != d[0, 1] and (d != 1).all(),
+        "the suite drew equal descales",
+        f"{role}_descale {d}: the test needs two distinct descales, none 1",
+    )
+    d[0, [0, 1]] = d[0, [1, 0]]
+    swapped[f"{role}_descale"] = d
+    after = _check(
+        backend,
+        swapped,
+        f"{role}'s descales of heads 0 and 1 swapped",
+        f"{role}'s descale is not the one of its own (batch, key/value head)",
+        **DECODE,
+    )
+    assert_identical(
+        after[1],
+        before[1],
+        f"{backend.name}: batch 1's rows after batch 0's {role} descales were swapped",
+        behaviour=f"{role}'s descales of one batch change another batch's output",
+    )
+    expect(
+        not np.array_equal(after[0], before[0]),
+        f"{role}'s descale is not used",
+        f"{backend.name}: swapping {role}'s descales of two heads left their output as it was",
+    )
+
+
+@pytest.mark.clause("20.4")
+@pytest.mark.parametrize("role", ["q", "k", "v"])
+@pytest.mark.parametrize("form", ["e4m3-head", "e4m3-token"])
+@requires("causal", "causal_bottom_right")
+def test_power_of_two_moved_into_the_codes_changes_nothing(backend, role, form):
+    """codes × 2 with descale / 2 is the same operand, exactly (both stay representable:
+    the codes leave a factor 2 of room): the output is bit for bit the same."""
+    formats, granularities, L = FORMS[form]
+    if not all(sq.supported(backend, r, f, g) for r, f, g in zip("qkv", formats, granularities)):
+        pytest.skip(f"{backend.name} does not declare {form} (§20.7)")
+    o = sq.operands(33, formats=formats, granularities=granularities, block_size=L, room=2.0)
+    moved = dict(o)
+    doubled = np.asarray(o[role]).astype(np.float64) * 2
+    moved[role] = fq.cast(doubled, formats["qkv".index(role)], "overflow")
+    expect(
+        np.array_equal(np.asarray(moved[role]).astype(np.float64), doubled),
+        "the suite's doubled codes are not exact",
+        f"{role}: a doubled code is not representable",
+    )
+    moved[f"{role}_descale"] = (np.asarray(o[f"{role}_descale"]) / 2).astype(np.float32)
+    assert_identical(
+        sq.call(backend, moved, **DECODE),
+        sq.call(backend, o, **DECODE),
+        f"{backend.name}: {role}'s codes doubled and its descale halved ({form})",
+        behaviour="a power of two moved between codes and descale changes the output",
+    )
+
+
+def _constant_v(o: dict, code: float = 1.5, descale: float = 0.37) -> tuple[dict, float]:
+    """o with every value code ``code`` and v's descale ``descale`` per head: v = c."""
+    o = dict(o)
+    o["v"] = np.full(np.shape(o["v"]), code).astype(np.asarray(o["v"]).dtype)
+    o["v_descale"] = np.full(np.shape(o["k_descale"]), descale, np.float32)
+    return o, code * float(np.float32(descale))
+
+
+@pytest.mark.clause("20.4")
+@pytest.mark.parametrize("S", [127, 128, 129, 4096])
+@requires("causal", "causal_bottom_right")
+def test_constant_v_gives_the_constant_on_long_diffuse_rows(backend, S):
+    """v = c everywhere: every row with a key returns c, within §20.6's bound. The rows are
+    diffuse (q small: every weight near 1/S; causal bottom-right, so the last T queries
+    see nearly every key), where a normalised P in e4m3 falls below 2⁻⁹ and underflows
+    once S passes about 1,000."""
+    o = sq.operands(34, B=1, H=2, K=1, T=3, S=S, D=8, E=8, q_spread=0.05)
+    o, c = _constant_v(o)
+    expected = sq.expected(o, **DECODE)
+    expect(
+        np.allclose(expected, c, rtol=1e-15, atol=0),
+        "the oracle does not conserve mass",
+        f"oracle: {expected.ravel()[:4]}, expected {c}",
+    )
+    _check(
+        backend,
+        o,
+        f"v = {c} everywhere, S = {S}",
+        "v = c everywhere does not give c on a long diffuse row",
+        **DECODE,
+    )
+
+
+@pytest.mark.clause("20.4")
+def test_constant_v_under_a_dominant_sink(backend):
+    """v = c with a sink 6 above every score: each row returns c · (1 − p_sink), as the
+    oracle says; a normalised P, near e⁻⁶/S per key, underflows in e4m3."""
+    if "sinks" not in backend.capabilities:
+        pytest.skip(f"{backend.name} lacks capability 'sinks'")
+    o = sq.operands(35, B=1, H=2, K=1, T=3, S=128, D=8, E=8, q_spread=0.05)
+    o, _ = _constant_v(o)
+    _check(
+        backend,
+        o,
+        "v = c with a dominant sink",
+        "v = c under a dominant sink differs from the oracle (a normalised P underflows)",
+        sinks=np.array([6.0, 8.0], np.float32),
+    )
+
+
+@pytest.mark.clause("20.4")
+def test_growing_row_maxima_stay_finite(backend):
+    """Scores that grow key after key, up to about 60 (every tile's maximum above the last
+    one's): P never passes the format's largest value, so the output is finite, and
+    within the bound."""
+    o = sq.growing_scores(36)
+    out = _check(
+        backend,
+        o,
+        "scores growing along the keys",
+        "scores that grow key after key make the output non-finite or wrong",
+        scale=1.0,
+    )
+    expect(
+        np.isfinite(out).all(),
+        "growing row maxima make the output non-finite",
+        f"{backend.name}: NaN or inf in {np.argwhere(~np.isfinite(out))[:4].tolist()}",
+    )
+
+
+@pytest.mark.clause("20.4")
+@requires("causal", "causal_bottom_right")
+def test_no_future_leakage_through_block_descales(backend):
+    """Causal (bottom-right, T = 7, S = 11: row t sees keys up to t + 4) with k and v
+    descaled per block of 4 tokens: changing the codes of keys 10 and 11, the future of
+    every row but the last, inside block 2 (keys 8-11, whose descale is kept), leaves rows
+    0-5 bit for bit as they were."""
+    formats, granularities, L = FORMS["e4m3-block4"]
+    if not all(sq.supported(backend, r, f, g) for r, f, g in zip("qkv", formats, granularities)):
+        pytest.skip(f"{backend.name} does not declare k and v per block (§20.7)")
+    o = sq.operands(38, formats=formats, granularities=granularities, block_size=L)
+    before = sq.call(backend, o, **DECODE)
+    changed = dict(o)
+    for role in ("k", "v"):
+        codes = np.asarray(o[role]).astype(np.float64)
+        codes[:, :, 10:] = -codes[:, :, 10:] * 0.5
+        changed[role] = fq.cast(codes, E4M3, "saturate")
+    after = sq.call(backend, changed, **DECODE)
+    assert_identical(
+        after[:, :, :6],
+        before[:, :, :6],
+        f"{backend.name}: rows 0-5 after the codes of keys 10 and 11 changed",
+        behaviour="a per-block descale leaks future tokens into earlier causal rows",
+    )
+
+
+@pytest.mark.clause("20.5")
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_fp8_output_is_the_oracles_output_quantised(backend, fmt):
+    """With ``out_descale``, the codes returned are those of some output within §20.6's
+    bound, cast under the backend's declared rule; an out_descale small enough that some
+    outputs pass the format's largest value shows the rule: the largest code when it
+    saturates, the format's overflow value (NaN in e4m3, ±inf in e5m2) when it does not."""
+    form = backend.quantized
+    if fmt not in form.out_formats:
+        pytest.skip(f"{backend.name} does not declare {fmt} output (§20.7)")
+    o = sq.operands(39)
+    expected, bound = sq.expected_and_bound(backend, o)
+    top = fq.LARGEST[fmt]
+    out_descale = np.float32(np.abs(expected).max() / top * 0.75)
+    got = sq.call(backend, o, out_descale=out_descale, out_format=fmt)
+    rule = form.cast_rule
+    lo = fq.cast((expected - bound) / float(out_descale), fmt, rule).astype(np.float64)
+    hi = fq.cast((expected + bound) / float(out_descale), fmt, rule).astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        inside = (lo <= got) & (got <= hi)
+    either = ~np.isfinite(lo) | ~np.isfinite(hi)
+    ok = inside | (
+        either & ((got == lo) | (got == hi) | np.isnan(got) & (np.isnan(lo) | np.isnan(hi)))
+    )
+    where = np.argwhere(~ok)[:3].tolist()
+    expect(
+        bool(ok.all()),
+        other_cast_rule(got, expected, out_descale, fmt, rule)
+        or f"an FP8 output is not the oracle's output cast under the declared rule ({rule})",
+        f"{backend.name}: out codes in {fmt} with out_descale {out_descale}, cast rule {rule}: "
+        f"at {where} got {[got[tuple(i)] for i in where]}, allowed "
+        f"{[(lo[tuple(i)], hi[tuple(i)]) for i in where]}",
+    )
+    past = np.abs(expected) - bound > top * float(out_descale) * (1 + 2**-3)
+    expect(
+        past.any(),
+        "the suite's out_descale puts no output past the format",
+        "no output lies past the largest code: the rule is not shown",
+    )
+
+
+@pytest.mark.clause("20.2")
+@requires("error_messages")
+@pytest.mark.parametrize(
+    ("name", "value", "error"),
+    [
+        ("k_descale", np.ones((2, 2, 12), np.float32), ValueError),
+        ("q_descale", np.ones((2, 4), np.float32), ValueError),
+        ("v_descale", np.ones((2, 2), np.float64), TypeError),
+    ],
+    ids=["k-per-token-wrong-S", "q-per-query-head", "v-float64"],
+)
+def test_a_descale_of_no_granularity_is_refused(backend, name, value, error):
+    """A descale whose shape is none of §20.2's (k per token with S + 1 entries; q per query
+    head, (B, H)) raises ValueError, one not float32 TypeError, naming the argument."""
+    o = dict(sq.operands(40))
+    o[name] = value
+    with pytest.raises(error, match=name):
+        sq.call(backend, o)
+
+
+@pytest.mark.parametrize(
+    "case_id",
+    [
+        pytest.param(e["id"], marks=case_marks(e, "11.1"), id=e["id"])
+        for e in case_entries(("attention_quantized",))
+    ],
+)
+def test_quantized_fixture(backend, case_id):
+    """The stored quantized cases (fixtures/manifest.json, kind "attention_quantized"): the
+    codes from their bytes, the stored descales, the stored oracle output (50 digits), the
+    bound from the declared pipeline on this machine (as §7.2's naive run). The first is the
+    worked example quantised: its answer is the seed's."""
+    case = load_case(case_id)
+    entry = case.meta
+    for role, fmt, gran in zip("qkv", entry["formats"], entry["granularities"]):
+        if not sq.supported(backend, role, fmt, gran):
+            pytest.skip(f"{backend.name} does not declare {role} in {fmt} per {gran} (§20.7)")
+    o = {
+        role: case.arrays[f"{role}_codes"].view(fq.code_dtype(fmt))
+        for role, fmt in zip("qkv", entry["formats"])
+    }
+    o |= {f"{r}_descale": case.arrays[f"{r}_descale"] for r in "qkv"}
+    o["block_size"] = entry["block_size"]
+    options = dict(entry["options"])
+    if options.get("window") is not None:
+        options["window"] = tuple(options["window"])
+    expected = case.arrays["expected"]
+    run = fq.pipeline(
+        *sq._args(o), backend.quantized.pipeline, block_size=o["block_size"], **options
+    )
+    assert_within(
+        sq.call(backend, o, **options),
+        expected,
+        sq.bound(run, expected),
+        f"{backend.name}: fixture {case_id} (P pipeline {backend.quantized.pipeline})",
+        behaviour="quantized attention differs from the stored oracle output",
+    )

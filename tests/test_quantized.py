@@ -1,0 +1,169 @@
+"""SPEC §20 on the project's side: the dequantised operand is exact, the quantized forms
+are declared and checked, and a backend without the capability refuses the entry point."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mpmath
+import numpy as np
+import pytest
+from conformance.fixtures import quantized as fq
+from conformance.impls.numpy import quantized as page
+
+from conformance import load_backend
+from conformance.backends.registry import BUILTIN
+from conformance.suite import quantized as sq
+from conformance.vocabulary import QuantizedForm
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.clause("20.1")
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2", "int8"])
+def test_codes_times_descale_is_exact_in_float64(fmt):
+    """Every code of the format times random float32 descales: the float64 product is the
+    exact product (50 digits), in the oracle's dequantise and in the NumPy page's."""
+    if fmt == "int8":
+        codes = np.arange(-127, 128).astype(np.int8)
+    else:
+        codes = np.arange(256, dtype=np.uint8).view(fq.code_dtype(fmt))
+        codes = codes[np.isfinite(codes.astype(np.float64))]
+    rng = np.random.default_rng(0)
+    descale = rng.uniform(1e-4, 10, 4).astype(np.float32)
+    for d in descale:
+        x = codes.reshape(1, 1, -1, 1)
+        got = fq.dequantize(x, d).ravel()
+        ctx = mpmath.MPContext()
+        ctx.dps = 50
+        exact = [ctx.mpf(float(c)) * ctx.mpf(float(d)) for c in codes.astype(np.float64)]
+        assert all(ctx.mpf(float(g)) == e for g, e in zip(got, exact))
+        assert np.array_equal(page.dequantize(x, d).ravel(), got)
+
+
+@pytest.mark.clause("20.5")
+def test_the_cast_rules():
+    """465 in e4m3: 448 saturating, NaN overflowing; 61,440 in e5m2: 57,344 or inf; the
+    round-to-nearest-even of 464 is 448 under both."""
+    e4, e5 = "float8_e4m3fn", "float8_e5m2"
+    cast = lambda x, f, r: float(fq.cast(np.array([x]), f, r).astype(np.float64)[0])  # noqa: E731
+    assert cast(465, e4, "saturate") == 448 and np.isnan(cast(465, e4, "overflow"))
+    assert cast(464, e4, "overflow") == 448
+    assert cast(61440, e5, "saturate") == 57344 and cast(61440, e5, "overflow") == np.inf
+    assert cast(-61440, e5, "overflow") == -np.inf
+
+
+@pytest.mark.clause("20.7")
+def test_the_quantized_backends_declare_their_form():
+    """Each shipped backend with "quantized" declares a QuantizedForm and runs §20 alone;
+    a form with a format or granularity the spec does not know is refused by name."""
+    quantized = [n for n, cls in BUILTIN.items() if "quantized" in cls.capabilities]
+    assert set(quantized) == {"numpy-fp8", "torch-fp8", "jax-fp8"}
+    backend = load_backend("numpy-fp8", pipeline="e4m3_normalized")
+    assert isinstance(backend.quantized, QuantizedForm)
+    assert backend.quantized.pipeline == "e4m3_normalized" and backend.sections == ("20",)
+    with pytest.raises(ValueError, match="granularities"):
+        QuantizedForm(
+            formats={"q": ("int8",), "k": ("int8",), "v": ("float8_e4m3fn",)},
+            granularities={"q": ("token",), "k": ("head",), "v": ("head",)},
+            pipeline="float32",
+        )
+    with pytest.raises(ValueError, match="formats"):
+        QuantizedForm(
+            formats={"q": ("int8",), "k": ("int8",), "v": ("int8",)},
+            granularities={"q": ("head",), "k": ("head",), "v": ("head",)},
+            pipeline="float32",
+        )
+
+
+@pytest.mark.clause("20.8")
+def test_without_the_capability_attention_quantized_is_refused():
+    o = sq.operands(41)
+    with pytest.raises(NotImplementedError, match="quantized"):
+        sq.call(load_backend("numpy"), o)
+
+
+@pytest.mark.clause("20.7")
+def test_a_profile_declares_its_quantized_form(tmp_path):
+    """examples/fp8_attention.toml gives a backend of SPEC §20 alone, in the declared form;
+    its output on the suite's operands is within §20.6's bound; a [quantized] table with an
+    unknown key, or without the descales' keywords, is refused by name."""
+    from conformance.adapters.profiles import ProfileError, read_profile
+
+    backend = read_profile(ROOT / "examples" / "fp8_attention.toml").resolve()
+    assert backend.sections == ("20",) and backend.quantized.pipeline == "e4m3_unnormalized"
+    assert "causal_top_left" not in backend.forms
+    o = sq.operands(42)
+    options = {"is_causal": True, "causal_alignment": "bottom_right"}
+    expected, bound = sq.expected_and_bound(backend, o, **options)
+    assert np.abs(sq.call(backend, o, **options) - expected).max() <= bound
+    text = (ROOT / "examples" / "fp8_attention.toml").read_text()
+    for bad, words in (
+        ('pipeline = "e4m3_unnormalized"', "pipeline should be one of"),
+        ('descales = { q = "q_descale", k = "k_descale", v = "v_descale" }', "descales"),
+    ):
+        path = tmp_path / "bad.toml"
+        broken = text.replace(bad, 'pipeline = "fp4"' if "pipeline" in bad else "")
+        path.write_text(broken)
+        with pytest.raises(ProfileError, match=words):
+            read_profile(path).resolve()
+
+
+def flashinfer_style(q, k, v, *, q_scale, k_scale, v_scale, sm_scale=None):
+    """A NumPy function with FlashInfer's scalar scales: the operands dequantised, then the
+    textbook (for the kit's test of descale_form = "scalar")."""
+    q, k, v = (x.astype(np.float64) * s for x, s in ((q, q_scale), (k, k_scale), (v, v_scale)))
+    G = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    s = q @ np.swapaxes(k, -1, -2) * (sm_scale or 1 / np.sqrt(q.shape[-1]))
+    w = np.exp(s - s.max(-1, keepdims=True))
+    return (w / w.sum(-1, keepdims=True) @ v).astype(np.float32)
+
+
+@pytest.mark.clause("20.7")
+def test_scalar_descales_reach_the_function_as_floats():
+    from conformance.adapters.quantized import QuantizedFunctionBackend
+
+    backend = QuantizedFunctionBackend(
+        flashinfer_style,
+        name="flashinfer-style",
+        framework="numpy",
+        layout="BHTD",
+        caps=["gqa"],
+        table={
+            "formats": {r: ["float8_e4m3fn"] for r in "qkv"},
+            "granularities": {r: ["tensor"] for r in "qkv"},
+            "pipeline": "float32",
+            "descales": {"q": "q_scale", "k": "k_scale", "v": "v_scale"},
+            "descale_form": "scalar",
+            "options": {"scale": "sm_scale"},
+        },
+    )
+    o = sq.operands(43, granularities=("tensor",) * 3)
+    expected, bound = sq.expected_and_bound(backend, o)
+    assert np.abs(sq.call(backend, o) - expected).max() <= bound
+    with pytest.raises(ValueError, match="scalar q descale"):
+        sq.call(backend, sq.operands(43))
+
+
+@pytest.mark.clause("20.1")
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2", "int8"])
+def test_the_pages_quantise_within_half_a_code(fmt):
+    """The pages' first lesson: per (batch, head), amax lands on the largest code, and
+    codes × descale is within half a code's spacing of x (ties to even, no saturation)."""
+    torch = pytest.importorskip("torch")
+    from conformance.impls.torch import quantized as torch_page
+
+    x = np.random.default_rng(7).standard_normal((2, 3, 5, 4)) * 3
+    codes, descale = page.quantize(x, fmt, axes=(0, 1))
+    values = page.dequantize(codes, descale)
+    spacing = {"float8_e4m3fn": 2.0**-3, "float8_e5m2": 2.0**-2, "int8": None}[fmt]
+    amax = np.abs(x).max(axis=(2, 3), keepdims=True)
+    if spacing is None:  # int8: integer codes, spacing one descale
+        assert (np.abs(values - x) <= descale[..., None, None] / 2 + 1e-12).all()
+    else:  # floats: half a spacing relative to the value, or of the smallest normal
+        assert (np.abs(values - x) <= np.maximum(np.abs(x), amax * 2.0**-14) * spacing).all()
+    assert np.abs(codes.astype(np.float64)).max() == fq.LARGEST[fmt]
+    t_codes, t_descale = torch_page.quantize(torch.from_numpy(x), fmt, axes=(0, 1))
+    assert np.array_equal(t_descale.numpy(), descale)
+    assert np.array_equal(t_codes.to(torch.float64).numpy(), codes.astype(np.float64))

@@ -77,7 +77,9 @@ def verdicts(rows: list[dict], declared: dict[str, dict]) -> dict[str, dict]:
     cannot say); the clauses with known failures; how many tests ran; and the capabilities
     and dtypes it does not declare.
 
-    ``declared``: {backend: {"capabilities": [...], "dtypes": [...]}}.
+    ``declared``: {backend: {"capabilities": [...], "dtypes": [...], "declarable": [...]}};
+    what it does not declare is what it could (``declarable``, default every capability)
+    and did not: a function is never said to lack what only a Backend class can have.
     """
     result = {}
     for name, decl in declared.items():
@@ -102,7 +104,9 @@ def verdicts(rows: list[dict], declared: dict[str, dict]) -> dict[str, dict]:
                 for partner, rs in apart.items()
             },
             "known_failure_clauses": _clauses(known),
-            "lacks_capabilities": sorted(set(CAPABILITIES) - set(decl["capabilities"])),
+            "lacks_capabilities": sorted(
+                set(decl.get("declarable", CAPABILITIES)) - set(decl["capabilities"])
+            ),
             "lacks_dtypes": [d for d in DTYPES if d not in decl["dtypes"]],
         }
     return result

@@ -698,3 +698,47 @@ def test_the_replay_shows_the_call_as_the_function_received_it(tmp_path):
     )
     received = "as the function received it: attention(float64[2, 3, 7, 5], float64[2, 3, 5, 5], float64[2, 3, 5, 5], mask=float64[7, 5])"
     assert received in out, out[-3000:]
+
+
+@pytest.mark.clause("13.18")
+def test_a_failure_counts_in_the_layer_its_behaviour_names():
+    assert verdicts.layer_of_failure("6.3", "departs from §6.3 (No future leakage)") == "math"
+    edge = "a query with no key to attend returns NaN, not 0"
+    assert verdicts.layer_of_failure("3.7", edge) == "edges"
+    refusal = "raises RuntimeError, not ValueError, for 2-d cu_seqlens"
+    assert verdicts.layer_of_failure("18.1", refusal) == "contract"
+    assert verdicts.layer_of_failure("18.1", "accepts scale = 0 (no error)") == "contract"
+
+    def row(clause, outcome, behaviour="", backend="f"):
+        layer = verdicts.layer_of_failure(clause, behaviour) if behaviour else layer_of(clause)
+        return {
+            "backend": backend,
+            "clause": clause,
+            "layer": layer,
+            "outcome": outcome,
+            "behaviour": behaviour,
+            "test": f"t{clause}",
+            "rerun": "pytest ...",
+        }
+
+    rows = [
+        row("6.3", "passed"),
+        row("3.7", "failed", edge),
+        row("4.9", "xfailed", "a NaN in the inputs becomes a number in the output"),
+        row("8.1", "failed", "raises RuntimeError, not ValueError, for a q of rank 5"),
+        row("8.1", "failed", "raises RuntimeError, not TypeError, for an int64 mask"),
+        row("6.3", "passed", backend="g"),
+        row("8.1", "skipped", backend="g"),
+    ]
+    assert verdicts.verdict_lines(rows, ["f", "g"], []) == [
+        "verdict f — math: conforms (1 test) · edges: departs on §3.7, §4.9 (2 behaviours) · "
+        "contract: departs on §8.1 (RuntimeError where TypeError; RuntimeError where ValueError)",
+        "verdict g — math: conforms (1 test) · edges: not run · "
+        "contract: not run (every test skipped)",
+    ]
+    lines = verdicts.behaviour_lines(rows)
+    assert "1 test (1 known) · §4.9 · f: a NaN in the inputs" in lines[0]
+    assert lines[1] == f"1 test · §3.7 · f: {edge} · rerun: pytest ..."
+    assert lines[2].startswith(
+        "2 tests · §8.1 · f: raises RuntimeError, not ValueError, for a q of"
+    )

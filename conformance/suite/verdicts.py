@@ -37,6 +37,21 @@ EDGE_CAUSES = re.compile(
     r"^(a query with no key to attend|a gradient that nothing attended|"
     r"a NaN in the inputs becomes a number)"
 )
+
+
+def layer_of_failure(clause: str | None, behaviour: str) -> str | None:
+    """The layer a failure counts in: its clause's, but for a behaviour that is an edge's
+    (``EDGE_CAUSES``) or a refusal of bad input (``behaviours.FAMILIES``: "raises
+    RuntimeError, not ValueError, for ...", "accepts ... (no error)"), which count in the
+    edges and the contract layer whatever test shows them (a bad ``cu_seqlens`` is a
+    test of §18.1)."""
+    if EDGE_CAUSES.match(behaviour):
+        return "edges"
+    if any(pattern.match(behaviour) for pattern, _ in behaviours.FAMILIES):
+        return "contract"
+    return layer_of(clause)
+
+
 #: The plugin's options a rerun repeats, as ``config.getoption`` names them; flags last.
 RERUN_OPTIONS = (
     "--backend",
@@ -120,7 +135,7 @@ def short_failure(
     own frames are left out."""
     marker = item.get_closest_marker("clause")
     clause = marker.args[0] if marker else None
-    layer = "edges" if EDGE_CAUSES.match(found) else layer_of(clause)
+    layer = layer_of_failure(clause, found)
     where = f" (§{clause} {clause_titles().get(clause, '')}; layer {layer})"
     lines = [f"finding: {found}" + (where if clause else "")]
     if excinfo is not None:
@@ -193,8 +208,8 @@ class Summary:
             outcome = report.outcome
         properties = dict(report.user_properties)
         behaviour = properties.get(behaviours.PROPERTY, "")
-        if EDGE_CAUSES.match(behaviour):
-            found["layer"] = "edges"
+        if report.failed or outcome == "xfailed":
+            found["layer"] = layer_of_failure(found["clause"], behaviour)
         self.rows.append(
             {**found, "test": report.nodeid, "outcome": outcome, "behaviour": behaviour}
         )
@@ -293,7 +308,7 @@ def layer_verdict(rows: list[dict], layer: str, selected: list[str]) -> str:
         return f"{layer}: not run (every test skipped)" if mine else f"{layer}: not run"
     departing = _departing(ran)
     if not departing:
-        return f"{layer}: conforms ({len(ran)} tests)"
+        return f"{layer}: conforms ({len(ran)} test{'s' if len(ran) != 1 else ''})"
     return f"{layer}: departs on {_sections(_clauses(departing))} ({_what(grouped(departing))})"
 
 

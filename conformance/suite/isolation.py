@@ -51,6 +51,7 @@ SIGNALS = {
 _CRASH_DIR = "conformance_crash_dir"
 _CRASH = pytest.StashKey[Path]()
 _HANDLER_FILE = pytest.StashKey[object]()
+_CALL_NOTE = pytest.StashKey[object]()
 
 
 def _from_command_line(config: pytest.Config) -> bool:
@@ -119,28 +120,37 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         from conformance.suite import replay
 
         calling = _crash_file(workerinput[_CRASH_DIR], workerinput["workerid"], "calling")
-        replay.BEFORE_CALL.append(_CallNote(calling))
+        session.config.stash[_CALL_NOTE] = note = _CallNote(calling)
+        replay.BEFORE_CALL.append(note)
 
 
 class _CallNote:
     """Writes what a call is about to be (its shapes, in ``behaviours.call_features``'
-    words, and its description) to the worker's file, before the call is made."""
+    words, and its description) to the worker's file, before the call is made: one write
+    to a file kept open, which the system keeps when the process dies."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
+        self.handle = open(path, "w")
 
     def __call__(self, backend, method: str, args, kwargs) -> None:
         from conformance.suite import behaviours, replay
 
-        call = (0, backend, method, args, kwargs)
         shown = ", ".join(
             [replay._show(x) for x in args] + [f"{k}={replay._show(x)}" for k, x in kwargs.items()]
         )
         note = {
-            "features": behaviours.call_features([call]),
+            "features": behaviours.call_features([(0, backend, method, args, kwargs)]),
             "call": f"{method}({shown})",
         }
-        self.path.write_text(json.dumps(note))
+        self.handle.seek(0)
+        self.handle.write(json.dumps(note))
+        self.handle.truncate()
+        self.handle.flush()
+
+    def clear(self) -> None:
+        self.handle.seek(0)
+        self.handle.truncate()
+        self.handle.flush()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -152,7 +162,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem) -> None:
         from conformance.suite import verdicts
 
         folder, worker = workerinput[_CRASH_DIR], workerinput["workerid"]
-        _crash_file(folder, worker, "calling").unlink(missing_ok=True)
+        note = item.config.stash.get(_CALL_NOTE, None)
+        if note is not None:
+            note.clear()
         path = _crash_file(folder, worker, "started")
         label = json.dumps(verdicts.label(item))
         path.write_text(f"{time.time()!r}\t{item.nodeid}\t{label}")
@@ -176,6 +188,12 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if handle is not None:
         faulthandler.disable()
         handle.close()
+    note = session.config.stash.get(_CALL_NOTE, None)
+    if note is not None:
+        from conformance.suite import replay
+
+        replay.BEFORE_CALL.remove(note)
+        note.handle.close()
 
 
 def what_killed(text: str) -> tuple[str, str]:
@@ -213,7 +231,11 @@ def pytest_handlecrashitem(crashitem: str, report, sched) -> None:
     note = {}
     if folder is not None and worker:
         calling = _crash_file(folder, worker, "calling")
-        note = json.loads(calling.read_text()) if calling.exists() and nodeid == crashitem else {}
+        text_of_note = calling.read_text() if calling.exists() and nodeid == crashitem else ""
+        try:
+            note = json.loads(text_of_note) if text_of_note.strip() else {}
+        except ValueError:  # cut off mid-write: the crash is named without it
+            note = {}
     # The case's shape, where it is one the crash may be specific to (SPEC §13.13).
     shape = [f for f in note.get("features", []) if f in SHAPES]
     on = f" on a call with {' and '.join(shape)}" if shape else ""

@@ -212,6 +212,13 @@ def test_report_on_a_users_function_says_what_is_wrong(tmp_path):
     assert not verdict["conforms"] and verdict["failed_clauses"] == ["8.1"]
     md = (tmp_path / "report.md").read_text()
     assert "| my_attention.attention | ❌ **fails §8.1** (2 tests) |" in md
+    # By layer (SPEC §13.18): the worked example (§11.1) is the math, the refusals the contract.
+    layers = data["layers"]["my_attention.attention"]
+    assert layers["math"].startswith("conforms (") and layers["edges"] == "not run"
+    assert layers["contract"] == "departs on §8.1 (accepts 2 kinds of bad input)"
+    assert "| my_attention.attention | conforms (" in md and "| departs on §8.1 (" in md
+    # A function is not said to lack what only a Backend class can declare.
+    assert not {"sharded", "module", "paged"} & set(verdict["lacks_capabilities"])
     # The departures come first: one line for both refusals, with its clause and a test.
     departures = md.index("## What each backend does differently from the spec")
     assert departures < md.index("## Clauses per backend")

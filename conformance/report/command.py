@@ -49,6 +49,7 @@ from conformance.report.outcomes import (
     departures,
     grouped_known_failures,
     grouped_skips,
+    layer_verdicts,
     variants,
     verdicts,
 )
@@ -228,6 +229,7 @@ def main(argv: list[str]) -> int:
         "exit_code": code,
         "summary": {o: sum(r["outcome"] == o for r in rows) for o in OUTCOMES},
         "verdicts": verdicts(rows, declared),
+        "layers": layer_verdicts(rows, backends),
         "departures": departures(rows),
         "clauses": clause_table(rows),
         "variants": variants(clause_table(rows), declared),

@@ -34,6 +34,7 @@ def render_markdown(data: dict) -> str:
         + (", and the inputs of failing calls in `repro/`." if summary["failed"] else "."),
         "",
         *render_verdicts(data.get("verdicts", {})),
+        *render_layers(data.get("layers", {})),
         *render_departures(data.get("departures", {})),
         *render_variants(data.get("variants", []), list(data["backends"])),
         *render_clauses(data),
@@ -100,6 +101,26 @@ def render_verdicts(verdicts: dict[str, dict]) -> list[str]:
         lacks = [*v["lacks_capabilities"], *(f"dtype {d}" for d in v["lacks_dtypes"])]
         verdict = "; ".join(parts).replace("; nothing else fails", ", nothing else fails")
         lines.append(f"| {name} | {verdict} | {', '.join(lacks) or 'nothing: all declared'} |")
+    lines.append("")
+    return lines
+
+
+def render_layers(layers: dict[str, dict[str, str]]) -> list[str]:
+    """Per backend, the verdict of each layer (SPEC §13.18): the math on ordinary inputs,
+    the edges, and the contract of bad input."""
+    if not layers:
+        return []
+    names = list(next(iter(layers.values())))
+    lines = [
+        "By layer (SPEC §13.18): **math** (ordinary inputs), **edges** (rows with no key, "
+        "NaN and garbage in slots no query attends, overflow, empty sequences), "
+        "**contract** (what bad input gets).",
+        "",
+        "| backend | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for backend, verdicts in layers.items():
+        lines.append(f"| {backend} | " + " | ".join(verdicts[n] for n in names) + " |")
     lines.append("")
     return lines
 

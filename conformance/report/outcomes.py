@@ -228,3 +228,24 @@ def departures(rows: list[dict]) -> dict[str, list[dict]]:
             )
         result[backend] = sorted(entries, key=lambda e: (-e["tests"], e["behaviour"]))
     return result
+
+
+def layer_verdicts(rows: list[dict], backends: list[str]) -> dict[str, dict[str, str]]:
+    """{backend: {layer: its verdict}} (SPEC §13.18), as a pytest run's last lines give
+    them: a failure counts in the layer its behaviour names, else in its clause's."""
+    from conformance.suite.clauses import LAYERS, layer_of
+    from conformance.suite.verdicts import layer_of_failure, layer_verdict
+
+    labelled = []
+    for row in rows:
+        departs = row["outcome"] in ("failed", "xfailed")
+        text = row.get("behaviour") or ""
+        layer = layer_of_failure(row["clause"], text) if departs else layer_of(row["clause"])
+        labelled.append({**row, "layer": layer, "behaviour": text, "rerun": ""})
+    result = {}
+    for name in backends:
+        mine = [r for r in labelled if r["backend"] == name]
+        result[name] = {
+            layer: layer_verdict(mine, layer, []).removeprefix(f"{layer}: ") for layer in LAYERS
+        }
+    return result

@@ -377,7 +377,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     rep = outcome.get_result()
     if _ours(item) and (rep.when == "call" or not rep.passed):
-        rep.user_properties.append((verdicts.LABEL, json.dumps(verdicts.label(item))))
+        departs = rep.failed or hasattr(rep, "wasxfail")
+        rep.user_properties.append((verdicts.LABEL, json.dumps(verdicts.label(item, departs))))
     # A test that passed where it may fail (non-strict xfail: on some processors) passed.
     if rep.when != "call" or not (rep.failed or (rep.skipped and hasattr(rep, "wasxfail"))):
         return

@@ -98,9 +98,10 @@ def rerun_command(config: pytest.Config, target: str) -> str:
     return shlex.join(words)
 
 
-def label(item: pytest.Item) -> dict:
+def label(item: pytest.Item, rerun: bool = True) -> dict:
     """What ``item`` runs on: its backend ("a~b" for a pair), first clause, layer, and the
-    command that reruns it."""
+    command that reruns it (unless ``rerun`` is False: a test that passed or was skipped
+    needs none, and an isolated run carries every report back)."""
     marker = item.get_closest_marker("clause")
     clause = marker.args[0] if marker else None
     params = getattr(item, "callspec", None)
@@ -114,7 +115,7 @@ def label(item: pytest.Item) -> dict:
         "backend": backend if isinstance(backend, str) else None,
         "clause": clause,
         "layer": layer_of(clause),
-        "rerun": rerun_command(item.config, test_target(module, item.nodeid)),
+        "rerun": rerun_command(item.config, test_target(module, item.nodeid)) if rerun else "",
     }
 
 

@@ -407,7 +407,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             if received:
                 lines.append(f"  [-1] as the function received it: {received}")
         rep.user_properties.append(("reproduce", text))
-    if item.config.option.tbstyle == "auto" and _ours(item):
+    # A strict XPASS has no exception: pytest's one line says it all.
+    if item.config.option.tbstyle == "auto" and _ours(item) and call.excinfo is not None:
         _shorten(rep, item, call, found, lines, str(path))
     elif hasattr(rep.longrepr, "addsection"):
         rep.longrepr.addsection("behaviour", found)

@@ -52,7 +52,7 @@ def layer_of_failure(clause: str | None, behaviour: str) -> str | None:
     return layer_of(clause)
 
 
-#: The plugin's options a rerun repeats, as ``config.getoption`` names them; flags last.
+#: The plugin's options a rerun repeats, as ``config.getoption`` names them.
 RERUN_OPTIONS = (
     "--backend",
     "--impl",
@@ -68,7 +68,7 @@ RERUN_OPTIONS = (
 )
 
 
-def test_target(module: str, nodeid: str) -> str:
+def rerun_target(module: str, nodeid: str) -> str:
     """``conformance.tests.test_x::test_y[id]``: the test by its module's import name,
     which ``pytest --pyargs`` finds wherever the suite is installed, unlike a node id,
     which embeds the path pytest collected it from (a venv's site-packages, say)."""
@@ -82,7 +82,7 @@ def module_of(nodeid: str) -> str:
 
 
 def rerun_command(config: pytest.Config, target: str) -> str:
-    """The command that reruns the test ``target`` (``test_target``) from the directory
+    """The command that reruns the test ``target`` (``rerun_target``) from the directory
     the run started in, with the run's own plugin options."""
     words = ["pytest", "--pyargs", target]
     for option in RERUN_OPTIONS:
@@ -115,7 +115,7 @@ def label(item: pytest.Item, rerun: bool = True) -> dict:
         "backend": backend if isinstance(backend, str) else None,
         "clause": clause,
         "layer": layer_of(clause),
-        "rerun": rerun_command(item.config, test_target(module, item.nodeid)) if rerun else "",
+        "rerun": rerun_command(item.config, rerun_target(module, item.nodeid)) if rerun else "",
     }
 
 

@@ -16,7 +16,7 @@ What sybil cannot do is this parser, which takes every other fence, by its langu
   its commands are still read, and every tox env, pip extra, pytest or ``python -m
   conformance`` option and file they name must exist.
 - no language: sample text, either pytest's output of the kit's step 1 (each line must be
-  a line that run printed, paths and temporary names aside, and its replay snippet must
+  a line that run printed, paths and temporary names aside, and its ``replay:`` line must
   replay the saved call) or an excerpt of ``examples/known_failures.txt``.
 - ``toml``: parsed; a profile excerpt must agree with the shipped profile (or the example
   profile in examples/ of that name), and the
@@ -37,7 +37,6 @@ import re
 import shlex
 import subprocess
 import sys
-import textwrap
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -247,13 +246,17 @@ def check_sample(text: str, kit: Path) -> None:
         for line in lines:
             assert line in shipped, line
         return
-    assert any(line.startswith("FAILED ") for line in lines), text
+    assert any(line.startswith(("FAILED ", "rerun: ", "verdict ")) for line in lines), text
     run = run_command(shlex.split(STEP_1), kit)
     printed = {_normalise(line.rstrip(), kit) for line in run.stdout.splitlines()}
     for line in lines:
         assert line.rstrip() in printed, f"{line!r} is not in the output:\n{run.stdout[-4000:]}"
-    # The replay snippet runs: on the file the run saved, it rebuilds the call.
-    snippet = textwrap.dedent("\n".join(lines[lines.index("replay in Python:") + 1 :][:3]))
+    # The replay runs: on the file the run saved, it rebuilds the call.
+    replay = [line for line in lines if line.startswith("replay: ")]
+    if not replay:
+        return
+    code = replay[0].removeprefix("replay: ").split("  #", 1)[0]
+    snippet = "from conformance.suite.replay import load_call\n" + code
     snippet = snippet.replace("/tmp/", f"{kit}/")
     saved = re.search(r"load_call\('([^']+)'", snippet)[1]
     (real,) = [p for p in kit.glob("attention-conformance-repro-*/*") if p.name in saved]

@@ -8,6 +8,7 @@ function that calls ``os.abort()`` for one case and is the NumPy reference other
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -59,5 +60,12 @@ def test_an_abort_fails_one_test_and_the_run_goes_on(tmp_path):
     message = failed[crashed].find("failure").get("message")
     assert "SIGABRT" in message and crashed in message, message
     assert "aborting.py" in message, message  # the function's own frame
+    # The crash is named with the case's shape it happened on (T = 0 here), and the call;
+    # its JUnit entry carries a behaviour section, as every failure's does.
+    found = "kills its process with SIGABRT on a call with T = 0"
+    assert "its last call: attention(float64[" in message, message
+    text = failed[crashed].find("failure").text
+    assert re.search(r"-+ behaviour -+\n" + re.escape(found), text), text
+    assert found in out and "verdict aborting.attention — " in out, out[-3000:]
     passed = [n for n, c in cases.items() if n not in failed and c.find("skipped") is None]
     assert len(passed) >= 3, out

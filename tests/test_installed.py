@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -250,6 +252,23 @@ def test_kit_fails_a_broken_function_on_the_right_clause(installed, tmp_path):
 
     unrelated = [test for test, marks in failed if not causal(test, marks)]
     assert not unrelated, unrelated
+    # SPEC §13.18: the rerun command each failure ends with reruns exactly that test, from
+    # the directory the run started in, the suite installed in site-packages.
+    reruns = [line for line in run.stdout.splitlines() if line.startswith("rerun: pytest ")]
+    assert reruns, run.stdout[-3000:]
+    test = reruns[0].split("::", 1)[1].split("'", 1)[0]
+    python, user = installed
+    words = shlex.split(reruns[0].removeprefix("rerun: "))
+    again = subprocess.run(
+        [str(python.parent / words[0]), *words[1:], "-p", "no:cacheprovider"],
+        cwd=user,
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+    assert again.returncode == 1, again.stdout[-3000:] + again.stderr[-2000:]
+    assert re.search(r"=+ 1 failed[ ,]", again.stdout), again.stdout[-3000:]
+    assert test in again.stdout
 
 
 def test_report_runs_anywhere(installed, tmp_path):

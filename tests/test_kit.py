@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,15 @@ import pytest
 from conformance import backends
 from conformance.adapters import impl
 from conformance.backends import Backend, BackendUnavailable, available_backends, load_backend
-from conformance.suite import known_failures, replay
+from conformance.suite import known_failures, replay, verdicts
+from conformance.suite.clauses import (
+    LAYERS,
+    _expand,
+    clause_key,
+    clause_titles,
+    layer_of,
+    layer_table,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = [
@@ -65,8 +74,8 @@ def test_example_without_known_failures_fails_with_diagnostics():
         assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
         assert "test_bad_input[my_attention.attention-integer-mask]" in run.stdout
         assert "accepted an int64 mask; SPEC §8.1 wants TypeError" in run.stdout
-        assert "behaviour" in run.stdout and "accepts an int64 mask (no error)" in run.stdout
-        assert "reproduce" in run.stdout and "load_call(" in run.stdout
+        assert "finding: accepts an int64 mask (no error)" in run.stdout
+        assert "load_call(" in run.stdout and "rerun: pytest --pyargs" in run.stdout
     finally:
         for path in (ROOT / "repro-unused-by-default").glob("*.npz"):
             path.unlink()
@@ -500,3 +509,236 @@ def test_a_function_computing_wider_passes_the_gradient_edges(tmp_path):
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-3000:]
     assert "2 passed" in out, out[-2000:]
+
+
+# --- Verdicts by layer, short failures, reruns (SPEC §13.18) ----------------------------------
+
+#: A plain NumPy attention with two bugs of its own: a row with no key to attend is NaN
+#: (edges, §4.3), and a bad scale is accepted (contract, §8.1); on ordinary inputs it is
+#: right (math).
+NAN_ROWS = """
+import numpy as np
+
+
+def attention(q, k, v, *, mask=None, is_causal=False, scale=None):
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q @ np.swapaxes(k, -1, -2) * scale).astype(q.dtype)
+    if mask is not None:
+        s = np.where(mask, s, -np.inf) if mask.dtype == bool else s + mask
+    if is_causal:
+        T, S = s.shape[-2:]
+        s = np.where(np.tril(np.ones((T, S), bool)), s, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    return ((w / w.sum(-1, keepdims=True)) @ v).astype(q.dtype)
+"""
+
+
+def _user_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """`pytest --pyargs conformance ...` from a folder outside the checkout holding the
+    user's module, as a user types it (so that the run is isolated, SPEC §13.13)."""
+    (tmp_path / "nanrows.py").write_text(NAN_ROWS)
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "pytest"), *args, "-p", "no:cacheprovider"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _failures(out: str) -> dict[str, list[str]]:
+    """Each failure's printed lines, by its test's name, pytest's header line included."""
+    found: dict[str, list[str]] = {}
+    name = None
+    for line in out.splitlines():
+        header = re.match(r"^_{3,} (\S+) _{3,}$", line)
+        if header:
+            name = header[1]
+            found[name] = [line]
+        elif re.match(r"^[=-]{3,} ", line) and not line.startswith("-" * 10 + " behaviour"):
+            name = None
+        elif name:
+            found[name].append(line)
+    return found
+
+
+@pytest.mark.clause("13.18")
+def test_every_clause_is_in_exactly_one_layer():
+    clauses = sorted(clause_titles(), key=clause_key)
+    seen: dict[str, list[str]] = {}
+    for layer, tokens in layer_table().items():
+        for token in tokens:
+            expanded = _expand(token, clauses)
+            assert expanded, f"§13.18's {layer} row names {token!r}, which holds no clause"
+            for clause in expanded:
+                seen.setdefault(clause, []).append(layer)
+    assert set(layer_table()) == set(LAYERS)
+    assert {c: ls for c, ls in seen.items() if len(ls) > 1} == {}
+    assert sorted(set(clauses) - set(seen)) == []
+    # The issue's examples, by name.
+    assert [layer_of(c) for c in ("6.3", "4.3", "4.7", "4.9", "2.5", "8.1", "12.12", "3.3")] == [
+        "math",
+        "edges",
+        "edges",
+        "edges",
+        "edges",
+        "contract",
+        "edges",
+        "contract",
+    ]
+
+
+@pytest.mark.clause("13.18", "13.5", "13.9")
+def test_a_plain_run_reads_like_the_report(tmp_path):
+    run = _user_run(
+        tmp_path,
+        "--pyargs",
+        "conformance",
+        "--impl",
+        "nanrows:attention",
+        "-k",
+        "test_fully_masked_rows_are_zero or test_bad_input or test_fixture_case",
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out[-3000:]
+    lines = run.stdout.splitlines()
+    # The run ends with its behaviours, then one verdict line, then pytest's counts.
+    assert lines[-1].startswith("=") and " failed" in lines[-1], out[-3000:]
+    verdict = lines[-2]
+    assert verdict.startswith("verdict nanrows.attention — math: conforms ("), verdict
+    # Its rows with no key are NaN, also in a fixture of §3.7: an edge, not the math.
+    assert re.search(r" · edges: departs on [§\d., ]*§3.7, [§\d., ]*§4.3\b", verdict), verdict
+    assert re.search(r" · contract: departs on §8.1 \(accepts \d+ kinds of bad input\)$", verdict)
+    start = lines.index(next(x for x in lines if x.startswith("=") and " conformance " in x))
+    behaviour = [x for x in lines[start + 1 : -2]]
+    nan = next(x for x in behaviour if "a query with no key to attend returns NaN, not 0" in x)
+    assert re.match(r"^\d+ tests · §[\d.]+(, §[\d.]+)* · nanrows.attention: ", nan), nan
+    rerun = nan.split(" · rerun: ", 1)[1]
+    assert rerun.startswith("pytest --pyargs 'conformance.tests.") and "nanrows:attention" in rerun
+    # Each failure: at most 15 lines, its finding first, no source of the suite, and the
+    # command that reruns it last.
+    failures = _failures(run.stdout)
+    assert failures, out[-3000:]
+    for name, printed in failures.items():
+        assert len(printed) <= verdicts.MAX_FAILURE_LINES, "\n".join(printed)
+        body = [x for x in printed[1:] if not x.startswith("[gw")]
+        assert body[0].startswith("finding: "), printed
+        assert printed[-1].startswith("rerun: pytest --pyargs 'conformance.tests."), printed
+        assert name in printed[-1], printed
+        assert not any("def assert_" in x or "suite/tolerance.py" in x for x in printed)
+    # The rerun command, run from the same folder, reruns exactly that test.
+    again = subprocess.run(
+        shlex.split(rerun) + ["-p", "no:cacheprovider"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert again.returncode == 1, again.stdout[-3000:] + again.stderr[-3000:]
+    assert re.search(r"=+ 1 failed[ ,]", again.stdout), again.stdout[-3000:]
+
+
+@pytest.mark.clause("13.18")
+def test_one_layer_runs_alone(tmp_path):
+    run = _user_run(
+        tmp_path,
+        "--pyargs",
+        "conformance",
+        "--impl",
+        "nanrows:attention",
+        "--layer",
+        "contract",
+        "-k",
+        "test_fully_masked_rows_are_zero or test_bad_input",
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out[-3000:]
+    verdict = run.stdout.splitlines()[-2]
+    assert "math: not run (--layer contract)" in verdict, verdict
+    assert "edges: not run (--layer contract)" in verdict, verdict
+    assert "contract: departs on §8.1" in verdict, verdict
+    assert "test_fully_masked_rows_are_zero" not in run.stdout
+    wrong = _user_run(
+        tmp_path, "--pyargs", "conformance", "--impl", "nanrows:attention", "--layer", "maths"
+    )
+    assert wrong.returncode == 4 and "the layers are math, edges, contract" in wrong.stderr
+
+
+@pytest.mark.clause("13.13")
+def test_x_on_a_failing_function_exits_1(tmp_path):
+    """An isolated run (one xdist worker) stopped by -x exits as pytest does: 1, not 2."""
+    run = _user_run(tmp_path, "--pyargs", "conformance", "--impl", "nanrows:attention", "-x")
+    out = run.stdout + run.stderr
+    assert "[gw0]" in out, out[-3000:]  # isolated, in a worker
+    assert run.returncode == 1, out[-3000:]
+    assert "stopping after 1 failures" in out and "1 failed" in out
+    assert "Interrupted" not in out, out[-3000:]
+
+
+@pytest.mark.clause("13.18", "13.12")
+def test_the_replay_shows_the_call_as_the_function_received_it(tmp_path):
+    """With --impl-mask additive the function receives a float mask where the suite passed
+    a bool one: the replay shows both."""
+    run = _user_run(
+        tmp_path,
+        "--pyargs",
+        "conformance.tests.test_invariants",
+        "--impl",
+        "nanrows:attention",
+        "--impl-mask",
+        "additive",
+        "-k",
+        "test_fully_masked_rows_are_zero and float64 and bool",
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out[-3000:]
+    assert (
+        "attention(float64[2, 3, 7, 5], float64[2, 3, 5, 5], float64[2, 3, 5, 5], mask=bool[7, 5])"
+        in out
+    )
+    received = "as the function received it: attention(float64[2, 3, 7, 5], float64[2, 3, 5, 5], float64[2, 3, 5, 5], mask=float64[7, 5])"
+    assert received in out, out[-3000:]
+
+
+@pytest.mark.clause("13.18")
+def test_a_failure_counts_in_the_layer_its_behaviour_names():
+    assert verdicts.layer_of_failure("6.3", "departs from §6.3 (No future leakage)") == "math"
+    edge = "a query with no key to attend returns NaN, not 0"
+    assert verdicts.layer_of_failure("3.7", edge) == "edges"
+    refusal = "raises RuntimeError, not ValueError, for 2-d cu_seqlens"
+    assert verdicts.layer_of_failure("18.1", refusal) == "contract"
+    assert verdicts.layer_of_failure("18.1", "accepts scale = 0 (no error)") == "contract"
+
+    def row(clause, outcome, behaviour="", backend="f"):
+        layer = verdicts.layer_of_failure(clause, behaviour) if behaviour else layer_of(clause)
+        return {
+            "backend": backend,
+            "clause": clause,
+            "layer": layer,
+            "outcome": outcome,
+            "behaviour": behaviour,
+            "test": f"t{clause}",
+            "rerun": "pytest ...",
+        }
+
+    rows = [
+        row("6.3", "passed"),
+        row("3.7", "failed", edge),
+        row("4.9", "xfailed", "a NaN in the inputs becomes a number in the output"),
+        row("8.1", "failed", "raises RuntimeError, not ValueError, for a q of rank 5"),
+        row("8.1", "failed", "raises RuntimeError, not TypeError, for an int64 mask"),
+        row("6.3", "passed", backend="g"),
+        row("8.1", "skipped", backend="g"),
+    ]
+    assert verdicts.verdict_lines(rows, ["f", "g"], []) == [
+        "verdict f — math: conforms (1 test) · edges: departs on §3.7, §4.9 (2 behaviours) · "
+        "contract: departs on §8.1 (RuntimeError where TypeError; RuntimeError where ValueError)",
+        "verdict g — math: conforms (1 test) · edges: not run · "
+        "contract: not run (every test skipped)",
+    ]
+    lines = verdicts.behaviour_lines(rows)
+    assert "1 test (1 known) · §4.9 · f: a NaN in the inputs" in lines[0]
+    assert lines[1] == f"1 test · §3.7 · f: {edge} · rerun: pytest ..."
+    assert lines[2].startswith(
+        "1 test · §8.1 · f: raises RuntimeError, not TypeError, for an int64"
+    )

@@ -212,6 +212,13 @@ def test_report_on_a_users_function_says_what_is_wrong(tmp_path):
     assert not verdict["conforms"] and verdict["failed_clauses"] == ["8.1"]
     md = (tmp_path / "report.md").read_text()
     assert "| my_attention.attention | ❌ **fails §8.1** (2 tests) |" in md
+    # By layer (SPEC §13.18): the worked example (§11.1) is the math, the refusals the contract.
+    layers = data["layers"]["my_attention.attention"]
+    assert layers["math"].startswith("conforms (") and layers["edges"] == "not run"
+    assert layers["contract"] == "departs on §8.1 (accepts 2 kinds of bad input)"
+    assert "| my_attention.attention | conforms (" in md and "| departs on §8.1 (" in md
+    # A function is not said to lack what only a Backend class can declare.
+    assert not {"sharded", "module", "paged"} & set(verdict["lacks_capabilities"])
     # The departures come first: one line for both refusals, with its clause and a test.
     departures = md.index("## What each backend does differently from the spec")
     assert departures < md.index("## Clauses per backend")
@@ -555,3 +562,89 @@ def test_one_cause_across_dtypes_is_one_departure():
         f"{cause}: §3.4 (3 tests; every call: bool mask, is_causal; 3 dtypes: float64, "
         "float32, float16)"
     )
+
+
+# --- A report without noise (issue 39 item 8) --------------------------------------------------
+
+
+def _numpy_function(q, k, v, *, mask=None, is_causal=False, scale=None):
+    return q
+
+
+@pytest.mark.clause("13.7")
+def test_a_function_lacks_only_what_a_function_can_declare():
+    """A function (``--impl``, a profile) is never said not to declare the sharded entry
+    points, the layers or the paged cache, which only a Backend class can have; a Backend
+    is held to every capability, as before."""
+    from conformance import load_backend
+    from conformance.adapters.function import FunctionBackend
+    from conformance.backends import CAPABILITIES
+    from conformance.report.command import declarable
+    from conformance.report.outcomes import verdicts
+
+    function = FunctionBackend(_numpy_function, "f", capabilities=["gqa"])
+    assert declarable(load_backend("numpy")) == frozenset(CAPABILITIES)
+    internal = {"sharded", "sharded_heads", "module", "module_grad", "paged"}
+    assert not internal & declarable(function)
+    assert {"grad", "grad_mask"}.isdisjoint(declarable(function))  # NumPy: no autograd
+    torch_like = FunctionBackend(_numpy_function, "g", framework="torch")
+    assert {"grad", "grad_mask", "grad_softcap"} <= declarable(torch_like)
+    declared = {
+        "f": {
+            "capabilities": ["gqa"],
+            "dtypes": ["float64"],
+            "declarable": sorted(declarable(function)),
+        },
+        "numpy": {"capabilities": ["gqa"], "dtypes": ["float64"]},
+    }
+    v = verdicts([_row("f", "4.1", "passed"), _row("numpy", "4.1", "passed")], declared)
+    assert not internal & set(v["f"]["lacks_capabilities"]), v["f"]["lacks_capabilities"]
+    assert "window" in v["f"]["lacks_capabilities"] and "gqa" not in v["f"]["lacks_capabilities"]
+    assert internal <= set(v["numpy"]["lacks_capabilities"])
+
+
+@pytest.mark.clause("13.7")
+def test_no_blank_clause_rows_and_no_one_cell_pictures(tmp_path):
+    """A clause whose only tests are pairwise, in a run of one backend, has no row (the
+    skips say why); a dtype compared for one backend alone gets its table and no heatmap."""
+    from conformance.report import markdown
+    from conformance.report import pictures as report_pictures
+
+    data = {
+        "backends": ["f"],
+        "clauses": {
+            "f": {"4.1": {"passed": 2, "failed": 0, "skipped": 0, "xfailed": 0}},
+            None: {"8.4": {"passed": 0, "failed": 0, "skipped": 3, "xfailed": 0}},
+        },
+    }
+    text = "\n".join(markdown.render_clauses(data))
+    assert "§4.1" in text and "§8.4" not in text, text
+    pytest.importorskip("matplotlib")
+    from conformance.report.agreement import agreement
+
+    def measured(backend, dtype, error):
+        return {
+            "backend": backend,
+            "dtype": dtype,
+            "quantity": "out",
+            "case": "c",
+            "error": error,
+            "tolerance": 1.0,
+            "unit": 1e-16,
+        }
+
+    blocks = agreement(
+        [
+            measured("f", "float64", float("inf")),
+            measured("f", "float32", 0.5),
+            measured("g", "float32", 0.25),
+        ],
+        ["f", "g"],
+    )["outputs"]
+    one, two = blocks["float64"], blocks["float32"]
+    files = report_pictures.draw_pictures(tmp_path, {"outputs": {"float64": one, "float32": two}})
+    assert "agreement-float64" not in files and not (tmp_path / "agreement-float64.png").exists()
+    assert (tmp_path / files["agreement-float32"]).exists()
+    lines = markdown.render_agreement({"float64": one}, files, "outputs")
+    assert not any(line.startswith("![") for line in lines)
+    assert "a heatmap of one cell would show nothing more" in "\n".join(lines)

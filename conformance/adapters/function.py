@@ -154,6 +154,8 @@ class FunctionBackend(Backend):
         swap = self.call.layout == "BTHD"
         if swap:
             q, k, v = (self.arrays.swap_heads_and_time(x) if x.ndim >= 3 else x for x in (q, k, v))
+        # The call as the function receives it, for a failure's replay to show.
+        self.received = (func or self.func, (q, k, v, *boundaries), keywords)
         out = (func or self.func)(q, k, v, *boundaries, **keywords)
         if swap and getattr(out, "ndim", 0) >= 3:
             out = self.arrays.swap_heads_and_time(out)

@@ -49,6 +49,7 @@ from conformance.report.outcomes import (
     departures,
     grouped_known_failures,
     grouped_skips,
+    layer_verdicts,
     variants,
     verdicts,
 )
@@ -124,12 +125,37 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _declarations(name: str) -> dict:
-    """What backend ``name`` declares; everything, where it cannot be loaded here."""
+    """What backend ``name`` declares, and what it could (``declarable``); everything,
+    where it cannot be loaded here."""
     try:
         backend = load_backend(name)
     except BackendUnavailable:
         return {"capabilities": sorted(CAPABILITIES), "dtypes": list(DTYPES)}
-    return {"capabilities": sorted(backend.capabilities), "dtypes": list(backend.dtypes)}
+    return {
+        "capabilities": sorted(backend.capabilities),
+        "dtypes": list(backend.dtypes),
+        "declarable": sorted(declarable(backend)),
+    }
+
+
+def declarable(backend) -> frozenset[str]:
+    """The capabilities a backend of its kind can declare: a function (``--impl``, a
+    profile) those its keywords and its framework's differentiation give, never the
+    layers, the sharded entry points or the paged cache, which need a Backend class; a
+    Backend every one."""
+    from conformance.adapters.function import (
+        FUNCTION_CAPABILITIES,
+        FUNCTION_VARIANTS,
+        FunctionBackend,
+    )
+    from conformance.vocabulary import GRAD_CAPABILITIES
+
+    if not isinstance(backend, FunctionBackend):
+        return frozenset(CAPABILITIES)
+    found = FUNCTION_CAPABILITIES | FUNCTION_VARIANTS
+    if backend.framework != "numpy":
+        found |= GRAD_CAPABILITIES - {"module_grad"}
+    return frozenset(found)
 
 
 def _workers(value: str, impl: bool) -> int:
@@ -203,6 +229,7 @@ def main(argv: list[str]) -> int:
         "exit_code": code,
         "summary": {o: sum(r["outcome"] == o for r in rows) for o in OUTCOMES},
         "verdicts": verdicts(rows, declared),
+        "layers": layer_verdicts(rows, backends),
         "departures": departures(rows),
         "clauses": clause_table(rows),
         "variants": variants(clause_table(rows), declared),

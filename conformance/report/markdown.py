@@ -34,6 +34,7 @@ def render_markdown(data: dict) -> str:
         + (", and the inputs of failing calls in `repro/`." if summary["failed"] else "."),
         "",
         *render_verdicts(data.get("verdicts", {})),
+        *render_layers(data.get("layers", {})),
         *render_departures(data.get("departures", {})),
         *render_variants(data.get("variants", []), list(data["backends"])),
         *render_clauses(data),
@@ -100,6 +101,26 @@ def render_verdicts(verdicts: dict[str, dict]) -> list[str]:
         lacks = [*v["lacks_capabilities"], *(f"dtype {d}" for d in v["lacks_dtypes"])]
         verdict = "; ".join(parts).replace("; nothing else fails", ", nothing else fails")
         lines.append(f"| {name} | {verdict} | {', '.join(lacks) or 'nothing: all declared'} |")
+    lines.append("")
+    return lines
+
+
+def render_layers(layers: dict[str, dict[str, str]]) -> list[str]:
+    """Per backend, the verdict of each layer (SPEC §13.18): the math on ordinary inputs,
+    the edges, and the contract of bad input."""
+    if not layers:
+        return []
+    names = list(next(iter(layers.values())))
+    lines = [
+        "By layer (SPEC §13.18): **math** (ordinary inputs), **edges** (rows with no key, "
+        "NaN and garbage in slots no query attends, overflow, empty sequences), "
+        "**contract** (what bad input gets).",
+        "",
+        "| backend | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for backend, verdicts in layers.items():
+        lines.append(f"| {backend} | " + " | ".join(verdicts[n] for n in names) + " |")
     lines.append("")
     return lines
 
@@ -220,6 +241,8 @@ def render_clauses(data: dict) -> list[str]:
                 cells.append("")
                 continue
             cells.append(clause_cell(cell))
+        if not any(cells):  # no backend's test of it (a pairwise one with one backend)
+            continue
         lines.append(f"| §{clause} {titles.get(clause, '')} | " + " | ".join(cells) + " |")
     lines.append("")
     return lines
@@ -315,13 +338,19 @@ _AGREEMENT_INTRO = {
 PAIRWISE_DTYPES = ("float64", "float32")
 
 
-def no_pairs_line(dtype: str, quantity: str) -> str:
-    """Why a dtype's heatmap is one row: no two backends were compared in it."""
+def no_pairs_line(dtype: str, quantity: str, backends: int = 2) -> str:
+    """Why a dtype's heatmap is one row (or, for one backend, why there is none): no two
+    backends were compared in it."""
     what, clause = ("", "§7.3") if quantity == "outputs" else ("' gradients", "§12.10")
     if dtype in PAIRWISE_DTYPES:
         why = "no pairwise test ran here (each needs two backends that declare what it uses)"
     else:
         why = f"the pairwise tests (SPEC {clause}) draw only float64 and float32 ones"
+    if backends < 2:
+        return (
+            f"No two backends{what} were compared on {dtype} inputs: {why}. The table is the "
+            "whole comparison (a heatmap of one cell would show nothing more)."
+        )
     return (
         f"No two backends{what} were compared on {dtype} inputs: {why}. The heatmap is one "
         "row, each backend against the oracle."
@@ -387,7 +416,7 @@ def render_agreement(by_dtype: dict[str, dict], pictures: dict, quantity: str) -
                 )
             lines.append("")
         if block["vs_oracle"] and not block["pairs"]:
-            lines += [no_pairs_line(dtype, quantity), ""]
+            lines += [no_pairs_line(dtype, quantity, len(names_in(block))), ""]
         picture = pictures.get(f"{prefix}-{dtype}")
         if picture and len(names_in(block)) >= 1:
             lines += [f"![{heading} agreement heatmap]({picture})", ""]

@@ -77,7 +77,9 @@ def verdicts(rows: list[dict], declared: dict[str, dict]) -> dict[str, dict]:
     cannot say); the clauses with known failures; how many tests ran; and the capabilities
     and dtypes it does not declare.
 
-    ``declared``: {backend: {"capabilities": [...], "dtypes": [...]}}.
+    ``declared``: {backend: {"capabilities": [...], "dtypes": [...], "declarable": [...]}};
+    what it does not declare is what it could (``declarable``, default every capability)
+    and did not: a function is never said to lack what only a Backend class can have.
     """
     result = {}
     for name, decl in declared.items():
@@ -102,7 +104,9 @@ def verdicts(rows: list[dict], declared: dict[str, dict]) -> dict[str, dict]:
                 for partner, rs in apart.items()
             },
             "known_failure_clauses": _clauses(known),
-            "lacks_capabilities": sorted(set(CAPABILITIES) - set(decl["capabilities"])),
+            "lacks_capabilities": sorted(
+                set(decl.get("declarable", CAPABILITIES)) - set(decl["capabilities"])
+            ),
             "lacks_dtypes": [d for d in DTYPES if d not in decl["dtypes"]],
         }
     return result
@@ -223,4 +227,25 @@ def departures(rows: list[dict]) -> dict[str, list[dict]]:
                 }
             )
         result[backend] = sorted(entries, key=lambda e: (-e["tests"], e["behaviour"]))
+    return result
+
+
+def layer_verdicts(rows: list[dict], backends: list[str]) -> dict[str, dict[str, str]]:
+    """{backend: {layer: its verdict}} (SPEC §13.18), as a pytest run's last lines give
+    them: a failure counts in the layer its behaviour names, else in its clause's."""
+    from conformance.suite.clauses import LAYERS, layer_of
+    from conformance.suite.verdicts import layer_of_failure, layer_verdict
+
+    labelled = []
+    for row in rows:
+        departs = row["outcome"] in ("failed", "xfailed")
+        text = row.get("behaviour") or ""
+        layer = layer_of_failure(row["clause"], text) if departs else layer_of(row["clause"])
+        labelled.append({**row, "layer": layer, "behaviour": text, "rerun": ""})
+    result = {}
+    for name in backends:
+        mine = [r for r in labelled if r["backend"] == name]
+        result[name] = {
+            layer: layer_verdict(mine, layer, []).removeprefix(f"{layer}: ") for layer in LAYERS
+        }
     return result

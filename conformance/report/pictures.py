@@ -223,6 +223,8 @@ def draw_pictures(out: Path, agreement: dict) -> dict[str, str]:
     prefixes = {"outputs": "agreement", "gradients": "gradient-agreement"}
     for quantity, by_dtype in agreement.items():
         for dtype, block in by_dtype.items():
+            if heatmap_grid(block)[1].size < 2:  # one cell: the table says it all
+                continue
             key = f"{prefixes[quantity]}-{dtype}"
             files[key] = f"{key}.png"
             draw_heatmap(out / files[key], dtype, block, quantity)

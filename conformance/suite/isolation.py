@@ -20,6 +20,7 @@ the sys.path of their parent's start.
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import re
 import sys
@@ -34,7 +35,10 @@ DEFAULT_TIMEOUT = 300.0
 #: Worker restarts allowed: one per crashing test, for a function that crashes often.
 MAX_RESTARTS = "100000"
 #: How much of faulthandler's traceback a crash's message keeps.
-TRACEBACK_LINES = 12
+TRACEBACK_LINES = 8
+#: The shapes of a call (``behaviours.call_features``' words) a crash is named by: where a
+#: function dies on them, it is commonly on them alone.
+SHAPES = ("T = 0", "S = 0")
 #: faulthandler's words for the fatal signals it catches.
 SIGNALS = {
     "Aborted": "SIGABRT",
@@ -47,6 +51,8 @@ SIGNALS = {
 _CRASH_DIR = "conformance_crash_dir"
 _CRASH = pytest.StashKey[Path]()
 _HANDLER_FILE = pytest.StashKey[object]()
+_CALL_NOTE = pytest.StashKey[object]()
+_STARTED = pytest.StashKey[object]()
 
 
 def _from_command_line(config: pytest.Config) -> bool:
@@ -105,22 +111,80 @@ def _crash_file(folder: str | Path, worker: str, what: str = "faulthandler") -> 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionstart(session: pytest.Session) -> None:
     """In a worker of an isolated run: faulthandler writes a fatal signal's traceback to
-    the worker's file (after pytest's own faulthandler setup, which it replaces)."""
+    the worker's file (after pytest's own faulthandler setup, which it replaces), and each
+    call to the function under test is noted before it is made, for a crash to name it."""
     workerinput = getattr(session.config, "workerinput", {})
     if _CRASH_DIR in workerinput:
         path = _crash_file(workerinput[_CRASH_DIR], workerinput["workerid"])
         session.config.stash[_HANDLER_FILE] = handle = open(path, "w")
         faulthandler.enable(file=handle, all_threads=False)
+        from conformance.suite import replay
+
+        calling = _crash_file(workerinput[_CRASH_DIR], workerinput["workerid"], "calling")
+        session.config.stash[_CALL_NOTE] = note = _CallNote(calling)
+        replay.BEFORE_CALL.append(note)
+        started = _crash_file(workerinput[_CRASH_DIR], workerinput["workerid"], "started")
+        session.config.stash[_STARTED] = _CallNote(started)
+
+
+class _CallNote:
+    """Writes what a call is about to be (its shapes, in ``behaviours.call_features``'
+    words, and its description) to the worker's file, before the call is made: one write
+    to a file kept open, which the system keeps when the process dies (opening a file for
+    each test measured 3.4 ms here, a few seconds a run)."""
+
+    def __init__(self, path: Path) -> None:
+        self.handle = open(path, "w")
+
+    def write(self, text: str) -> None:
+        self.handle.seek(0)
+        self.handle.write(text)
+        self.handle.truncate()
+        self.handle.flush()
+
+    def __call__(self, backend, method: str, args, kwargs) -> None:
+        from conformance.suite import behaviours, replay
+
+        shown = ", ".join(
+            [replay._show(x) for x in args] + [f"{k}={replay._show(x)}" for k, x in kwargs.items()]
+        )
+        note = {
+            "features": behaviours.call_features([(0, backend, method, args, kwargs)]),
+            "call": f"{method}({shown})",
+        }
+        self.write(json.dumps(note))
+
+    def clear(self) -> None:
+        self.write("")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem) -> None:
     """In a worker of an isolated run: when the test started, for the crash to tell a
-    hang (the time limit's end) from another death."""
+    hang (the time limit's end) from another death, and its label (SPEC §13.18)."""
     workerinput = getattr(item.config, "workerinput", {})
     if _CRASH_DIR in workerinput:
-        path = _crash_file(workerinput[_CRASH_DIR], workerinput["workerid"], "started")
-        path.write_text(f"{time.time()!r}\t{item.nodeid}")
+        from conformance.suite import verdicts
+
+        note = item.config.stash.get(_CALL_NOTE, None)
+        started = item.config.stash.get(_STARTED, None)
+        if note is None or started is None:
+            return
+        note.clear()
+        started.write(f"{time.time()!r}\t{item.nodeid}\t{json.dumps(verdicts.label(item))}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtestloop(session: pytest.Session):
+    """An isolated run stopped by ``-x`` or ``--maxfail`` exits as pytest's own does, 1
+    (tests failed), not 2: xdist's controller raises its ``Interrupted`` there."""
+    try:
+        return (yield)
+    except KeyboardInterrupt as err:
+        stopped = str(err).startswith("stopping after ")
+        if stopped and session.config.stash.get(_CRASH, None) is not None:
+            raise session.Failed(str(err)) from None
+        raise
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -128,6 +192,15 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if handle is not None:
         faulthandler.disable()
         handle.close()
+    note = session.config.stash.get(_CALL_NOTE, None)
+    if note is not None:
+        from conformance.suite import replay
+
+        replay.BEFORE_CALL.remove(note)
+        note.handle.close()
+    started = session.config.stash.get(_STARTED, None)
+    if started is not None:
+        started.handle.close()
 
 
 def what_killed(text: str) -> tuple[str, str]:
@@ -147,7 +220,7 @@ def what_killed(text: str) -> tuple[str, str]:
 def pytest_handlecrashitem(crashitem: str, report, sched) -> None:
     """The test whose worker died: a failure of the test (not an error of the run) that
     names the signal and the case, with the behaviour the report lists."""
-    from conformance.suite import behaviours
+    from conformance.suite import behaviours, verdicts
 
     node = getattr(report, "node", None)
     config = getattr(node, "config", None)
@@ -160,11 +233,23 @@ def pytest_handlecrashitem(crashitem: str, report, sched) -> None:
         started = begun.read_text() if begun.exists() else ""
     signal, where = what_killed(text)
     limit = getattr(config.option, "timeout", None) if config is not None else None
-    when, _, nodeid = started.partition("\t")
+    when, _, rest = started.partition("\t")
+    nodeid, _, label = rest.partition("\t")
+    note = {}
+    if folder is not None and worker:
+        calling = _crash_file(folder, worker, "calling")
+        text_of_note = calling.read_text() if calling.exists() and nodeid == crashitem else ""
+        try:
+            note = json.loads(text_of_note) if text_of_note.strip() else {}
+        except ValueError:  # cut off mid-write: the crash is named without it
+            note = {}
+    # The case's shape, where it is one the crash may be specific to (SPEC §13.13).
+    shape = [f for f in note.get("features", []) if f in SHAPES]
+    on = f" on a call with {' and '.join(shape)}" if shape else ""
     hung = bool(not signal and limit and nodeid == crashitem)
     hung = hung and time.time() - float(when) >= float(limit)
     if signal:
-        found = f"kills its process with {signal}"
+        found = f"kills its process with {signal}{on}"
         said = f"the function under test killed its process with {signal}" + (
             f" in {where}" if where else ""
         )
@@ -174,18 +259,39 @@ def pytest_handlecrashitem(crashitem: str, report, sched) -> None:
     else:
         found = "ends its process (no Python error, no fatal signal faulthandler saw)"
         said = "the function under test ended its process"
-    report.longrepr = (
-        f"{said} while running {crashitem}; the run went on in a new worker process"
-        + ("\n" + "\n".join(text.strip().splitlines()[:TRACEBACK_LINES]) if text.strip() else "")
-    )
+    if note.get("call"):
+        said += f"; its last call: {note['call']}"
+    lines = [
+        f"finding: {found}",
+        f"{said} while running {crashitem}; the run went on in a new worker process",
+        *text.strip().splitlines()[:TRACEBACK_LINES],
+    ]
     report.when = "call"
     path, _, name = crashitem.rpartition("::")
     report.location = (path, None, name)
-    report.user_properties = [*report.user_properties, (behaviours.PROPERTY, found)]
+    properties = [(behaviours.PROPERTY, found)]
+    if label:
+        properties.append((verdicts.LABEL, label))
+        lines.append(f"rerun: {json.loads(label)['rerun']}")
+    report.longrepr = _longrepr(lines, path, found)
+    report.user_properties = [*report.user_properties, *properties]
     reason = _known_reason(config, crashitem)
     if reason is not None:
         report.outcome = "skipped"
         report.wasxfail = reason
+
+
+def _longrepr(lines: list[str], path: str, found: str):
+    """A crash's failure as pytest prints a test's: the lines, then its behaviour in a
+    section of its own, as every failure's JUnit entry carries it (SPEC §13.13)."""
+    from _pytest._code.code import ExceptionChainRepr, ReprFileLocation, ReprTracebackNative
+
+    crash = ReprFileLocation(path, 0, lines[1])
+    longrepr = ExceptionChainRepr(
+        [(ReprTracebackNative([line + "\n" for line in lines]), crash, None)]
+    )
+    longrepr.addsection("behaviour", found)
+    return longrepr
 
 
 def _known_reason(config: pytest.Config | None, nodeid: str) -> str | None:

@@ -171,6 +171,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "so each fails with today's message: how they are measured afresh",
     )
     group.addoption(
+        "--layer",
+        action="append",
+        default=[],
+        metavar="LAYER",
+        help="run only the tests of these layers (SPEC §13.18; repeatable or comma-separated): "
+        "math (ordinary inputs), edges (rows with no key, NaN, overflow, empty sequences), "
+        "contract (what bad input gets)",
+    )
+    group.addoption(
         "--repro-dir",
         default=None,
         metavar="DIR",

@@ -50,8 +50,16 @@ from conformance.backends import (
     load_backend,
     registered_backends,
 )
-from conformance.suite import behaviours, compiles, known_failures, replay, rootdir, scheduling
-from conformance.suite.clauses import clause_titles
+from conformance.suite import (
+    behaviours,
+    compiles,
+    known_failures,
+    replay,
+    rootdir,
+    scheduling,
+    verdicts,
+)
+from conformance.suite.clauses import LAYERS, clause_titles, layer_of
 
 # A user's function that kills its process fails one test (SPEC §13.13): these hooks
 # belong to this plugin, so they live wherever it is loaded.
@@ -60,6 +68,7 @@ from conformance.suite.isolation import (  # noqa: F401
     pytest_configure_node,
     pytest_handlecrashitem,
     pytest_runtest_protocol,
+    pytest_runtestloop,
     pytest_sessionfinish,
     pytest_sessionstart,
 )
@@ -79,6 +88,7 @@ BACKENDS = pytest.StashKey[list]()
 KNOWN_FAILURES = pytest.StashKey[dict]()
 PROFILES = pytest.StashKey[tuple]()
 REPRO_DIR = pytest.StashKey[Path]()
+LAYER_CHOICE = pytest.StashKey[list]()
 
 
 def conformance_backends(config: pytest.Config) -> list[str]:
@@ -230,7 +240,11 @@ def pytest_configure(config: pytest.Config) -> None:
         except BackendUnavailable as err:
             raise pytest.UsageError(str(err)) from err
     config.stash[BACKENDS] = names
+    config.stash[LAYER_CHOICE] = chosen_layers(config)
     config.pluginmanager.register(compiles.ProgramCounter(), "conformance-programs-compiled")
+    if not hasattr(config, "workerinput"):
+        summary = verdicts.Summary(config, names, config.stash[LAYER_CHOICE])
+        config.pluginmanager.register(summary, "conformance-verdicts")
     path = config.getoption("--known-failures")
     try:
         config.stash[KNOWN_FAILURES] = known_failures.read_known_failures(path) if path else {}
@@ -246,6 +260,31 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     if config.getvalue("dist") != "loadscope" or not backends:
         return None
     return scheduling.scheduler(config, log, backends)
+
+
+def chosen_layers(config: pytest.Config) -> list[str]:
+    """The layers ``--layer`` chose (SPEC §13.18); none: every layer."""
+    chosen = [name.strip() for value in config.getoption("--layer") for name in value.split(",")]
+    unknown = [name for name in chosen if name not in LAYERS]
+    if unknown:
+        raise pytest.UsageError(
+            f"--layer {','.join(unknown)}: the layers are {', '.join(LAYERS)} (SPEC §13.18)"
+        )
+    return list(dict.fromkeys(name for name in chosen if name))
+
+
+def _deselect_other_layers(config: pytest.Config, items: list[pytest.Item]) -> None:
+    chosen = config.stash.get(LAYER_CHOICE, [])
+    if not chosen:
+        return
+    kept, dropped = [], []
+    for item in items:
+        marker = item.get_closest_marker("clause")
+        layer = layer_of(marker.args[0] if marker else None)
+        (kept if layer in chosen else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 def conformance_backend(name: str):
@@ -302,6 +341,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     _usage_error_without_backends(config, items)
     if conformance_requested(config):
         property_tests_use_the_runs_profile(items)
+        _deselect_other_layers(config, items)
     if config.getoption("--ignore-known-failures"):
         _mark_profile_items(config, items, known=False)
         return
@@ -358,6 +398,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     a known failure became an xfail: an expected failure writes no replay."""
     outcome = yield
     rep = outcome.get_result()
+    if _ours(item) and (rep.when == "call" or not rep.passed):
+        departs = rep.failed or hasattr(rep, "wasxfail")
+        rep.user_properties.append((verdicts.LABEL, json.dumps(verdicts.label(item, departs))))
     # A test that passed where it may fail (non-strict xfail: on some processors) passed.
     if rep.when != "call" or not (rep.failed or (rep.skipped and hasattr(rep, "wasxfail"))):
         return
@@ -374,17 +417,47 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     located = behaviours.where(err, calls)
     if located:
         rep.user_properties.append((behaviours.WHERE, located))
-    if not rep.failed or not calls:
+        found = f"{found}\n{located}"
+    if not rep.failed:
         return
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", item.name)[:150]
-    path = _repro_dir(item.config) / f"{name}.npz"
-    try:
-        lines = replay.save_calls(path, calls)
-    except Exception as err:  # the test's own failure matters more than the replay
-        text = f"could not save the inputs for a replay: {err!r}"
-    else:
-        text = replay.replay_snippet(path, lines)
-    rep.user_properties.append(("reproduce", text))
-    if hasattr(rep.longrepr, "addsection"):
-        rep.longrepr.addsection("behaviour", found + (f"\n{located}" if located else ""))
-        rep.longrepr.addsection("reproduce", text)
+    text, path, lines = "", "", []
+    if calls:
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", item.name)[:150]
+        path = _repro_dir(item.config) / f"{name}.npz"
+        received = replay.received(calls)
+        try:
+            lines = replay.save_calls(path, calls)
+        except Exception as err:  # the test's own failure matters more than the replay
+            text, path = f"could not save the inputs for a replay: {err!r}", ""
+            lines = [text]
+        else:
+            text = replay.replay_snippet(path, lines, received)
+            lines = [f"  [{i - len(lines)}] {line}" for i, line in enumerate(lines)]
+            if received:
+                lines.append(f"  [-1] as the function received it: {received}")
+        rep.user_properties.append(("reproduce", text))
+    # A strict XPASS has no exception: pytest's one line says it all.
+    if item.config.option.tbstyle == "auto" and _ours(item) and call.excinfo is not None:
+        _shorten(rep, item, call, found, lines, str(path))
+    elif hasattr(rep.longrepr, "addsection"):
+        rep.longrepr.addsection("behaviour", found)
+        if text:
+            rep.longrepr.addsection("reproduce", text)
+
+
+def _ours(item: pytest.Item) -> bool:
+    """Whether ``item`` is one of the suite's tests, in a conformance run."""
+    module = getattr(getattr(item, "module", None), "__name__", "")
+    return module.startswith("conformance.tests.") and bool(conformance_backends(item.config))
+
+
+def _shorten(rep, item: pytest.Item, call: pytest.CallInfo, found: str, calls, path) -> None:
+    """pytest's default traceback style gives a conformance failure in at most 15 lines,
+    its finding first (``verdicts.short_failure``); another ``--tb`` gives pytest's own."""
+    from _pytest._code.code import ExceptionChainRepr, ReprTracebackNative
+
+    rerun = verdicts.label(item)["rerun"]
+    text = verdicts.short_failure(item, call.excinfo, found, calls, path, rerun)
+    crash = getattr(rep.longrepr, "reprcrash", None)
+    lines = [line + "\n" for line in text.splitlines()]
+    rep.longrepr = ExceptionChainRepr([(ReprTracebackNative(lines), crash, None)])

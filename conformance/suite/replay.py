@@ -43,6 +43,47 @@ RECORDED = (
 )
 
 _CLOCK = itertools.count()
+#: Called with (backend, method, args, kwargs) before each recorded call reaches the
+#: backend: how an isolated run's worker notes the call a crash would end
+#: (``conformance.suite.isolation``).
+BEFORE_CALL: list = []
+#: The call as a function received it (``FunctionBackend.received``: after its profile's
+#: conversion of arrays, mask, layout and keywords), described, by the clock of the
+#: recorded call that made it; only the last few are kept.
+_RECEIVED: collections.OrderedDict[int, str] = collections.OrderedDict()
+_RECEIVED_KEPT = 16
+
+
+def _native(value: Any) -> str:
+    """A framework's array as ``float32[1, 4, 5, 9]``, any other value as ``_show`` does."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None or isinstance(value, np.generic):
+        return _show(value)
+    name = str(dtype).rsplit(".", 1)[-1]  # torch.float32 reads as float32
+    return f"{name}{[int(n) for n in shape]}"
+
+
+def _note_received(clock: int, received: Any) -> None:
+    if received is None:
+        return
+    func, args, keywords = received
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    shown = [_native(x) for x in args] + [f"{key}={_native(x)}" for key, x in keywords.items()]
+    _RECEIVED[clock] = f"{name}({', '.join(shown)})"
+    while len(_RECEIVED) > _RECEIVED_KEPT:
+        _RECEIVED.popitem(last=False)
+
+
+def received(calls: list[tuple]) -> str | None:
+    """How the function under test received the last of ``calls``, after its profile's
+    conversion; None where no function of a profile or ``--impl`` received it, or where
+    it received the suite's call as it was."""
+    found = _RECEIVED.get(calls[-1][0]) if calls else None
+    if found is None:
+        return None
+    _, _, _, args, kwargs = calls[-1]
+    suite = [_show(x) for x in args] + [f"{key}={_show(x)}" for key, x in kwargs.items()]
+    return None if found.partition("(")[2] == f"{', '.join(suite)})" else found
 
 
 class RecordingBackend:
@@ -74,12 +115,19 @@ class RecordingBackend:
                         "This is a bug in the conformance suite, not in the backend."
                     )
             # Copies: a test may change its arrays after the call.
-            self._log.append((next(_CLOCK), self._backend, name, _copy(args), _copy(kwargs)))
+            clock = next(_CLOCK)
+            self._log.append((clock, self._backend, name, _copy(args), _copy(kwargs)))
+            for listener in BEFORE_CALL:
+                listener(self._backend, name, args, kwargs)
+            if hasattr(self._backend, "received"):
+                self._backend.received = None
             try:
                 return attr(*args, **kwargs)
             except Exception as err:
                 mark_raised(err, self._backend.name, name)
                 raise
+            finally:
+                _note_received(clock, getattr(self._backend, "received", None))
 
         return recorded
 
@@ -225,10 +273,13 @@ def load_call(path: str | os.PathLike, index: int = -1) -> tuple[Backend, str, t
     return backend, entry["method"], args, kwargs
 
 
-def replay_snippet(path: str | os.PathLike, lines: list[str]) -> str:
-    """The text a failing test carries: what was called, and how to call it again."""
+def replay_snippet(path: str | os.PathLike, lines: list[str], received: str | None = None) -> str:
+    """The text a failing test carries: what was called (and, for a function of a profile
+    or ``--impl``, the last call as the function received it), and how to call it again."""
     n = len(lines)
     calls = "\n".join(f"  [{i - n}] {line}" for i, line in enumerate(lines))
+    if received:
+        calls += f"\n  [-1] as the function received it: {received}"
     return (
         f"the last {'call' if n == 1 else f'{n} calls'} to the backend before the failure "
         f"(inputs saved to {path}):\n{calls}\n"

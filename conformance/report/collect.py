@@ -81,6 +81,7 @@ class Collector:
                 "reason": reason,
                 "message": message,
                 "behaviour": properties.get(behaviours.PROPERTY, ""),
+                "misreadings": json.loads(properties.get(behaviours.MISREADINGS, "[]")),
                 "call": json.loads(properties.get(behaviours.FEATURES, "[]")),
                 "reproduce": properties.get("reproduce", ""),
             }

@@ -54,6 +54,7 @@ from conformance.report.outcomes import (
     verdicts,
 )
 from conformance.report.pictures import draw_pictures
+from conformance.suite.verdicts import named_by_run
 
 
 def versions(backends: list[str]) -> dict[str, str]:
@@ -212,7 +213,7 @@ def main(argv: list[str]) -> int:
         parser.error("--workers above 1 needs pytest-xdist: pip install pytest-xdist")
     args.out.mkdir(parents=True, exist_ok=True)
     code, collected = run_tests(backends, extra, args.out, workers)
-    rows = collected.rows
+    rows = named_by_run(collected.rows)
     # Backends the run added itself (e.g. from pytest options passed through) get a
     # verdict too, with their declarations where they can be loaded here.
     for name in dict.fromkeys(r["backend"] for r in rows):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.suite import behaviours
+from conformance.suite import behaviours, diagnosis
 from conformance.suite.clauses import LAYERS, clause_key, clause_titles, layer_of
 
 #: The user property that labels a conformance test's report (JSON): {"backend",
@@ -212,16 +212,23 @@ class Summary:
             outcome = report.outcome
         properties = dict(report.user_properties)
         behaviour = properties.get(behaviours.PROPERTY, "")
-        if report.failed or outcome == "xfailed":
-            found["layer"] = layer_of_failure(found["clause"], behaviour)
         self.rows.append(
-            {**found, "test": report.nodeid, "outcome": outcome, "behaviour": behaviour}
+            {
+                **found,
+                "test": report.nodeid,
+                "outcome": outcome,
+                "behaviour": behaviour,
+                "misreadings": json.loads(properties.get(behaviours.MISREADINGS, "[]")),
+            }
         )
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_terminal_summary(self, terminalreporter):
         result = yield
-        lines = behaviour_lines(self.rows) + verdict_lines(self.rows, self.backends, self.layers)
+        rows = named_by_run(self.rows)
+        for row in _departing(rows):
+            row["layer"] = layer_of_failure(row["clause"], row["behaviour"])
+        lines = behaviour_lines(rows) + verdict_lines(rows, self.backends, self.layers)
         maxfail = self.config.getoption("maxfail", 0)
         failed = sum(r["outcome"] == "failed" for r in self.rows)
         if lines and maxfail and failed >= maxfail:
@@ -234,6 +241,24 @@ class Summary:
             for line in lines:
                 terminalreporter.line(line)
         return result
+
+
+def named_by_run(rows: list[dict]) -> list[dict]:
+    """The rows with each departure named as the run as a whole names it (SPEC §13.16):
+    per backend, by the misreading that explains the most of its departures
+    (``diagnosis.explaining_causes``), so that a cause two readings share on one case is
+    named by the one that explains every failure of the run."""
+    rows = [dict(row) for row in rows]
+    by_backend = defaultdict(list)
+    for row in _departing(rows):
+        by_backend[row["backend"]].append(row)
+    for members in by_backend.values():
+        named = diagnosis.explaining_causes(
+            [(row["behaviour"], row.get("misreadings") or []) for row in members]
+        )
+        for row, behaviour in zip(members, named):
+            row["behaviour"] = behaviour
+    return rows
 
 
 def _departing(rows: list[dict]) -> list[dict]:

@@ -1,4 +1,4 @@
-"""SPEC §4.4: rows of more than 1,024 and 2,048 keys, past the key tiles of blockwise
+"""SPEC §4.10: rows of more than 1,024 and 2,048 keys, past the key tiles of blockwise
 kernels at the sizes CPUs use, against the oracle's stored outputs."""
 
 from __future__ import annotations

@@ -15,15 +15,25 @@ import numpy as np
 
 from conformance.vocabulary import numpy_dtype
 
+#: The global settings the suite changed for this process, each with why, for the run's
+#: summary (``conformance.suite.domain.DomainSummary``).
+GLOBAL_SETTINGS: dict[str, str] = {}
 
-def import_jax() -> Any:
-    """JAX, with float64 switched on: the one place the suite turns on ``jax_enable_x64``.
 
-    float64 is part of the spec; without this JAX silently computes in float32.
+def import_jax(float64: bool = True, *, why: str = "a JAX backend declares float64") -> Any:
+    """JAX, with float64 switched on where ``float64`` asks for it: the one place the suite
+    turns on ``jax_enable_x64``, a setting of the whole process.
+
+    float64 is part of the spec; without this JAX silently computes in float32. A function
+    that declares no float64 leaves JAX as its users run it (x64 off, the default), unless
+    another backend of the same run switched it on: the summary says so (``GLOBAL_SETTINGS``).
     """
     import jax
 
-    jax.config.update("jax_enable_x64", True)
+    if float64:
+        if not jax.config.jax_enable_x64:
+            GLOBAL_SETTINGS.setdefault("jax_enable_x64 = True", why)
+        jax.config.update("jax_enable_x64", True)
     return jax
 
 
@@ -119,8 +129,8 @@ class JaxFramework(Framework):
     name = "jax"
     package = "jax"
 
-    def __init__(self) -> None:
-        self.jax = import_jax()
+    def __init__(self, float64: bool = True, why: str = "a JAX function declares float64") -> None:
+        self.jax = import_jax(float64, why=why)
 
     def from_numpy(self, x):
         return self.jax.device_put(np.asarray(x))
@@ -157,9 +167,9 @@ FRAMEWORKS: dict[str, type[Framework]] = {
 }
 
 
-def make_framework(name: str) -> Framework:
-    """The framework ``name``; a missing or unknown one is a ``LookupError`` saying what is
-    available."""
+def make_framework(name: str, **settings: Any) -> Framework:
+    """The framework ``name`` (JAX's ``settings``: ``float64``, and ``why`` it is needed); a
+    missing or unknown one is a ``LookupError`` saying what is available."""
     if name not in FRAMEWORKS:
         raise LookupError(f"unknown framework {name!r}; known: {', '.join(FRAMEWORKS)}")
     cls = FRAMEWORKS[name]
@@ -169,4 +179,4 @@ def make_framework(name: str) -> Framework:
             f"framework {name!r} is not installed (pip install {cls.package}); installed: "
             f"{', '.join(installed)}"
         )
-    return cls()
+    return cls(**settings) if name == "jax" else cls()

@@ -49,7 +49,15 @@ from conformance.backends import (
     load_backend,
     registered_backends,
 )
-from conformance.suite import behaviours, compiles, known_failures, replay, rootdir, scheduling
+from conformance.suite import (
+    behaviours,
+    compiles,
+    domain,
+    known_failures,
+    replay,
+    rootdir,
+    scheduling,
+)
 from conformance.suite.clauses import clause_titles
 
 # A user's function that kills its process fails one test (SPEC §13.13): these hooks
@@ -228,6 +236,9 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(str(err)) from err
     config.stash[BACKENDS] = names
     config.pluginmanager.register(compiles.ProgramCounter(), "conformance-programs-compiled")
+    config.pluginmanager.register(
+        domain.DomainSummary([conformance_backend(n) for n in names]), "conformance-domain"
+    )
     path = config.getoption("--known-failures")
     try:
         config.stash[KNOWN_FAILURES] = known_failures.read_known_failures(path) if path else {}

@@ -228,7 +228,7 @@ def test_bad_options_are_refused_in_the_contracts_words():
             ["causal", "mask_bool", "causal_top_left"],
         ),
         ({"mask": np.zeros((3, 4), np.float32)}, 3, 4, ["non_causal", "mask_float"]),
-        ({"mask": np.zeros((3, 4), np.int64)}, 3, 4, ["non_causal"]),
+        ({"mask": np.zeros((3, 4), np.int64)}, 3, 4, ["non_causal", "mask_bool"]),
     ],
 )
 def test_the_forms_a_call_uses(options, T, S, used):

@@ -296,3 +296,16 @@ def test_jax_float64_only_where_declared():
     first, second = run.stdout.splitlines()[-2:]
     assert first == "False {}"
     assert second.startswith("True {'jax_enable_x64 = True': ") and "declares float64" in second
+
+
+def test_the_pallas_profiles_declare_their_domains():
+    gpu = profiles.read_profile("pallas.gpu.mha")
+    assert not {"mask_bool", "mask_float"} & gpu.forms and "non_causal" in gpu.forms
+    assert gpu.domain.words() == (
+        "D, E in {16, 32, 64, 128}; T a multiple of 16; S a multiple of 16 "
+        "(backward: D, E in {16, 32, 64, 128}; T a multiple of 16; S a multiple of 16; T = S)"
+    )
+    assert gpu.interpreter.startswith("Pallas' interpreter")
+    tpu = profiles.read_profile(ROOT / "examples" / "pallas.tpu.flash_attention.toml")
+    assert "mask_float" in tpu.forms and tpu.domain.s_multiple == 128
+    assert "float64" not in gpu.dtypes + tpu.dtypes  # neither switches JAX's x64 on

@@ -87,7 +87,9 @@ def forms_used(options: Mapping[str, Any], T: int | None = None, S: int | None =
 
 def _mask_forms(mask: Any) -> list[str]:
     """The mask form of a call's ``mask``: an array (bool, or floating), or a test's name
-    for one ("bool", "float"); an integer mask (which the spec refuses) is no form."""
+    for one ("bool", "float"). An integer mask, which the spec refuses, goes where a bool
+    one goes (``native.OptionMap.mask``): a function that takes no bool mask has no mask
+    keyword to refuse it with."""
     if mask is None:
         return []
     if isinstance(mask, str):
@@ -97,7 +99,7 @@ def _mask_forms(mask: Any) -> list[str]:
         return ["mask_bool"]
     if np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16":
         return ["mask_float"]
-    return []
+    return ["mask_bool"]
 
 
 def blocked_value(kind: str, dtype: np.dtype) -> Any:

@@ -206,8 +206,9 @@ class FunctionBackend(Backend):
         """out (B, H, T, E) for q (B, H, T, D), k (B, K, S, D), v (B, K, S, E), NumPy in and
         out: the library's call in between (``conformance.adapters.native``)."""
         self._refuse_undeclared(options)
-        (q, k, v), keywords = self._prepare(q, k, v, mask, options)
-        return self._result(self._call(q, k, v, keywords), f"{self.func_name}()")
+        with self.arrays.scope():
+            (q, k, v), keywords = self._prepare(q, k, v, mask, options)
+            return self._result(self._call(q, k, v, keywords), f"{self.func_name}()")
 
     def attention_vjp(self, q, k, v, d_out, *, mask=None, **options):
         """The backward pass by the framework's own differentiation (torch autograd,
@@ -215,6 +216,10 @@ class FunctionBackend(Backend):
         differentiated too when the backend declares ``grad_mask``."""
         self._refuse_undeclared(options, grad=True)
         _check_d_out(q, v, d_out)
+        with self.arrays.scope():
+            return self._vjp(q, k, v, d_out, mask, options)
+
+    def _vjp(self, q, k, v, d_out, mask, options) -> tuple:
         (q, k, v), keywords = self._prepare(q, k, v, mask, options)
         # Differentiated beside q, k, v, in the order SPEC §12.1 and §15.5 return them: a
         # float mask (with "grad_mask"), then the sinks.

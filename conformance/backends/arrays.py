@@ -7,6 +7,7 @@ when one is built, so ``import conformance`` imports neither torch nor jax.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from collections.abc import Callable
 from typing import Any
@@ -72,6 +73,10 @@ class Framework:
         """``func`` compiled as its users compile it (``jax.jit``); elsewhere ``func``."""
         raise ValueError(f"jit: {self.name} functions are not compiled by the suite")
 
+    def scope(self) -> contextlib.AbstractContextManager:
+        """The settings the function's calls run under (JAX's float64); none here."""
+        return contextlib.nullcontext()
+
     def version(self) -> dict[str, str]:
         return {"numpy": np.__version__}
 
@@ -131,6 +136,12 @@ class JaxFramework(Framework):
 
     def __init__(self, float64: bool = True, why: str = "a JAX function declares float64") -> None:
         self.jax = import_jax(float64, why=why)
+        self.float64 = float64
+
+    def scope(self):
+        # x64 is a setting of the process: where another backend of the run switched it on,
+        # a function without float64 still runs as its users run it, with JAX's default.
+        return contextlib.nullcontext() if self.float64 else self.jax.enable_x64(False)
 
     def from_numpy(self, x):
         return self.jax.device_put(np.asarray(x))

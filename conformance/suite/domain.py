@@ -296,6 +296,14 @@ class DomainSummary:
 
     def __init__(self, backends: list[Any]) -> None:
         self.backends = {b.name: b for b in backends if restricted(b)}
+        #: JAX functions that declare no float64: their calls run with JAX's default x64.
+        self.x64_off = [
+            b.name
+            for b in backends
+            if getattr(b, "framework", None) == "jax"
+            and "float64" not in b.dtypes
+            and hasattr(b, "arrays")
+        ]
         #: backend name -> clause -> [tests run, tests skipped for a form or the domain]
         self.clauses: dict[str, dict[str, list[int]]] = {}
         #: backend name -> the sizes its tests were drawn at instead, "T7-S13 -> T16-S32"
@@ -350,6 +358,11 @@ class DomainSummary:
 
         for setting, why in GLOBAL_SETTINGS.items():
             terminalreporter.write_line(f"the suite set {setting} for this run: {why}")
+            if setting.startswith("jax_enable_x64") and self.x64_off:
+                terminalreporter.write_line(
+                    f"  but not for the calls of {', '.join(self.x64_off)} (no float64 "
+                    "declared): they run with JAX's default, x64 off"
+                )
         for name, backend in self.backends.items():
             terminalreporter.write_line(f"{name} judged on: " + "; ".join(domain_words(backend)))
             if self.moved.get(name):

@@ -216,11 +216,19 @@ def test_bad_options_are_refused_in_the_contracts_words():
         ({"is_causal": True}, 4, 4, ["causal"]),
         ({"is_causal": True}, 3, 4, ["causal", "causal_top_left"]),
         ({"is_causal": True, "causal_alignment": "bottom_right"}, 3, 4, ["causal"]),
-        ({"window": (2, 1)}, 3, 4, ["causal_top_left", "window_right"]),
+        ({"window": (2, 1)}, 3, 4, ["non_causal", "causal_top_left", "window_right"]),
         ({"window": (2, None), "is_causal": True}, 4, 4, ["causal"]),
-        ({"window": (None, None)}, 3, 4, []),
-        ({"scale": 0.5}, 3, 4, ["scale"]),
-        ({"scale": None, "is_causal": False}, 3, 4, []),
+        ({"window": (None, None)}, 3, 4, ["non_causal"]),
+        ({"scale": 0.5}, 3, 4, ["non_causal", "scale"]),
+        ({"scale": None, "is_causal": False}, 3, 4, ["non_causal"]),
+        (
+            {"mask": np.ones((3, 4), bool), "is_causal": True},
+            3,
+            4,
+            ["causal", "mask_bool", "causal_top_left"],
+        ),
+        ({"mask": np.zeros((3, 4), np.float32)}, 3, 4, ["non_causal", "mask_float"]),
+        ({"mask": np.zeros((3, 4), np.int64)}, 3, 4, ["non_causal", "mask_bool"]),
     ],
 )
 def test_the_forms_a_call_uses(options, T, S, used):
@@ -230,7 +238,7 @@ def test_the_forms_a_call_uses(options, T, S, used):
 def test_a_form_not_taken_is_the_suites_error_and_a_skip_by_name():
     gqa = profiles.read_profile("onnxruntime.GroupQueryAttention")
     flax = profiles.read_profile("flax.nnx.dot_product_attention")
-    assert gqa.forms == {"causal", "scale"} and "scale" not in flax.forms
+    assert gqa.forms == {"causal", "scale", *forms.CALL_FORMS} and "scale" not in flax.forms
 
     class Taker:
         name, capabilities, dtypes = "taker", frozenset({"window"}), ("float64",)

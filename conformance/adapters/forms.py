@@ -9,7 +9,10 @@ function does not take is skipped, naming it, never failed:
 - ``causal_top_left``: top-left alignment (of causality, a window or chunks) with T ≠ S;
   a KV-cache operator aligns bottom-right only;
 - ``window_right``: a window's right side (other than 0, or None under causality);
-- ``scale``: a ``scale`` other than the default.
+- ``scale``: a ``scale`` other than the default;
+- ``non_causal``: ``is_causal=False`` (a causal-only kernel takes only causal calls);
+- ``mask_bool``, ``mask_float``: a bool mask, an additive float mask (a kernel may take
+  neither: FlashAttention's main entry point has no mask).
 
 A backend that says nothing takes them all (``forms_of``). For a function whose causality
 comes through the mask, ``through_the_mask`` builds SPEC §1's visibility (causality in
@@ -32,10 +35,20 @@ FORMS = {
     "causal_top_left": "top-left alignment (of causality, a window or chunks) with T ≠ S",
     "window_right": "a window's right side (other than 0, or None under causality)",
     "scale": "a scale keyword",
+    "non_causal": "is_causal=False (a causal-only function takes causal calls only)",
+    "mask_bool": "a bool mask",
+    "mask_float": "an additive float mask",
 }
 ALL_FORMS = frozenset(FORMS)
-#: How causality reaches a function: its keyword, the mask it takes, or not at all.
-CAUSALITY = ("keyword", "mask", "none")
+#: The forms no test declares, because nearly every call uses one: a call that uses one the
+#: function does not take is stopped at the call and its test skipped by name
+#: (``conformance.suite.domain``), never handed to the function.
+CALL_FORMS = ("non_causal", "mask_bool", "mask_float")
+#: How causality reaches a function: its keyword, the mask it takes, not at all, or always
+#: ("only": a causal-only kernel, causal with no keyword; is_causal=False never reaches it).
+CAUSALITY = ("keyword", "mask", "none", "only")
+#: The mask forms a function may take (a profile's ``[forms] masks``).
+MASK_FORMS = ("bool", "float")
 #: What an additive mask holds on a blocked key: -inf, or the dtype's most negative finite
 #: number (``torch.finfo(dtype).min``, as transformers builds its masks).
 BLOCKED = ("-inf", "min")
@@ -59,9 +72,8 @@ def forms_used(options: Mapping[str, Any], T: int | None = None, S: int | None =
     causal = bool(options.get("is_causal", False))
     window = contract.check_window(options.get("window"))
     windowed = window is not None and tuple(window) != (None, None)
-    used = []
-    if causal:
-        used.append("causal")
+    used = ["causal" if causal else "non_causal"]
+    used += _mask_forms(options.get("mask"))
     aligned = causal or windowed or options.get("chunk_size") is not None
     top_left = options.get("causal_alignment", "top_left") == "top_left"
     if aligned and top_left and (T is None or S is None or T != S):
@@ -71,6 +83,23 @@ def forms_used(options: Mapping[str, Any], T: int | None = None, S: int | None =
     if option_is_set("scale", options.get("scale")):
         used.append("scale")
     return used
+
+
+def _mask_forms(mask: Any) -> list[str]:
+    """The mask form of a call's ``mask``: an array (bool, or floating), or a test's name
+    for one ("bool", "float"). An integer mask, which the spec refuses, goes where a bool
+    one goes (``native.OptionMap.mask``): a function that takes no bool mask has no mask
+    keyword to refuse it with."""
+    if mask is None:
+        return []
+    if isinstance(mask, str):
+        return [f"mask_{mask}"] if mask in MASK_FORMS else []
+    dtype = np.asarray(mask).dtype
+    if dtype == np.bool_:
+        return ["mask_bool"]
+    if np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16":
+        return ["mask_float"]
+    return ["mask_bool"]
 
 
 def blocked_value(kind: str, dtype: np.dtype) -> Any:
@@ -149,14 +178,29 @@ def declared_forms(
     call: Any,
     alignments: tuple[str, ...] = ("top_left", "bottom_right"),
     window_sides: tuple[str, ...] = ("left", "right"),
+    masks: tuple[str, ...] | None = None,
 ) -> frozenset[str]:
     """The forms a function called through ``call`` (a ``native.OptionMap``) takes: causality
-    unless it reaches the function not at all, a scale where it has a keyword, top-left
-    alignment and a window's right side unless ``alignments`` and ``window_sides`` leave
-    them out."""
+    unless it reaches the function not at all, non-causal calls unless it is causal only, a
+    scale where it has a keyword, top-left alignment and a window's right side unless
+    ``alignments`` and ``window_sides`` leave them out, and the masks ``masks`` names
+    (default: those ``call`` has a keyword for; a bool mask reaches a function with only a
+    float keyword as an additive one)."""
     forms = set()
     if call.causal != "none":
         forms.add("causal")
+    if call.causal != "only":
+        forms.add("non_causal")
+    if masks is None:
+        masks = tuple(
+            m
+            for m, taken in (
+                ("bool", call.mask_bool is not None or call.mask_float is not None),
+                ("float", call.mask_float is not None),
+            )
+            if taken
+        )
+    forms |= {f"mask_{m}" for m in masks}
     if "top_left" in alignments:
         forms.add("causal_top_left")
     if "right" in window_sides:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from conformance.adapters.domain import Domain
 from conformance.adapters.forms import MASK_OPTIONS, declared_forms, through_the_mask
 from conformance.adapters.native import OptionMap, make_framework
 from conformance.backends import ALL_CAPABILITIES, Backend
@@ -74,8 +75,11 @@ class FunctionBackend(Backend):
       packed: the function for ``attention_packed`` (SPEC §18), taking q, k, v (unbatched,
         in ``call``'s layout), cu_seqlens_q and cu_seqlens_k as the framework's arrays
         and the same keywords as ``func``; needed to declare "packed".
-      forms: the forms of causality, window and scale ``func`` takes
+      forms: the forms of causality, window, scale and masks ``func`` takes
         (``conformance.adapters.forms``); default: those ``call`` gives it.
+      domain: the shapes ``func`` accepts (``conformance.adapters.domain``); default all.
+      interpreter: the interpreter ``func`` runs under on the CPU (Pallas' interpret mode,
+        ``TRITON_INTERPRET=1``), in words, or "" for none.
     """
 
     def __init__(
@@ -91,13 +95,23 @@ class FunctionBackend(Backend):
         jit: bool = False,
         packed: Callable[..., Any] | None = None,
         forms: Iterable[str] | None = None,
+        domain: Domain | None = None,
+        interpreter: str = "",
     ) -> None:
         self.func = func
         self.packed = packed
         self.name = name or default_name(func.__module__, func.__name__)
         self.capabilities = frozenset(capabilities)
         self.dtypes = tuple(dtypes)
-        self.arrays = make_framework(framework)
+        # JAX's float64 (a setting of the whole process) only where the function needs it.
+        self.arrays = make_framework(
+            framework,
+            **(
+                {"float64": "float64" in self.dtypes, "why": f"{self.name} declares float64"}
+                if framework == "jax"
+                else {}
+            ),
+        )
         self.framework = self.arrays.name
         self.call = call or OptionMap()
         self.libraries = tuple(libraries)
@@ -105,6 +119,8 @@ class FunctionBackend(Backend):
         # name (``attend``, ``call``) tells a reader nothing about the library.
         self.func_name = name or getattr(func, "__qualname__", None) or repr(func)
         self.forms = frozenset(declared_forms(self.call) if forms is None else forms)
+        self.domain = domain or Domain()
+        self.interpreter = interpreter
         if jit:
             # The packed function is an adapter's: it reads the boundaries on the host to
             # build its call, and compiles the library's function itself.
@@ -192,8 +208,9 @@ class FunctionBackend(Backend):
         """out (B, H, T, E) for q (B, H, T, D), k (B, K, S, D), v (B, K, S, E), NumPy in and
         out: the library's call in between (``conformance.adapters.native``)."""
         self._refuse_undeclared(options)
-        (q, k, v), keywords = self._prepare(q, k, v, mask, options)
-        return self._result(self._call(q, k, v, keywords), f"{self.func_name}()")
+        with self.arrays.scope():
+            (q, k, v), keywords = self._prepare(q, k, v, mask, options)
+            return self._result(self._call(q, k, v, keywords), f"{self.func_name}()")
 
     def attention_vjp(self, q, k, v, d_out, *, mask=None, **options):
         """The backward pass by the framework's own differentiation (torch autograd,
@@ -201,6 +218,10 @@ class FunctionBackend(Backend):
         differentiated too when the backend declares ``grad_mask``."""
         self._refuse_undeclared(options, grad=True)
         _check_d_out(q, v, d_out)
+        with self.arrays.scope():
+            return self._vjp(q, k, v, d_out, mask, options)
+
+    def _vjp(self, q, k, v, d_out, mask, options) -> tuple:
         (q, k, v), keywords = self._prepare(q, k, v, mask, options)
         # Differentiated beside q, k, v, in the order SPEC §12.1 and §15.5 return them: a
         # float mask (with "grad_mask"), then the sinks.

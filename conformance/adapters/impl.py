@@ -32,6 +32,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from conformance.adapters.domain import Domain
 from conformance.adapters.forms import MASK_OPTIONS
 from conformance.adapters.function import (
     FUNCTION_CAPABILITIES,
@@ -158,6 +159,8 @@ def resolve_impl(
     causal: str | None = None,
     mask: str | None = None,
     forms: Iterable[str] | None = None,
+    domain: Domain | None = None,
+    interpreter: str = "",
 ) -> Backend:
     """The backend ``spec`` ('package.module:attr') names, not yet registered.
 
@@ -167,9 +170,10 @@ def resolve_impl(
     "jax", or "auto": from the target's module) in ``layout`` ("BHTD" or "BTHD"); ``call``
     maps the spec's options to its keywords (a profile's, ``conformance.adapters.profiles``);
     ``packed`` ('package.module:attr') names the function for ``attention_packed``;
-    ``causal`` ("keyword", "mask" or "none") and ``mask`` ("both", "additive" or
-    "additive-min") say how causality and masks reach a function without a profile
-    (``--impl-causal``, ``--impl-mask``), ``forms`` what it takes (a profile's). A
+    ``causal`` ("keyword", "mask", "none" or "only") and ``mask`` ("both", "additive",
+    "additive-min", "bool" or "none") say how causality and masks reach a function without a profile
+    (``--impl-causal``, ``--impl-mask``), ``forms`` what it takes and ``domain`` the
+    shapes it accepts (a profile's), ``interpreter`` what it runs under. A
     Backend subclass is instantiated, an instance is used as it is; both declare their own
     capabilities and dtypes.
 
@@ -257,6 +261,8 @@ def resolve_impl(
             jit=jit,
             packed=None if packed is None else import_target(packed),
             forms=forms,
+            domain=domain,
+            interpreter=interpreter,
         )
     except LookupError as err:  # the framework is not installed
         raise ImplUnavailable(f"--impl {spec!r}: {err}") from err
@@ -268,8 +274,10 @@ IMPL_MASKS = {
     "both": {"mask_bool": "mask", "mask_float": "mask"},
     "additive": {"mask_bool": None, "mask_float": "mask", "blocked": "-inf"},
     "additive-min": {"mask_bool": None, "mask_float": "mask", "blocked": "min"},
+    "bool": {"mask_bool": "mask", "mask_float": None},
+    "none": {"mask_bool": None, "mask_float": None},
 }
-IMPL_CAUSALITY = ("keyword", "mask", "none")
+IMPL_CAUSALITY = ("keyword", "mask", "none", "only")
 
 
 def _impl_call(layout: str, causal: str | None, mask: str | None) -> OptionMap:
@@ -281,7 +289,7 @@ def _impl_call(layout: str, causal: str | None, mask: str | None) -> OptionMap:
         raise ValueError(f"--impl-causal {causal!r} is unknown; known: {', '.join(IMPL_CAUSALITY)}")
     if mask not in IMPL_MASKS:
         raise ValueError(f"--impl-mask {mask!r} is unknown; known: {', '.join(IMPL_MASKS)}")
-    gone = {"mask": MASK_OPTIONS, "none": ("is_causal",)}.get(causal, ())
+    gone = {"mask": MASK_OPTIONS, "none": ("is_causal",), "only": ("is_causal",)}.get(causal, ())
     options = {name: name for name in SPEC_OPTIONS if name not in gone}
     return OptionMap(options=options, layout=layout, causal=causal, **IMPL_MASKS[mask])
 

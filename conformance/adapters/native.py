@@ -105,7 +105,8 @@ class OptionMap:
       layout: "BHTD" (the spec's) or "BTHD".
       causal: how ``is_causal`` reaches the library (``forms.CAUSALITY``): its keyword
         (``options["is_causal"]``), "mask" (built into the mask, with the alignment, and a
-        window and chunks that have no keyword), or "none".
+        window and chunks that have no keyword), "none", or "only" (a causal-only kernel:
+        is_causal=True is what it always does, and any other call is refused).
       blocked: an additive mask's entry for a blocked key: "-inf" or "min" (finfo.min).
     """
 
@@ -136,6 +137,11 @@ class OptionMap:
             raise ValueError(f"causal should be one of {', '.join(CAUSALITY)}, got {self.causal!r}")
         if self.blocked not in BLOCKED:
             raise ValueError(f"blocked should be one of {', '.join(BLOCKED)}, got {self.blocked!r}")
+        if self.causal == "only" and "is_causal" in self.options:
+            raise ValueError(
+                "causal = 'only' is a function with no is_causal keyword (fix its own causal "
+                "keyword in fixed), but options maps one"
+            )
         if self.causal == "keyword" and "is_causal" not in self.options:
             raise ValueError("causal = 'keyword' needs a keyword for is_causal in options")
         if self.causal == "mask" and self.mask_bool is None and self.mask_float is None:
@@ -156,7 +162,14 @@ class OptionMap:
     def keywords(self, func_name: str, options: Mapping[str, Any], framework: Framework) -> dict:
         """The library's keywords for the spec options the caller set (step 4)."""
         found = dict(self.fixed)
+        if self.causal == "only" and not _is_true(options.get("is_causal")):
+            raise NotImplementedError(
+                f"{func_name} is causal only (its profile): a call without is_causal=True "
+                "has no meaning for it"
+            )
         for option, value in options.items():
+            if option == "is_causal" and self.causal == "only":
+                continue  # what the function always does
             if option == "mask" or (option in SPEC_OPTIONS and not option_is_set(option, value)):
                 continue
             keyword = self.options.get(option)
@@ -195,3 +208,8 @@ class OptionMap:
             if keyword is not None:
                 return {keyword: mask}
         raise NotImplementedError(f"{func_name} takes no {mask.dtype.name} mask (its profile)")
+
+
+def _is_true(value: Any) -> bool:
+    """Whether ``value`` is the bool True (Python's or NumPy's), not merely truthy."""
+    return isinstance(value, (bool, np.bool_)) and bool(value)

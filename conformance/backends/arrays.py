@@ -7,6 +7,7 @@ when one is built, so ``import conformance`` imports neither torch nor jax.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from collections.abc import Callable
 from typing import Any
@@ -15,15 +16,25 @@ import numpy as np
 
 from conformance.vocabulary import numpy_dtype
 
+#: The global settings the suite changed for this process, each with why, for the run's
+#: summary (``conformance.suite.domain.DomainSummary``).
+GLOBAL_SETTINGS: dict[str, str] = {}
 
-def import_jax() -> Any:
-    """JAX, with float64 switched on: the one place the suite turns on ``jax_enable_x64``.
 
-    float64 is part of the spec; without this JAX silently computes in float32.
+def import_jax(float64: bool = True, *, why: str = "a JAX backend declares float64") -> Any:
+    """JAX, with float64 switched on where ``float64`` asks for it: the one place the suite
+    turns on ``jax_enable_x64``, a setting of the whole process.
+
+    float64 is part of the spec; without this JAX silently computes in float32. A function
+    that declares no float64 leaves JAX as its users run it (x64 off, the default), unless
+    another backend of the same run switched it on: the summary says so (``GLOBAL_SETTINGS``).
     """
     import jax
 
-    jax.config.update("jax_enable_x64", True)
+    if float64:
+        if not jax.config.jax_enable_x64:
+            GLOBAL_SETTINGS.setdefault("jax_enable_x64 = True", why)
+        jax.config.update("jax_enable_x64", True)
     return jax
 
 
@@ -61,6 +72,10 @@ class Framework:
     def jit(self, func: Callable, static: list[str]) -> Callable:
         """``func`` compiled as its users compile it (``jax.jit``); elsewhere ``func``."""
         raise ValueError(f"jit: {self.name} functions are not compiled by the suite")
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """The settings the function's calls run under (JAX's float64); none here."""
+        return contextlib.nullcontext()
 
     def version(self) -> dict[str, str]:
         return {"numpy": np.__version__}
@@ -119,8 +134,14 @@ class JaxFramework(Framework):
     name = "jax"
     package = "jax"
 
-    def __init__(self) -> None:
-        self.jax = import_jax()
+    def __init__(self, float64: bool = True, why: str = "a JAX function declares float64") -> None:
+        self.jax = import_jax(float64, why=why)
+        self.float64 = float64
+
+    def scope(self):
+        # x64 is a setting of the process: where another backend of the run switched it on,
+        # a function without float64 still runs as its users run it, with JAX's default.
+        return contextlib.nullcontext() if self.float64 else self.jax.enable_x64(False)
 
     def from_numpy(self, x):
         return self.jax.device_put(np.asarray(x))
@@ -157,9 +178,9 @@ FRAMEWORKS: dict[str, type[Framework]] = {
 }
 
 
-def make_framework(name: str) -> Framework:
-    """The framework ``name``; a missing or unknown one is a ``LookupError`` saying what is
-    available."""
+def make_framework(name: str, **settings: Any) -> Framework:
+    """The framework ``name`` (JAX's ``settings``: ``float64``, and ``why`` it is needed); a
+    missing or unknown one is a ``LookupError`` saying what is available."""
     if name not in FRAMEWORKS:
         raise LookupError(f"unknown framework {name!r}; known: {', '.join(FRAMEWORKS)}")
     cls = FRAMEWORKS[name]
@@ -169,4 +190,4 @@ def make_framework(name: str) -> Framework:
             f"framework {name!r} is not installed (pip install {cls.package}); installed: "
             f"{', '.join(installed)}"
         )
-    return cls()
+    return cls(**settings) if name == "jax" else cls()

@@ -164,7 +164,8 @@ def fixture_marks(entry: dict, *clauses: str) -> list:
     """A fixture case's marks (``cases.case_marks``) and the forms of the core its options
     use at its sizes (SPEC §13.17)."""
     shape = entry["shape"]
-    forms = forms_used(entry.get("options", {}), shape.get("T"), shape.get("S"))
+    options = {**entry.get("options", {}), "mask": entry.get("mask")}
+    forms = forms_used(options, shape.get("T"), shape.get("S"))
     return case_marks(entry, *clauses) + ([requires(*forms)] if forms else [])
 
 

@@ -53,6 +53,7 @@ from conformance.backends import (
 from conformance.suite import (
     behaviours,
     compiles,
+    domain,
     known_failures,
     replay,
     rootdir,
@@ -245,6 +246,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):
         summary = verdicts.Summary(config, names, config.stash[LAYER_CHOICE])
         config.pluginmanager.register(summary, "conformance-verdicts")
+    config.pluginmanager.register(
+        domain.DomainSummary([conformance_backend(n) for n in names]), "conformance-domain"
+    )
     path = config.getoption("--known-failures")
     try:
         config.stash[KNOWN_FAILURES] = known_failures.read_known_failures(path) if path else {}

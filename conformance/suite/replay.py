@@ -26,6 +26,7 @@ import pytest
 from conformance.adapters import impl, profiles
 from conformance.backends import Backend, load_backend, numpy_dtype
 from conformance.suite.behaviours import mark_raised
+from conformance.suite.domain import carry
 from conformance.suite.requirements import SuiteError, undeclared
 
 #: The backend methods a replay covers: everything that computes.
@@ -114,6 +115,8 @@ class RecordingBackend:
                         f"{'; '.join(found)}, which {self._backend.name} does not declare. "
                         "This is a bug in the conformance suite, not in the backend."
                     )
+            # Inside the backend's declared forms and shapes, or skipped (suite/domain.py).
+            args, kwargs, back = carry(self._backend, name, args, kwargs)
             # Copies: a test may change its arrays after the call.
             clock = next(_CLOCK)
             self._log.append((clock, self._backend, name, _copy(args), _copy(kwargs)))
@@ -122,7 +125,7 @@ class RecordingBackend:
             if hasattr(self._backend, "received"):
                 self._backend.received = None
             try:
-                return attr(*args, **kwargs)
+                return back(attr(*args, **kwargs))
             except Exception as err:
                 mark_raised(err, self._backend.name, name)
                 raise

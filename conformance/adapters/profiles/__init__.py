@@ -20,6 +20,7 @@ conversion itself is ``conformance/adapters/native.py``; a profile only says wha
     # packed = "module:function"             # attention_packed (SPEC §18), with "packed"
     needs = []                               # hardware: ["cuda"]; skipped by name without
     probe = ""                               # "module:function": None, or why not (measured)
+    interpreter = ""                         # what it runs under on the CPU, in words
     capabilities = ["unbatched", "gqa", "dropout", "grad", "grad_mask"]
     dtypes = ["float64", "float32", "float16", "bfloat16"]
 
@@ -36,13 +37,22 @@ conversion itself is ``conformance/adapters/native.py``; a profile only says wha
     blocked = "-inf"                         # an additive mask's blocked key: or "min"
 
     [forms]                                  # what it takes of the core (SPEC §13.17)
-    causal = "keyword"                       # or "mask" (built into the mask), "none"
+    causal = "keyword"                       # or "mask" (built into the mask), "none",
+                                             # "only" (causal only, no keyword)
+    masks = ["bool", "float"]                # the masks it takes ([]: none; default: those
+                                             # [mask] has a keyword for)
     alignments = ["top_left", "bottom_right"]  # a KV-cache operator: ["bottom_right"]
     window_sides = ["left", "right"]         # a window with no right side: ["left"]
     scale = true                             # false: no scale keyword
 
     [fixed]                                  # passed on every call
     enable_gqa = true
+
+    [domain]                                 # the shapes it accepts (SPEC §13.19)
+    head_dims = [16, 32, 64]                 # or { min = 16, max = 256, multiple = 16 }
+    s_multiple = 16                          # also t_multiple, min_t, min_s, square
+    [domain.backward]                        # where the backward's limits differ
+    s_multiple = 128
 
     [processor_dependent]                    # fails on some processors, not others
     "test_nan_propagates[torch.sdpa-float64-plain-q]" = "a NaN in the inputs becomes ..."
@@ -72,7 +82,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from conformance.adapters.forms import BLOCKED, CAUSALITY, declared_forms
+from conformance.adapters.domain import Domain, parse_domain
+from conformance.adapters.forms import BLOCKED, CAUSALITY, MASK_FORMS, declared_forms
 from conformance.adapters.impl import (
     ImplUnavailable,
     import_target,
@@ -104,9 +115,11 @@ KEYS = {
     "packed",
     "forms",
     "quantized",
+    "domain",
+    "interpreter",
 }
 MASK_KEYS = {"bool", "bool_true", "float", "blocked"}
-FORMS_KEYS = {"causal", "alignments", "window_sides", "scale"}
+FORMS_KEYS = {"causal", "alignments", "window_sides", "scale", "masks"}
 ALIGNMENTS = ("top_left", "bottom_right")
 WINDOW_SIDES = ("left", "right")
 #: What a profile's ``needs`` may name: hardware a function requires beyond its libraries.
@@ -145,6 +158,8 @@ class Profile:
     forms: frozenset[str] | None = None
     #: The [quantized] table: a quantized function, run on SPEC §20 alone.
     quantized: dict | None = None
+    domain: Domain = field(default_factory=Domain)
+    interpreter: str = ""
 
     def missing(self) -> list[str]:
         """The distributions in ``requires`` that are not installed here."""
@@ -197,6 +212,8 @@ class Profile:
                 jit=self.jit,
                 packed=self.packed,
                 forms=self.forms,
+                domain=self.domain,
+                interpreter=self.interpreter,
             )
         except (ImplUnavailable, ValueError) as err:
             raise ProfileError(f"profile {self.name!r} ({self.path}): {err}") from err
@@ -306,6 +323,16 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
             f"{where}: the capability 'packed' and the key 'packed' (the function for "
             "attention_packed) go together"
         )
+    try:
+        domain = parse_domain(data.get("domain", {}), f"{where}: [domain]")
+    except ValueError as err:
+        raise ProfileError(str(err)) from err
+    interpreter = data.get("interpreter", "")
+    if not isinstance(interpreter, str):
+        raise ProfileError(
+            f"{where}: 'interpreter' should be the interpreter it runs under, in words, got "
+            f"{interpreter!r}"
+        )
     return Profile(
         name=data["name"],
         target=data["target"],
@@ -325,6 +352,8 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
         packed=packed,
         forms=takes,
         quantized=data.get("quantized"),
+        domain=domain,
+        interpreter=interpreter,
     )
 
 
@@ -362,10 +391,20 @@ def _call_and_forms(
             f"{where}: causality through the mask cannot reach attention_packed's documents; "
             "'packed' needs is_causal as a keyword"
         )
+    masks = forms.get("masks")
+    if masks is not None:
+        takes = {"bool": call.mask_bool or call.mask_float, "float": call.mask_float}
+        unreached = [m for m in masks if not takes[m]]
+        if unreached:
+            raise ProfileError(
+                f"{where}: [forms] masks = {masks} but [mask] names no keyword for "
+                f"{unreached} (a bool mask needs bool or float, a float mask float)"
+            )
     return call, declared_forms(
         call,
         tuple(forms.get("alignments", ALIGNMENTS)),
         tuple(forms.get("window_sides", WINDOW_SIDES)),
+        None if masks is None else tuple(masks),
     )
 
 
@@ -389,6 +428,12 @@ def _check_forms(data: dict[str, Any], where: str) -> dict[str, Any]:
                 f"{where}: [forms] {key} should be a non-empty list of {list(allowed)}, got "
                 f"{value!r}"
             )
+    masks = forms.get("masks", list(MASK_FORMS))
+    if not isinstance(masks, list) or not set(masks) <= set(MASK_FORMS):
+        raise ProfileError(
+            f"{where}: [forms] masks should be a list of {list(MASK_FORMS)} (empty: it takes "
+            f"no mask), got {masks!r}"
+        )
     if not isinstance(forms.get("scale", True), bool):
         raise ProfileError(
             f"{where}: [forms] scale should be true or false, got {forms['scale']!r}"

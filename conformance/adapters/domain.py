@@ -1,0 +1,200 @@
+"""A kernel's shape domain: the head dims and lengths it accepts (a profile's ``[domain]``).
+
+Real kernels accept head dims of 16 to 256, query and key lengths that are multiples of a
+tile, sometimes T = S only, and their backward may ask for more (S % 128 = 0). A profile
+says so, and the suite judges the function on calls inside that domain and only there
+(``conformance.suite.domain`` carries each call into it, or skips its test by name)::
+
+    [domain]
+    head_dims = [16, 32, 64, 128]          # or a range: { min = 16, max = 256, multiple = 16 }
+    t_multiple = 16                        # T a multiple of 16
+    s_multiple = 16                        # S a multiple of 16
+    min_t = 16                             # T >= 16 (default 0)
+    min_s = 16                             # S >= 16
+    square = true                          # T = S only
+
+    [domain.backward]                      # where the backward's limits differ
+    s_multiple = 128
+
+D = E is required unless the function declares ``value_dim`` (a capability); where it
+declares it, E is drawn from the same head dims as D.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+#: The keys of ``[domain]`` (and of ``[domain.backward]``, less ``backward``).
+DOMAIN_KEYS = {"head_dims", "t_multiple", "s_multiple", "min_t", "min_s", "square", "backward"}
+
+
+@dataclass(frozen=True)
+class Domain:
+    """The shapes a function accepts. The defaults accept every shape.
+
+    Attributes:
+      head_dims: the head dims D (and E) it takes: a tuple of them, or None (any).
+      head_range: (min, max, multiple) of a range of head dims, or None.
+      t_multiple, s_multiple: T and S must be multiples of these.
+      min_t, min_s: the least T and S it takes.
+      square: T = S only.
+      backward: the backward's domain where it differs, or None (the same).
+    """
+
+    head_dims: tuple[int, ...] | None = None
+    head_range: tuple[int, int, int] | None = None
+    t_multiple: int = 1
+    s_multiple: int = 1
+    min_t: int = 0
+    min_s: int = 0
+    square: bool = False
+    backward: Domain | None = field(default=None, compare=False)
+
+    @property
+    def everything(self) -> bool:
+        """Whether this domain accepts every shape (the forward's and the backward's)."""
+        return self._plain() and (self.backward is None or self.backward._plain())
+
+    def _plain(self) -> bool:
+        return self == Domain()
+
+    def of(self, method: str) -> Domain:
+        """The domain of ``method``'s calls: the backward's for a ``*_vjp``."""
+        return self.backward if method.endswith("_vjp") and self.backward else self
+
+    def head_dim_ok(self, d: int) -> bool:
+        if self.head_dims is not None and d not in self.head_dims:
+            return False
+        if self.head_range is not None:
+            lo, hi, step = self.head_range
+            return lo <= d <= hi and d % step == 0
+        return True
+
+    def next_head_dim(self, d: int) -> int | None:
+        """The least head dim of the domain that is at least ``d``, or None."""
+        if self.head_dims is not None:
+            fits = sorted(x for x in self.head_dims if x >= d and self.head_dim_ok(x))
+            return fits[0] if fits else None
+        if self.head_range is not None:
+            lo, hi, step = self.head_range
+            x = max(d, lo)
+            x += -x % step
+            return x if x <= hi else None
+        return d
+
+    def fit_t(self, T: int) -> int:
+        return _fit(T, self.t_multiple, self.min_t)
+
+    def fit_s(self, S: int) -> int:
+        return _fit(S, self.s_multiple, self.min_s)
+
+    def why_not(self, T: int, S: int, D: int, E: int) -> str | None:
+        """Why (T, S, D, E) is outside the domain, in words, or None."""
+        for letter, d in (("D", D), ("E", E)):
+            if not self.head_dim_ok(d):
+                return f"{letter} = {d} is not a head dim of {self.head_words()}"
+        for letter, n, step, least in (
+            ("T", T, self.t_multiple, self.min_t),
+            ("S", S, self.s_multiple, self.min_s),
+        ):
+            if n % step:
+                return f"{letter} = {n} is not a multiple of {step}"
+            if n < least:
+                return f"{letter} = {n} is below its least length {least}"
+        if self.square and T != S:
+            return f"T = {T} ≠ S = {S} (it takes T = S only)"
+        return None
+
+    def head_words(self) -> str:
+        if self.head_dims is not None:
+            return "{" + ", ".join(map(str, self.head_dims)) + "}"
+        if self.head_range is not None:
+            lo, hi, step = self.head_range
+            return f"{lo}..{hi}" + (f" in steps of {step}" if step > 1 else "")
+        return "any"
+
+    def words(self) -> str:
+        """The domain in one line: "D, E in {16, 32}; T, S multiples of 16; T = S"."""
+        parts = []
+        if self.head_dims is not None or self.head_range is not None:
+            parts.append(f"D, E in {self.head_words()}")
+        for letter, step, least in (
+            ("T", self.t_multiple, self.min_t),
+            ("S", self.s_multiple, self.min_s),
+        ):
+            if step > 1:
+                parts.append(f"{letter} a multiple of {step}")
+            if least > 0:
+                parts.append(f"{letter} >= {least}")
+        if self.square:
+            parts.append("T = S")
+        text = "; ".join(parts) or "every shape"
+        if self.backward is not None and self.backward != self:
+            text += f" (backward: {self.backward.words()})"
+        return text
+
+
+def _fit(n: int, step: int, least: int) -> int:
+    """The least length that is at least ``n`` and ``least`` and a multiple of ``step``."""
+    n = max(n, least)
+    return n + (-n % step)
+
+
+def parse_domain(table: Mapping[str, Any], where: str, *, inherit: Domain | None = None) -> Domain:
+    """A ``[domain]`` table checked and built (``[domain.backward]`` inherits the
+    forward's keys it does not set).
+
+    Raises:
+      ValueError: an unknown key, or a value of the wrong kind (naming it).
+    """
+    allowed = DOMAIN_KEYS - ({"backward"} if inherit is not None else set())
+    bad = sorted(set(table) - allowed)
+    if bad:
+        raise ValueError(f"{where}: unknown keys {bad}; known: {', '.join(sorted(allowed))}")
+    base = inherit or Domain()
+    fields: dict[str, Any] = {}
+    if "head_dims" in table:
+        dims = table["head_dims"]
+        if isinstance(dims, list) and dims and all(_positive_int(d) for d in dims):
+            fields["head_dims"], fields["head_range"] = tuple(sorted(set(dims))), None
+        elif isinstance(dims, Mapping) and set(dims) <= {"min", "max", "multiple"}:
+            lo, hi, step = dims.get("min", 1), dims.get("max"), dims.get("multiple", 1)
+            if not all(_positive_int(x) for x in (lo, hi, step)) or lo > hi:
+                raise ValueError(
+                    f"{where}: head_dims {{min, max, multiple}} should be positive integers "
+                    f"with min <= max, got {dict(dims)!r}"
+                )
+            fields["head_dims"], fields["head_range"] = None, (lo, hi, step)
+        else:
+            raise ValueError(
+                f"{where}: head_dims should be a list of positive integers or a table "
+                f"{{min, max, multiple}}, got {dims!r}"
+            )
+    for key in ("t_multiple", "s_multiple"):
+        if key in table:
+            if not _positive_int(table[key]):
+                raise ValueError(f"{where}: {key} should be a positive integer, got {table[key]!r}")
+            fields[key] = table[key]
+    for key in ("min_t", "min_s"):
+        if key in table:
+            value = table[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{where}: {key} should be an integer >= 0, got {value!r}")
+            fields[key] = value
+    if "square" in table:
+        if not isinstance(table["square"], bool):
+            raise ValueError(f"{where}: square should be true or false, got {table['square']!r}")
+        fields["square"] = table["square"]
+    domain = replace(base, **fields, backward=None)
+    if inherit is None and "backward" in table:
+        if not isinstance(table["backward"], Mapping):
+            raise ValueError(f"{where}: backward should be a table, got {table['backward']!r}")
+        backward = parse_domain(table["backward"], f"{where}.backward", inherit=domain)
+        domain = replace(domain, backward=backward)
+    return domain
+
+
+def _positive_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0

@@ -1,6 +1,6 @@
 """SPEC §13.16: a departure is named by the misreading of attention it shows.
 
-Each misreading of ``conformance/suite/diagnosis.py`` is planted in a correct function (the
+Each misreading of ``conformance/suite/misreadings.py`` is planted in a correct function (the
 NumPy reference, ``load_backend("numpy")``, called with the misread inputs, or one of
 ``tests/mutants.py`` where no input can express it); its output is compared with the
 50-digit oracle as a test compares it, and the failure's behaviour must name the
@@ -19,8 +19,9 @@ from mutants import _mutant as _mutant_class
 
 from conformance import load_backend
 from conformance.suite.behaviours import behaviour
-from conformance.suite.diagnosis import BY_NAME, MISREADINGS, diagnose
+from conformance.suite.diagnosis import diagnose
 from conformance.suite.helpers import oracle_attention, random_qkv, random_tolerance
+from conformance.suite.misreadings import BY_NAME, MISREADINGS
 from conformance.suite.tolerance import Departure, assert_within
 
 pytestmark = pytest.mark.clause("13.16")

@@ -17,8 +17,9 @@ from mutants import _mutant as mutant_class
 
 import conformance
 from conformance.suite import behaviours
-from conformance.suite.diagnosis import BY_NAME, explaining_causes, find
+from conformance.suite.diagnosis import explaining_causes, find
 from conformance.suite.helpers import oracle_attention, random_qkv
+from conformance.suite.misreadings import BY_NAME
 
 pytestmark = pytest.mark.clause("13.16")
 SUITE = Path(conformance.__file__).resolve().parent / "tests"

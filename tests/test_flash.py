@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from conformance.fixtures.oracle import naive_vjp_same_precision
 from conformance.impls.jax import flash as jax_flash
+from conformance.impls.jax import flash_fast as jax_flash_fast
 from conformance.impls.jax import flash_packed as jax_flash_packed
 from conformance.impls.jax import flash_tiles as jax_flash_tiles
 from conformance.impls.numpy import attention as numpy_attention
@@ -206,14 +207,14 @@ def test_jax_flash_backward_memory_is_linear_in_t():
     float32 (compiled, not run): its temporaries beyond inputs and outputs stay below 96
     MiB, where one (T, S) score matrix alone would be 8 GiB."""
     shape = jax.ShapeDtypeStruct((1, 8, 16384, 64), jax.numpy.float32)
-    lowered = jax_flash._flash_vjp.lower(
+    lowered = jax_flash_fast._flash_vjp.lower(
         shape,
         shape,
         shape,
         None,
         None,
         shape,
-        opts=jax_flash._traced_options(_checked(16384, 16384, 64), np.float32, 16384),
+        opts=jax_flash_fast._traced_options(_checked(16384, 16384, 64), np.float32, 16384),
         Tb=512,
         Sb=256,
     )
@@ -434,7 +435,7 @@ def test_sides_and_chunks_past_int32_are_unbounded(impl, wide, bounded):
 
 def test_jax_flash_compiles_once_for_every_option_value():
     """The scale, softcap, window sides, chunk size and alignment are runtime values of
-    jax-flash's program (``flash._traced_options``): new values of them compile nothing.
+    jax-flash's program (``flash_fast._traced_options``): new values of them compile nothing.
     (A scale above 1 is one more program: its power of two multiplies the products.)"""
     jax.config.update("jax_enable_x64", True)
     q, k, v = random_qkv(6, B=1, H=2, K=1, T=6, S=7, D=3, E=2, dtype="float64")
@@ -455,16 +456,16 @@ def test_jax_flash_compiles_once_for_every_option_value():
         }[vary]
         jax_flash.attention(q, k, v, block_q=4, block_k=3, fast=True, **calls[0])
         jax_flash.attention_vjp(q, k, v, d_out, block_q=4, block_k=3, **calls[0])
-        before = (jax_flash._flash._cache_size(), jax_flash._flash_vjp._cache_size())
+        before = (jax_flash_fast._flash._cache_size(), jax_flash_fast._flash_vjp._cache_size())
         for options in calls[1:]:
             jax_flash.attention(q, k, v, block_q=4, block_k=3, fast=True, **options)
             jax_flash.attention_vjp(q, k, v, d_out, block_q=4, block_k=3, **options)
-        after = (jax_flash._flash._cache_size(), jax_flash._flash_vjp._cache_size())
+        after = (jax_flash_fast._flash._cache_size(), jax_flash_fast._flash_vjp._cache_size())
         assert after == before, f"{vary}: {before} programs became {after}"
 
 
 def test_jax_flash_compiles_once_per_shape_bucket():
-    """T and S are padded to their bucket (``flash.bucket``) before the compiled program,
+    """T and S are padded to their bucket (``flash_fast.bucket``) before the compiled program,
     their true values runtime values of it: every length of a bucket after the first
     compiles no program at all, neither the attention's nor a pad's or a cut's around it,
     forward and backward, and each answer is the oracle's."""
@@ -479,10 +480,10 @@ def test_jax_flash_compiles_once_per_shape_bucket():
             else None
         )
     )
-    assert [jax_flash.bucket(n, 4) for n in (1, 3, 5, 8, 9, 17, 64, 65)] == [
+    assert [jax_flash_fast.bucket(n, 4) for n in (1, 3, 5, 8, 9, 17, 64, 65)] == [
         (1, 1), (4, 4), (4, 8), (4, 8), (4, 16), (4, 32), (4, 64), (4, 80),
     ]  # fmt: skip
-    assert jax_flash.bucket(4097, 256) == (256, 5120)  # past 16 tiles, a multiple of 4 tiles
+    assert jax_flash_fast.bucket(4097, 256) == (256, 5120)  # past 16 tiles, a multiple of 4 tiles
     options = dict(block_q=4, block_k=8, is_causal=True, causal_alignment="bottom_right")
     for n, (T, S) in enumerate([(5, 9), (6, 16), (7, 11), (7, 13)]):
         q, k, v = random_qkv(n, B=2, H=4, K=2, T=T, S=S, D=3, E=2, dtype="float64")

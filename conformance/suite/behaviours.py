@@ -190,7 +190,7 @@ def _found(departure: Departure, calls) -> diagnosis.Found:
 
 def misreadings(err: BaseException | None, calls: list) -> list[str]:
     """The sentences of every misreading of attention that a failing test's output equals
-    (``diagnosis.find``), in ``diagnosis.MISREADINGS``' order; [] where none does or the
+    (``diagnosis.find``), in ``misreadings.MISREADINGS``' order; [] where none does or the
     failure saw no output."""
     inner = _innermost(err) if err is not None else None
     if not isinstance(inner, Departure):

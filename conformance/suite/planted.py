@@ -1,13 +1,16 @@
 """The oracle's runs with a misreading of attention planted, for
 ``conformance.suite.diagnosis``: the departing call as float64 arrays (``Call``), the
 oracle's float64 textbook run on it with changed inputs or options (``oracle_run``), the
-keys each row attends (``allowed``), and a float64 textbook for the misreadings no input
-can express (``textbook``).
+keys each row attends (``allowed``), a float64 textbook for the misreadings no input
+can express (``textbook``), and the outputs with one input or option misread that
+``conformance/suite/misreadings.py`` names (``rows_as``, ``window_shifted``,
+``keys_past_s``, ...).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -214,3 +217,107 @@ def blockwise(call: Call, tile: int, *, rescale_sum=True, rescale_acc=True):
             acc = (alpha if rescale_acc else 1.0) * acc + np.matmul(p, v[..., s0 : s0 + tile, :])
             m = m_new
         return acc / np.where(total > 0, total, 1.0)  # (B, H, T, E)
+
+
+def empty_rows(call: Call) -> np.ndarray:
+    return ~allowed(call).any(axis=-1)  # (B, H, T)
+
+
+def rows_as(call: Call, fill: str) -> np.ndarray | None:
+    """The right answer, but the rows with no key to attend hold ``fill``: "nan", or
+    "mean" (the mean of their value rows, as uniform weights over every key give)."""
+    empty = empty_rows(call)
+    if not empty.any() or call.k.shape[2] == 0:
+        return None
+    out = oracle_run(call)
+    if fill == "nan":
+        out[empty] = np.nan
+    else:
+        _, v = expanded(call)
+        out[empty] = np.broadcast_to(v.mean(axis=2, keepdims=True), out.shape)[empty]
+    return out
+
+
+def window_shifted(side: int, step: int) -> Callable[[Call], np.ndarray | None]:
+    def compute(call: Call) -> np.ndarray | None:
+        window = list(call.options["window"])
+        if window[side] is None or window[side] + step < 0:
+            return None
+        window[side] += step
+        return oracle_run(call, window=tuple(window))
+
+    return compute
+
+
+def diagonal_shifted(step: int) -> Callable[[Call], np.ndarray | None]:
+    """Causality with its diagonal ``step`` keys off, as a window's right side."""
+
+    def compute(call: Call) -> np.ndarray | None:
+        left, right = call.options.get("window") or (None, None)
+        right = step if right is None else min(right, 0) + step
+        return oracle_run(call, is_causal=False, window=(left, right))
+
+    return compute
+
+
+def gqa_tiled(call: Call) -> np.ndarray:
+    H, K = call.q.shape[1], call.k.shape[1]
+    heads = [h % K for h in range(H)]
+    return oracle_run(call, k=call.k[:, heads], v=call.v[:, heads])  # k, v (B, H, S, ·)
+
+
+def scale_is(value: Callable[[Call], float]) -> Callable[[Call], np.ndarray]:
+    return lambda call: oracle_run(call, scale=value(call))
+
+
+def prescaled(call: Call) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return call.q * call.scale  # (B, H, T, D)
+
+
+def batch_repeated(call: Call) -> np.ndarray:
+    """A per-batch mask (B, 1, T, S) spread over the heads as ``mask.repeat(H, 1, 1)`` does
+    on (B, T, S) where q is reshaped to (B·H, T, D): query head h of batch element b gets
+    the mask of batch element (b·H + h) mod B, not its own."""
+    B, H = call.q.shape[:2]
+    index = (np.arange(B)[:, None] * H + np.arange(H)[None, :]) % B  # (B, H)
+    return oracle_run(call, mask=call.mask[index][:, :, 0])  # mask (B, H, T, S)
+
+
+def keys_as_if_s_is_t(call: Call) -> np.ndarray | None:
+    """The keys read as if S = T: with T < S, only the first T keys (and the mask's first
+    T columns), and causality aligned as for a square problem."""
+    T, S = call.q.shape[2], call.k.shape[2]
+    if not 0 < T < S:
+        return None
+    mask = call.mask
+    if mask is not None and mask.shape[-1] == S:
+        mask = mask[..., :T]  # (·, ·, ·, T)
+    k, v = call.k[:, :, :T], call.v[:, :, :T]  # (B, K, T, ·)
+    return oracle_run(call, k=k, v=v, mask=mask, causal_alignment="top_left")
+
+
+def keys_past_s(call: Call) -> np.ndarray | None:
+    """Keys read past S: with T > S under causality, rows t >= S read key slots S .. t as a
+    square causal problem would, and what those slots hold is no number (NaN)."""
+    T, S = call.q.shape[2], call.k.shape[2]
+    if T <= S:
+        return None
+    B, K = call.k.shape[:2]
+    k = np.concatenate([call.k, np.full((B, K, T - S, call.k.shape[-1]), np.nan)], axis=2)
+    v = np.concatenate([call.v, np.full((B, K, T - S, call.v.shape[-1]), np.nan)], axis=2)
+    mask = call.mask
+    if mask is not None and mask.shape[-1] == S:
+        fill = np.ones if call.bool_mask else np.zeros
+        extra = fill((*mask.shape[:-1], T - S), dtype=mask.dtype)
+        mask = np.concatenate([mask, extra], axis=-1)  # (·, ·, ·, T)
+    return oracle_run(call, k=k, v=v, mask=mask, causal_alignment="top_left")  # k, v (B, K, T, ·)
+
+
+def causal_added(call: Call) -> np.ndarray:
+    """Causality (and the window, chunks) added to the float mask as 0 / -inf, not selected:
+    where the mask holds +inf or NaN at a key causality blocks, the score is NaN."""
+    band = allowed(call._replace(mask=None))  # (B, H, T, S)
+    with np.errstate(invalid="ignore"):
+        mask = call.mask + np.where(band, 0.0, -np.inf)  # (B, H, T, S)
+    return oracle_run(call, mask=mask, is_causal=None, window=None, chunk_size=None)

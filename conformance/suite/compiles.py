@@ -231,9 +231,9 @@ class ProgramCounter:
         for growth, module, before, count in sorted(grown, key=lambda g: (-g[0], g[1])):
             lines.append(f"  {module}: {before} -> {count} (+{growth})")
         lines.append(
-            f"If the tests need them, record the new counts (pytest ... --check-programs {env} "
-            f"--record-programs, or edit {path}) in the change that adds them, with the reason "
-            "in its commit message."
+            f"If the tests need them, record the new counts in the change that adds them, with "
+            f"the reason in its commit message: tox -e {env} -- --record-programs (or pytest "
+            f"... --check-programs {env} --record-programs) rewrites [{env}] in {path}."
         )
         return lines, True
 
@@ -298,9 +298,7 @@ def program_counter(config: pytest.Config) -> ProgramCounter:
     check = config.getoption("--check-programs")
     record = None
     if check is not None:
-        record = Path(config.getoption("--programs-record"))
-        if not record.is_absolute():
-            record = config.rootpath / record
+        record = config.invocation_params.dir / config.getoption("--programs-record")
     elif config.getoption("--record-programs"):
         raise pytest.UsageError("--record-programs writes a record: give --check-programs ENV")
     return ProgramCounter(check, record, bool(config.getoption("--record-programs")))

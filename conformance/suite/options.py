@@ -183,7 +183,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=".ci/programs.toml",
         metavar="FILE",
         help="the recorded JAX program counts, per tox env and test module "
-        "(default: %(default)s, relative to the rootdir)",
+        "(default: %(default)s, in the directory pytest runs in)",
     )
     group.addoption(
         "--record-programs",

@@ -79,9 +79,15 @@ def test_the_guard_allows_ten_percent_and_names_the_modules_that_grew(tmp_path):
     }
 
 
-def test_an_env_without_a_record_says_how_to_write_one(tmp_path):
-    lines, over = _counter(tmp_path, {"a.py": 3})._judge()
-    assert not over and "--check-programs jax --record-programs" in lines[0], lines
+def test_an_env_without_a_record_prints_the_record_to_paste(tmp_path):
+    from conformance.suite.compiles import read_records
+
+    lines, over = _counter(tmp_path, {"a.py": 3, "b.py": 2})._judge()
+    assert not over and "tox -e jax -- --record-programs" in lines[0], lines
+    (tmp_path / "pasted.toml").write_text("\n".join(lines[1:]))
+    assert read_records(tmp_path / "pasted.toml") == {
+        "jax": {"total": 3, "modules": {"a.py": 3, "b.py": 2}}
+    }
 
 
 def test_a_broken_record_is_refused_by_name(tmp_path):

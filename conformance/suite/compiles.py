@@ -207,9 +207,11 @@ class ProgramCounter:
             return [f"JAX programs of {env}: {counts['total']}, written to {path}"], False
         recorded = records.get(env)
         if recorded is None:
+            # The record to paste, so that a run's log is enough to start one.
             return [
-                f"JAX programs of {env}: {counts['total']}; {path} has no record of {env} "
-                f"(write one with --check-programs {env} --record-programs)"
+                f"JAX programs of {env}: {counts['total']}; {path} has no record of {env}. "
+                f"Its record, to paste there (or write with tox -e {env} -- --record-programs):",
+                *format_records({env: counts}).splitlines(),
             ], False
         limit = math.floor(recorded["total"] * (1 + GROWTH))
         line = (
@@ -279,13 +281,20 @@ HEADER = """\
 """
 
 
-def write_records(path: Path, records: dict) -> None:
-    parts = [HEADER]
+def format_records(records: dict) -> str:
+    """``records`` as the TOML of the record file, without its header."""
+    blocks = []
     for env in sorted(records):
-        parts.append(f"\n[{env}]\ntotal = {records[env]['total']}\n\n[{env}.modules]\n")
-        for module, count in sorted(records[env]["modules"].items()):
-            parts.append(f'"{module}" = {count}\n')
-    path.write_text("".join(parts), encoding="utf-8")
+        modules = sorted(records[env]["modules"].items())
+        blocks.append(
+            f"[{env}]\ntotal = {records[env]['total']}\n\n[{env}.modules]\n"
+            + "".join(f'"{module}" = {count}\n' for module, count in modules)
+        )
+    return "\n".join(blocks)
+
+
+def write_records(path: Path, records: dict) -> None:
+    path.write_text(HEADER + "\n" + format_records(records), encoding="utf-8")
 
 
 def _jax_version() -> str:

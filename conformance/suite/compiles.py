@@ -67,7 +67,7 @@ STAGES = (
 #: Where a pytest-xdist process leaves its programs and seconds for the controller.
 WORKER_KEY = "conformance_programs_compiled"
 SECONDS_KEY = "conformance_seconds_compiling"
-REQUESTS_KEY = "conformance_compile_requests"
+UNKEYED_KEY = "conformance_unkeyed_requests"
 #: How far above its record an env's count may go.
 GROWTH = 0.10
 
@@ -100,6 +100,8 @@ class ProgramCounter:
         self.check, self.record, self.rewrite = check, record, rewrite
         self.verdict: list[str] = []
         self._requests = 0
+        #: Requests made in tests that JAX gave no key for: programs that cannot be counted.
+        self._unkeyed = 0
         self._keys: list[str] = []
         self._spent = 0.0
         self._listening = False
@@ -135,13 +137,15 @@ class ProgramCounter:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem):
         self._listen()
-        keys, spent = len(self._keys), self._spent
+        keys, spent, requests = len(self._keys), self._spent, self._requests
         try:
             return (yield)
         finally:
             self._listen()
             compiled = set(self._keys[keys:])
             del self._keys[keys:]
+            if self._requests > requests and not compiled:
+                self._unkeyed += self._requests - requests
             name = _backend_of(item)
             if compiled:
                 self.by_module[item.nodeid.split("::")[0]] |= compiled
@@ -157,7 +161,7 @@ class ProgramCounter:
             for name, keys in theirs.items():
                 mine[name] |= set(keys)
         self.seconds.update(output.get(SECONDS_KEY, {}))
-        self._requests += output.get(REQUESTS_KEY, 0)
+        self._unkeyed += output.get(UNKEYED_KEY, 0)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         workeroutput = getattr(session.config, "workeroutput", None)
@@ -167,7 +171,7 @@ class ProgramCounter:
                 for counted in (self.by_backend, self.by_module)
             ]
             workeroutput[SECONDS_KEY] = dict(self.seconds)
-            workeroutput[REQUESTS_KEY] = self._requests
+            workeroutput[UNKEYED_KEY] = self._unkeyed
             return
         if self.check is not None and self.record is not None:
             self.verdict, over = self._judge()
@@ -185,13 +189,12 @@ class ProgramCounter:
         """The lines the guard prints, and whether the run is over its record."""
         counts = self.counts()
         env, path = self.check, self.record
-        if self._requests and not counts["total"]:
+        if self._unkeyed:
             return [
-                f"JAX programs: JAX compiled {self._requests} programs but gave no cache "
-                f"key to count them by (jax {_jax_version()}): the guard of {env} cannot "
-                "count"
+                f"JAX programs: JAX compiled {self._unkeyed} programs but gave no cache key "
+                f"to count them by (jax {_jax_version()}): the guard of {env} cannot count"
             ], True
-        if self._requests == 0 and not counts["total"] and "jax" in sys.modules:
+        if not counts["total"] and "jax" in sys.modules:
             from jax import config
 
             if not config.jax_enable_compilation_cache:

@@ -145,3 +145,22 @@ def test_a_users_own_jax_function_is_cached_only_when_they_opt_in(tmp_path):
     theirs = re.search(r"(\d+) programs compiled \(mine.attention\)", out)
     assert shipped and theirs, out[-500:]
     assert _stored(shared) > int(shipped.group(1)), out[-500:]
+
+
+def test_the_users_code_is_what_the_project_does_not_ship(tmp_path):
+    from types import SimpleNamespace
+
+    from conformance.adapters import profiles
+    from conformance.backends import load_backend
+    from conformance.suite.plugin import PROFILES, _tests_own_code
+
+    def own(backends, profile_dir):
+        profile = SimpleNamespace(name="lib.attention", path=profile_dir / "lib.attention.toml")
+        return _tests_own_code(SimpleNamespace(stash={PROFILES: ([profile], [])}), backends)
+
+    shipped, profile = load_backend("numpy"), SimpleNamespace(name="lib.attention")
+    assert not own([shipped], profiles.HERE)
+    assert not own([shipped, profile], profiles.HERE)
+    # The same profile from the user's folder, or an --impl of theirs, is their code.
+    assert own([shipped, profile], tmp_path)
+    assert own([shipped, SimpleNamespace(name="mine.attention")], profiles.HERE)

@@ -9,6 +9,14 @@ import pytest
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "clause(number): the SPEC.md clause a test checks")
+    # The project's tests that compile JAX programs themselves (the pages, the flash tiles)
+    # keep them in the user's shared cache too; JAX reads these when it is imported.
+    from conformance.backends.arrays import jax_cache_for_run, jax_cache_mode
+
+    directory = jax_cache_for_run(jax_cache_mode(), own_code=False)
+    if directory is not None:
+        os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(directory))
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 @pytest.fixture

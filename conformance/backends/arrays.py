@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +38,75 @@ def import_jax(float64: bool = True, *, why: str = "a JAX backend declares float
             GLOBAL_SETTINGS.setdefault("jax_enable_x64 = True", why)
         jax.config.update("jax_enable_x64", True)
     return jax
+
+
+#: The setting that says which JAX programs the suite caches on disk (``--jax-cache``
+#: overrides it for one pytest run): "shipped", the default, the shipped backends' and
+#: profiles'; "all", your own code's too; "off", none.
+JAX_CACHE_SETTING = "CONFORMANCE_JAX_CACHE"
+JAX_CACHE_MODES = ("shipped", "all", "off")
+
+
+def jax_cache_mode(environ: Mapping[str, str] = os.environ) -> str:
+    """The value of ``CONFORMANCE_JAX_CACHE`` ("shipped" where it is unset or empty)."""
+    mode = environ.get(JAX_CACHE_SETTING) or "shipped"
+    if mode not in JAX_CACHE_MODES:
+        raise ValueError(
+            f"{JAX_CACHE_SETTING}: expected one of {', '.join(JAX_CACHE_MODES)}, got {mode!r}"
+        )
+    return mode
+
+
+def jax_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """Where JAX's persistent compilation cache is: ``$JAX_COMPILATION_CACHE_DIR`` where
+    set, else ``attention-conformance/jax`` in the user's cache directory
+    (``$XDG_CACHE_HOME``, else ``~/.cache``), one for every checkout and venv of the user.
+
+    Sharing it is safe: JAX keys each entry by the program, the jax and jaxlib versions,
+    the device and the compiler's flags, so a program is only ever read back by a process
+    that would have compiled the very same one.
+    """
+    if environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return Path(environ["JAX_COMPILATION_CACHE_DIR"])
+    base = environ.get("XDG_CACHE_HOME", "")
+    # The XDG specification ignores a relative path: it would move with the working directory.
+    if not os.path.isabs(base):
+        home = environ.get("HOME")
+        base = os.path.join(home if home else Path.home(), ".cache")
+    return Path(base) / "attention-conformance" / "jax"
+
+
+def jax_cache_for_run(
+    mode: str, own_code: bool, environ: Mapping[str, str] = os.environ
+) -> Path | None:
+    """The persistent cache of a run that compiles JAX programs, or None for none.
+
+    JAX's cache is one per process: once on, it holds every program the process compiles.
+    So a run that tests your own code (an ``--impl``, a profile of yours) uses it only
+    under mode "all", for the shipped backends' programs as for yours, or where you set
+    JAX's own ``JAX_COMPILATION_CACHE_DIR`` (JAX then caches all your JAX code anyway).
+    "off" turns it off, JAX's variable or not.
+    """
+    if mode not in JAX_CACHE_MODES:
+        raise ValueError(f"mode: expected one of {', '.join(JAX_CACHE_MODES)}, got {mode!r}")
+    if mode == "off":
+        return None
+    if own_code and mode != "all":
+        chosen = environ.get("JAX_COMPILATION_CACHE_DIR")
+        return Path(chosen) if chosen else None
+    return jax_cache_dir(environ)
+
+
+def use_jax_cache(directory: Path | None, environ: Mapping[str, str] = os.environ) -> None:
+    """Point this process's JAX at ``directory`` for its compiled programs (None: no
+    persistent cache), before it compiles any: JAX opens its cache once, at the first
+    compile. Every program is cached, however quick to compile (JAX's default keeps
+    only those that took a second), unless ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``
+    says otherwise."""
+    jax = import_jax()
+    jax.config.update("jax_compilation_cache_dir", None if directory is None else str(directory))
+    if directory is not None and "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 class Framework:

@@ -102,8 +102,8 @@ def run_tests(
     one test function on one backend at a time (``--dist loadscope``, see
     ``conformance.suite.scheduling``), so that the programs a JAX backend compiles for a
     function's parametrizations are compiled once; programs compiled in one process are
-    found by the other in JAX's persistent compilation cache, when it is on
-    (``report.main`` turns it on).
+    found by the other in JAX's persistent compilation cache, when it is on (the plugin
+    turns it on: ``conformance.suite.compiles``).
     """
     collector = Collector()
     # The report imported Hypothesis before pytest starts: nothing of it needs rewriting,

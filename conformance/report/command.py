@@ -21,9 +21,9 @@ The parts: ``report_collect`` (the pytest run and what it gathers), ``report_out
 (clauses, verdicts, grouped skips), ``report_agreement`` (the tests' measurements,
 summarised), ``report_pictures`` and ``report_markdown``. This module is the command.
 
-JAX's persistent compilation cache is on: ``$JAX_COMPILATION_CACHE_DIR`` if set (tox sets
-it), else ``<out>/.jax-cache``. The tests run in two pytest-xdist processes where xdist is
-installed and there are two cores (``--workers``).
+JAX's persistent compilation cache is the user's, shared by every run, checkout and venv
+(``--jax-cache`` in ``conformance/suite/compiles.py``). The tests run in two pytest-xdist
+processes where xdist is installed and there are two cores (``--workers``).
 
 Any other options are passed to pytest (``-k``, ``--known-failures FILE``, ...).
 """
@@ -79,15 +79,6 @@ def machine() -> str:
         f"{platform.machine()} {platform.system()} {platform.release()}, "
         f"{platform.processor() or 'cpu'}, {os.cpu_count()} cores"
     )
-
-
-def use_jax_cache(out: Path) -> None:
-    """Turn on JAX's persistent compilation cache, unless the caller chose one: in
-    ``out/.jax-cache``, for every program however quick to compile. JAX compiles a program
-    per shape and option set (hundreds in a run); a second run reads them back instead.
-    Set before JAX is imported (it reads these at import), and inherited by the workers."""
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str((out / ".jax-cache").resolve()))
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -171,7 +162,6 @@ def _workers(value: str, impl: bool) -> int:
 def main(argv: list[str]) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
-    use_jax_cache(args.out)
     from conformance.suite.plugin import selected_backends
 
     class _Opts:

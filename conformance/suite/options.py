@@ -180,6 +180,34 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "contract (what bad input gets)",
     )
     group.addoption(
+        "--jax-cache",
+        default=None,
+        choices=["shipped", "all", "off"],
+        help="which JAX programs are kept in the compilation cache on disk, shared by your "
+        "runs (default: $CONFORMANCE_JAX_CACHE, else shipped): shipped, the shipped "
+        "backends' and profiles', and none in a run of your own code (--impl, a profile "
+        "of yours); all, your code's too; off, none",
+    )
+    group.addoption(
+        "--check-programs",
+        default=None,
+        metavar="ENV",
+        help="fail the run if it compiled more than 10%% more distinct JAX programs than "
+        "the record of ENV in --programs-record, naming the test modules that grew",
+    )
+    group.addoption(
+        "--programs-record",
+        default=".ci/programs.toml",
+        metavar="FILE",
+        help="the recorded JAX program counts, per tox env and test module "
+        "(default: %(default)s, in the directory pytest runs in)",
+    )
+    group.addoption(
+        "--record-programs",
+        action="store_true",
+        help="with --check-programs ENV: write this run's counts as ENV's record",
+    )
+    group.addoption(
         "--repro-dir",
         default=None,
         metavar="DIR",

@@ -45,6 +45,7 @@ import pytest
 
 from conformance.adapters import impl
 from conformance.backends import (
+    BUILTIN,
     BackendUnavailable,
     available_backends,
     load_backend,
@@ -90,6 +91,8 @@ KNOWN_FAILURES = pytest.StashKey[dict]()
 PROFILES = pytest.StashKey[tuple]()
 REPRO_DIR = pytest.StashKey[Path]()
 LAYER_CHOICE = pytest.StashKey[list]()
+#: The name of the plugin that counts the JAX programs (``compiles.ProgramCounter``).
+COUNTER = "conformance-programs-compiled"
 
 
 def conformance_backends(config: pytest.Config) -> list[str]:
@@ -216,6 +219,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[KNOWN_FAILURES] = {}
     if not conformance_requested(config):
         _load_impl(config)  # only to refuse --impl-* flags without an --impl
+        if config.getoption("--check-programs") is not None:
+            # The project's own tests, held to their record of JAX programs.
+            config.pluginmanager.register(compiles.program_counter(config), COUNTER)
         if config.getoption("--known-failures") is not None:
             raise pytest.UsageError(
                 "--known-failures describes a conformance run; give --backend NAME or --impl "
@@ -235,25 +241,36 @@ def pytest_configure(config: pytest.Config) -> None:
     if impl_name is not None:
         names = list(dict.fromkeys([*names, impl_name]))
     names = list(dict.fromkeys([*names, *_load_profiles(config)]))
+    loaded = []
     for name in names:
         try:
-            conformance_backend(name)
+            loaded.append(conformance_backend(name))
         except BackendUnavailable as err:
             raise pytest.UsageError(str(err)) from err
     config.stash[BACKENDS] = names
+    compiles.configure_jax_cache(config, loaded, own_code=_tests_own_code(config, loaded))
+    config.pluginmanager.register(compiles.program_counter(config), COUNTER)
     config.stash[LAYER_CHOICE] = chosen_layers(config)
-    config.pluginmanager.register(compiles.ProgramCounter(), "conformance-programs-compiled")
     if not hasattr(config, "workerinput"):
         summary = verdicts.Summary(config, names, config.stash[LAYER_CHOICE])
         config.pluginmanager.register(summary, "conformance-verdicts")
-    config.pluginmanager.register(
-        domain.DomainSummary([conformance_backend(n) for n in names]), "conformance-domain"
-    )
+    config.pluginmanager.register(domain.DomainSummary(loaded), "conformance-domain")
     path = config.getoption("--known-failures")
     try:
         config.stash[KNOWN_FAILURES] = known_failures.read_known_failures(path) if path else {}
     except (OSError, ValueError) as err:
         raise pytest.UsageError(f"--known-failures: {err}") from err
+
+
+def _tests_own_code(config: pytest.Config, backends: list) -> bool:
+    """Whether the run tests code of the user's: a backend that is neither a shipped one
+    nor a shipped profile's (an ``--impl``, a profile of theirs, one they registered)."""
+    from conformance.adapters import profiles
+
+    loaded, unavailable = config.stash.get(PROFILES, ([], []))
+    shipped = profiles.HERE.resolve()
+    ours = {p.name for p in [*loaded, *unavailable] if p.path.resolve().parent == shipped}
+    return any(b.name not in ours and type(b) is not BUILTIN.get(b.name) for b in backends)
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)

@@ -80,6 +80,20 @@ def property_tests_use_the_runs_profile(items: list[pytest.Item]) -> None:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("conformance")
+    _add_backend_options(group)
+    _add_impl_options(group)
+    _add_run_options(group)
+    _add_jax_program_options(group)
+    group.addoption(
+        "--repro-dir",
+        default=None,
+        metavar="DIR",
+        help="where a failing test saves the inputs of its last calls (default: a temp dir)",
+    )
+
+
+def _add_backend_options(group: pytest.OptionGroup) -> None:
+    """What is tested: the named backends and their options."""
     group.addoption(
         "--backend",
         action="append",
@@ -95,6 +109,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="an option of a named backend for this run, beside its conformance options "
         "(SPEC §10.4), e.g. numpy-flash:textbook=True; VALUE is a Python literal",
     )
+
+
+def _add_impl_options(group: pytest.OptionGroup) -> None:
+    """A user's function (``--impl`` and how it is called) and the library profiles."""
     group.addoption(
         "--impl",
         default=None,
@@ -158,6 +176,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="the --impl backend's name in test ids (default: module.function)",
     )
+
+
+def _add_run_options(group: pytest.OptionGroup) -> None:
+    """Which tests run and which are expected to fail."""
     group.addoption(
         "--known-failures",
         default=None,
@@ -179,6 +201,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "math (ordinary inputs), edges (rows with no key, NaN, overflow, empty sequences), "
         "contract (what bad input gets)",
     )
+
+
+def _add_jax_program_options(group: pytest.OptionGroup) -> None:
+    """The JAX compilation cache and the check of how many programs a run compiles."""
     group.addoption(
         "--jax-cache",
         default=None,
@@ -206,10 +232,4 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--record-programs",
         action="store_true",
         help="with --check-programs ENV: write this run's counts as ENV's record",
-    )
-    group.addoption(
-        "--repro-dir",
-        default=None,
-        metavar="DIR",
-        help="where a failing test saves the inputs of its last calls (default: a temp dir)",
     )

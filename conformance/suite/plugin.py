@@ -34,7 +34,6 @@ examples): ``--hypothesis-profile deep``.
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 import tempfile
@@ -48,7 +47,6 @@ from conformance.backends import (
     BUILTIN,
     BackendUnavailable,
     available_backends,
-    load_backend,
     registered_backends,
 )
 from conformance.suite import (
@@ -61,7 +59,7 @@ from conformance.suite import (
     scheduling,
     verdicts,
 )
-from conformance.suite.clauses import LAYERS, clause_titles, layer_of
+from conformance.suite.clauses import clause_titles
 
 # A user's function that kills its process fails one test (SPEC §13.13): these hooks
 # belong to this plugin, so they live wherever it is loaded.
@@ -83,6 +81,16 @@ from conformance.suite.options import (
     register_hypothesis_profiles,
 )
 
+# What a run selects, its backends as tested and its layers, lives on a page of its own too.
+from conformance.suite.selection import (
+    _BACKEND_OPTIONS,
+    LAYER_CHOICE,
+    backend_options,
+    chosen_layers,
+    conformance_backend,
+    deselect_other_layers,
+)
+
 #: What the plugin keeps for a run, in pytest's stash: the backends under test, the
 #: known failures listed by ``--known-failures``, the profiles (loaded, unavailable), and
 #: the directory of the saved failing calls.
@@ -90,7 +98,6 @@ BACKENDS = pytest.StashKey[list]()
 KNOWN_FAILURES = pytest.StashKey[dict]()
 PROFILES = pytest.StashKey[tuple]()
 REPRO_DIR = pytest.StashKey[Path]()
-LAYER_CHOICE = pytest.StashKey[list]()
 #: The name of the plugin that counts the JAX programs (``compiles.ProgramCounter``).
 COUNTER = "conformance-programs-compiled"
 
@@ -283,59 +290,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return scheduling.scheduler(config, log, backends)
 
 
-def chosen_layers(config: pytest.Config) -> list[str]:
-    """The layers ``--layer`` chose (SPEC §13.18); none: every layer."""
-    chosen = [name.strip() for value in config.getoption("--layer") for name in value.split(",")]
-    unknown = [name for name in chosen if name not in LAYERS]
-    if unknown:
-        raise pytest.UsageError(
-            f"--layer {','.join(unknown)}: the layers are {', '.join(LAYERS)} (SPEC §13.18)"
-        )
-    return list(dict.fromkeys(name for name in chosen if name))
-
-
-def _deselect_other_layers(config: pytest.Config, items: list[pytest.Item]) -> None:
-    chosen = config.stash.get(LAYER_CHOICE, [])
-    if not chosen:
-        return
-    kept, dropped = [], []
-    for item in items:
-        marker = item.get_closest_marker("clause")
-        layer = layer_of(marker.args[0] if marker else None)
-        (kept if layer in chosen else dropped).append(item)
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = kept
-
-
-def conformance_backend(name: str):
-    """The backend as the conformance run tests it: loaded with its ``conformance_options``
-    and the run's ``--backend-option``s for it (SPEC §10.4); ``load_backend(name)`` alone
-    gives the users' default configuration."""
-    backend = load_backend(name)
-    options = {**backend.conformance_options, **_BACKEND_OPTIONS.get(name, {})}
-    return load_backend(name, **options) if options else backend
-
-
-#: The run's ``--backend-option NAME:KEY=VALUE``s, by backend name.
-_BACKEND_OPTIONS: dict[str, dict] = {}
-
-
-def backend_options(values: list[str]) -> dict[str, dict]:
-    """``--backend-option`` values as {name: {key: value}}, each VALUE a Python literal."""
-    found: dict[str, dict] = {}
-    for value in values:
-        m = re.fullmatch(r"([^:=\s]+):([A-Za-z_]\w*)=(.+)", value.strip())
-        try:
-            found.setdefault(m[1], {})[m[2]] = ast.literal_eval(m[3])
-        except (TypeError, ValueError, SyntaxError) as err:
-            raise pytest.UsageError(
-                f"--backend-option should be NAME:KEY=VALUE with VALUE a Python literal, "
-                f"e.g. numpy-flash:textbook=True; got {value!r}"
-            ) from err
-    return found
-
-
 def _usage_error_without_backends(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The conformance tests were collected, but no backend was chosen: stop with pytest's
     usage-error exit code, before anything runs."""
@@ -362,7 +316,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     _usage_error_without_backends(config, items)
     if conformance_requested(config):
         property_tests_use_the_runs_profile(items)
-        _deselect_other_layers(config, items)
+        deselect_other_layers(config, items)
     if config.getoption("--ignore-known-failures"):
         _mark_profile_items(config, items, known=False)
         return

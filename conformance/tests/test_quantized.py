@@ -255,7 +255,7 @@ def test_growing_row_maxima_stay_finite(backend):
 
 @pytest.mark.clause("20.4")
 @requires("causal", "causal_bottom_right")
-def test_no_future_leakage_through_block_descales(backend):
+def test_block_descales_leak_no_future(backend):
     """Causal (bottom-right, T = 7, S = 11: row t sees keys up to t + 4) with k and v
     descaled per block of 4 tokens: changing the codes of keys 10 and 11, the future of
     every row but the last, inside block 2 (keys 8-11, whose descale is kept), leaves rows

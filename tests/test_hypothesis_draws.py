@@ -79,9 +79,9 @@ def test_a_conformance_run_draws_from_no_local_constants(tmp_path):
 
 
 def test_draws_use_only_the_forms_a_backend_takes():
-    """SPEC §13.17: a backend without causality, a scale, top-left alignment or a window's
-    right side is never handed one by the property tests' strategies; one taking every
-    form still draws them all."""
+    """SPEC §13.17, §13.19: a backend without causality, a scale, top-left alignment, a
+    window's right side, a mask form or non-causal calls is never handed one by the property
+    tests' strategies; one taking every form still draws them all."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
@@ -117,7 +117,11 @@ def test_draws_use_only_the_forms_a_backend_takes():
         return seen
 
     assert used(Drawn(ALL_FORMS)) == set(ALL_FORMS)
-    assert used(Drawn(())) == set()
+    # The least a backend takes: non-causal calls with no mask, scale or alignment.
+    assert used(Drawn({"non_causal"})) == {"non_causal"}
+    # A causal-only kernel with a bool mask is never handed a non-causal call or a float mask.
+    taken = {"causal", "causal_top_left", "mask_bool"}
+    assert used(Drawn(taken)) == taken
 
 
 def test_a_run_draws_under_its_own_profile_whenever_the_module_was_imported(monkeypatch):

@@ -102,8 +102,8 @@ def use_jax_cache(directory: Path | None, environ: Mapping[str, str] = os.enviro
     persistent cache), before it compiles any: JAX opens its cache once, at the first
     compile. Every program is cached, however quick to compile (JAX's default keeps
     only those that took a second), unless ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``
-    says otherwise."""
-    jax = import_jax()
+    says otherwise. The cache is no reason to switch on float64: the backends decide that."""
+    jax = import_jax(float64=False)
     jax.config.update("jax_compilation_cache_dir", None if directory is None else str(directory))
     if directory is not None and "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -112,7 +112,8 @@ def problems(draw, backend) -> Problem:
     v = rng.standard_normal((B, K, S, E)).astype(dt)
 
     options: dict = {}
-    kind = draw(st.sampled_from(["none", "bool", "float"]), label="mask")
+    kinds = ["none"] + [kind for kind in ("bool", "float") if f"mask_{kind}" in forms]
+    kind = draw(st.sampled_from(kinds), label="mask")
     if kind != "none":
         shapes = [(T, S), (H, T, S)] if unbatched else [(T, S), (B, 1, 1, S), (B, H, T, S)]
         shape = draw(st.sampled_from(shapes), label="mask shape")
@@ -121,7 +122,8 @@ def problems(draw, backend) -> Problem:
             options["mask"] = keep
         else:
             options["mask"] = np.where(keep, rng.standard_normal(shape), -np.inf).astype(dt)
-    if "causal" in forms and draw(st.booleans(), label="is_causal"):
+    # A causal-only kernel draws only causal calls (SPEC §13.19).
+    if "causal" in forms and ("non_causal" not in forms or draw(st.booleans(), label="is_causal")):
         options["is_causal"] = True
     if "causal_bottom_right" in caps and draw(st.booleans(), label="bottom_right"):
         options["causal_alignment"] = "bottom_right"
@@ -292,7 +294,8 @@ def packings(draw, backend) -> Packing:
 
     options: dict = {}
     forms = forms_of(backend)
-    if "causal" in forms and draw(st.booleans(), label="is_causal"):
+    # A causal-only kernel draws only causal calls (SPEC §13.19).
+    if "causal" in forms and ("non_causal" not in forms or draw(st.booleans(), label="is_causal")):
         options["is_causal"] = True
     if "causal_bottom_right" in caps and draw(st.booleans(), label="bottom_right"):
         options["causal_alignment"] = "bottom_right"

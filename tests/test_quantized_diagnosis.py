@@ -194,7 +194,7 @@ def tiled_fp8(q, k, v, *, q_descale, k_descale, v_descale, scale=None, stale=Fal
 
 
 @pytest.mark.parametrize("stale", [False, True], ids=["running-max", "stale-max"])
-def test_a_stale_row_maximum_fails_the_growing_scores_test(stale):
+def test_a_stale_row_maximum_fails_the_growing_scores_test(request, stale):
     """The suite's test of growing row maxima passes a tiled kernel that rounds P at its
     running maximum and fails one that rounds it at the maximum before the tile."""
     from conformance.adapters.quantized import QuantizedFunctionBackend
@@ -214,7 +214,7 @@ def test_a_stale_row_maximum_fails_the_growing_scores_test(stale):
         },
     )
     if not stale:
-        test_growing_row_maxima_stay_finite(backend)
+        test_growing_row_maxima_stay_finite(request, backend)
         return
     with pytest.raises(Departure):
-        test_growing_row_maxima_stay_finite(backend)
+        test_growing_row_maxima_stay_finite(request, backend)

@@ -648,3 +648,43 @@ def test_no_blank_clause_rows_and_no_one_cell_pictures(tmp_path):
     lines = markdown.render_agreement({"float64": one}, files, "outputs")
     assert not any(line.startswith("![") for line in lines)
     assert "a heatmap of one cell would show nothing more" in "\n".join(lines)
+
+
+@pytest.mark.clause("13.7", "20.6")
+def test_report_says_what_a_normalised_p_pipeline_costs(tmp_path):
+    """numpy-fp8 declaring the normalised P pipeline (SPEC §20.6 (c)) on v = c at S = 4,096:
+    every weight is near 2⁻¹², below half e4m3's smallest subnormal 2⁻⁹, so the pipeline
+    rounds every P to 0 and returns 0: its bound is 2c + float32's floor, where
+    FlashAttention-3's pipeline, P · 2⁸ near 1, is held to a bound a hundred times smaller.
+    The report names the declared pipeline, the case and the ratio of the bounds."""
+    run = _report(
+        "--backend",
+        "numpy-fp8",
+        "--backend-option",
+        "numpy-fp8:pipeline='e4m3_normalized'",
+        "--workers",
+        "1",
+        "--out",
+        str(tmp_path),
+        "-k",
+        "test_constant_v_gives_the_constant_on_long_diffuse_rows and 4096",
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    data = json.loads((tmp_path / "report.json").read_text())
+    costs = data["pipeline_costs"]["numpy-fp8"]
+    c = 1.5 * float(np.float32(0.37))  # the test's v: code 1.5, descale 0.37
+    assert costs["pipeline"] == "e4m3_normalized" and costs["comparisons"] == 1
+    (case,) = costs["cases"]
+    assert case["case"] == f"v = {c:.4g} everywhere, S = 4096"
+    assert case["error"] == pytest.approx(c, rel=1e-6)  # the page returns 0 too
+    assert case["bounds"]["e4m3_normalized"] == pytest.approx(2 * c + 8 * 2**-23, rel=1e-12)
+    assert case["bounds"]["e4m3_unnormalized"] < c / 100
+    assert case["bounds"]["float32"] < 1e-5
+    ratio = costs["cost"]["e4m3_unnormalized"]["ratio"]
+    assert ratio == pytest.approx(
+        case["bounds"]["e4m3_normalized"] / case["bounds"]["e4m3_unnormalized"]
+    )
+    md = (tmp_path / "report.md").read_text()
+    assert "## Quantized attention: what the declared P pipeline costs (SPEC §20.6)" in md
+    assert "| numpy-fp8 | e4m3_normalized | 1 | " in md
+    assert f"{ratio:.3g}× e4m3_unnormalized's (`{case['case']}`)" in md

@@ -113,3 +113,59 @@ def shard_counts(measurements: list[dict]) -> dict[str, dict[str, dict]]:
         }
         for backend, by_p in grouped.items()
     }
+
+
+def pipeline_costs(records: list[dict], backends: list[str]) -> dict[str, dict]:
+    """{backend: summary} of the quantized tests' comparisons (SPEC §20.6): each one's error
+    and §20.6's bound on its operands under every P pipeline, so that what the declared
+    pipeline costs is read off the same cases.
+
+    A summary: "pipeline" (the declared one), "comparisons", "failed" (beyond the declared
+    bound), "worst" (the case nearest its bound: "case", "error", "bound", "fraction"),
+    "cost" ({other pipeline: {"ratio", "case"}}: the largest ratio of the declared
+    pipeline's bound to that pipeline's, over the cases, and the case that gave it) and
+    "cases" (each case's "case", "error" and "bounds"). Backends keep the order of
+    ``backends``, then the order they came in.
+    """
+    order = {name: i for i, name in enumerate(backends)}
+    grouped: dict[str, list[dict]] = {}
+    for r in records:
+        grouped.setdefault(r["backend"], []).append(r)
+    result = {}
+    for name in sorted(grouped, key=lambda n: order.get(n, len(order))):
+        found = grouped[name]
+        declared = found[0]["pipeline"]
+
+        def fraction(r: dict, declared=declared) -> float:
+            b = r["bounds"][declared]
+            return r["error"] / b if b > 0 else (0.0 if r["error"] == 0 else math.inf)
+
+        worst = max(found, key=fraction)
+        cost = {}
+        for other in found[0]["bounds"]:
+            if other == declared:
+                continue
+            ratios = [
+                (r["bounds"][declared] / r["bounds"][other], r["case"])
+                for r in found
+                if r["bounds"][other] > 0
+            ]
+            if ratios:
+                ratio, case = max(ratios)
+                cost[other] = {"ratio": ratio, "case": case}
+        result[name] = {
+            "pipeline": declared,
+            "comparisons": len(found),
+            "failed": sum(fraction(r) > 1 for r in found),
+            "worst": {
+                "case": worst["case"],
+                "error": worst["error"],
+                "bound": worst["bounds"][declared],
+                "fraction": fraction(worst),
+            },
+            "cost": cost,
+            "cases": [
+                {"case": r["case"], "error": r["error"], "bounds": r["bounds"]} for r in found
+            ],
+        }
+    return result

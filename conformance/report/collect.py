@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conformance.suite import behaviours
-from conformance.suite.measure import published
+from conformance.suite.measure import published, published_pipeline_costs
 
 #: The conformance package: the tests the report runs are its own.
 HERE = Path(__file__).resolve().parent.parent
@@ -41,15 +41,19 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 
 class Collector:
-    """Gathers, where the reports arrive, one row per test and the published measurements."""
+    """Gathers, where the reports arrive, one row per test and the published measurements
+    (the quantized tests' P pipeline costs apart)."""
 
     def __init__(self) -> None:
         self.rows: list[dict] = []
         self.measurements: list[dict] = []
+        #: The quantized comparisons' bounds under every P pipeline (SPEC §20.6).
+        self.pipeline_costs: list[dict] = []
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when == "call":
             self.measurements += published(report.user_properties)
+            self.pipeline_costs += published_pipeline_costs(report.user_properties)
         if report.when != "call" and report.outcome == "passed":
             return
         label = getattr(report, "conformance", None) or {"backend": None, "clause": None}

@@ -11,9 +11,10 @@ it does not declare); each clause passed / failed / skipped / known to fail per 
 with the skips grouped by the capability the backend lacks; every failure's message with
 a snippet that replays it; per dtype, the cross-framework agreement on the outputs and
 the gradients, as the tests measured it (tables naming the worst fixture, and heatmaps on
-one scale: the fraction of the tolerance); pictures of the masks and the worked example;
-the versions, the machine and the date. With ``--impl-profile`` (``all``: every shipped
-one) the library functions the profiles describe are columns of the clause table beside
+one scale: the fraction of the tolerance); for a quantized backend (SPEC §20.6), what its
+declared P pipeline costs: its bound against the other pipelines' on the same cases;
+pictures of the masks and the worked example; the versions, the machine and the date.
+With ``--impl-profile`` (``all``: every shipped one) the library functions the profiles describe are columns of the clause table beside
 the backends, with their libraries' versions (``python -m conformance frameworks`` is that
 run, with the README's table).
 
@@ -41,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from conformance.backends import CAPABILITIES, DTYPES, BackendUnavailable, load_backend
-from conformance.report.agreement import agreement, shard_counts
+from conformance.report.agreement import agreement, pipeline_costs, shard_counts
 from conformance.report.collect import OUTCOMES, run_tests, xdist_installed
 from conformance.report.markdown import render_markdown
 from conformance.report.outcomes import (
@@ -228,6 +229,7 @@ def main(argv: list[str]) -> int:
         "known_failures": grouped_known_failures(rows),
         "agreement": agreed,
         "shard_counts": shard_counts(collected.measurements),
+        "pipeline_costs": pipeline_costs(collected.pipeline_costs, backends),
         "measurements": collected.measurements,
         "pictures": draw_pictures(args.out, agreed),
         "tests": rows,

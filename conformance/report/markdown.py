@@ -2,7 +2,8 @@
 
 Verdict per backend first; then today's variants (SPEC §15 onwards) by backend, the clause table, known failures and skips (grouped by the
 missing capability), what failed with its replay, cross-framework agreement on the
-outputs and the gradients, the pairwise tests, and the pictures.
+outputs and the gradients, the shard counts, what a quantized backend's P pipeline costs,
+the pairwise tests, and the pictures.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from conformance.report.markdown_agreement import (  # noqa: F401 - re-exported
     no_pairs_line,
     render_agreement,
     render_pairs,
+    render_pipeline_costs,
     render_shard_counts,
 )
 from conformance.suite.clauses import clause_key, clause_titles
@@ -52,6 +54,7 @@ def render_markdown(data: dict) -> str:
     lines += render_agreement(agreement.get("outputs", {}), pictures, "outputs")
     lines += render_agreement(agreement.get("gradients", {}), pictures, "gradients")
     lines += render_shard_counts(data.get("shard_counts", {}))
+    lines += render_pipeline_costs(data.get("pipeline_costs", {}))
     lines += render_pairs(data["clauses"], data["backends"])
     if "masks" in pictures:
         lines += [

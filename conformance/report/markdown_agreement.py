@@ -150,3 +150,51 @@ def render_pairs(clauses: dict, backends: list[str]) -> list[str]:
         lines.append(f"| {pair} | {cell['passed']} | {cell['failed']} | {cell['skipped']} |")
     lines.append("")
     return lines
+
+
+def render_pipeline_costs(by_backend: dict[str, dict]) -> list[str]:
+    """SPEC §20.6 per quantized backend: its error against its declared P pipeline's bound,
+    and what that pipeline costs, its bound against the other pipelines' on the same cases."""
+    if not by_backend:
+        return []
+    lines = [
+        "## Quantized attention: what the declared P pipeline costs (SPEC §20.6)",
+        "",
+        "Each quantized test's bound is twice the error of the backend's declared P pipeline, "
+        "run plainly on the test's own operands against the oracle, plus float32's floor. The "
+        "tests computed the bound of every pipeline on the same operands: *costs* is the "
+        "largest ratio of the declared pipeline's bound to another's over the cases (above 1: "
+        "the declared pipeline is held to, and allowed, that much more error), with its case.",
+        "",
+        "| backend | P pipeline | compared | worst: error / bound | at | costs |",
+        "|---|---|---|---|---|---|",
+    ]
+    for backend, s in by_backend.items():
+        w = s["worst"]
+        fraction = f"{w['fraction']:.3g}"
+        if w["fraction"] > 1:
+            fraction = f"❌ **{fraction}** ({s['failed']} of {s['comparisons']} beyond 1)"
+        costs = "; ".join(
+            f"{c['ratio']:.3g}× {other}'s (`{c['case']}`)" for other, c in s["cost"].items()
+        )
+        lines.append(
+            f"| {backend} | {s['pipeline']} | {s['comparisons']} | {fraction} | "
+            f"`{w['case']}` | {costs} |"
+        )
+    lines.append("")
+    for backend, s in by_backend.items():
+        pipelines = list(s["cases"][0]["bounds"])
+        lines += [
+            f"### {backend}: the bound per case under each P pipeline ({s['pipeline']} declared)",
+            "",
+            "| case | error | " + " | ".join(pipelines) + " |",
+            "|---|---|" + "---|" * len(pipelines),
+        ]
+        for c in s["cases"]:
+            cells = [
+                f"**{c['bounds'][p]:.3g}**" if p == s["pipeline"] else f"{c['bounds'][p]:.3g}"
+                for p in pipelines
+            ]
+            lines.append(f"| `{c['case']}` | {c['error']:.3g} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines

@@ -75,3 +75,29 @@ def publish(
 def published(user_properties) -> list[dict]:
     """The measurements among a report's ``user_properties``, as dicts."""
     return [json.loads(value) for name, value in user_properties if name == PROPERTY]
+
+
+#: The name of the user property a quantized comparison's bounds are stored under.
+PIPELINE_COSTS = "conformance-pipeline-costs"
+
+
+def publish_pipeline_costs(
+    node, *, backend: str, case: str, pipeline: str, actual, expected, bounds: dict
+) -> None:
+    """Attach a quantized comparison's numbers to the running test ``node`` (SPEC §20.6):
+    the error against the oracle, the backend's declared P ``pipeline`` and ``bounds``,
+    §20.6's bound on the same operands under every P pipeline, so that the report can say
+    what the declared pipeline costs against the others."""
+    record = {
+        "backend": backend,
+        "case": case,
+        "pipeline": pipeline,
+        "error": max_error(actual, expected),
+        "bounds": {p: float(b) for p, b in bounds.items()},
+    }
+    node.user_properties.append((PIPELINE_COSTS, json.dumps(record)))
+
+
+def published_pipeline_costs(user_properties) -> list[dict]:
+    """The quantized comparisons among a report's ``user_properties``, as dicts."""
+    return [json.loads(value) for name, value in user_properties if name == PIPELINE_COSTS]

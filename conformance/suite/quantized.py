@@ -16,6 +16,7 @@ import pytest
 from conformance.fixtures import quantized as fq
 from conformance.suite.helpers import oracle_attention
 from conformance.suite.tolerance import EPS, FACTOR, FLOOR, finite_error
+from conformance.vocabulary import P_PIPELINES
 
 #: The float32 floor of SPEC §7.1: the steps around P are float32 in every pipeline.
 FLOOR32 = FLOOR["float32"] * EPS["float32"]
@@ -97,13 +98,21 @@ def expected(operands: dict, **options) -> np.ndarray:
 def expected_and_bound(backend, operands: dict, **options) -> tuple[np.ndarray, float]:
     """The oracle on the dequantised operands and §20.6's bound for ``backend``'s pipeline."""
     y = expected(operands, **options)
+    return y, pipeline_bound(operands, y, backend.quantized.pipeline, **options)
+
+
+def pipeline_bound(operands: dict, y: np.ndarray, p_pipeline: str, **options) -> float:
+    """§20.6's bound on ``operands`` under ``p_pipeline``, y being the oracle's answer."""
     run = fq.pipeline(
-        *_args(operands),
-        backend.quantized.pipeline,
-        block_size=operands.get("block_size"),
-        **options,
+        *_args(operands), p_pipeline, block_size=operands.get("block_size"), **options
     )
-    return y, bound(run, y)
+    return bound(run, y)
+
+
+def pipeline_bounds(operands: dict, y: np.ndarray, **options) -> dict[str, float]:
+    """§20.6's bound on ``operands`` under every P pipeline: what declaring each costs on
+    this very case, for the report (SPEC §20.6)."""
+    return {p: pipeline_bound(operands, y, p, **options) for p in P_PIPELINES}
 
 
 def _args(o: dict) -> tuple:

@@ -92,7 +92,9 @@ def test_a_profile_declares_its_quantized_form(tmp_path):
 
     backend = read_profile(ROOT / "examples" / "fp8_attention.toml").resolve()
     assert backend.sections == ("20",) and backend.quantized.pipeline == "e4m3_unnormalized"
+    # It has a causal keyword: it takes causal calls (bottom-right only) and non-causal ones.
     assert "causal_top_left" not in backend.forms
+    assert {"causal", "non_causal"} <= backend.forms
     o = sq.operands(42)
     options = {"is_causal": True, "causal_alignment": "bottom_right"}
     expected, bound = sq.expected_and_bound(backend, o, **options)

@@ -91,9 +91,12 @@ class QuantizedFunctionBackend(Backend):
         self.takes = {*self.keywords, "causal_alignment"} - (
             set() if "is_causal" in self.keywords else {"causal_alignment"}
         )
-        forms = {"causal": "is_causal", "scale": "scale"}
-        self.forms = frozenset(f for f, o in forms.items() if o in self.keywords) | (
-            {"causal_top_left"} if self.alignment == "top_left" else set()
+        # A function without a causal keyword is non-causal, one with it takes both.
+        forms = {"causal": "is_causal", "scale": "scale", "window_right": "window"}
+        self.forms = (
+            frozenset(f for f, o in forms.items() if o in self.keywords)
+            | {"non_causal"}
+            | ({"causal_top_left"} if self.alignment == "top_left" else set())
         )
 
     def _attention_quantized(self, q, k, v, *, out_format=None, **options):

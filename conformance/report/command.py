@@ -14,9 +14,9 @@ the gradients, as the tests measured it (tables naming the worst fixture, and he
 one scale: the fraction of the tolerance); for a quantized backend (SPEC §20.6), what its
 declared P pipeline costs: its bound against the other pipelines' on the same cases;
 pictures of the masks and the worked example; the versions, the machine and the date.
-With ``--impl-profile`` (``all``: every shipped one) the library functions the profiles describe are columns of the clause table beside
-the backends, with their libraries' versions (``python -m conformance frameworks`` is that
-run, with the README's table).
+With ``--impl-profile`` (``all``: every shipped one) the library functions the profiles
+describe are columns of the clause table beside the backends, with their libraries'
+versions (``python -m conformance frameworks`` is that run, with the README's table).
 
 The parts: ``report_collect`` (the pytest run and what it gathers), ``report_outcomes``
 (clauses, verdicts, grouped skips), ``report_agreement`` (the tests' measurements,

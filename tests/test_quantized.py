@@ -19,6 +19,39 @@ from conformance.vocabulary import QuantizedForm
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.clause("20.7")
+def test_the_suite_hands_a_function_only_the_form_it_declares(request):
+    """A function of FlashInfer's form in e5m2 (scalar scales per tensor) is handed e5m2
+    codes and scalar descales by the tests that need no particular form (the long rows,
+    the growing scores, the FP8 output's operands), and passes them; it is never handed
+    FlashAttention-3's per-head e4m3, which its scalar keywords would refuse."""
+    from conformance.adapters.quantized import QuantizedFunctionBackend
+    from conformance.tests import test_quantized as spec
+
+    backend = QuantizedFunctionBackend(
+        flashinfer_style,
+        name="flashinfer-e5m2",
+        framework="numpy",
+        layout="BHTD",
+        caps=["gqa"],
+        table={
+            "formats": {r: ["float8_e5m2"] for r in "qkv"},
+            "granularities": {r: ["tensor"] for r in "qkv"},
+            "pipeline": "float32",
+            "descales": {"q": "q_scale", "k": "k_scale", "v": "v_scale"},
+            "descale_form": "scalar",
+            "options": {"scale": "sm_scale"},
+        },
+    )
+    assert sq.declared_form(backend) == (("float8_e5m2",) * 3, ("tensor",) * 3, None)
+    o = sq.operands_for(backend, 39)
+    assert all(np.asarray(o[r]).dtype.name == "float8_e5m2" for r in "qkv")
+    assert all(np.shape(o[f"{r}_descale"]) == () for r in "qkv")
+    spec.test_growing_row_maxima_stay_finite(request, backend)
+    with pytest.raises(ValueError, match="scalar q descale"):
+        sq.call(backend, sq.growing_scores(36))  # FlashAttention-3's form: refused
+
+
 @pytest.mark.clause("20.1")
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2", "int8"])
 def test_codes_times_descale_is_exact_in_float64(fmt):

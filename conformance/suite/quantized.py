@@ -142,6 +142,34 @@ def call(backend, operands: dict, **options) -> np.ndarray:
     )
 
 
+#: The format and granularity the tests use where any declared one will do:
+#: FlashAttention-3's, where the backend declares it; the block length of "block".
+PREFERRED = ("float8_e4m3fn", "head")
+BLOCK = 4
+
+
+def declared_form(backend) -> tuple[tuple[str, ...], tuple[str, ...], int | None]:
+    """(formats, granularities, block length) of q, k and v in a form ``backend`` declares:
+    FlashAttention-3's per-head e4m3 for each operand where it declares it, else its first
+    declared format and granularity, so that a test that needs no particular form hands a
+    function only codes it takes (SPEC §20.7)."""
+    form = backend.quantized
+    formats = tuple(
+        PREFERRED[0] if PREFERRED[0] in form.formats[r] else form.formats[r][0] for r in "qkv"
+    )
+    granularities = tuple(
+        PREFERRED[1] if PREFERRED[1] in form.granularities[r] else form.granularities[r][0]
+        for r in "qkv"
+    )
+    return formats, granularities, BLOCK if "block" in granularities else None
+
+
+def operands_for(backend, seed: int, **sizes) -> dict:
+    """``operands`` in the form ``declared_form`` picks for ``backend``."""
+    formats, granularities, L = declared_form(backend)
+    return operands(seed, formats=formats, granularities=granularities, block_size=L, **sizes)
+
+
 def supported(backend, role: str, fmt: str, granularity: str) -> bool:
     form = backend.quantized
     return fmt in form.formats[role] and granularity in form.granularities[role]
@@ -176,16 +204,36 @@ def operands(
     return out
 
 
-def growing_scores(seed: int) -> dict:
+def growing_scores(seed: int, backend=None) -> dict:
     """Operands whose scores (at scale 1) grow key after key from about 6 to 64, with every
     key on one line through the origin: each tile's row maximum is above the last's, so a
-    kernel that rounds P at a stale maximum pushes P · 2⁸ past e4m3's 448 (SPEC §20.4)."""
-    o = operands(seed, B=1, H=2, K=1, T=3, S=128, D=8, E=8)
+    kernel that rounds P at a stale maximum pushes P · 2⁸ past e4m3's 448 (SPEC §20.4).
+    In ``backend``'s declared form (``declared_form``), FlashAttention-3's without one."""
+    formats, granularities, L = (
+        declared_form(backend)
+        if backend is not None
+        else (("float8_e4m3fn",) * 3, ("head",) * 3, None)
+    )
+    o = operands(
+        seed,
+        B=1,
+        H=2,
+        K=1,
+        T=3,
+        S=128,
+        D=8,
+        E=8,
+        formats=formats,
+        granularities=granularities,
+        block_size=L,
+    )
     rng = np.random.default_rng(seed + 1)
     u = rng.standard_normal(8)
     u /= np.linalg.norm(u)
     k = np.linspace(0.1, 1.0, 128)[:, None] * u * 8.0  # (S, D)
     q = np.broadcast_to(u * 8.0, (1, 2, 3, 8))
-    o["q"], o["q_descale"] = quantise(q, "float8_e4m3fn", "head", K=1, rng=rng)
-    o["k"], o["k_descale"] = quantise(k[None, None], "float8_e4m3fn", "head", rng=rng)
+    o["q"], o["q_descale"] = quantise(q, formats[0], granularities[0], K=1, rng=rng)
+    o["k"], o["k_descale"] = quantise(
+        k[None, None], formats[1], granularities[1], block_size=L, rng=rng
+    )
     return o

@@ -139,7 +139,9 @@ def test_swapped_descales_change_exactly_those_heads(request, backend, role):
     """Descales per (batch, key/value head), drawn apart and never 1: swapping those of two
     key/value heads of batch 0 leaves every other (batch, head)'s rows bit for bit as they
     were and gives the two heads what the oracle says for the swapped descales."""
-    o = sq.operands(32)
+    if sq.declared_form(backend)[1]["qkv".index(role)] != "head":
+        pytest.skip(f"{backend.name} does not declare {role}'s descale per head (§20.7)")
+    o = sq.operands_for(backend, 32)
     before = sq.call(backend, o, **DECODE)
     swapped = dict(o)
     d = np.array(o[f"{role}_descale"])
@@ -199,11 +201,14 @@ def test_power_of_two_moved_into_the_codes_changes_nothing(backend, role, form):
     )
 
 
-def _constant_v(o: dict, code: float = 1.5, descale: float = 0.37) -> tuple[dict, float]:
-    """o with every value code ``code`` and v's descale ``descale`` per head: v = c."""
+def _constant_v(o: dict, descale: float = 0.37) -> tuple[dict, float]:
+    """o with every value code 1.5 (3 in int8) and every entry of v's descale ``descale``:
+    v = c."""
     o = dict(o)
-    o["v"] = np.full(np.shape(o["v"]), code).astype(np.asarray(o["v"]).dtype)
-    o["v_descale"] = np.full(np.shape(o["k_descale"]), descale, np.float32)
+    dtype = np.asarray(o["v"]).dtype
+    code = 3.0 if dtype == np.int8 else 1.5
+    o["v"] = np.full(np.shape(o["v"]), code).astype(dtype)
+    o["v_descale"] = np.full(np.shape(o["v_descale"]), descale, np.float32)
     return o, code * float(np.float32(descale))
 
 
@@ -215,7 +220,7 @@ def test_constant_v_gives_the_constant_on_long_diffuse_rows(request, backend, S)
     diffuse (q small: every weight near 1/S; causal bottom-right, so the last T queries
     see nearly every key), where a normalised P in e4m3 falls below 2⁻⁹ and underflows
     once S passes about 1,000."""
-    o = sq.operands(34, B=1, H=2, K=1, T=3, S=S, D=8, E=8, q_spread=0.05)
+    o = sq.operands_for(backend, 34, B=1, H=2, K=1, T=3, S=S, D=8, E=8, q_spread=0.05)
     o, c = _constant_v(o)
     expected = sq.expected(o, **DECODE)
     expect(
@@ -239,7 +244,7 @@ def test_constant_v_under_a_dominant_sink(request, backend):
     oracle says; a normalised P, near e⁻⁶/S per key, underflows in e4m3."""
     if "sinks" not in backend.capabilities:
         pytest.skip(f"{backend.name} lacks capability 'sinks'")
-    o = sq.operands(35, B=1, H=2, K=1, T=3, S=128, D=8, E=8, q_spread=0.05)
+    o = sq.operands_for(backend, 35, B=1, H=2, K=1, T=3, S=128, D=8, E=8, q_spread=0.05)
     o, _ = _constant_v(o)
     _check(
         request,
@@ -256,7 +261,7 @@ def test_growing_row_maxima_stay_finite(request, backend):
     """Scores that grow key after key, up to about 60 (every tile's maximum above the last
     one's): P never passes the format's largest value, so the output is finite, and
     within the bound."""
-    o = sq.growing_scores(36)
+    o = sq.growing_scores(36, backend)
     out = _check(
         request,
         backend,
@@ -308,7 +313,7 @@ def test_fp8_output_is_the_oracles_output_quantised(backend, fmt):
     form = backend.quantized
     if fmt not in form.out_formats:
         pytest.skip(f"{backend.name} does not declare {fmt} output (§20.7)")
-    o = sq.operands(39)
+    o = sq.operands_for(backend, 39)
     expected, bound = sq.expected_and_bound(backend, o)
     top = fq.LARGEST[fmt]
     out_descale = np.float32(np.abs(expected).max() / top * 0.75)
@@ -351,15 +356,16 @@ def test_fp8_output_is_the_oracles_output_quantised(backend, fmt):
     [
         ("k_descale", np.ones((2, 2, 12), np.float32), ValueError),
         ("q_descale", np.ones((2, 4), np.float32), ValueError),
-        ("v_descale", np.ones((2, 2), np.float64), TypeError),
+        ("v_descale", None, TypeError),
     ],
     ids=["k-per-token-wrong-S", "q-per-query-head", "v-float64"],
 )
 def test_a_descale_of_no_granularity_is_refused(backend, name, value, error):
     """A descale whose shape is none of §20.2's (k per token with S + 1 entries; q per query
-    head, (B, H)) raises ValueError, one not float32 TypeError, naming the argument."""
-    o = dict(sq.operands(40))
-    o[name] = value
+    head, (B, H)) raises ValueError, one not float32 (v's own, in float64) TypeError,
+    naming the argument."""
+    o = dict(sq.operands_for(backend, 40))
+    o[name] = np.asarray(o[name], np.float64) if value is None else value
     with pytest.raises(error, match=name):
         sq.call(backend, o)
 

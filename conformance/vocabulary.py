@@ -110,7 +110,8 @@ def numpy_dtype(name: str) -> np.dtype:
 
 
 #: The formats of a quantized operand's codes (SPEC §20.1), by their ``ml_dtypes`` names;
-#: int8 for q and k only. Each with its largest finite value.
+#: int8 for q and k (SageAttention) and for a KV cache's k and v (ONNX Runtime's
+#: GroupQueryAttention). Each with its largest finite value.
 QUANT_FORMATS = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0, "int8": 127.0}
 #: How a value past a format's largest finite one is cast (SPEC §20.5): clipped to it
 #: ("saturate", torch's eager cast), or the format's overflow value ("overflow": NaN in
@@ -144,10 +145,10 @@ class QuantizedForm:
     ) -> None:
         for role in ("q", "k", "v"):
             bad = set(formats[role]) - set(QUANT_FORMATS)
-            if bad or (role == "v" and "int8" in formats[role]):
+            if bad:
                 raise ValueError(
-                    f"formats[{role!r}] should be among {sorted(QUANT_FORMATS)} (int8 for q "
-                    f"and k only), got {formats[role]}"
+                    f"formats[{role!r}] should be among {sorted(QUANT_FORMATS)}, got "
+                    f"{formats[role]}"
                 )
             bad = set(granularities[role]) - set(GRANULARITIES)
             if bad or (role == "q" and set(granularities[role]) - {"tensor", "head"}):

@@ -355,6 +355,43 @@ def test_what_the_gqa_adapter_works_around_is_refused_by_the_installed_operator(
         onnx_gqa.group_query_attention(q[:1], k[:1], v[:1], **options)
 
 
+@pytest.mark.clause("13.14", "20.7")
+def test_the_gqa_operator_keeps_an_int8_kv_cache_but_no_float8_one_on_the_cpu():
+    """The words of the onnxruntime.GroupQueryAttention.int8 profile, measured on the
+    installed version: its int8 cache with per-tensor scales gives the oracle's answer on
+    codes × scale (and a k_scale off by 2 does not), and a float8_e4m3fn cache, which the
+    operator's type constraint lists, has no CPU kernel."""
+    pytest.importorskip("onnxruntime")
+    import ml_dtypes
+    import onnxruntime
+
+    from conformance.adapters.profiles import onnx_gqa
+    from conformance.suite import quantized as sq
+
+    o = sq.operands(11, formats=("int8",) * 3, granularities=("tensor",) * 3)
+    codes = {r: np.swapaxes(o[r], 1, 2) for r in "qkv"}  # BTHD, as the profile's layout
+    scales = {"q_descale": o["q_descale"], "k_scale": o["k_descale"], "v_scale": o["v_descale"]}
+    options = {"is_causal": True}
+    out = onnx_gqa.int8_kv_cache_attention(*codes.values(), **scales, **options)
+    expected = sq.expected(o, is_causal=True, causal_alignment="bottom_right")
+    got = np.swapaxes(out, 1, 2).astype(np.float64)
+    assert np.abs(got - expected).max() < 1e-5
+    scales["k_scale"] = scales["k_scale"] * 2
+    off = np.swapaxes(onnx_gqa.int8_kv_cache_attention(*codes.values(), **scales, **options), 1, 2)
+    assert np.abs(off - expected).max() > 1e-2
+
+    e4m3 = np.dtype(ml_dtypes.float8_e4m3fn)
+    dtypes = tuple((n, "float32") for n in ("query", "key", "value"))
+    dtypes += (("past_key", e4m3), ("past_value", e4m3))
+    dtypes += (("seqlens_k", "int32"), ("total_sequence_length", "int32"))
+    dtypes += (("k_scale", "float32"), ("v_scale", "float32"))
+    attributes = {"num_heads": 2, "kv_num_heads": 1, "kv_cache_bit_width": 8}
+    attributes |= {"k_quant_type": "PER_TENSOR", "v_quant_type": "PER_TENSOR"}
+    model = onnx_gqa._model(dtypes, tuple(attributes.items())).SerializeToString()
+    with pytest.raises(Exception, match="NOT_IMPLEMENTED : Could not find an implementation"):
+        onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
+
+
 @pytest.mark.clause("15.6")
 def test_the_onnx_attention_operator_has_no_sink_input():
     """SPEC §15.6: the newest ONNX Attention the installed onnx defines takes no sinks, so

@@ -103,7 +103,7 @@ def test_the_quantized_backends_declare_their_form():
         )
     with pytest.raises(ValueError, match="formats"):
         QuantizedForm(
-            formats={"q": ("int8",), "k": ("int8",), "v": ("int8",)},
+            formats={"q": ("int4",), "k": ("int8",), "v": ("int8",)},
             granularities={"q": ("head",), "k": ("head",), "v": ("head",)},
             pipeline="float32",
         )

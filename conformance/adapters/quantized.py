@@ -11,6 +11,7 @@
     descale_form = "array"                 # "scalar": a Python float (FlashInfer's q_scale)
     options = { is_causal = "causal", scale = "softmax_scale" }
     alignment = "bottom_right"             # its causality's alignment (FlashAttention's)
+    window_sides = ["left"]                # with a window keyword: the sides it takes
 
 The suite makes the codes and the descales itself, in the formats and granularities
 declared, and hands them to the function in its framework (torch float8 tensors, JAX
@@ -41,6 +42,7 @@ QUANTIZED_KEYS = {
     "descale_form",
     "options",
     "alignment",
+    "window_sides",
 }
 #: The options of ``attention`` a quantized function may take, by the spec's names.
 QUANTIZED_OPTIONS = ("is_causal", "scale", "causal_alignment", "window", "softcap", "sinks")
@@ -91,12 +93,16 @@ class QuantizedFunctionBackend(Backend):
         self.takes = {*self.keywords, "causal_alignment"} - (
             set() if "is_causal" in self.keywords else {"causal_alignment"}
         )
+        sides = tuple(table.get("window_sides", ("left", "right")))
+        if set(sides) - {"left", "right"}:
+            raise ValueError(f"{where}: window_sides should be among left, right, got {sides}")
         # A function without a causal keyword is non-causal, one with it takes both.
-        forms = {"causal": "is_causal", "scale": "scale", "window_right": "window"}
+        forms = {"causal": "is_causal", "scale": "scale"}
         self.forms = (
             frozenset(f for f, o in forms.items() if o in self.keywords)
             | {"non_causal"}
             | ({"causal_top_left"} if self.alignment == "top_left" else set())
+            | ({"window_right"} if "window" in self.keywords and "right" in sides else set())
         )
 
     def _attention_quantized(self, q, k, v, *, out_format=None, **options):

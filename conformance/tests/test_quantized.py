@@ -31,7 +31,8 @@ E5M2 = "float8_e5m2"
 
 #: (formats of q, k, v; granularities of q, k, v; block length): FlashAttention-3's
 #: per-head e4m3, cuDNN's and Transformer Engine's per tensor, a KV cache's per token, per
-#: block of 4 tokens, e5m2, and SageAttention's int8 q and k.
+#: block of 4 tokens, e5m2, SageAttention's int8 q and k, and int8 q, k and v per tensor
+#: (ONNX Runtime's int8 KV cache).
 FORMS = {
     "e4m3-head": ((E4M3,) * 3, ("head",) * 3, None),
     "e4m3-tensor": ((E4M3,) * 3, ("tensor",) * 3, None),
@@ -39,6 +40,7 @@ FORMS = {
     "e4m3-block4": ((E4M3,) * 3, ("head", "block", "block"), 4),
     "e5m2-head": ((E5M2,) * 3, ("head",) * 3, None),
     "int8-qk-e4m3-v": (("int8", "int8", E4M3), ("head", "head", "token"), None),
+    "int8-tensor": (("int8",) * 3, ("tensor",) * 3, None),
 }
 #: The last T queries of a sequence of S keys (a KV cache's, FlashAttention's causal).
 DECODE = {"is_causal": True, "causal_alignment": "bottom_right"}
@@ -49,7 +51,7 @@ SETUPS = {
     "decode": ({"is_causal": True, "causal_alignment": "bottom_right"}, ("causal_bottom_right",)),
     "bottom-right-window-softcap": (
         {"is_causal": True, "causal_alignment": "bottom_right", "window": (3, 1), "softcap": 2.0},
-        ("causal_bottom_right", "window", "softcap"),
+        ("causal_bottom_right", "window", "window_right", "softcap"),
     ),
     "sinks": ({"sinks": np.array([0.5, -1.0, 2.0, 0.0], np.float32)}, ("sinks",)),
     "bool-mask": ({"mask": "bool"}, ()),
@@ -101,11 +103,15 @@ def _check(request, backend, o: dict, what: str, behaviour: str, **options) -> n
     return out
 
 
-#: Every form once with each setup in turn, and FlashAttention-3's form with every setup:
-#: all forms and all setups, without their product (each pair is a JAX program).
+#: Every form once with each setup in turn, and FlashAttention-3's form and the int8 KV
+#: cache's with every setup: all forms and all setups, without their product (each pair a
+#: backend declares is a JAX program; jax-fp8 declares no int8 v).
 PAIRS = list(
     dict.fromkeys(
-        [*zip(FORMS, itertools.cycle(SETUPS)), *(("e4m3-head", setup) for setup in SETUPS)]
+        [
+            *zip(FORMS, itertools.cycle(SETUPS)),
+            *((form, setup) for form in ("e4m3-head", "int8-tensor") for setup in SETUPS),
+        ]
     )
 )
 

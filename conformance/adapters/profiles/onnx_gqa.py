@@ -63,6 +63,12 @@ float16: a float32 head_sink beside float16 inputs is a type error), sinks of 1e
 a row with every key blocked by -inf returns NaN, or 0 with a sink. attention_bias
 (B|1, H|1, T, S) matches; a rank-2 bias, or one whose T axis is 1, is refused.
 
+With ``k_scale`` and ``v_scale`` the cache is int8 (``int8_kv_cache_attention``, the
+profile ``onnxruntime.GroupQueryAttention.int8``, SPEC §20): the past keys and values go
+in as their int8 codes, the new ones as codes × scale in float32, and the attributes
+k_quant_type = v_quant_type = "PER_TENSOR", kv_cache_bit_width = 8 say so. Measured on
+onnxruntime 1.32.0, CPU: a float8_e4m3fn cache has no CPU kernel (tests/test_profiles.py).
+
 ONNX letters: batch_size B, sequence_length T, kv_sequence_length (past + new) S,
 num_heads H, kv_num_heads K, head_size D (= E).
 """
@@ -90,6 +96,8 @@ INPUTS = (
     "position_ids",
     "attention_bias",
     "head_sink",
+    "k_scale",
+    "v_scale",
 )
 OUTPUTS = ("output", "present_key", "present_value")
 #: Run a step with a past one batch entry at a time (the operator refuses a batch there),
@@ -113,7 +121,12 @@ def _model(dtypes: tuple[tuple[str, str], ...], attributes: tuple[tuple[str, Any
         for n, d in dtypes
     ]
     element = helper.np_dtype_to_tensor_dtype(np.dtype(given["query"]))
-    outputs = [helper.make_tensor_value_info(n, element, None) for n in OUTPUTS]
+    # The cache comes back in the type it is kept in: the past's, int8 with k_scale.
+    kept = given.get("past_key", np.int8 if "k_scale" in given else given["query"])
+    cache = helper.np_dtype_to_tensor_dtype(np.dtype(kept))
+    outputs = [
+        helper.make_tensor_value_info(n, element if n == "output" else cache, None) for n in OUTPUTS
+    ]
     node = helper.make_node(
         "GroupQueryAttention", names, list(OUTPUTS), domain="com.microsoft", **dict(attributes)
     )
@@ -177,9 +190,14 @@ def group_query_attention(
     softcap: float | None = None,
     window: tuple[int | None, int | None] | None = None,
     head_sink: np.ndarray | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> np.ndarray:
     """ONNX Runtime's CPU kernel for ``GroupQueryAttention``: the output (B, T, H, E) for
-    q (B, T, H, D), k (B, S, K, D), v (B, S, K, E), the first S - T keys as the past."""
+    q (B, T, H, D), k (B, S, K, D), v (B, S, K, E), the first S - T keys as the past.
+    With ``k_scale`` and ``v_scale``, k and v are int8 codes with those per-tensor
+    descales: the past goes to the operator's int8 cache as the codes, the new keys as
+    codes × descale in q's dtype, which the operator quantises with the same scale."""
     if causal_alignment not in ("top_left", "bottom_right"):
         raise ValueError(
             f"causal_alignment should be 'top_left' or 'bottom_right', got {causal_alignment!r}"
@@ -203,6 +221,8 @@ def group_query_attention(
                     softcap=softcap,
                     window=window,
                     head_sink=head_sink,
+                    k_scale=k_scale,
+                    v_scale=v_scale,
                 )
                 for b in range(q.shape[0])
             ]
@@ -231,9 +251,12 @@ def group_query_attention(
     batch = q.shape[0] if q.ndim >= 4 else 1
     feeds = {
         "query": _pack(q),
-        "key": _pack(k[..., S - new :, :, :] if k.ndim >= 3 else k),
-        "value": _pack(v[..., S - new :, :, :] if v.ndim >= 3 else v),
+        "key": _pack(_new(k[..., S - new :, :, :] if k.ndim >= 3 else k, k_scale, q.dtype)),
+        "value": _pack(_new(v[..., S - new :, :, :] if v.ndim >= 3 else v, v_scale, q.dtype)),
     }
+    if k_scale is not None:
+        attributes |= {"k_quant_type": "PER_TENSOR", "v_quant_type": "PER_TENSOR"}
+        attributes["kv_cache_bit_width"] = 8
     if S > new:
         feeds["past_key"] = _cache(k[..., : S - new, :, :])
         feeds["past_value"] = _cache(v[..., : S - new, :, :])
@@ -243,6 +266,9 @@ def group_query_attention(
         feeds["attention_bias"] = _bias(np.asarray(attention_bias), T, S)
     if head_sink is not None:
         feeds["head_sink"] = np.asarray(head_sink)
+    if k_scale is not None:
+        feeds["k_scale"] = np.full(1, k_scale, np.float32)
+        feeds["v_scale"] = np.full(1, v_scale, np.float32)
 
     dtypes = tuple((name, feeds[name].dtype.name) for name in INPUTS if name in feeds)
     session = _session(dtypes, tuple(sorted(attributes.items())))
@@ -271,3 +297,32 @@ def _whole_bytes(q: np.ndarray, k: np.ndarray, v: np.ndarray):
         return q, k, v, None
     extra = [(0, 0)] * 3 + [(0, -D % HEAD_MULTIPLE)]
     return (*(np.pad(x, extra) for x in (q, k, v)), D)
+
+
+def _new(codes: np.ndarray, descale: float | None, dtype) -> np.ndarray:
+    """The new tokens' keys or values as the operator takes them: as given, or int8 codes
+    × their per-tensor descale in q's dtype (the operator quantises them itself)."""
+    if descale is None:
+        return codes
+    return (codes.astype(np.float64) * float(descale)).astype(dtype)
+
+
+def int8_kv_cache_attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, *, q_descale, k_scale, v_scale, **options
+) -> np.ndarray:
+    """``GroupQueryAttention`` with its int8 KV cache (SPEC §20, the profile
+    ``onnxruntime.GroupQueryAttention.int8``): q, k and v int8 codes (B, T|S, H|K, D) with
+    per-tensor float32 descales. The operator takes q in float32, so q is handed over as
+    codes × q_descale rounded to float32 (one rounding, as every pipeline of §20.6 makes);
+    k and v go to its int8 cache with k_scale and v_scale. A KV-cache step: causality and
+    windows are bottom-right."""
+    q = (np.asarray(q).astype(np.float64) * float(q_descale)).astype(np.float32)
+    return group_query_attention(
+        q,
+        np.asarray(k),
+        np.asarray(v),
+        causal_alignment="bottom_right",
+        k_scale=float(k_scale),
+        v_scale=float(v_scale),
+        **options,
+    )

@@ -202,3 +202,36 @@ def test_the_pages_quantise_within_half_a_code(fmt):
     t_codes, t_descale = torch_page.quantize(torch.from_numpy(x), fmt, axes=(0, 1))
     assert np.array_equal(t_descale.numpy(), descale)
     assert np.array_equal(t_codes.to(torch.float64).numpy(), codes.astype(np.float64))
+
+
+@pytest.mark.clause("20.7")
+def test_torch_has_no_float8_attention_on_the_cpu():
+    """What docs/test-your-quantized-attention.md says of the installed torch: its
+    scaled_dot_product_attention and its float8 matmul refuse float8_e4m3fn on the CPU
+    (torch._scaled_mm runs there, a matrix product, not attention), so torch has no FP8
+    attention of its own to judge on this machine."""
+    torch = pytest.importorskip("torch")
+    q = torch.ones(1, 2, 4, 8).to(torch.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match="not implemented for 'Float8_e4m3fn'"):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    with pytest.raises(NotImplementedError, match="not implemented for 'Float8_e4m3fn'"):
+        q @ q.transpose(-1, -2)
+    a = q[0, 0]
+    one = torch.tensor(1.0)
+    product = torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    assert torch.equal(product, a.float() @ a.float().t())
+
+
+@pytest.mark.clause("20.7")
+def test_jax_has_no_float8_attention_on_the_cpu():
+    """What docs/test-your-quantized-attention.md says of the installed JAX:
+    jax.nn.dot_product_attention refuses float8_e4m3fn inputs on the CPU, with the XLA
+    implementation and the default one (it promotes q to float32, which 8-bit floats do
+    not allow), before anything is compiled."""
+    jax = pytest.importorskip("jax")
+    import ml_dtypes
+
+    q = jax.device_put(np.ones((1, 4, 2, 8), ml_dtypes.float8_e4m3fn))  # nothing compiled
+    for implementation in ("xla", None):
+        with pytest.raises(jax.dtypes.TypePromotionError, match="8-bit floats"):
+            jax.nn.dot_product_attention(q, q, q, implementation=implementation)

@@ -184,17 +184,21 @@ def render_pipeline_costs(by_backend: dict[str, dict]) -> list[str]:
     lines.append("")
     for backend, s in by_backend.items():
         pipelines = list(s["cases"][0]["bounds"])
+        others = [p for p in pipelines if p != s["pipeline"]]
         lines += [
             f"### {backend}: the bound per case under each P pipeline ({s['pipeline']} declared)",
             "",
-            "| case | error | " + " | ".join(pipelines) + " |",
-            "|---|---|" + "---|" * len(pipelines),
+            "| case | error | "
+            + " | ".join(pipelines)
+            + " | "
+            + " | ".join(f"÷ {p}'s" for p in others)
+            + " |",
+            "|---|---|" + "---|" * (len(pipelines) + len(others)),
         ]
         for c in s["cases"]:
-            cells = [
-                f"**{c['bounds'][p]:.3g}**" if p == s["pipeline"] else f"{c['bounds'][p]:.3g}"
-                for p in pipelines
-            ]
+            b = c["bounds"]
+            cells = [f"**{b[p]:.3g}**" if p == s["pipeline"] else f"{b[p]:.3g}" for p in pipelines]
+            cells += [f"{b[s['pipeline']] / b[p]:.3g}" if b[p] > 0 else "—" for p in others]
             lines.append(f"| `{c['case']}` | {c['error']:.3g} | " + " | ".join(cells) + " |")
         lines.append("")
     return lines

@@ -86,7 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m conformance report",
         description=__doc__.splitlines()[0],
-        epilog="Any other options are passed to pytest (-k EXPR, --known-failures FILE, ...).",
+        epilog="Any other options are passed to pytest (-k EXPR, --known-failures FILE, "
+        "--backend-option NAME:KEY=VALUE, ...).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(

@@ -227,11 +227,15 @@ def test_jax_has_no_float8_attention_on_the_cpu():
     """What docs/test-your-quantized-attention.md says of the installed JAX:
     jax.nn.dot_product_attention refuses float8_e4m3fn inputs on the CPU, with the XLA
     implementation and the default one (it promotes q to float32, which 8-bit floats do
-    not allow), before anything is compiled."""
+    not allow). Under jax.jit, so the refusal comes while tracing and nothing is compiled
+    (called eagerly, its reshape of q is compiled first)."""
     jax = pytest.importorskip("jax")
     import ml_dtypes
 
-    q = jax.device_put(np.ones((1, 4, 2, 8), ml_dtypes.float8_e4m3fn))  # nothing compiled
+    q = jax.device_put(np.ones((1, 4, 2, 8), ml_dtypes.float8_e4m3fn))
     for implementation in ("xla", None):
+        attend = jax.jit(
+            lambda x, i=implementation: jax.nn.dot_product_attention(x, x, x, implementation=i)
+        )
         with pytest.raises(jax.dtypes.TypePromotionError, match="8-bit floats"):
-            jax.nn.dot_product_attention(q, q, q, implementation=implementation)
+            attend(q)

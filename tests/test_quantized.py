@@ -239,3 +239,73 @@ def test_jax_has_no_float8_attention_on_the_cpu():
         )
         with pytest.raises(jax.dtypes.TypePromotionError, match="8-bit floats"):
             attend(q)
+
+
+def self_quantizing(q, k, v, *, is_causal=False, block_size=None, granularity="tensor"):
+    """A NumPy function that quantizes its own float inputs to e4m3 with scales from the
+    data (amax / 448): q over the whole tensor, k and v at ``granularity``, over the whole
+    tensor (Transformer Engine's tensorwise current scaling), over blocks of
+    ``block_size`` tokens (MXFP8's sequence blocks of V) or per token; then it attends in
+    float64, causal bottom-right."""
+    import ml_dtypes
+
+    def quantized(x, granularity=granularity):
+        n = x.shape[2]
+        if granularity == "tensor":
+            groups = np.abs(x).max(keepdims=True)
+        elif granularity == "block":
+            blocks = [np.abs(x[:, :, i : i + block_size]) for i in range(0, n, block_size)]
+            amax = [np.broadcast_to(b.max(axis=(2, 3), keepdims=True), b.shape) for b in blocks]
+            groups = np.concatenate(amax, axis=2)
+        else:
+            groups = np.abs(x).max(axis=3, keepdims=True)
+        scale = groups.astype(np.float64) / 448
+        return (x / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * scale
+
+    q, k, v = quantized(q, "tensor"), quantized(k), quantized(v)
+    G = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+    T, S = s.shape[-2:]
+    if is_causal:
+        s = np.where(np.arange(S)[None, :] <= np.arange(T)[:, None] + S - T, s, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    return (w / w.sum(-1, keepdims=True) @ v).astype(np.float32)
+
+
+@pytest.mark.clause("20.4")
+@pytest.mark.parametrize(
+    ("granularity", "leaks"), [("tensor", True), ("block", True), ("token", False)]
+)
+def test_the_leakage_test_fails_a_function_whose_scales_read_the_future(granularity, leaks):
+    """A function that quantizes itself is held to no future leakage (``quantizes =
+    true``): scales per tensor, or per block of 4 tokens spanning a row's diagonal, read the
+    future and fail the test (TransformerEngine #3248); scales per token pass it. Such a
+    function is handed no codes: every other test of §20 skips it by name."""
+    import functools
+
+    from conformance.adapters.quantized import QuantizedFunctionBackend
+    from conformance.suite.tolerance import Departure
+    from conformance.tests import test_quantized as spec
+
+    backend = QuantizedFunctionBackend(
+        functools.partial(self_quantizing, granularity=granularity),
+        name=f"self-quantizing-{granularity}",
+        framework="numpy",
+        layout="BHTD",
+        caps=["gqa", "causal_bottom_right"],
+        table={
+            "formats": {r: ["float8_e4m3fn"] for r in "qkv"},
+            "granularities": {"q": ["tensor"], "k": [granularity], "v": [granularity]},
+            "quantizes": True,
+            "options": {"is_causal": "is_causal"},
+            "alignment": "bottom_right",
+        },
+    )
+    if leaks:
+        with pytest.raises(Departure, match="rows 0-5 after key 10"):
+            spec.test_a_self_quantizing_function_leaks_no_future(backend)
+    else:
+        spec.test_a_self_quantizing_function_leaks_no_future(backend)
+    with pytest.raises(pytest.skip.Exception, match="quantizes its own inputs"):
+        sq.call(backend, sq.operands_for(backend, 30))

@@ -12,6 +12,8 @@
     options = { is_causal = "causal", scale = "softmax_scale" }
     alignment = "bottom_right"             # its causality's alignment (FlashAttention's)
     window_sides = ["left"]                # with a window keyword: the sides it takes
+    quantizes = false                      # true: it takes float32 q, k, v and quantizes
+                                           # them itself (then no descales)
 
 The suite makes the codes and the descales itself, in the formats and granularities
 declared, and hands them to the function in its framework (torch float8 tensors, JAX
@@ -21,6 +23,11 @@ takes (B, T, H, D)), each descale under its keyword: an array of SPEC §20.2's s
 in that layout, float32, or codes with ``out_descale``. Its profile's other keys (name,
 target, framework, layout, requires, capabilities) are read as for any profile; the
 backend runs §20 alone.
+
+A function that quantizes its own inputs (``quantizes = true``: a Transformer Engine DPA
+under an FP8 recipe, a module that computes its scales from the data) takes float32 q, k
+and v, and ``block_size`` where it has that keyword; the suite cannot know its codes, so
+it is judged on §20.4's no future leakage alone (``attention_self_quantized``).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ QUANTIZED_KEYS = {
     "options",
     "alignment",
     "window_sides",
+    "quantizes",
 }
 #: The options of ``attention`` a quantized function may take, by the spec's names.
 QUANTIZED_OPTIONS = ("is_causal", "scale", "causal_alignment", "window", "softcap", "sinks")
@@ -69,8 +77,11 @@ class QuantizedFunctionBackend(Backend):
             )
         except KeyError as err:
             raise ValueError(f"{where}: {err.args[0]!r} of q, k and v is required") from err
+        self.quantizes = table.get("quantizes", False)
+        if not isinstance(self.quantizes, bool):
+            raise ValueError(f"{where}: quantizes should be true or false, got {self.quantizes!r}")
         self.descales = dict(table.get("descales", {}))
-        if set(self.descales) != {"q", "k", "v"}:
+        if set(self.descales) != {"q", "k", "v"} and not self.quantizes:
             raise ValueError(f"{where}: descales should name the keyword of q, k and v")
         self.descale_form = table.get("descale_form", "array")
         if self.descale_form not in ("array", "scalar"):
@@ -121,6 +132,20 @@ class QuantizedFunctionBackend(Backend):
         out_descale = options.pop("out_descale", None)
         if out_descale is not None:
             kwargs.update(out_descale=float(out_descale), out_format=out_format)
+        return self._call(q, k, v, kwargs, options)
+
+    def attention_self_quantized(self, q, k, v, *, block_size=None, **options) -> np.ndarray:
+        """A function that quantizes its own inputs (``quantizes = true``): q, k, v float32
+        (B, H|K, T|S, D|E), ``block_size`` under that keyword where given, ``options`` by
+        the profile's keywords; out (B, H, T, E)."""
+        if not self.quantizes:
+            raise NotImplementedError(f"{self.name} takes codes, not float inputs (§20.7)")
+        kwargs = {} if block_size is None else {"block_size": block_size}
+        return self._call(q, k, v, kwargs, options)
+
+    def _call(self, q, k, v, kwargs: dict, options: dict) -> np.ndarray:
+        """The function on q, k, v in its layout and framework, with ``kwargs`` and the
+        spec's ``options`` under its keywords."""
         alignment = options.pop("causal_alignment", "top_left")
         if options.get("is_causal") and alignment != self.alignment:
             raise NotImplementedError(f"{self.name} is causal {self.alignment} only")

@@ -4,7 +4,8 @@ backend's declared P pipeline run plainly on the same operands, plus float32's f
 The checks of §20.4 need no bound: a swap of two heads' descales leaves every other
 head's output bit for bit as it was, a power of two moved between codes and descale
 leaves the output bit for bit as it was, and a causal row is bit for bit the same
-whatever the future tokens of its block hold.
+whatever the future tokens of its block hold, or, for a function that quantizes its own
+float inputs, whatever its future tokens hold.
 
 One shape serves nearly every test (B=2, H=4, K=2, T=7, S=11, D=E=8); the long rows of
 §20.4's mass conservation add S = 127, 128, 129 and 4,096 with T=3."""
@@ -306,6 +307,42 @@ def test_block_descales_leak_no_future(backend):
         before[:, :, :6],
         f"{backend.name}: rows 0-5 after the codes of keys 10 and 11 changed",
         behaviour="a per-block descale leaks future tokens into earlier causal rows",
+    )
+
+
+@pytest.mark.clause("20.4")
+@requires("causal", "causal_bottom_right")
+def test_a_self_quantizing_function_leaks_no_future(backend):
+    """A function that quantizes its own float inputs (its profile's ``quantizes = true``),
+    causal bottom-right (T = 7, S = 11: row t sees keys up to t + 4): key 10, the future of
+    rows 0-5, made 100 times larger in k and v, leaves rows 0-5 bit for bit as they were,
+    whatever scales the function computes (per tensor, per block of 4 tokens where it takes
+    ``block_size``, per token); row 6, which sees key 10, changes. A scale computed over
+    tokens a row must not see leaks them into it: TransformerEngine #3248."""
+    if not getattr(backend, "quantizes", False):
+        pytest.skip(
+            f"{backend.name} takes codes and descales: its rows are held to no future "
+            "leakage by test_block_descales_leak_no_future"
+        )
+    rng = np.random.default_rng(44)
+    q = rng.standard_normal((2, 4, 7, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 2, 11, 8)).astype(np.float32) for _ in range(2))
+    L = sq.BLOCK if "block" in backend.quantized.granularities["k"] else None
+    before = backend.attention_self_quantized(q, k, v, block_size=L, **DECODE)
+    k2, v2 = k.copy(), v.copy()
+    k2[:, :, 10] *= 100
+    v2[:, :, 10] *= 100
+    after = backend.attention_self_quantized(q, k2, v2, block_size=L, **DECODE)
+    expect(
+        not np.array_equal(after[:, :, 6], before[:, :, 6]),
+        "the function does not read key 10",
+        f"{backend.name}: row 6 sees key 10, made 100 times larger, and did not change",
+    )
+    assert_identical(
+        after[:, :, :6],
+        before[:, :, :6],
+        f"{backend.name}: rows 0-5 after key 10 (their future) was made 100 times larger",
+        behaviour="a scale computed over future tokens leaks them into earlier causal rows",
     )
 
 

@@ -18,13 +18,15 @@ from conformance.vocabulary import numpy_dtype
 UNREAD_PAGE = 8.0
 
 
-def _array(case: Case, role: str) -> np.ndarray:
+def array(case: Case, role: str) -> np.ndarray:
+    """The array of the case's file that plays ``role`` ("q", "k", "mask", "expected", ...)
+    in its call, as stored (float64 values exact in bfloat16)."""
     return case.arrays[case.meta["arrays"][role]]
 
 
 def expected(case: Case) -> np.ndarray:
     """The oracle's output for the case's call, float64."""
-    return _array(case, "expected")
+    return array(case, "expected")
 
 
 def dense_call(case: Case) -> tuple[tuple[np.ndarray, ...], dict]:
@@ -32,12 +34,12 @@ def dense_call(case: Case) -> tuple[tuple[np.ndarray, ...], dict]:
     (the cache's first S keys), v = k[..., :E] (1, 1, S, E); options with the mask, if any,
     in the case's dtype (a bool mask as it is)."""
     sh, dt = case.meta["shape"], numpy_dtype(case.dtype)
-    q = _array(case, "q").astype(dt)  # (1, H, T, D)
-    k = _array(case, "k")[:, :, : sh["S"]].astype(dt)  # (1, 1, S, D)
+    q = array(case, "q").astype(dt)  # (1, H, T, D)
+    k = array(case, "k")[:, :, : sh["S"]].astype(dt)  # (1, 1, S, D)
     v = k[..., : sh["E"]]  # (1, 1, S, E)
     options = dict(case.meta["options"])
     if "mask" in case.meta["arrays"]:
-        mask = _array(case, "mask")
+        mask = array(case, "mask")
         options["mask"] = mask if mask.dtype == np.bool_ else mask.astype(dt)
     return (q, k, v), options
 
@@ -49,15 +51,15 @@ def paged_call(case: Case) -> tuple[tuple[np.ndarray, ...], dict]:
     in every entry; v_pages = k_pages[..., :E]."""
     sh, dt = case.meta["shape"], numpy_dtype(case.dtype)
     N, L = sh["N"], sh["L"]
-    k = _array(case, "k")  # (1, 1, S, D)
-    table = _array(case, "block_table")  # (B, M)
+    k = array(case, "k")  # (1, 1, S, D)
+    table = array(case, "block_table")  # (B, M)
     k_pages = np.full((N, 1, L, sh["D"]), UNREAD_PAGE)  # (N, 1, L, D)
     for j, page in enumerate(table[0]):
         k_pages[page, 0] = k[0, 0, j * L : (j + 1) * L]
     k_pages = k_pages.astype(dt)
     v_pages = k_pages[..., : sh["E"]]  # (N, 1, L, E)
-    q = _array(case, "q").astype(dt)  # (B, H, 1, D)
-    arrays = (q, k_pages, v_pages, table, _array(case, "seq_lens"))
+    q = array(case, "q").astype(dt)  # (B, H, 1, D)
+    arrays = (q, k_pages, v_pages, table, array(case, "seq_lens"))
     return arrays, dict(case.meta["options"])
 
 

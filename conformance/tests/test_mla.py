@@ -66,7 +66,7 @@ def test_mla_paged_fixture(backend, case_id):
     # Sequence b's gathered keys are the cache's first seq_lens[b] keys (by construction),
     # so the naive run is the dense one on them.
     (q, _, _, _, seq_lens), sh = arrays, case.meta["shape"]
-    k = mla._array(case, "k").astype(q.dtype)  # (1, 1, S, D)
+    k = mla.array(case, "k").astype(q.dtype)  # (1, 1, S, D)
     naive = np.concatenate(
         [
             naive_same_precision(

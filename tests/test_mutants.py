@@ -91,3 +91,22 @@ def test_mutant_is_killed(registry, name, tmp_path):
 def test_enough_mutants():
     assert len(MUTANTS) >= 22
     assert len(GRADIENT_MUTANTS) >= 6
+
+
+@pytest.mark.parametrize(
+    "name", ["mutant-tiles-sum-not-rescaled", "mutant-tiles-accumulator-not-rescaled"]
+)
+def test_the_mla_cases_catch_the_long_row_mutants(registry, name, tmp_path):
+    """SPEC §4.12: a blockwise softmax whose running sum (tiles of 512) or accumulator
+    (tiles of 1,024) is not rescaled fails every dense MLA case, the masked ones included;
+    the unbroken control passes them."""
+    failures = _Failures()
+    registry.register(name, MUTANTS[name][0])
+    registry.register(Control.name, Control)
+    args = [str(SUITE / "test_mla.py"), "-q", "--tb=no", "-p", "no:cacheprovider"]
+    args += ["--repro-dir", str(tmp_path), "-k", "not paged"]
+    code = pytest.main([*args, "--backend", name, "--backend", Control.name], plugins=[failures])
+    assert code == 1
+    failed = {node.partition(f"[{name}-")[2].removesuffix("]") for node, _ in failures.failed}
+    assert all(f"[{name}-" in node for node, _ in failures.failed), failures.failed
+    assert len(failed) == 8 and {"mla-decode-S4096-bool-mask-float32"} <= failed, failed

@@ -139,7 +139,7 @@ def _carry(backend, domain: Domain, method: str, args: tuple, kwargs: dict):
         and "grad_mask" in backend.capabilities
     ):
         pytest.skip(f"{stop}; a float mask's gradient is not carried into it")
-    D2, E2 = _head_dims(backend, domain, D, E)
+    D2, E2 = head_dims_inside(backend, domain, D, E)
     if D2 is None:
         pytest.skip(f"{stop}; no head dim of the domain is at least {max(D, E)}")
     T2, S2 = _lengths(domain, T, S)
@@ -209,7 +209,7 @@ def inside(domain: Domain, T: int, S: int) -> tuple[int, int]:
     return T2, S2
 
 
-def _head_dims(backend, domain: Domain, D: int, E: int) -> tuple[int | None, int]:
+def head_dims_inside(backend, domain: Domain, D: int, E: int) -> tuple[int | None, int]:
     if "value_dim" in backend.capabilities:
         D2, E2 = domain.next_head_dim(D), domain.next_head_dim(E)
         return (D2, E2) if D2 is not None and E2 is not None else (None, 0)
@@ -287,6 +287,9 @@ def domain_words(backend: Any) -> list[str]:
 
 #: The property a test's report carries (for a backend with a domain) to name its clause.
 CLAUSE_PROPERTY = "domain_clause"
+#: The property of a test that ran on a fixture built again inside the domain
+#: (``conformance.suite.rebuilt``): [backend, case id, its shape there].
+REBUILT_PROPERTY = "domain_rebuilt"
 
 
 class DomainSummary:
@@ -308,6 +311,8 @@ class DomainSummary:
         self.clauses: dict[str, dict[str, list[int]]] = {}
         #: backend name -> the sizes its tests were drawn at instead, "T7-S13 -> T16-S32"
         self.moved: dict[str, set[str]] = {}
+        #: backend name -> the fixtures built again inside its domain, "T7-S7-float32"
+        self.rebuilt: dict[str, set[str]] = {}
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
@@ -343,6 +348,10 @@ class DomainSummary:
             )
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        for n, v in report.user_properties:
+            if n == REBUILT_PROPERTY and report.when == "call":
+                name, case_id, _ = json.loads(v)
+                self.rebuilt.setdefault(name, set()).add(case_id)
         found = [json.loads(v) for n, v in report.user_properties if n == CLAUSE_PROPERTY]
         if not found or (report.when == "setup" and not report.skipped):
             return
@@ -368,6 +377,11 @@ class DomainSummary:
             if self.moved.get(name):
                 terminalreporter.write_line(
                     f"{name}: sizes drawn inside its domain: {', '.join(sorted(self.moved[name]))}"
+                )
+            if self.rebuilt.get(name):
+                terminalreporter.write_line(
+                    f"{name}: fixtures built again inside its domain with the oracle: "
+                    + ", ".join(sorted(self.rebuilt[name]))
                 )
             untested = sorted(
                 (

@@ -48,6 +48,9 @@ conversion itself is ``conformance/adapters/native.py``; a profile only says wha
     [fixed]                                  # passed on every call
     enable_gqa = true
 
+    [call]                                   # how the adapter calls it
+    scale = "when_set"                       # "always": scale=None passes 1/sqrt(D)
+
     [domain]                                 # the shapes it accepts (SPEC §13.19)
     head_dims = [16, 32, 64]                 # or { min = 16, max = 256, multiple = 16 }
     s_multiple = 16                          # also t_multiple, min_t, min_s, square
@@ -123,6 +126,7 @@ KEYS = {
     "quantized",
     "domain",
     "interpreter",
+    "call",
 }
 MASK_KEYS = {"bool", "bool_true", "float", "blocked"}
 #: What a profile's ``needs`` may name: hardware a function requires beyond its libraries.

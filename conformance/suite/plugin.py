@@ -43,6 +43,7 @@ from pathlib import Path
 import pytest
 
 from conformance.adapters import impl
+from conformance.adapters.domain import domain_flags
 from conformance.backends import (
     BUILTIN,
     BackendUnavailable,
@@ -161,6 +162,7 @@ def _load_impl(config: pytest.Config) -> str | None:
             "--impl-layout",
             "--impl-causal",
             "--impl-mask",
+            "--impl-domain",
         ):
             if config.getoption(flag) is not None:
                 raise pytest.UsageError(f"{flag} describes an --impl; give --impl MODULE:ATTR")
@@ -175,6 +177,7 @@ def _load_impl(config: pytest.Config) -> str | None:
             layout=config.getoption("--impl-layout") or "BHTD",
             causal=config.getoption("--impl-causal"),
             mask=config.getoption("--impl-mask"),
+            domain=domain_flags(config.getoption("--impl-domain") or ()),
         )
     except (BackendUnavailable, ValueError) as err:
         raise pytest.UsageError(str(err)) from err

@@ -208,15 +208,17 @@ ALL = {
     ids=["top-left", "bottom-right", "window-bottom-right", "mask", "plain"],
 )
 def test_a_carried_call_gives_the_oracles_output(options):
-    """T = 3, S = 5, D = 3 carried to T = 4, S = 8, D = 8: the rows the test sees are the
-    oracle's for the test's own inputs."""
+    """T = 5, S = 3, D = 3 carried to T = 8, S = 8, D = 8: the rows the test sees are the
+    oracle's for the test's own inputs. (Every key is attended by some query: the added
+    queries read no key that the call leaves unused.)"""
     kernel = _Kernel(Domain(head_dims=(8,), t_multiple=4, s_multiple=8), ALL)
-    q, k, v = random_qkv(3, B=1, H=2, T=3, S=5, D=3)
+    q, k, v = random_qkv(3, B=1, H=2, T=5, S=3, D=3)
     options = dict(options)
     if options.get("mask") == "bool":
-        options["mask"] = np.random.default_rng(0).random((3, 5)) > 0.3  # (T, S)
+        options["mask"] = np.random.default_rng(0).random((5, 3)) > 0.3  # (T, S)
+        assert options["mask"].any(axis=0).all()
     args, kwargs, back = carrying.carry(kernel, "attention", (q, k, v), options)
-    assert args[0].shape == (1, 2, 4, 8) and args[1].shape == (1, 2, 8, 8)
+    assert args[0].shape == (1, 2, 8, 8) and args[1].shape == (1, 2, 8, 8)
     assert kwargs["scale"] == pytest.approx(1 / np.sqrt(3))
     from conformance.impls.numpy.attention import attention
 
@@ -248,6 +250,16 @@ def test_what_has_no_exact_carry_is_skipped_by_name():
         carrying.carry(no_scale, "attention", (q, k, v), {})
     with pytest.raises(pytest.skip.Exception, match="lacks form 'mask_float'"):
         carrying.carry(kernel, "attention", (q, k, v), {"mask": np.zeros((3, 5))})
+    # Keys 3 and 4 of a top-left causal T = 3, S = 5 are attended by no query: queries
+    # added to reach T = 4 would attend key 3, and what it holds would reach them.
+    tiled = _Kernel(Domain(head_dims=(8,), t_multiple=4, s_multiple=8), ALL)
+    with pytest.raises(pytest.skip.Exception, match="would attend keys that no query of it"):
+        carrying.carry(tiled, "attention", (q, k, v), {"is_causal": True})
+    column = np.ones((3, 5), dtype=bool)  # (T, S)
+    column[:, 4] = False
+    with pytest.raises(pytest.skip.Exception, match="would attend keys that no query of it"):
+        carrying.carry(tiled, "attention", (q, k, v), {"mask": column})
+    carrying.carry(tiled, "attention", (q, k, v), {"mask": np.ones((3, 5), dtype=bool)})
 
 
 def test_sizes_move_inside_the_domain_keeping_their_order():

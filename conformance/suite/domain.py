@@ -43,7 +43,7 @@ import numpy as np
 import pytest
 
 from conformance.adapters.domain import Domain
-from conformance.adapters.forms import CALL_FORMS, FORMS, forms_of, forms_used
+from conformance.adapters.forms import CALL_FORMS, FORMS, forms_of, forms_used, visibility
 from conformance.vocabulary import option_is_set
 
 #: The calls a domain applies to; a backend with a domain takes no other kind of call here.
@@ -143,6 +143,10 @@ def _carry(backend, domain: Domain, method: str, args: tuple, kwargs: dict):
     if D2 is None:
         pytest.skip(f"{stop}; no head dim of the domain is at least {max(D, E)}")
     T2, S2 = _lengths(domain, T, S)
+    if T2 > T and _unused_keys(kwargs, T, S):
+        # An added query attends keys that no query of the call attends, whose content is
+        # then read (SPEC §4.7: the garbage a test puts there is its own business).
+        pytest.skip(f"{stop}; the queries it adds would attend keys that no query of it attends")
     options = dict(kwargs)
     if D2 != D and options.get("scale") is None:
         if "scale" not in forms_of(backend):
@@ -185,6 +189,22 @@ def _carry(backend, domain: Domain, method: str, args: tuple, kwargs: dict):
         return type(result)([np.ascontiguousarray(g) for g in sliced] + grads[3:])
 
     return (*carried, *args[len(carried) :]), options, back
+
+
+def _unused_keys(kwargs: dict, T: int, S: int) -> bool:
+    """Whether some key of a call (T, S) is attended by no query (SPEC §4.7)."""
+    try:
+        seen = visibility(T, S, kwargs)
+    except (TypeError, ValueError):  # a malformed option: nothing is carried anyway
+        return False
+    seen = np.ones((T, S), dtype=bool) if seen is None else seen  # (T, S)
+    mask = kwargs.get("mask")
+    if mask is not None:
+        mask = np.asarray(mask)
+        if mask.dtype != np.bool_:
+            mask = mask.astype(np.float64) != -np.inf
+        seen = seen & mask  # (..., T, S)
+    return not seen.any(axis=-2).all()
 
 
 def inside(domain: Domain, T: int, S: int) -> tuple[int, int]:

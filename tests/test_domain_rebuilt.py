@@ -96,3 +96,53 @@ def test_a_clause_outside_the_usual_shapes_is_judged_inside_the_domain(tmp_path)
     )
     assert code == 1 and "3 failed" in out, out[-3000:]
     assert "large scores (about 1e4) lose accuracy" in out, out[-3000:]
+
+
+#: A kernel that takes bool masks, D = E = 8, T a multiple of 8 and S of 16, and reads its
+#: keys as if S = T.
+SQUARE = """
+from conformance.impls.numpy.attention import attention as reference
+
+
+def square(q, k, v, mask=None, is_causal=False, scale=None):
+    assert k.shape[-2] % 16 == 0 and q.shape[-2] % 8 == 0 and q.shape[-1] == 8, q.shape
+    T = q.shape[-2]
+    if T < k.shape[-2]:
+        k, v = k[..., :T, :], v[..., :T, :]
+        mask = None if mask is None else mask[..., :T]
+    return reference(q, k, v, mask=mask, is_causal=is_causal, scale=scale)
+"""
+
+SQUARE_PROFILE = """
+name = "kern.square"
+target = "kern_square:square"
+dtypes = ["float64", "float32"]
+
+[options]
+is_causal = "is_causal"
+scale = "scale"
+
+[mask]
+bool = "mask"
+float = false
+
+[domain]
+head_dims = [8]
+t_multiple = 8
+s_multiple = 16
+"""
+
+
+@pytest.mark.clause("13.15", "13.19")
+def test_a_carried_call_names_the_misreading_it_shows(tmp_path):
+    """cross-T7-S13 (D = 4) is carried to T = 8, S = 16, D = 8 (a query, three keys blocked
+    by a bool mask, zero columns): the kernel's output, mapped back, is held against the
+    misreadings of the call it received, mapped back the same way, and the keys read as if
+    S = T name it (not "departs from §2.1", the fixture's clause)."""
+    (tmp_path / "kern_square.py").write_text(SQUARE)
+    path = tmp_path / "kern.toml"
+    path.write_text(SQUARE_PROFILE)
+    code, out, _ = _run(tmp_path, path, "test_fixtures.py", args=["-k", "cross-T7-S13-float64"])
+    assert code == 1 and "1 failed" in out, out[-3000:]
+    assert "kern.square: the keys are read as if S = T" in out, out[-3000:]
+    assert "departs from §2.1" not in out and "built again" not in out

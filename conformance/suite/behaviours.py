@@ -20,7 +20,9 @@ Where the sentence comes from, first match wins:
    lower precision makes. These causes cut across clauses, so they are named before the
    test's own words.
 4. The test's own sentence for what it checks (``behaviour=`` of the assertion).
-5. Else: the clause the test checks, by its title.
+5. Else: the clause the test checks, by its title: "departs from §2.1 (Batched layout)"
+   where the check saw an output that no cause explains, "fails a check of §2.1 (...) that
+   saw no output to name a cause by" where it saw none.
 """
 
 from __future__ import annotations
@@ -166,14 +168,21 @@ def behaviour(err: BaseException | None, calls: list, clause: str | None, title:
     if getattr(inner, "_conformance_raised_by", None):
         return raised(inner)
     if isinstance(inner, Departure):
-        cause = None
-        if inner.seen is not None:
-            found = _found(inner, calls)
-            cause = of_seen(inner.seen, calls, found)
+        if inner.seen is None:
+            # No output to hold against the misreadings: the clause is not the cause.
+            return inner.behaviour or (unseen(clause, title) if clause else fallback)
+        cause = of_seen(inner.seen, calls, _found(inner, calls))
         return cause or inner.behaviour or fallback
     if type(inner).__name__ == "Failed" and str(inner).startswith("Timeout"):
         return "hangs: no answer within the time limit"
     return fallback
+
+
+def unseen(clause: str, title: str) -> str:
+    """The behaviour of a failing check of ``clause`` that carried no output (a
+    ``Departure`` without ``seen`` or a sentence of its own): said so, since no cause
+    could be named from it."""
+    return f"fails a check of §{clause} ({title}) that saw no output to name a cause by"
 
 
 def _found(departure: Departure, calls) -> diagnosis.Found:

@@ -34,6 +34,7 @@ tests were all skipped so as untested (``DomainSummary``).
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 from collections.abc import Callable
@@ -54,6 +55,22 @@ FORM_CALLS = (*CARRIED, "attention_packed", "attention_packed_vjp")
 #: domain of <name>"; the summary counts the clauses they leave untested.
 OUTSIDE = "outside the domain of"
 LACKS_FORM = "lacks form"
+
+
+#: The maps back to the test's shapes of the latest carried calls, by the clock of their
+#: log entry (``replay``): the diagnosis holds a departing output against the misreadings
+#: of the call the kernel received, mapped back as its output was.
+CARRIED_BACK: collections.OrderedDict[int, Callable[[Any], Any]] = collections.OrderedDict()
+_CARRIED_KEPT = 64
+
+
+def remember_carried(clock: int, back: Callable[[Any], Any]) -> None:
+    """Keep ``back`` for the logged call ``clock``, where the call was carried."""
+    if back is _same:
+        return
+    CARRIED_BACK[clock] = back
+    while len(CARRIED_BACK) > _CARRIED_KEPT:
+        CARRIED_BACK.popitem(last=False)
 
 
 def domain_of(backend: Any) -> Domain:

@@ -53,7 +53,7 @@ from conformance.backends import (
 from conformance.suite import (
     behaviours,
     compiles,
-    domain,
+    domain_summary,
     known_failures,
     replay,
     rootdir,
@@ -264,7 +264,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):
         summary = verdicts.Summary(config, names, config.stash[LAYER_CHOICE])
         config.pluginmanager.register(summary, "conformance-verdicts")
-    config.pluginmanager.register(domain.DomainSummary(loaded), "conformance-domain")
+    config.pluginmanager.register(domain_summary.DomainSummary(loaded), "conformance-domain")
     path = config.getoption("--known-failures")
     try:
         config.stash[KNOWN_FAILURES] = known_failures.read_known_failures(path) if path else {}

@@ -33,12 +33,12 @@ from conformance.backends import numpy_dtype
 from conformance.suite.cases import Case, load_case
 from conformance.suite.domain import (
     OUTSIDE,
-    REBUILT_PROPERTY,
     carry,
     domain_of,
     head_dims_inside,
     inside,
 )
+from conformance.suite.domain_summary import REBUILT_PROPERTY
 from conformance.suite.helpers import oracle_attention
 
 #: Why an empty sequence is not built again: its emptiness is the clause (the carry's

@@ -21,6 +21,7 @@ import pytest
 from conformance.adapters import profiles
 from conformance.adapters.domain import Domain, parse_domain
 from conformance.adapters.impl import FunctionBackend, resolve_impl
+from conformance.adapters.interpreters import interpreter_words
 from conformance.adapters.native import OptionMap
 from conformance.backends import load_backend
 from conformance.suite import domain as carrying
@@ -317,7 +318,10 @@ def test_the_pallas_profiles_declare_their_domains():
         "D, E in {16, 32, 64, 128}; T a multiple of 16; S a multiple of 16 "
         "(backward: D, E in {16, 32, 64, 128}; T a multiple of 16; S a multiple of 16; T = S)"
     )
-    assert gpu.interpreter.startswith("Pallas' interpreter")
+    assert gpu.interpreter == "pallas"
+    assert interpreter_words(gpu.interpreter).startswith(
+        "Pallas' interpreter (interpret=True), jax "
+    )
     tpu = profiles.read_profile(ROOT / "examples" / "pallas.tpu.flash_attention.toml")
     assert "mask_float" in tpu.forms and tpu.domain.s_multiple == 128
     assert "float64" not in gpu.dtypes + tpu.dtypes  # neither switches JAX's x64 on

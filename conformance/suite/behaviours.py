@@ -10,7 +10,9 @@ machines (no error size, no address), so measuring again on another CPU changes 
 
 Where the sentence comes from, first match wins:
 
-1. ``SuiteError``: the suite's own bug, said so.
+1. ``SuiteError``: the suite's own bug, said so. Then a known limitation of the
+   interpreter the function runs under, where its probe shows it here and it spoils the
+   call's dtype (``conformance.adapters.interpreters``): the interpreter's, not the kernel's.
 2. An exception the function raised where the spec wants an output: its type and the
    first line of its message, numbers in it replaced by "N".
 3. A ``Departure`` raised by the suite's assertions (``conformance/suite/tolerance.py``), which
@@ -32,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from conformance.adapters.interpreters import Limitation, limitation_for
 from conformance.suite import diagnosis
 from conformance.suite.requirements import SuiteError
 from conformance.suite.tolerance import EPS, Departure, Seen
@@ -165,6 +168,9 @@ def behaviour(err: BaseException | None, calls: list, clause: str | None, title:
     inner = _innermost(err)
     if isinstance(inner, SuiteError):
         return SUITE_BUG
+    limitation = _interpreters_limitation(calls)
+    if limitation is not None:
+        return limitation.sentence
     if getattr(inner, "_conformance_raised_by", None):
         return raised(inner)
     if isinstance(inner, Departure):
@@ -176,6 +182,19 @@ def behaviour(err: BaseException | None, calls: list, clause: str | None, title:
     if type(inner).__name__ == "Failed" and str(inner).startswith("Timeout"):
         return "hangs: no answer within the time limit"
     return fallback
+
+
+def _interpreters_limitation(calls: list) -> Limitation | None:
+    """The known limitation of the interpreter the last call's function runs under, where
+    its probe shows it here and it spoils the call's dtype (SPEC §13.19)."""
+    if not calls:
+        return None
+    _, backend, _, args, _ = calls[-1]
+    interpreter = getattr(backend, "interpreter", "")
+    dtype = getattr(args[0], "dtype", None) if args else None
+    if not interpreter or dtype is None:
+        return None
+    return limitation_for(interpreter, np.dtype(dtype).name)
 
 
 def unseen(clause: str, title: str) -> str:

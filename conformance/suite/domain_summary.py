@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from conformance.adapters.forms import FORMS, forms_of
+from conformance.adapters.interpreters import INTERPRETERS, interpreter_words, measured
 from conformance.suite.domain import LACKS_FORM, OUTSIDE, domain_of, inside, restricted
 
 
@@ -26,7 +27,15 @@ def domain_words(backend: Any) -> list[str]:
         lines.append(f"shapes {domain.words()}")
     interpreter = getattr(backend, "interpreter", "")
     if interpreter:
-        lines.append(f"runs under {interpreter}")
+        lines.append(f"runs under {interpreter_words(interpreter)}")
+        known = INTERPRETERS.get(interpreter)
+        spoils = {d for lim in (known.limitations if known else ()) for d in lim.dtypes}
+        if spoils & set(backend.dtypes):
+            for limitation, found in measured(interpreter):
+                lines.append(
+                    f"its interpreter's known limitation, measured here ({found}): "
+                    f"{', '.join(limitation.dtypes)} failures are named as the interpreter's"
+                )
     return lines
 
 

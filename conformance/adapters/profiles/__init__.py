@@ -20,7 +20,7 @@ conversion itself is ``conformance/adapters/native.py``; a profile only says wha
     # packed = "module:function"             # attention_packed (SPEC §18), with "packed"
     needs = []                               # hardware: ["cuda"]; skipped by name without
     probe = ""                               # "module:function": None, or why not (measured)
-    interpreter = ""                         # what it runs under on the CPU, in words
+    interpreter = ""                         # on the CPU: triton, pallas, pallas-tpu or words
     capabilities = ["unbatched", "gqa", "dropout", "grad", "grad_mask"]
     dtypes = ["float64", "float32", "float16", "bfloat16"]
 

@@ -146,3 +146,24 @@ def test_a_carried_call_names_the_misreading_it_shows(tmp_path):
     assert code == 1 and "1 failed" in out, out[-3000:]
     assert "kern.square: the keys are read as if S = T" in out, out[-3000:]
     assert "departs from §2.1" not in out and "built again" not in out
+
+
+@pytest.mark.clause("12.9", "13.19")
+def test_a_gradient_fixture_is_built_again_with_the_oracles_gradients():
+    """grad-T5-S7-E4 at a backward domain of T = S = 16 and D = 16: its upstream gradient
+    drawn at the new shape, the oracle's gradients beside it; the reference's backward on
+    the new inputs is within SPEC §7 of them, and one that drops the scale is not."""
+    from conformance.backends import load_backend
+    from conformance.suite.tolerance import tolerance
+
+    case = rebuilt_case("grad-T5-S7-E4-float32", 16, 16, 16, 16)
+    q, k, v = case.inputs()
+    assert q.shape[-2:] == (16, 16) and case.d_out().shape == (*q.shape[:-1], 16)
+    assert list(case.expected_grads) == ["dq", "dk", "dv"]
+    reference = load_backend("numpy")
+    grads = reference.attention_vjp(q, k, v, case.d_out(), **case.options())
+    wrong = reference.attention_vjp(q, k, v, case.d_out(), **{**case.options(), "scale": 1.0})
+    for (name, want), got, bad in zip(case.expected_grads.items(), grads, wrong):
+        tol = tolerance(case.dtype, case.grad_naive_error(name), want)
+        assert np.abs(got - want).max() <= tol, name
+        assert np.abs(bad - want).max() > tol, name

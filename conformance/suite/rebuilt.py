@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from conformance.adapters.domain import Domain
 from conformance.adapters.forms import forms_of, forms_used
 from conformance.backends import numpy_dtype
 from conformance.suite.cases import Case, load_case
@@ -56,16 +57,18 @@ def case_inside(backend: Any, case: Case, node: pytest.Item | None = None) -> Ca
         reason names both).
     """
     options = {"mask": case.mask(), **case.options()}
+    grad = case.meta["kind"] == "attention_grad"
+    method = "attention_vjp" if grad else "attention"
+    domain = domain_of(backend).of(method)
     try:
-        carry(backend, "attention", case.inputs(), options)
+        carry(backend, method, (*case.inputs(), *([case.d_out()] if grad else [])), options)
         return case
     except pytest.skip.Exception as stop:
-        why = _why_not_rebuilt(backend, case)
+        why = _why_not_rebuilt(backend, domain, case)
         if why == EMPTY or OUTSIDE not in stop.msg:  # a form it lacks stays skipped
             raise
         if why:
             pytest.skip(f"{stop.msg}; not built again inside it: {why}")
-    domain = domain_of(backend)
     shape = case.meta["shape"]
     T, S = inside(domain, shape["T"], shape["S"])
     D, E = head_dims_inside(backend, domain, shape["D"], shape["E"])
@@ -88,7 +91,7 @@ def case_inside(backend: Any, case: Case, node: pytest.Item | None = None) -> Ca
     return rebuilt
 
 
-def _why_not_rebuilt(backend: Any, case: Case) -> str | None:
+def _why_not_rebuilt(backend: Any, domain: Domain, case: Case) -> str | None:
     shape, options = case.meta["shape"], case.options()
     if shape["T"] == 0 or shape["S"] == 0:
         return EMPTY
@@ -99,7 +102,6 @@ def _why_not_rebuilt(backend: Any, case: Case) -> str | None:
     ):
         if options.get(option) is not None:
             return f"{words} are its clause"
-    domain = domain_of(backend)
     D, _ = head_dims_inside(backend, domain, shape["D"], shape["E"])
     if D is None:
         return f"no head dim of the domain is at least {max(shape['D'], shape['E'])}"
@@ -117,8 +119,10 @@ def _causal_top_left(meta: dict) -> bool:
 @cache
 def rebuilt_case(case_id: str, T: int, S: int, D: int, E: int) -> Case:
     """The fixture ``case_id`` drawn again at T, S, D and E by the fixtures' generator (the
-    same seed, its positions moved as the module says), the oracle's output its expected."""
-    from conformance.fixtures.generate import draw
+    same seed, its positions moved as the module says), the oracle's output its expected
+    (and, for a gradient case, its upstream gradient and the oracle's gradients)."""
+    from conformance.fixtures import oracle
+    from conformance.fixtures.generate import draw, draw_d_out
 
     case = load_case(case_id)
     meta = _moved_entry(case.meta, T, S, D, E)
@@ -127,6 +131,18 @@ def rebuilt_case(case_id: str, T: int, S: int, D: int, E: int) -> Case:
     arrays["expected"] = oracle_attention(
         arrays["q"], arrays["k"], arrays["v"], mask=arrays.get("mask"), **meta["options"], **extras
     )
+    if meta["kind"] == "attention_grad":
+        arrays["d_out"] = draw_d_out(meta)
+        grads = oracle.attention_vjp(
+            arrays["q"],
+            arrays["k"],
+            arrays["v"],
+            arrays["d_out"],
+            mask=arrays.get("mask"),
+            **meta["options"],
+            **extras,
+        )
+        arrays.update({f"expected.{name}": g for name, g in grads.items()})
     if meta["unbatched"]:
         for name in ("q", "k", "v", "expected"):
             arrays[name] = arrays[name][0]

@@ -144,8 +144,9 @@ def rebuilt_case(case_id: str, T: int, S: int, D: int, E: int) -> Case:
         )
         arrays.update({f"expected.{name}": g for name, g in grads.items()})
     if meta["unbatched"]:
-        for name in ("q", "k", "v", "expected"):
-            arrays[name] = arrays[name][0]
+        for name in list(arrays):
+            if name in ("q", "k", "v", "d_out") or name.startswith("expected"):
+                arrays[name] = arrays[name][0]
         if "mask" in arrays and arrays["mask"].ndim == 4:
             arrays["mask"] = arrays["mask"][0]
     loader = (
@@ -190,8 +191,9 @@ def _moved_entry(meta: dict, T2: int, S2: int, D2: int, E2: int) -> dict:
         wide = magnitude * (D2 / shape["D"]) ** 0.25
         magnitude = float(np.float64(wide).astype(numpy_dtype(meta["dtype"])))
     mask_shape = meta.get("mask_shape")
-    if mask_shape is not None:
-        mask_shape = [*mask_shape[:-2], T2, S2]
+    if mask_shape is not None:  # an axis of 1 broadcasts still
+        t, s = mask_shape[-2:]
+        mask_shape = [*mask_shape[:-2], T2 if t != 1 else 1, S2 if s != 1 else 1]
     return {
         **meta,
         "shape": {**shape, "T": T2, "S": S2, "D": D2, "E": E2},

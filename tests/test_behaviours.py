@@ -17,7 +17,7 @@ from conformance.suite.behaviours import (
     raised,
 )
 from conformance.suite.requirements import SuiteError
-from conformance.suite.tolerance import Departure, assert_rows_zero, assert_within
+from conformance.suite.tolerance import Departure, Seen, assert_rows_zero, assert_within
 
 pytestmark = pytest.mark.clause("13.15")
 _CLOCK = itertools.count()
@@ -116,6 +116,21 @@ def test_a_refusal_is_its_type_and_first_line_without_numbers_or_addresses():
     assert behaviour(err, [], "4.1", "Scale") == raised(err)
     # The same exception raised by the test's own code is not the function's behaviour.
     assert behaviour(RuntimeError("x"), [], "4.1", "Scale") == "departs from §4.1 (Scale)"
+
+
+def test_a_check_that_saw_no_output_says_so():
+    """A departure with an output that no cause explains is its clause's; one that carried
+    no output says that it saw none, not that the function departs from the clause."""
+    seen = Seen(tolerance=1e-6, actual=np.zeros((1, 1, 2, 2)))
+    assert behaviour(Departure("m", None, seen), [], "2.1", "Batched layout") == (
+        "departs from §2.1 (Batched layout)"
+    )
+    assert behaviour(Departure("m"), [], "2.1", "Batched layout") == (
+        "fails a check of §2.1 (Batched layout) that saw no output to name a cause by"
+    )
+    assert behaviour(Departure("m", "its own words"), [], "2.1", "Batched layout") == (
+        "its own words"
+    )
 
 
 def test_a_suite_error_is_the_suites():

@@ -21,6 +21,7 @@ import pytest
 from conformance.adapters import profiles
 from conformance.adapters.domain import Domain, parse_domain
 from conformance.adapters.impl import FunctionBackend, resolve_impl
+from conformance.adapters.interpreters import interpreter_words
 from conformance.adapters.native import OptionMap
 from conformance.backends import load_backend
 from conformance.suite import domain as carrying
@@ -208,15 +209,17 @@ ALL = {
     ids=["top-left", "bottom-right", "window-bottom-right", "mask", "plain"],
 )
 def test_a_carried_call_gives_the_oracles_output(options):
-    """T = 3, S = 5, D = 3 carried to T = 4, S = 8, D = 8: the rows the test sees are the
-    oracle's for the test's own inputs."""
+    """T = 5, S = 3, D = 3 carried to T = 8, S = 8, D = 8: the rows the test sees are the
+    oracle's for the test's own inputs. (Every key is attended by some query: the added
+    queries read no key that the call leaves unused.)"""
     kernel = _Kernel(Domain(head_dims=(8,), t_multiple=4, s_multiple=8), ALL)
-    q, k, v = random_qkv(3, B=1, H=2, T=3, S=5, D=3)
+    q, k, v = random_qkv(3, B=1, H=2, T=5, S=3, D=3)
     options = dict(options)
     if options.get("mask") == "bool":
-        options["mask"] = np.random.default_rng(0).random((3, 5)) > 0.3  # (T, S)
+        options["mask"] = np.random.default_rng(0).random((5, 3)) > 0.3  # (T, S)
+        assert options["mask"].any(axis=0).all()
     args, kwargs, back = carrying.carry(kernel, "attention", (q, k, v), options)
-    assert args[0].shape == (1, 2, 4, 8) and args[1].shape == (1, 2, 8, 8)
+    assert args[0].shape == (1, 2, 8, 8) and args[1].shape == (1, 2, 8, 8)
     assert kwargs["scale"] == pytest.approx(1 / np.sqrt(3))
     from conformance.impls.numpy.attention import attention
 
@@ -248,6 +251,16 @@ def test_what_has_no_exact_carry_is_skipped_by_name():
         carrying.carry(no_scale, "attention", (q, k, v), {})
     with pytest.raises(pytest.skip.Exception, match="lacks form 'mask_float'"):
         carrying.carry(kernel, "attention", (q, k, v), {"mask": np.zeros((3, 5))})
+    # Keys 3 and 4 of a top-left causal T = 3, S = 5 are attended by no query: queries
+    # added to reach T = 4 would attend key 3, and what it holds would reach them.
+    tiled = _Kernel(Domain(head_dims=(8,), t_multiple=4, s_multiple=8), ALL)
+    with pytest.raises(pytest.skip.Exception, match="would attend keys that no query of it"):
+        carrying.carry(tiled, "attention", (q, k, v), {"is_causal": True})
+    column = np.ones((3, 5), dtype=bool)  # (T, S)
+    column[:, 4] = False
+    with pytest.raises(pytest.skip.Exception, match="would attend keys that no query of it"):
+        carrying.carry(tiled, "attention", (q, k, v), {"mask": column})
+    carrying.carry(tiled, "attention", (q, k, v), {"mask": np.ones((3, 5), dtype=bool)})
 
 
 def test_sizes_move_inside_the_domain_keeping_their_order():
@@ -305,7 +318,10 @@ def test_the_pallas_profiles_declare_their_domains():
         "D, E in {16, 32, 64, 128}; T a multiple of 16; S a multiple of 16 "
         "(backward: D, E in {16, 32, 64, 128}; T a multiple of 16; S a multiple of 16; T = S)"
     )
-    assert gpu.interpreter.startswith("Pallas' interpreter")
+    assert gpu.interpreter == "pallas"
+    assert interpreter_words(gpu.interpreter).startswith(
+        "Pallas' interpreter (interpret=True), jax "
+    )
     tpu = profiles.read_profile(ROOT / "examples" / "pallas.tpu.flash_attention.toml")
     assert "mask_float" in tpu.forms and tpu.domain.s_multiple == 128
     assert "float64" not in gpu.dtypes + tpu.dtypes  # neither switches JAX's x64 on

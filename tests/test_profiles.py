@@ -469,6 +469,13 @@ def _write_profile(tmp_path: Path, text: str) -> Path:
             "needs a mask keyword",
         ),
         ('name = "x"\ntarget = "numpy:add"\npacked = "numpy:add"\n', "go together"),
+        ('name = "x"\ntarget = "numpy:add"\n[call]\nscale = "sometimes"\n', "when_set, always"),
+        ('name = "x"\ntarget = "numpy:add"\n[call]\nscales = "always"\n', "[call] has unknown"),
+        (
+            'name = "x"\ntarget = "numpy:add"\n[options]\nis_causal = "c"\n[call]\n'
+            'scale = "always"\n',
+            "maps none",
+        ),
         (
             'name = "x"\ntarget = "numpy:add"\ncapabilities = ["packed"]\npacked = "add"\n',
             "'module:function' of attention_packed",

@@ -5,6 +5,7 @@ from one command."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -688,3 +689,32 @@ def test_report_says_what_a_normalised_p_pipeline_costs(tmp_path):
     assert "## Quantized attention: what the declared P pipeline costs (SPEC §20.6)" in md
     assert "| numpy-fp8 | e4m3_normalized | 1 | " in md
     assert f"{ratio:.3g}× e4m3_unnormalized's (`{case['case']}`)" in md
+
+
+@pytest.mark.clause("13.7", "13.19")
+def test_the_report_says_what_a_kernel_was_judged_on(tmp_path):
+    """A kernel with a domain (tests/test_domain.py's no-mask kernel of D in {16, 32} and S
+    a multiple of 16): the report says what it was judged on and the clauses no call of
+    theirs reached, as the run's summary does."""
+    from test_domain import KERNELS, TILED
+
+    (tmp_path / "kern.py").write_text(KERNELS.format(drop_scale=False))
+    (tmp_path / "kern.toml").write_text(TILED)
+    run = subprocess.run(
+        [sys.executable, "-m", "conformance", "report", "--impl-profile", "kern.toml"]
+        + ["--out", str(tmp_path / "out"), "--workers", "1", "-k", "test_fixture_case"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KERNEL_LOG": str(tmp_path / "calls.jsonl")},
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    judged = data["domains"]["kern.tiled"]
+    assert judged["on"][-1] == "shapes D, E in {16, 32}; S a multiple of 16"
+    assert "large-logits-float64" in judged["rebuilt"]
+    assert judged["untested"] == ["2.5", "3.1", "3.2", "3.7", "3.8", "4.3"]
+    md = (tmp_path / "out" / "report.md").read_text()
+    section = md[md.index("## What each function was judged on") :]
+    assert "- `kern.tiled`: dtypes float64, float32; forms it does not take: a bool mask" in section
+    assert "**Untested**, no call of theirs fits what it takes: SPEC §2.5, §3.1, §3.2" in section

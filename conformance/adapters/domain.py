@@ -22,9 +22,15 @@ declares it, E is drawn from the same head dims as D.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 #: The keys of ``[domain]`` (and of ``[domain.backward]``, less ``backward``).
 DOMAIN_KEYS = {"head_dims", "t_multiple", "s_multiple", "min_t", "min_s", "square", "backward"}
@@ -198,3 +204,32 @@ def parse_domain(table: Mapping[str, Any], where: str, *, inherit: Domain | None
 
 def _positive_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def domain_flags(values: Iterable[str]) -> dict[str, Any]:
+    """The ``[domain]`` table that ``--impl-domain KEY=VALUE`` flags give: each a line of
+    the table in TOML, ``backward.KEY`` for ``[domain.backward]``::
+
+        --impl-domain "head_dims=[16, 32, 64]" --impl-domain s_multiple=16
+        --impl-domain "head_dims={min=16, max=256, multiple=16}" --impl-domain backward.square=true
+
+    Raises:
+      ValueError: a flag that is not ``KEY=VALUE`` in TOML (naming it); the keys and
+        values themselves are checked by ``parse_domain``.
+    """
+    table: dict[str, Any] = {}
+    for value in values:
+        try:
+            line = tomllib.loads(value)
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(
+                f"--impl-domain should be KEY=VALUE, a line of a profile's [domain] table in "
+                f"TOML (head_dims=[16, 32], s_multiple=16, backward.square=true), got "
+                f"{value!r}: {err}"
+            ) from None
+        for key, x in line.items():
+            if key == "backward" and isinstance(x, Mapping):
+                table.setdefault("backward", {}).update(x)
+            else:
+                table[key] = x
+    return table

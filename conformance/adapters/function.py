@@ -155,6 +155,7 @@ class FunctionBackend(Backend):
                 )
             else:  # malformed inputs, for the function to refuse: nothing to build on
                 options = {o: x for o, x in options.items() if o not in MASK_OPTIONS}
+        options = self.call.with_scale(options, q)
         keywords = {
             **self.call.keywords(self.func_name, options, self.arrays),
             **{
@@ -242,11 +243,13 @@ class FunctionBackend(Backend):
     def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
         """``attention_packed`` (SPEC §18) through the packed function, converted as
         ``attention`` is: the same layout and keywords, the boundaries as given."""
+        options = self.call.with_scale(options, q)
         keywords = self.call.keywords(self.func_name, options, self.arrays)
         out = self._call(q, k, v, keywords, cu_seqlens_q, cu_seqlens_k, func=self.packed)
         return self._an_array(out, f"{getattr(self.packed, '__name__', 'packed')}()")
 
     def _attention_packed_vjp(self, q, k, v, cu_seqlens_q, cu_seqlens_k, d_out, **options):
+        options = self.call.with_scale(options, q)
         keywords = self.call.keywords(self.func_name, options, self.arrays)
 
         def call(q, k, v):

@@ -29,10 +29,10 @@ import importlib.metadata
 import inspect
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from conformance.adapters.domain import Domain
+from conformance.adapters.domain import Domain, parse_domain
 from conformance.adapters.forms import MASK_OPTIONS
 from conformance.adapters.function import (
     FUNCTION_CAPABILITIES,
@@ -196,11 +196,13 @@ def resolve_impl(
             or packed is not None
             or causal is not None
             or mask is not None
+            or domain is not None
         ):
             raise ValueError(
                 f"--impl {spec!r} is a Backend, which declares its own capabilities and "
                 "dtypes and converts its own arrays; --impl-capabilities, --impl-dtypes, "
-                "--impl-framework, --impl-layout, --impl-causal, --impl-mask and profiles "
+                "--impl-framework, --impl-layout, --impl-causal, --impl-mask, --impl-domain "
+                "and profiles "
                 "are for plain functions"
             )
         backend = target
@@ -304,12 +306,15 @@ def load_impl(
     layout: str = "BHTD",
     causal: str | None = None,
     mask: str | None = None,
+    domain: Mapping[str, Any] | None = None,
 ) -> Backend:
     """Import the implementation ``spec`` names, register it and return it loaded (a
     profile is loaded by ``conformance.adapters.profiles.load_profile``).
 
-    Arguments as for ``resolve_impl``. Afterwards ``load_backend(backend.name)`` returns
-    the same object, and the suite's ``--backend`` accepts the name.
+    Arguments as for ``resolve_impl``; ``domain`` is a ``[domain]`` table (the
+    ``--impl-domain`` flags, ``conformance.adapters.domain.domain_flags``). Afterwards
+    ``load_backend(backend.name)`` returns the same object, and the suite's ``--backend``
+    accepts the name.
     """
     if spec is None:
         raise ValueError("load_impl needs a spec ('package.module:function') or a profile")
@@ -322,6 +327,7 @@ def load_impl(
         layout=layout,
         causal=causal,
         mask=mask,
+        domain=parse_domain(domain, "--impl-domain") if domain else None,
     )
     plain = isinstance(backend, FunctionBackend)
     loader = {
@@ -332,6 +338,7 @@ def load_impl(
         "framework": backend.framework if plain else "numpy",
         "layout": backend.call.layout if plain else "BHTD",
         **({"causal": causal, "mask": mask} if plain and (causal or mask) else {}),
+        **({"domain": dict(domain)} if domain else {}),
     }
     return register_loaded(backend, loader)
 

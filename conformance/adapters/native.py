@@ -36,6 +36,7 @@ Frameworks are imported inside their class, when a backend is built.
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 import types
 from collections.abc import Callable, Mapping
@@ -57,6 +58,8 @@ from conformance.vocabulary import OPTION_DEFAULTS, option_is_set
 #: The options of ``Backend.attention``, with the value that means "not set".
 SPEC_OPTIONS = OPTION_DEFAULTS
 LAYOUTS = ("BHTD", "BTHD")
+#: When the scale keyword is passed (``OptionMap.scale``).
+SCALE_PASSING = ("when_set", "always")
 #: What True means in a library's bool mask.
 BOOL_MEANINGS = ("attend", "blocked")
 #: The options that are arrays (one value per query head): they go to the library as its
@@ -108,6 +111,9 @@ class OptionMap:
         window and chunks that have no keyword), "none", or "only" (a causal-only kernel:
         is_causal=True is what it always does, and any other call is refused).
       blocked: an additive mask's entry for a blocked key: "-inf" or "min" (finfo.min).
+      scale: when the scale keyword is passed: "when_set" (a call that sets it) or
+        "always" (a kernel whose own default is not the spec's, such as an ``sm_scale``
+        of 1.0, or that requires one: a call without a scale passes 1/sqrt(D)).
     """
 
     options: Mapping[str, str] = field(
@@ -120,6 +126,7 @@ class OptionMap:
     layout: str = "BHTD"
     causal: str = "keyword"
     blocked: str = "-inf"
+    scale: str = "when_set"
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.options) - set(SPEC_OPTIONS))
@@ -146,6 +153,21 @@ class OptionMap:
             raise ValueError("causal = 'keyword' needs a keyword for is_causal in options")
         if self.causal == "mask" and self.mask_bool is None and self.mask_float is None:
             raise ValueError("causal = 'mask' needs a mask keyword (bool or float)")
+        if self.scale not in SCALE_PASSING:
+            raise ValueError(
+                f"scale should be one of {', '.join(SCALE_PASSING)}, got {self.scale!r}"
+            )
+        if self.scale == "always" and "scale" not in self.options:
+            raise ValueError("scale = 'always' needs a keyword for scale in options")
+
+    def with_scale(self, options: Mapping[str, Any], q: Any) -> Mapping[str, Any]:
+        """``options`` with the spec's default scale, 1/sqrt(D) of q's last axis, where the
+        kernel is always passed one and the call sets none (D = 0, or q with no axis:
+        bad input or an empty head, passed on as it is)."""
+        D = np.shape(q)[-1] if np.ndim(q) else 0
+        if self.scale != "always" or option_is_set("scale", options.get("scale")) or not D:
+            return options
+        return {**options, "scale": 1.0 / math.sqrt(D)}
 
     def static_keywords(self, func: Callable) -> list[str]:
         """The keywords that are options, not arrays (everything but the mask), among

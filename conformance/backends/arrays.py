@@ -19,7 +19,7 @@ import numpy as np
 from conformance.vocabulary import numpy_dtype
 
 #: The global settings the suite changed for this process, each with why, for the run's
-#: summary (``conformance.suite.domain.DomainSummary``).
+#: summary (``conformance.suite.domain_summary.DomainSummary``).
 GLOBAL_SETTINGS: dict[str, str] = {}
 
 

@@ -49,6 +49,15 @@ class Collector:
         self.measurements: list[dict] = []
         #: The quantized comparisons' bounds under every P pipeline (SPEC §20.6).
         self.pipeline_costs: list[dict] = []
+        #: What each function with a declared domain was judged on (SPEC §13.19), from the
+        #: suite's ``conformance-domain`` plugin at the end of the run.
+        self.domains: dict[str, dict] = {}
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        summary = config.pluginmanager.get_plugin("conformance-domain")
+        if summary is not None:
+            self.domains = summary.judged()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when == "call":

@@ -223,6 +223,7 @@ def main(argv: list[str]) -> int:
         "summary": {o: sum(r["outcome"] == o for r in rows) for o in OUTCOMES},
         "verdicts": verdicts(rows, declared),
         "layers": layer_verdicts(rows, backends),
+        "domains": collected.domains,
         "departures": departures(rows),
         "clauses": clause_table(rows),
         "variants": variants(clause_table(rows), declared),

@@ -42,6 +42,7 @@ def render_markdown(data: dict) -> str:
         "",
         *render_verdicts(data.get("verdicts", {})),
         *render_layers(data.get("layers", {})),
+        *render_domains(data.get("domains", {})),
         *render_departures(data.get("departures", {})),
         *render_variants(data.get("variants", []), list(data["backends"])),
         *render_clauses(data),
@@ -109,6 +110,40 @@ def render_verdicts(verdicts: dict[str, dict]) -> list[str]:
         lacks = [*v["lacks_capabilities"], *(f"dtype {d}" for d in v["lacks_dtypes"])]
         verdict = "; ".join(parts).replace("; nothing else fails", ", nothing else fails")
         lines.append(f"| {name} | {verdict} | {', '.join(lacks) or 'nothing: all declared'} |")
+    lines.append("")
+    return lines
+
+
+def render_domains(domains: dict[str, dict[str, list[str]]]) -> list[str]:
+    """Per function that declares a domain or leaves out a form (SPEC §13.19): what it was
+    judged on and the clauses no call of theirs reached, as the run's summary says them: a
+    verdict of "conforms" is a verdict on that domain only."""
+    if not domains:
+        return []
+    lines = [
+        "## What each function was judged on",
+        "",
+        "A function that declares a domain (SPEC §13.19) is judged inside it, and only there.",
+        "",
+    ]
+    for name, judged in domains.items():
+        lines.append(f"- `{name}`: " + "; ".join(judged["on"]) + ".")
+        if judged.get("moved"):
+            lines.append(f"  Sizes drawn inside its domain: {', '.join(judged['moved'])}.")
+        if judged.get("rebuilt"):
+            lines.append(
+                "  Fixtures built again inside its domain with the oracle: "
+                + ", ".join(judged["rebuilt"])
+                + "."
+            )
+        untested = judged.get("untested")
+        lines.append(
+            "  **Untested**, no call of theirs fits what it takes: SPEC §"
+            + ", §".join(untested)
+            + "."
+            if untested
+            else "  Every clause run on it had a call inside its domain."
+        )
     lines.append("")
     return lines
 

@@ -10,7 +10,9 @@ machines (no error size, no address), so measuring again on another CPU changes 
 
 Where the sentence comes from, first match wins:
 
-1. ``SuiteError``: the suite's own bug, said so.
+1. ``SuiteError``: the suite's own bug, said so. Then a known limitation of the
+   interpreter the function runs under, where its probe shows it here and it spoils the
+   call's dtype (``conformance.adapters.interpreters``): the interpreter's, not the kernel's.
 2. An exception the function raised where the spec wants an output: its type and the
    first line of its message, numbers in it replaced by "N".
 3. A ``Departure`` raised by the suite's assertions (``conformance/suite/tolerance.py``), which
@@ -20,7 +22,9 @@ Where the sentence comes from, first match wins:
    lower precision makes. These causes cut across clauses, so they are named before the
    test's own words.
 4. The test's own sentence for what it checks (``behaviour=`` of the assertion).
-5. Else: the clause the test checks, by its title.
+5. Else: the clause the test checks, by its title: "departs from §2.1 (Batched layout)"
+   where the check saw an output that no cause explains, "fails a check of §2.1 (...) that
+   saw no output to name a cause by" where it saw none.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from conformance.adapters.interpreters import Limitation, limitation_for
 from conformance.suite import diagnosis
 from conformance.suite.requirements import SuiteError
 from conformance.suite.tolerance import EPS, Departure, Seen
@@ -163,17 +168,40 @@ def behaviour(err: BaseException | None, calls: list, clause: str | None, title:
     inner = _innermost(err)
     if isinstance(inner, SuiteError):
         return SUITE_BUG
+    limitation = _interpreters_limitation(calls)
+    if limitation is not None:
+        return limitation.sentence
     if getattr(inner, "_conformance_raised_by", None):
         return raised(inner)
     if isinstance(inner, Departure):
-        cause = None
-        if inner.seen is not None:
-            found = _found(inner, calls)
-            cause = of_seen(inner.seen, calls, found)
+        if inner.seen is None:
+            # No output to hold against the misreadings: the clause is not the cause.
+            return inner.behaviour or (unseen(clause, title) if clause else fallback)
+        cause = of_seen(inner.seen, calls, _found(inner, calls))
         return cause or inner.behaviour or fallback
     if type(inner).__name__ == "Failed" and str(inner).startswith("Timeout"):
         return "hangs: no answer within the time limit"
     return fallback
+
+
+def _interpreters_limitation(calls: list) -> Limitation | None:
+    """The known limitation of the interpreter the last call's function runs under, where
+    its probe shows it here and it spoils the call's dtype (SPEC §13.19)."""
+    if not calls:
+        return None
+    _, backend, _, args, _ = calls[-1]
+    interpreter = getattr(backend, "interpreter", "")
+    dtype = getattr(args[0], "dtype", None) if args else None
+    if not interpreter or dtype is None:
+        return None
+    return limitation_for(interpreter, np.dtype(dtype).name)
+
+
+def unseen(clause: str, title: str) -> str:
+    """The behaviour of a failing check of ``clause`` that carried no output (a
+    ``Departure`` without ``seen`` or a sentence of its own): said so, since no cause
+    could be named from it."""
+    return f"fails a check of §{clause} ({title}) that saw no output to name a cause by"
 
 
 def _found(departure: Departure, calls) -> diagnosis.Found:

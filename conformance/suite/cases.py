@@ -54,6 +54,9 @@ class Case:
     dtype: str
     meta: dict
     arrays: dict = field(repr=False)
+    #: The lines that load this case in a reproduction snippet (a case built again inside
+    #: a kernel's domain has its own, ``conformance.suite.rebuilt``).
+    loader: str = field(default="", repr=False)
 
     @property
     def requires(self) -> list[str]:
@@ -171,10 +174,13 @@ class Case:
     def _snippet(self, backend, call: str) -> str:
         from conformance.suite.replay import load_expression
 
+        loader = self.loader or (
+            f"from conformance.suite.cases import load_case\n    case = load_case({self.id!r})"
+        )
         return (
-            "from conformance import load_backend; from conformance.suite.cases import load_case\n"
+            "from conformance import load_backend\n"
+            f"    {loader}\n"
             f"    backend = {load_expression(backend)}\n"
-            f"    case = load_case({self.id!r})\n"
             f"    backend.{call}"
         )
 

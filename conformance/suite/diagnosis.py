@@ -30,6 +30,7 @@ from typing import NamedTuple
 import numpy as np
 
 from conformance.suite import quantized_diagnosis
+from conformance.suite.domain import CARRIED_BACK
 from conformance.suite.misreadings import MISREADINGS, Misreading
 from conformance.suite.planted import (
     Call,
@@ -68,6 +69,10 @@ class Found(NamedTuple):
 NOTHING = Found(None, (), None)
 
 
+def _same(x: np.ndarray) -> np.ndarray:
+    return x
+
+
 def diagnose(actual, calls: list, tol: float) -> str | None:
     """The sentence that names the departure of ``actual`` (the last call's output): its
     first misreading's (``find``), or None."""
@@ -89,10 +94,13 @@ def find(actual, calls: list, tol: float) -> Found:
     call = call_of(calls[-1][3], calls[-1][4])
     if call is None:
         return NOTHING
+    # A call carried into a kernel's domain (suite/domain.py): the kernel's output was
+    # mapped back to the test's shapes, and so is each output the call is held against.
+    back = CARRIED_BACK.get(calls[-1][0], _same)
     actual = np.asarray(actual, dtype=np.float64)
     if actual.ndim == 3:
         actual = actual[None]  # (1, H, T, E)
-    right = oracle_run(call)
+    right = back(oracle_run(call))
     if actual.shape != right.shape or matches(actual, right, tol):
         return NOTHING
     found: list[tuple[Misreading, np.ndarray, float]] = []
@@ -102,6 +110,7 @@ def find(actual, calls: list, tol: float) -> Found:
         planted = misreading.compute(call)
         if planted is None:
             continue
+        planted = back(planted)
         # The tolerance was set for the right answer's magnitude (SPEC §7).
         allowed_error = tol * _magnitude(planted) / _magnitude(right)
         if matches(planted, right, allowed_error):

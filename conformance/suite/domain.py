@@ -29,12 +29,12 @@ The expected values stay the oracle's for the test's inputs, which are mathemati
 of the carried call. Where no exact carry exists (an empty sequence, dropout, ALiBi, a
 float mask's gradient, malformed inputs, a kernel with no mask and no causality to hide
 the added keys), the test is skipped, naming it; the run's summary lists every clause whose
-tests were all skipped so as untested (``DomainSummary``).
+tests were all skipped so as untested (``domain_summary.DomainSummary``).
 """
 
 from __future__ import annotations
 
-import json
+import collections
 import math
 from collections.abc import Callable
 from typing import Any
@@ -43,7 +43,7 @@ import numpy as np
 import pytest
 
 from conformance.adapters.domain import Domain
-from conformance.adapters.forms import CALL_FORMS, FORMS, forms_of, forms_used
+from conformance.adapters.forms import CALL_FORMS, FORMS, forms_of, forms_used, visibility
 from conformance.vocabulary import option_is_set
 
 #: The calls a domain applies to; a backend with a domain takes no other kind of call here.
@@ -54,6 +54,22 @@ FORM_CALLS = (*CARRIED, "attention_packed", "attention_packed_vjp")
 #: domain of <name>"; the summary counts the clauses they leave untested.
 OUTSIDE = "outside the domain of"
 LACKS_FORM = "lacks form"
+
+
+#: The maps back to the test's shapes of the latest carried calls, by the clock of their
+#: log entry (``replay``): the diagnosis holds a departing output against the misreadings
+#: of the call the kernel received, mapped back as its output was.
+CARRIED_BACK: collections.OrderedDict[int, Callable[[Any], Any]] = collections.OrderedDict()
+_CARRIED_KEPT = 64
+
+
+def remember_carried(clock: int, back: Callable[[Any], Any]) -> None:
+    """Keep ``back`` for the logged call ``clock``, where the call was carried."""
+    if back is _same:
+        return
+    CARRIED_BACK[clock] = back
+    while len(CARRIED_BACK) > _CARRIED_KEPT:
+        CARRIED_BACK.popitem(last=False)
 
 
 def domain_of(backend: Any) -> Domain:
@@ -139,10 +155,14 @@ def _carry(backend, domain: Domain, method: str, args: tuple, kwargs: dict):
         and "grad_mask" in backend.capabilities
     ):
         pytest.skip(f"{stop}; a float mask's gradient is not carried into it")
-    D2, E2 = _head_dims(backend, domain, D, E)
+    D2, E2 = head_dims_inside(backend, domain, D, E)
     if D2 is None:
         pytest.skip(f"{stop}; no head dim of the domain is at least {max(D, E)}")
     T2, S2 = _lengths(domain, T, S)
+    if T2 > T and _unused_keys(kwargs, T, S):
+        # An added query attends keys that no query of the call attends, whose content is
+        # then read (SPEC §4.7: the garbage a test puts there is its own business).
+        pytest.skip(f"{stop}; the queries it adds would attend keys that no query of it attends")
     options = dict(kwargs)
     if D2 != D and options.get("scale") is None:
         if "scale" not in forms_of(backend):
@@ -187,6 +207,22 @@ def _carry(backend, domain: Domain, method: str, args: tuple, kwargs: dict):
     return (*carried, *args[len(carried) :]), options, back
 
 
+def _unused_keys(kwargs: dict, T: int, S: int) -> bool:
+    """Whether some key of a call (T, S) is attended by no query (SPEC §4.7)."""
+    try:
+        seen = visibility(T, S, kwargs)
+    except (TypeError, ValueError):  # a malformed option: nothing is carried anyway
+        return False
+    seen = np.ones((T, S), dtype=bool) if seen is None else seen  # (T, S)
+    mask = kwargs.get("mask")
+    if mask is not None:
+        mask = np.asarray(mask)
+        if mask.dtype != np.bool_:
+            mask = mask.astype(np.float64) != -np.inf
+        seen = seen & mask  # (..., T, S)
+    return not seen.any(axis=-2).all()
+
+
 def inside(domain: Domain, T: int, S: int) -> tuple[int, int]:
     """(T, S) moved into ``domain``'s lengths, keeping T < S, T > S or T = S (where the
     domain allows T ≠ S); an empty length stays empty (its clause is the emptiness)."""
@@ -209,7 +245,7 @@ def inside(domain: Domain, T: int, S: int) -> tuple[int, int]:
     return T2, S2
 
 
-def _head_dims(backend, domain: Domain, D: int, E: int) -> tuple[int | None, int]:
+def head_dims_inside(backend, domain: Domain, D: int, E: int) -> tuple[int | None, int]:
     if "value_dim" in backend.capabilities:
         D2, E2 = domain.next_head_dim(D), domain.next_head_dim(E)
         return (D2, E2) if D2 is not None and E2 is not None else (None, 0)
@@ -267,128 +303,3 @@ def _keys_blocked(backend, stop, options, mask, q, T, S, T2, S2, front):
     if plain_causal and T <= S:
         return None  # every real query lies before the added keys
     pytest.skip(f"{stop}; {backend.name} takes no mask to block the keys that S = {S2} adds")
-
-
-def domain_words(backend: Any) -> list[str]:
-    """What ``backend`` is judged on, in lines: its dtypes, the forms it does not take,
-    its domain (and the interpreter it runs under)."""
-    lines = [f"dtypes {', '.join(backend.dtypes)}"]
-    missing = sorted(set(FORMS) - forms_of(backend))
-    if missing:
-        lines.append("forms it does not take: " + "; ".join(FORMS[f] for f in missing))
-    domain = domain_of(backend)
-    if not domain.everything:
-        lines.append(f"shapes {domain.words()}")
-    interpreter = getattr(backend, "interpreter", "")
-    if interpreter:
-        lines.append(f"runs under {interpreter}")
-    return lines
-
-
-#: The property a test's report carries (for a backend with a domain) to name its clause.
-CLAUSE_PROPERTY = "domain_clause"
-
-
-class DomainSummary:
-    """The run's summary lines on the domain each restricted backend was judged on, the
-    clauses left untested because no call of theirs fits it, and the global settings the
-    suite changed for the run (JAX's float64). A plugin of its own, beside the suite's."""
-
-    def __init__(self, backends: list[Any]) -> None:
-        self.backends = {b.name: b for b in backends if restricted(b)}
-        #: JAX functions that declare no float64: their calls run with JAX's default x64.
-        self.x64_off = [
-            b.name
-            for b in backends
-            if getattr(b, "framework", None) == "jax"
-            and "float64" not in b.dtypes
-            and hasattr(b, "arrays")
-        ]
-        #: backend name -> clause -> [tests run, tests skipped for a form or the domain]
-        self.clauses: dict[str, dict[str, list[int]]] = {}
-        #: backend name -> the sizes its tests were drawn at instead, "T7-S13 -> T16-S32"
-        self.moved: dict[str, set[str]] = {}
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        """The sizes tests draw their inputs at (a ``size`` parameter, ``helpers.SIZES``),
-        moved into the domain of a backend that declares one: the same T < S, T > S or
-        T = S, at lengths it takes. The test, its oracle and its checks all see the moved
-        size; the test's id keeps the usual one, and the summary lists the move."""
-        for item in items:
-            params = getattr(getattr(item, "callspec", None), "params", {})
-            backend = self.backends.get(params.get("backend"))
-            size = params.get("size")
-            if backend is None or not isinstance(size, dict) or not {"T", "S"} <= set(size):
-                continue
-            domain = domain_of(backend)
-            moved = inside(domain, size["T"], size["S"])
-            if moved != (size["T"], size["S"]):
-                item.callspec.params["size"] = {**size, "T": moved[0], "S": moved[1]}
-                self.moved.setdefault(backend.name, set()).add(
-                    f"T{size['T']}-S{size['S']} -> T{moved[0]}-S{moved[1]}"
-                )
-
-    @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
-        outcome = yield
-        rep = outcome.get_result()
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        if params.get("backend") not in self.backends or rep.when not in ("setup", "call"):
-            return
-        marker = item.get_closest_marker("clause")
-        if marker is not None:
-            rep.user_properties.append(
-                (CLAUSE_PROPERTY, json.dumps([params["backend"], marker.args[0]]))
-            )
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        found = [json.loads(v) for n, v in report.user_properties if n == CLAUSE_PROPERTY]
-        if not found or (report.when == "setup" and not report.skipped):
-            return
-        name, clause = found[0]
-        counts = self.clauses.setdefault(name, {}).setdefault(clause, [0, 0])
-        if report.skipped and _domain_skip(report):
-            counts[1] += 1
-        elif report.when == "call":
-            counts[0] += 1
-
-    def pytest_terminal_summary(self, terminalreporter) -> None:
-        from conformance.backends.arrays import GLOBAL_SETTINGS
-
-        for setting, why in GLOBAL_SETTINGS.items():
-            terminalreporter.write_line(f"the suite set {setting} for this run: {why}")
-            if setting.startswith("jax_enable_x64") and self.x64_off:
-                terminalreporter.write_line(
-                    f"  but not for the calls of {', '.join(self.x64_off)} (no float64 "
-                    "declared): they run with JAX's default, x64 off"
-                )
-        for name, backend in self.backends.items():
-            terminalreporter.write_line(f"{name} judged on: " + "; ".join(domain_words(backend)))
-            if self.moved.get(name):
-                terminalreporter.write_line(
-                    f"{name}: sizes drawn inside its domain: {', '.join(sorted(self.moved[name]))}"
-                )
-            untested = sorted(
-                (
-                    c
-                    for c, (ran, skipped) in self.clauses.get(name, {}).items()
-                    if skipped and not ran
-                ),
-                key=_clause_key,
-            )
-            if untested:
-                terminalreporter.write_line(
-                    f"{name}: untested, no call of theirs fits what it takes: SPEC §"
-                    + ", §".join(untested)
-                )
-
-
-def _domain_skip(report: pytest.TestReport) -> bool:
-    longrepr = report.longrepr
-    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
-    return OUTSIDE in reason or LACKS_FORM in reason
-
-
-def _clause_key(clause: str) -> tuple:
-    return tuple(int(p) if p.isdigit() else 0 for p in clause.split("."))

@@ -164,6 +164,15 @@ def _add_impl_options(group: pytest.OptionGroup) -> None:
         "additive: float only, blocked keys -inf; additive-min: blocked keys finfo(dtype).min",
     )
     group.addoption(
+        "--impl-domain",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="the shapes an --impl function accepts (SPEC §13.19; repeatable): a line of a "
+        "profile's [domain] table in TOML, e.g. 'head_dims=[16, 32, 64]', s_multiple=16, "
+        "t_multiple=16, min_t=1, min_s=1, square=true, backward.s_multiple=128",
+    )
+    group.addoption(
         "--impl-profile",
         action="append",
         default=[],

@@ -43,6 +43,7 @@ from pathlib import Path
 import pytest
 
 from conformance.adapters import impl
+from conformance.adapters.domain import domain_flags
 from conformance.backends import (
     BUILTIN,
     BackendUnavailable,
@@ -52,7 +53,7 @@ from conformance.backends import (
 from conformance.suite import (
     behaviours,
     compiles,
-    domain,
+    domain_summary,
     known_failures,
     replay,
     rootdir,
@@ -161,6 +162,7 @@ def _load_impl(config: pytest.Config) -> str | None:
             "--impl-layout",
             "--impl-causal",
             "--impl-mask",
+            "--impl-domain",
         ):
             if config.getoption(flag) is not None:
                 raise pytest.UsageError(f"{flag} describes an --impl; give --impl MODULE:ATTR")
@@ -175,6 +177,7 @@ def _load_impl(config: pytest.Config) -> str | None:
             layout=config.getoption("--impl-layout") or "BHTD",
             causal=config.getoption("--impl-causal"),
             mask=config.getoption("--impl-mask"),
+            domain=domain_flags(config.getoption("--impl-domain") or ()),
         )
     except (BackendUnavailable, ValueError) as err:
         raise pytest.UsageError(str(err)) from err
@@ -261,7 +264,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):
         summary = verdicts.Summary(config, names, config.stash[LAYER_CHOICE])
         config.pluginmanager.register(summary, "conformance-verdicts")
-    config.pluginmanager.register(domain.DomainSummary(loaded), "conformance-domain")
+    config.pluginmanager.register(domain_summary.DomainSummary(loaded), "conformance-domain")
     path = config.getoption("--known-failures")
     try:
         config.stash[KNOWN_FAILURES] = known_failures.read_known_failures(path) if path else {}

@@ -26,7 +26,7 @@ import pytest
 from conformance.adapters import impl, profiles
 from conformance.backends import Backend, load_backend, numpy_dtype
 from conformance.suite.behaviours import mark_raised
-from conformance.suite.domain import carry
+from conformance.suite.domain import carry, remember_carried
 from conformance.suite.requirements import SuiteError, undeclared
 
 #: The backend methods a replay covers: everything that computes.
@@ -119,6 +119,7 @@ class RecordingBackend:
             args, kwargs, back = carry(self._backend, name, args, kwargs)
             # Copies: a test may change its arrays after the call.
             clock = next(_CLOCK)
+            remember_carried(clock, back)
             self._log.append((clock, self._backend, name, _copy(args), _copy(kwargs)))
             for listener in BEFORE_CALL:
                 listener(self._backend, name, args, kwargs)

@@ -63,6 +63,7 @@ RERUN_OPTIONS = (
     "--impl-layout",
     "--impl-causal",
     "--impl-mask",
+    "--impl-domain",
     "--impl-profile",
     "--known-failures",
 )

@@ -20,7 +20,7 @@ conversion itself is ``conformance/adapters/native.py``; a profile only says wha
     # packed = "module:function"             # attention_packed (SPEC §18), with "packed"
     needs = []                               # hardware: ["cuda"]; skipped by name without
     probe = ""                               # "module:function": None, or why not (measured)
-    interpreter = ""                         # what it runs under on the CPU, in words
+    interpreter = ""                         # on the CPU: triton, pallas, pallas-tpu or words
     capabilities = ["unbatched", "gqa", "dropout", "grad", "grad_mask"]
     dtypes = ["float64", "float32", "float16", "bfloat16"]
 
@@ -47,6 +47,9 @@ conversion itself is ``conformance/adapters/native.py``; a profile only says wha
 
     [fixed]                                  # passed on every call
     enable_gqa = true
+
+    [call]                                   # how the adapter calls it
+    scale = "when_set"                       # "always": scale=None passes 1/sqrt(D)
 
     [domain]                                 # the shapes it accepts (SPEC §13.19)
     head_dims = [16, 32, 64]                 # or { min = 16, max = 256, multiple = 16 }
@@ -123,6 +126,7 @@ KEYS = {
     "quantized",
     "domain",
     "interpreter",
+    "call",
 }
 MASK_KEYS = {"bool", "bool_true", "float", "blocked"}
 #: What a profile's ``needs`` may name: hardware a function requires beyond its libraries.

@@ -13,8 +13,9 @@ What the adapter supplies is what every caller of these kernels writes:
 - the block sizes, fixed, so that the kernel's domain is the profile's: 16 × 16 tiles for
   the GPU kernel (T and S multiples of 16), query blocks of 16 and key blocks of 128 for
   the TPU kernel (its key blocks must be multiples of 128);
-- the scale: both kernels' ``sm_scale`` defaults to 1.0, not the spec's 1/sqrt(D), so the
-  spec's default is passed as 1/sqrt(D);
+- nothing for the scale: both kernels' ``sm_scale`` defaults to 1.0, not the spec's
+  1/sqrt(D), so their profiles say ``[call] scale = "always"`` and every call comes with
+  one (1/sqrt(D) where the test sets none);
 - the TPU kernel's bias ``ab`` of shape (B, H, T, S), broadcast from the spec's mask.
 
 Nothing else is converted: no NaN is cleaned, no dtype raised.
@@ -23,7 +24,6 @@ Nothing else is converted: no NaN is cleaned, no dtype raised.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -59,11 +59,7 @@ _TPU_BLOCKS = tpu_attention.BlockSizes(
 )
 
 
-def _scale(q, scale: float | None) -> float:
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-
-
-def gpu_mha(q, k, v, *, is_causal: bool = False, scale: float | None = None):
+def gpu_mha(q, k, v, *, scale: float, is_causal: bool = False):
     """out (B, T, H, E) of ``pallas.ops.gpu.attention.mha`` for q (B, T, H, D), k and v
     (B, S, H, D): interpreted unless a GPU runs it."""
     return gpu_attention.mha(
@@ -71,22 +67,22 @@ def gpu_mha(q, k, v, *, is_causal: bool = False, scale: float | None = None):
         k,
         v,
         None,  # segment_ids
-        sm_scale=_scale(q, scale),
+        sm_scale=scale,
         causal=is_causal,
         block_sizes=_GPU_BLOCKS,
         interpret=jax.default_backend() != "gpu",
     )
 
 
-def tpu_flash_attention(q, k, v, *, ab=None, is_causal: bool = False, scale: float | None = None):
+def tpu_flash_attention(q, k, v, *, scale: float, ab=None, is_causal: bool = False):
     """out (B, H, T, E) of ``pallas.ops.tpu.flash_attention.flash_attention`` for q
     (B, H, T, D), k and v (B, H, S, D), an additive mask ``ab`` broadcast to (B, H, T, S):
     in TPU interpret mode unless a TPU runs it."""
     if ab is not None and q.ndim == 4 and k.ndim == 4:
         ab = jnp.broadcast_to(ab, (*q.shape[:2], q.shape[2], k.shape[2]))  # (B, H, T, S)
     if jax.default_backend() == "tpu":
-        return _flash(q, k, v, ab, is_causal, _scale(q, scale))
-    return _interpreted(q, k, v, ab, is_causal, _scale(q, scale))
+        return _flash(q, k, v, ab, is_causal, scale)
+    return _interpreted(q, k, v, ab, is_causal, scale)
 
 
 def _flash(q, k, v, ab, causal: bool, sm_scale: float):

@@ -6,9 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from conformance.adapters.forms import BLOCKED, CAUSALITY, MASK_FORMS, declared_forms
-from conformance.adapters.native import OptionMap
+from conformance.adapters.native import SCALE_PASSING, OptionMap
 
 FORMS_KEYS = {"causal", "alignments", "window_sides", "scale", "masks"}
+#: The keys of ``[call]``: how the adapter calls the function beyond its keywords.
+CALL_KEYS = {"scale"}
 ALIGNMENTS = ("top_left", "bottom_right")
 WINDOW_SIDES = ("left", "right")
 
@@ -28,6 +30,12 @@ def call_and_forms(
             f"{where}: [mask] blocked should be one of {', '.join(BLOCKED)}, got {blocked!r}"
         )
     mapped = {k: v for k, v in options.items() if v}
+    passing = _check_call(data, where)
+    if passing == "always" and "scale" not in mapped:
+        raise ProfileError(
+            f"{where}: [call] scale = 'always' passes the scale through [options]' scale "
+            "keyword, which maps none"
+        )
     try:
         call = OptionMap(
             options=mapped,
@@ -38,6 +46,7 @@ def call_and_forms(
             layout=data.get("layout", "BHTD"),
             causal=forms.get("causal", "keyword" if "is_causal" in mapped else "none"),
             blocked=blocked,
+            scale=passing,
         )
     except ValueError as err:
         raise ProfileError(f"{where}: [options], [mask], [forms]: {err}") from err
@@ -99,3 +108,20 @@ def _check_forms(data: dict[str, Any], where: str) -> dict[str, Any]:
             f"{where}: [forms] scale should be true or false, got {forms['scale']!r}"
         )
     return forms
+
+
+def _check_call(data: dict[str, Any], where: str) -> str:
+    """``[call] scale``: "when_set" (the default) or "always" (SPEC §13.10)."""
+    table = data.get("call", {})
+    bad = sorted(set(table) - CALL_KEYS) if isinstance(table, dict) else ["(not a table)"]
+    if bad:
+        raise ProfileError(
+            f"{where}: [call] has unknown keys {bad}; known: {', '.join(sorted(CALL_KEYS))}"
+        )
+    passing = table.get("scale", "when_set")
+    if passing not in SCALE_PASSING:
+        raise ProfileError(
+            f"{where}: [call] scale should be one of {', '.join(SCALE_PASSING)} (always: a "
+            f"call without a scale passes 1/sqrt(D)), got {passing!r}"
+        )
+    return passing

@@ -64,8 +64,6 @@ def oracle_lse_and_tolerance(q, k, v, dtype: str, **options):
         for n, x in options.items()
     }
     out, lse = oracle.attention(as64(q), as64(k), as64(v), return_lse=True, **wide)
-    naive = oracle.naive_lse_same_precision(
-        as64(q), as64(k), as64(v), numpy_dtype(dtype), **wide
-    )
+    naive = oracle.naive_lse_same_precision(as64(q), as64(k), as64(v), numpy_dtype(dtype), **wide)
     magnitude = score_magnitude(q, k, wide)
     return out, lse, lse_tolerance(finite_error(naive, lse), dtype, magnitude)

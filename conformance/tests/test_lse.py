@@ -220,3 +220,29 @@ def test_lse_of_16_bit_inputs_is_float32(backend, dtype, causal):
     q, k, v = random_qkv(217, T=T, S=S, dtype=dtype)
     options = causal_where_taken(backend, T, S) if causal else {}
     _check(backend, q, k, v, dtype, f"{dtype}, causal={causal}", **options)
+
+
+@pytest.mark.clause("21.2")
+@pytest.mark.parametrize(
+    "where",
+    [
+        pytest.param("mask", id="plus-inf-mask"),
+        pytest.param("sink", marks=requires("sinks"), id="nan-sink"),
+        pytest.param("value", id="nan-value"),
+    ],
+)
+def test_lse_of_rows_whose_output_is_nan(backend, where):
+    """A +inf score (a float mask's +inf) or a NaN sink makes its rows' lse NaN, as their
+    output (§4.1, §15.4); a NaN value leaves the scores, and so the lse, as they were
+    (§4.8). Every lse is the oracle's."""
+    q, k, v = random_qkv(218, T=T, S=S, dtype="float32")
+    options = {}
+    if where == "mask":
+        mask = np.zeros((T, S), dtype=np.float32)
+        mask[2, 5] = np.inf
+        options["mask"] = mask
+    elif where == "sink":
+        options["sinks"] = np.array([0.5, np.nan, 1.5], dtype=np.float32)
+    else:
+        v[0, 1, 4, 0] = np.nan
+    _check(backend, q, k, v, "float32", f"rows whose output is NaN ({where})", **options)

@@ -71,12 +71,9 @@ def attention(
       softcap: scores become softcap · tanh(scores / softcap).
       sinks: (H,), one logit per query head that joins the softmax and has no value.
 
-    Args, what it returns:
-      return_lse: return each row's log-sum-exp beside the output (step 8).
-
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; q's dtype.
-      lse: with return_lse, (B, H, T), or (H, T) unbatched; in the working precision.
+      With return_lse, (out, lse): lse (B, H, T) or (H, T), each row's log-sum-exp (step 8).
     """
     # 0. Check the inputs: an error names the argument, the expected shape and what was
     # given. ``call`` holds the checked options and the sizes (call.T, call.G, ...).

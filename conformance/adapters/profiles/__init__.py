@@ -89,6 +89,7 @@ from conformance.adapters.impl import (
     register_loaded,
     resolve_impl,
 )
+from conformance.adapters.lse import LseForm, parse_lse
 from conformance.adapters.native import BOOL_MEANINGS, SPEC_OPTIONS, OptionMap
 from conformance.adapters.profiles.parse import (  # noqa: F401 - the [forms] names, re-exported
     ALIGNMENTS,
@@ -123,6 +124,7 @@ KEYS = {
     "quantized",
     "domain",
     "interpreter",
+    "lse",
 }
 MASK_KEYS = {"bool", "bool_true", "float", "blocked"}
 #: What a profile's ``needs`` may name: hardware a function requires beyond its libraries.
@@ -159,6 +161,8 @@ class Profile:
     quantized: dict | None = None
     domain: Domain = field(default_factory=Domain)
     interpreter: str = ""
+    #: The [lse] table: where the function's result holds its log-sum-exp (SPEC §21).
+    lse: LseForm | None = None
 
     def missing(self) -> list[str]:
         """The distributions in ``requires`` that are not installed here."""
@@ -213,6 +217,7 @@ class Profile:
                 forms=self.forms,
                 domain=self.domain,
                 interpreter=self.interpreter,
+                lse=self.lse,
             )
         except (ImplUnavailable, ValueError) as err:
             raise ProfileError(f"profile {self.name!r} ({self.path}): {err}") from err
@@ -324,8 +329,14 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
         )
     try:
         domain = parse_domain(data.get("domain", {}), f"{where}: [domain]")
+        lse = parse_lse(data["lse"], where) if "lse" in data else None
     except ValueError as err:
         raise ProfileError(str(err)) from err
+    if (lse is not None) != ("lse" in data.get("capabilities", ())):
+        raise ProfileError(
+            f"{where}: the capability 'lse' and the table [lse] (where the result holds it) "
+            "go together"
+        )
     interpreter = data.get("interpreter", "")
     if not isinstance(interpreter, str):
         raise ProfileError(
@@ -353,6 +364,7 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
         quantized=data.get("quantized"),
         domain=domain,
         interpreter=interpreter,
+        lse=lse,
     )
 
 

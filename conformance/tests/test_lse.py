@@ -17,10 +17,8 @@ from conformance.suite.helpers import (
     setup_params,
 )
 from conformance.suite.lse import oracle_lse_and_tolerance, working_dtype
-from conformance.suite.requirements import requires, uses_dtype
+from conformance.suite.requirements import refuses, requires, uses_dtype
 from conformance.suite.tolerance import Departure, Seen, assert_within, expect
-
-pytestmark = requires("lse")
 
 T, S = 7, 13
 
@@ -101,6 +99,7 @@ def _check(backend, q, k, v, dtype: str, context: str, **options):
     return out, lse
 
 
+@requires("lse")
 @pytest.mark.clause("21.1", "21.3", "21.4", "21.5")
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("setup", setup_params(SETUPS))
@@ -112,6 +111,7 @@ def test_lse_matches_the_oracle(backend, setup, dtype):
     _check(backend, q, k, v, dtype, f"{setup}, T={T} S={S} {dtype}", **options)
 
 
+@requires("lse")
 @pytest.mark.clause("21.1")
 @pytest.mark.parametrize("setup", ["plain", "float-mask"])
 def test_out_beside_the_lse_is_the_plain_out(backend, setup):
@@ -140,6 +140,7 @@ def _no_key_mask(kind: str, dtype: str) -> np.ndarray:
     return np.where(allowed, values, -np.inf).astype(numpy_dtype(dtype))
 
 
+@requires("lse")
 @pytest.mark.clause("21.2")
 @pytest.mark.parametrize(
     "kind, with_sinks",
@@ -165,6 +166,7 @@ def test_row_with_no_key_has_lse_minus_inf(backend, kind, with_sinks):
     )
 
 
+@requires("lse")
 @pytest.mark.clause("21.2")
 def test_no_keys_at_all_give_lse_minus_inf(backend):
     """S = 0: every row has no key, so every lse is -inf (and every output row 0)."""
@@ -177,6 +179,7 @@ def test_no_keys_at_all_give_lse_minus_inf(backend):
     )
 
 
+@requires("lse")
 @pytest.mark.clause("21.2")
 def test_nan_row_has_lse_nan(backend):
     """A query row holding a NaN has lse NaN (its output row is NaN, §4.9); every other row
@@ -192,6 +195,7 @@ def test_nan_row_has_lse_nan(backend):
     )
 
 
+@requires("lse")
 @pytest.mark.clause("21.3")
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_lse_of_large_scores(backend, dtype):
@@ -207,6 +211,7 @@ def test_lse_of_large_scores(backend, dtype):
     )
 
 
+@requires("lse")
 @pytest.mark.clause("21.4")
 @pytest.mark.parametrize(
     "dtype",
@@ -224,6 +229,7 @@ def test_lse_of_16_bit_inputs_is_float32(backend, dtype, causal):
     _check(backend, q, k, v, dtype, f"{dtype}, causal={causal}", **options)
 
 
+@requires("lse")
 @pytest.mark.clause("21.2")
 @pytest.mark.parametrize(
     "where",
@@ -248,3 +254,23 @@ def test_lse_of_rows_whose_output_is_nan(backend, where):
     else:
         v[0, 1, 4, 0] = np.nan
     _check(backend, q, k, v, "float32", f"rows whose output is NaN ({where})", **options)
+
+
+@pytest.mark.clause("21.6", "8.5")
+@refuses("lse")
+def test_undeclared_lse_is_refused(backend, dtype):
+    """A backend without 'lse' refuses return_lse=True with NotImplementedError naming it."""
+    q, k, v = random_qkv(219, T=5, S=6, dtype=dtype)
+    try:
+        backend.attention(q, k, v, return_lse=True)
+    except NotImplementedError as err:
+        expect(
+            "return_lse" in str(err),
+            "refuses return_lse without naming it",
+            f"{backend.name}: the refusal should name return_lse: {err}",
+        )
+        return
+    raise Departure(
+        f"{backend.name}: accepted return_lse=True without declaring 'lse'",
+        "accepts return_lse though it does not declare 'lse'",
+    )

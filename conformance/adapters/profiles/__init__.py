@@ -21,6 +21,8 @@ conversion itself is ``conformance/adapters/native.py``; a profile only says wha
     needs = []                               # hardware: ["cuda"]; skipped by name without
     probe = ""                               # "module:function": None, or why not (measured)
     interpreter = ""                         # what it runs under on the CPU, in words
+    # [lse]                                  # with "lse" (SPEC §21): index = 1 or key =
+                                             # "lse", out = 0, keyword, layout, base
     capabilities = ["unbatched", "gqa", "dropout", "grad", "grad_mask"]
     dtypes = ["float64", "float32", "float16", "bfloat16"]
 

@@ -294,8 +294,10 @@ def log_sum_exp(q, k, options: dict, fused, call: contract.Checked, work) -> tor
     attn_mask=, scale=)``, which returns (out, logsumexp): called on the same q, k, mask,
     causality and scale as SDPA, with k in v's place (the operator wants v's head size
     to be D, and the lse does not read v) and no dropout (the lse is taken before it).
-    The operator takes a float mask only: a bool one becomes 0 and -inf. With a softcap,
-    flex_attention's own ``return_lse``. Float32, or float64 for float64 q."""
+    The operator takes a float mask only: a bool one becomes 0 and -inf. float16 and
+    bfloat16 q and k go in as float32, which holds them exactly and is the lse's precision
+    (see Edge cases). With a softcap, flex_attention's own ``return_lse``. Float32, or
+    float64 for float64 q."""
     B, H, T, S = call.B, call.H, call.T, call.S
     if T == 0 or S == 0:
         return torch.full((B, H, T), -math.inf, dtype=work, device=q.device)  # Edge cases
@@ -305,8 +307,9 @@ def log_sum_exp(q, k, options: dict, fused, call: contract.Checked, work) -> tor
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=work, device=q.device).masked_fill(~mask, -math.inf)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    q, k = q.to(work), k.to(work)  # (B, H, T, D), (B, K, S, D); Edge cases
     _, lse = flash(q, k, k, 0.0, options["is_causal"], attn_mask=mask, scale=options["scale"])
-    return lse.to(work)  # (B, H, T)
+    return lse  # (B, H, T)
 
 
 # --- Notes ----------------------------------------------------------------------------------
@@ -379,11 +382,15 @@ def log_sum_exp(q, k, options: dict, fused, call: contract.Checked, work) -> tor
 # NaN, as if the row had no key; ``nan_rows_again`` computes such rows again on the math
 # backend, which propagates the NaN.
 #
-# The log-sum-exp's edges (SPEC §21.2; torch 2.13, measured). The CPU flash operator
-# returns a logsumexp of 0, not -inf, for a row with no key and for a row of NaN scores,
-# and stops the process (SIGFPE) for T = 0 or S = 0, so it is not called there.
-# ``lse_repaired`` gives a row with no key -inf, and with a NaN among q, k or the mask
-# takes the lse as torch.logsumexp of the scores, which propagates the NaN.
+# The log-sum-exp's edges (SPEC §21.2-§21.4; torch 2.13, measured). The CPU flash operator
+# returns a logsumexp of 0, not -inf, for a row with no key; for a row of NaN scores 0 or
+# NaN, and for a row with a +inf score NaN or +inf, depending on the processor's vector
+# width (AVX-512 or AVX2, ATEN_CPU_CAPABILITY); on AVX2 its float16 and bfloat16 lse is
+# some 1e-5 off (relative), past the float32 tolerance, where its float32 one is not. And
+# it stops the process (SIGFPE) for T = 0 or S = 0. So it is not called for T = 0 or S = 0,
+# 16-bit q and k go in as float32 (exactly), and ``lse_repaired`` gives a row with no key
+# -inf and, where q, k or the mask hold a NaN or the mask a +inf, takes the lse from the
+# scores as the core pages do, NaN for such rows on every processor.
 
 
 def unseen_slots_zeroed(q, k, v, allowed, added, causal: bool, call: contract.Checked):
@@ -452,10 +459,14 @@ def has_nan(*tensors: torch.Tensor | None) -> bool:
 
 def lse_repaired(lse, q, k, options: dict, allowed, added, causal, call: contract.Checked):
     """The operator's log-sum-exp (B, H, T) with its edges repaired (see Edge cases): -inf
-    for a row with no key; with a NaN in q, k or the mask, torch.logsumexp of the scores."""
+    for a row with no key; with a NaN in q, k or the mask, or a +inf in the mask, the lse
+    of the scores as the core pages take it: the row maximum plus the log of the shifted
+    sum, NaN for a row that reads NaN or +inf."""
     if call.T == 0 or call.S == 0:
         return lse
-    if has_nan(q, k, options["attn_mask"]):
+    mask = options["attn_mask"]
+    plus_inf = mask is not None and mask.is_floating_point() and bool((mask == math.inf).any())
+    if plus_inf or has_nan(q, k, mask):
         k = k.repeat_interleave(call.G, dim=1)  # (B, H, S, D)
         scores = torch.einsum("bhtd,bhsd->bhts", q.to(lse.dtype), k.to(lse.dtype))  # (B, H, T, S)
         scores = scores * call.scale  # (B, H, T, S)
@@ -466,6 +477,8 @@ def lse_repaired(lse, q, k, options: dict, allowed, added, causal, call: contrac
             scores = scores.masked_fill(~allowed, -math.inf)  # (B, H, T, S)
         if causal:
             scores = scores.masked_fill(~causal_band(call, q.device), -math.inf)  # (B, H, T, S)
-        return torch.logsumexp(scores, dim=-1)  # (B, H, T)
+        top = scores.amax(dim=-1, keepdim=True)  # (B, H, T, 1)
+        shift = torch.where(top == -math.inf, 0.0, top)  # (B, H, T, 1): +inf - +inf is NaN
+        return (shift + torch.exp(scores - shift).sum(dim=-1, keepdim=True).log())[..., 0]
     _, has_key = seen(allowed, added, causal, call, q.device)  # (B|1, H|1, T, 1) or None
     return lse if has_key is None else torch.where(has_key[..., 0], lse, -math.inf)

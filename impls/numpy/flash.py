@@ -24,13 +24,7 @@ moves what was summed against m onto m':
 
 and after the last block out = a / l. The rescaling is exact: exp(x − m) · exp(m − m')
 = exp(x − m'), so l and a end as the two sums above with m the row's true maximum; only
-the rounding differs from the core page. The same pair gives the row's log-sum-exp, which
-``return_lse=True`` returns beside the output (step 8): l = Σ exp(x_s − m), so
-
-    lse = log Σ_s exp(x_s) = m + log l
-
-one number per row, what the backward pass keeps of the forward and what merges results
-over two parts of the keys (the core page's Notes: the log-sum-exp). ``online_softmax_row`` is this recurrence for
+the rounding differs from the core page. ``online_softmax_row`` is this recurrence for
 one row; ``attention`` runs it, with the same names, on tiles of Tb rows and Sb keys.
 docs/walkthrough/flash.md follows the worked example through it, tile by tile.
 
@@ -95,11 +89,9 @@ def attention(
       dropout_p: must be 0; dropout is not supported here.
       block_q, block_k: Tb and Sb, queries (per head) and keys per tile.
       fast: the same rows through ``flash_tiles.py``'s optimisations.
-      return_lse: return each row's log-sum-exp m + log l beside the output.
 
     Returns:
-      out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
-      lse: with return_lse, (B, H, T), or (H, T) unbatched; in the working precision.
+      out: (B, H, T, E), or (H, T, E) unbatched, q's dtype; with return_lse (out, lse (B, H, T)).
     """
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
@@ -110,8 +102,7 @@ def attention(
     call, q, k, v, mask, slopes = batched(q, k, v, mask, options, block_q, block_k)
     B, H, T, S, E = call.B, call.H, call.T, call.S, call.E
     work = np.float64 if q.dtype == np.float64 else np.float32  # float16 is computed in float32
-    out = np.empty((B, H, T, E), dtype=q.dtype)  # (B, H, T, E)
-    lse = np.empty((B, H, T), dtype=work)  # (B, H, T)
+    out, lse = np.empty((B, H, T, E), q.dtype), np.empty((B, H, T), work)  # and (B, H, T)
 
     for t0 in range(0, T, block_q):
         t1 = min(t0 + block_q, T)
@@ -143,7 +134,10 @@ def attention(
         # 0. Assigning into out rounds to the output dtype once.
         with np.errstate(invalid="ignore"):  # inf / inf: see Edge cases below
             out[:, :, t0:t1] = a / np.where(l > 0, l, 1.0)  # (B, H, Tb, E)
-        # 8. The log-sum-exp, m + log l: the pair the walk ends with already holds it.
+        # 8. The log-sum-exp, for return_lse: l = Σ exp(x − m), so log Σ exp(x) = m + log l,
+        # one number per row that the pair the walk ends with already holds. It is what the
+        # backward keeps of the forward, and what merges results over two parts of the keys
+        # (the core page's Notes: the log-sum-exp).
         lse[:, :, t0:t1] = running_lse(m, l)  # (B, H, Tb)
     if call.unbatched:
         out, lse = out[0], lse[0]  # (H, T, E), (H, T)

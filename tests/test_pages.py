@@ -300,7 +300,7 @@ DIFFERENCES = {
         "+",
         '+@functools.partial(jax.jit, static_argnames=("call", "return_lse"))',
         "+def compiled(",
-        "+    q, k, v, mask, sinks, alibi_slopes, random, scale, *, call: contract.Checked, return_lse: bool",
+        "+    q, k, v, mask, sinks, alibi_slopes, random, scale, *, call: contract.Checked, return_lse=False",
         "+):",
         "-    scores = scores * call.scale  # (B, H, T, S)",
         "+    scores = scores * xp.asarray(scale, scores.dtype)  # (B, H, T, S)",

@@ -106,7 +106,7 @@ def attention(
 
 @functools.partial(jax.jit, static_argnames=("call", "return_lse"))
 def compiled(
-    q, k, v, mask, sinks, alibi_slopes, key, scale, *, call: contract.Checked, return_lse: bool
+    q, k, v, mask, sinks, alibi_slopes, key, scale, *, call: contract.Checked, return_lse=False
 ):
     # Prepare the batch axis: unbatched inputs get one, and the mask takes the scores' rank.
     dtype = q.dtype

@@ -111,6 +111,20 @@ def test_lse_matches_the_oracle(backend, setup, dtype):
     _check(backend, q, k, v, dtype, f"{setup}, T={T} S={S} {dtype}", **options)
 
 
+@requires("lse", "dropout")
+@pytest.mark.clause("21.1", "5")
+def test_dropout_leaves_the_lse(backend):
+    """Dropout acts on the weights after the softmax: with dropout_p = 0.5 and a seed the
+    lse is the oracle's without dropout, within §21.3 (the output is random; §5 judges it)."""
+    q, k, v = random_qkv(224, T=T, S=S, dtype="float32")
+    _, lse = backend.attention(q, k, v, dropout_p=0.5, seed=3, return_lse=True)
+    _, expected, tol = oracle_lse_and_tolerance(q, k, v, "float32")
+    assert_within(
+        lse, expected, tol, f"{backend.name}: lse with dropout_p = 0.5",
+        behaviour="returns an lse that dropout changed",
+    )  # fmt: skip
+
+
 @requires("lse")
 @pytest.mark.clause("21.1")
 @pytest.mark.parametrize("setup", ["plain", "float-mask"])
@@ -242,7 +256,7 @@ def test_lse_of_16_bit_inputs_is_float32(backend, dtype, causal):
 def test_lse_of_rows_whose_output_is_nan(backend, where):
     """A +inf score (a float mask's +inf) or a NaN sink makes its rows' lse NaN, as their
     output (§4.1, §15.4); a NaN value leaves the scores, and so the lse, as they were
-    (§4.8). Every lse is the oracle's."""
+    (§4.9). Every lse is the oracle's."""
     q, k, v = random_qkv(218, T=T, S=S, dtype="float32")
     options = {}
     if where == "mask":

@@ -309,3 +309,53 @@ def test_oracle_packed_gradients_match_finite_differences(options):
     )
     for name in ("dq", "dk", "dv"):
         assert np.max(np.abs(naive[name] - grads[name])) < 1e-13, name
+
+
+@pytest.mark.clause("21.1")
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"is_causal": True},
+        {"softcap": 1.5, "window": (1, None), "sinks": np.array([0.3, -0.7, 1.1, -np.inf])},
+    ],
+    ids=["causal-gqa-bool-mask", "softcap-window-sinks-float-mask"],
+)
+def test_oracle_lse_gradients_match_finite_differences(options):
+    """With d_lse, the oracle's gradients are those of L = Σ d_out · out + Σ d_lse · lse
+    (SPEC §21: ∂lse/∂score = the score's weight), against central differences; a row with
+    no key (lse = -inf, its d_lse 0 in the loss) adds nothing."""
+    rng = np.random.default_rng(12)
+    B, H, K, T, S, D, E = 1, 4, 2, 3, 4, 2, 3
+    q = rng.standard_normal((B, H, T, D))
+    k = rng.standard_normal((B, K, S, D))
+    v = rng.standard_normal((B, K, S, E))
+    d_out = rng.standard_normal((B, H, T, E))
+    d_lse = rng.standard_normal((B, H, T))
+    if "softcap" in options:
+        mask = np.where(rng.random((H, T, S)) < 0.2, -np.inf, rng.standard_normal((H, T, S)))
+        mask[0, 1] = -np.inf
+    else:
+        mask = rng.random((B, H, T, S)) < 0.7
+        mask[0, 1, 2] = False
+    float_mask = mask.dtype != np.bool_
+    sinks = options.pop("sinks", None)
+    arrays = [q, k, v, *([mask] if float_mask else []), *([] if sinks is None else [sinks])]
+
+    def loss(*xs):
+        m = xs[3] if float_mask else mask
+        given = {} if sinks is None else {"sinks": xs[-1]}
+        out, lse = oracle.attention(*xs[:3], mask=m, return_lse=True, **given, **options)
+        return float(np.sum(d_out * out) + np.sum(np.where(np.isfinite(lse), d_lse * lse, 0.0)))
+
+    grads = oracle.attention_vjp(q, k, v, d_out, mask=mask, sinks=sinks, d_lse=d_lse, **options)
+    names = ["dq", "dk", "dv", *(["dmask"] if float_mask else [])]
+    names += [] if sinks is None else ["dsinks"]
+    assert list(grads) == names
+    plain = oracle.attention_vjp(q, k, v, d_out, mask=mask, sinks=sinks, **options)
+    assert np.max(np.abs(grads["dq"] - plain["dq"])) > 1e-3  # d_lse moves the gradients
+    for which, name in enumerate(names):
+        fd = _central_difference(loss, arrays, which)
+        err = np.max(np.abs(fd - grads[name]))
+        assert err < FD_ATOL, (
+            f"{options}: oracle {name} with d_lse vs central differences: {err:.3e}"
+        )

@@ -287,18 +287,21 @@ DIFFERENCES = {
         "+import jax",
         "+import jax.numpy as jnp",
         # NumPy silences its overflow warnings (Notes: framework spelling).
-        '-@xp.errstate(over="ignore", invalid="ignore")',
+        '-@xp.errstate(over="ignore", invalid="ignore", divide="ignore")',
         # The random source: a jax.random key, and what the contract checks it against.
         "-    random: xp.Generator | None = None,",
         "+    random: Array | None = None,",
         # JAX compiles the preparation and steps 1-7 (Notes: jit).
         "-",
         "+    static = dataclasses.replace(call, scale=None)  # the rest compiled (see Notes: jit)",
-        "+    return compiled(q, k, v, mask, sinks, alibi_slopes, random, call.scale, call=static)",
+        "+    arrays = (q, k, v, mask, sinks, alibi_slopes, random, call.scale)",
+        "+    return compiled(*arrays, call=static, return_lse=return_lse)",
         "+",
         "+",
-        '+@functools.partial(jax.jit, static_argnames=("call",))',
-        "+def compiled(q, k, v, mask, sinks, alibi_slopes, random, scale, *, call: contract.Checked):",
+        '+@functools.partial(jax.jit, static_argnames=("call", "return_lse"))',
+        "+def compiled(",
+        "+    q, k, v, mask, sinks, alibi_slopes, random, scale, *, call: contract.Checked, return_lse=False",
+        "+):",
         "-    scores = scores * call.scale  # (B, H, T, S)",
         "+    scores = scores * xp.asarray(scale, scores.dtype)  # (B, H, T, S)",
         '-    """What the contract checks dropout\'s random source against (see the Args)."""',
@@ -352,11 +355,9 @@ DIFFERENCES = {
         "-import numpy as np",
         "+import torch",
         # NumPy silences its overflow warnings (Notes: framework spelling).
-        '-@xp.errstate(over="ignore", invalid="ignore")',
+        '-@xp.errstate(over="ignore", invalid="ignore", divide="ignore")',
         # PyTorch's return_weights (Notes: framework spelling).
         "+    return_weights: bool = False,",
-        "-) -> Array:",
-        "+) -> Array | tuple[Array, Array]:",
         "+      return_weights: also return the weights that multiplied v (after dropout).",
         "-      out: (B, H, T, E), or (H, T, E) for unbatched input; q's dtype.",
         "+      out: (B, H, T, E), or (H, T, E) for unbatched input; q's dtype. Or (out, weights).",

@@ -105,14 +105,15 @@ def test_report_on_two_backends(tmp_path):
     assert {"dropout", "module", "module_grad"} <= lacks and "grad" not in lacks
     assert data["clauses"]["numpy"]["11.1"]["passed"] == 2
 
-    # Today's variants (SPEC §15-§19): one row each, after the verdict, both backends
-    # declaring all five.
+    # Today's variants (SPEC §15-§19, and the log-sum-exp of §21): one row each, after the
+    # verdict, both backends declaring all six.
     assert [(v["capability"], v["section"]) for v in data["variants"]] == [
         ("sinks", "15"),
         ("chunked", "16"),
         ("alibi", "17"),
         ("packed", "18"),
         ("paged", "19"),
+        ("lse", "21"),
     ]
     assert all(v["backends"][b]["declared"] for v in data["variants"] for b in data["backends"])
     assert md.index("## Verdict") < md.index("## Today's variants per backend")
@@ -355,7 +356,14 @@ def test_variant_rows_count_each_section_and_say_what_is_not_declared():
         "b": {"capabilities": ["paged"], "dtypes": []},
     }
     table = variants(clause_table(rows), declared)
-    assert [v["capability"] for v in table] == ["sinks", "chunked", "alibi", "packed", "paged"]
+    assert [v["capability"] for v in table] == [
+        "sinks",
+        "chunked",
+        "alibi",
+        "packed",
+        "paged",
+        "lse",
+    ]
     sinks, paged = table[0]["backends"], table[4]["backends"]
     assert sinks["a"] == {"declared": True, "passed": 1, "failed": 1, "skipped": 0, "xfailed": 0}
     assert not sinks["b"]["declared"] and sinks["b"]["skipped"] == sinks["b"]["passed"] == 1

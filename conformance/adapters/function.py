@@ -18,6 +18,7 @@ import numpy as np
 
 from conformance.adapters.domain import Domain
 from conformance.adapters.forms import MASK_OPTIONS, declared_forms, through_the_mask
+from conformance.adapters.lse import LseForm
 from conformance.adapters.native import OptionMap, make_framework
 from conformance.backends import ALL_CAPABILITIES, Backend
 from conformance.vocabulary import OPTION_CAPABILITIES, VARIANT_CAPABILITIES, option_is_set
@@ -80,6 +81,8 @@ class FunctionBackend(Backend):
       domain: the shapes ``func`` accepts (``conformance.adapters.domain``); default all.
       interpreter: the interpreter ``func`` runs under on the CPU (Pallas' interpret mode,
         ``TRITON_INTERPRET=1``), in words, or "" for none.
+      lse: where ``func``'s result holds its log-sum-exp (``conformance.adapters.lse``);
+        needed to declare "lse" (SPEC §21), given only with it.
     """
 
     def __init__(
@@ -97,8 +100,10 @@ class FunctionBackend(Backend):
         forms: Iterable[str] | None = None,
         domain: Domain | None = None,
         interpreter: str = "",
+        lse: LseForm | None = None,
     ) -> None:
         self.func = func
+        self.lse = lse
         self.packed = packed
         self.name = name or default_name(func.__module__, func.__name__)
         self.capabilities = frozenset(capabilities)
@@ -130,6 +135,12 @@ class FunctionBackend(Backend):
                 f"{self.name}: declaring 'packed' needs a function for attention_packed "
                 f"(a profile's 'packed'), and one is given only with it; capabilities "
                 f"{sorted(self.capabilities)}, packed function {packed!r}"
+            )
+        if ("lse" in self.capabilities) != (lse is not None):
+            raise ValueError(
+                f"{self.name}: declaring 'lse' needs where the result holds it (a profile's "
+                f"[lse] table), and that is given only with it; capabilities "
+                f"{sorted(self.capabilities)}, lse {lse!r}"
             )
         if "module" in self.capabilities:
             raise ValueError(
@@ -165,18 +176,25 @@ class FunctionBackend(Backend):
         }
         return [self.from_numpy(x) for x in (q, k, v)], keywords
 
-    def _call(self, q, k, v, keywords: dict, *boundaries, func=None) -> Any:
+    def _call(self, q, k, v, keywords: dict, *boundaries, func=None, lse=False) -> Any:
         """Step 3: the layout on the way in and out, around the library's call (``func``,
-        by default the attention function; the packed one with the boundaries)."""
+        by default the attention function; the packed one with the boundaries). With
+        ``lse`` (the spec asked for it), (out, lse as the function returned it)."""
         swap = self.call.layout == "BTHD"
         if swap:
             q, k, v = (self.arrays.swap_heads_and_time(x) if x.ndim >= 3 else x for x in (q, k, v))
+        if lse and self.lse.keyword is not None:
+            keywords = {**keywords, self.lse.keyword: True}
         # The call as the function receives it, for a failure's replay to show.
         self.received = (func or self.func, (q, k, v, *boundaries), keywords)
         out = (func or self.func)(q, k, v, *boundaries, **keywords)
+        found = None
+        if self.lse is not None and func is None:
+            # A function that returns its lse beside the output (SPEC §21).
+            out, found = self.lse.split(out, lse, self.func_name)
         if swap and getattr(out, "ndim", 0) >= 3:
             out = self.arrays.swap_heads_and_time(out)
-        return out
+        return (out, found) if lse else out
 
     def _result(self, out: Any, call: str) -> np.ndarray:
         return self.to_numpy(self._an_array(out, call))
@@ -205,13 +223,21 @@ class FunctionBackend(Backend):
                     f"{self.name} does not declare {capability!r}: {option}={value!r} refused"
                 )
 
-    def attention(self, q, k, v, *, mask=None, **options):
+    def attention(self, q, k, v, *, mask=None, return_lse=False, **options):
         """out (B, H, T, E) for q (B, H, T, D), k (B, K, S, D), v (B, K, S, E), NumPy in and
-        out: the library's call in between (``conformance.adapters.native``)."""
+        out: the library's call in between (``conformance.adapters.native``). With
+        ``return_lse`` (capability "lse", SPEC §21), (out, lse (B, H, T)), the lse read
+        where the profile's [lse] table says, in the spec's layout and the natural log."""
+        if return_lse:
+            self._refuse_unless_declared("lse", "return_lse", "§21", lambda: None)
         self._refuse_undeclared(options)
         with self.arrays.scope():
             (q, k, v), keywords = self._prepare(q, k, v, mask, options)
-            return self._result(self._call(q, k, v, keywords), f"{self.func_name}()")
+            if not return_lse:
+                return self._result(self._call(q, k, v, keywords), f"{self.func_name}()")
+            out, lse = self._call(q, k, v, keywords, lse=True)
+            out = self._result(out, f"{self.func_name}()")
+            return out, self.lse.to_spec(self._result(lse, f"{self.func_name}()'s lse"))
 
     def attention_vjp(self, q, k, v, d_out, *, mask=None, **options):
         """The backward pass by the framework's own differentiation (torch autograd,

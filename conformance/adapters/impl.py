@@ -41,6 +41,7 @@ from conformance.adapters.function import (
     FunctionBackend,
     default_name,
 )
+from conformance.adapters.lse import LseForm
 from conformance.adapters.native import (
     FRAMEWORKS,
     LAYOUTS,
@@ -161,6 +162,7 @@ def resolve_impl(
     forms: Iterable[str] | None = None,
     domain: Domain | None = None,
     interpreter: str = "",
+    lse: LseForm | None = None,
 ) -> Backend:
     """The backend ``spec`` ('package.module:attr') names, not yet registered.
 
@@ -173,7 +175,8 @@ def resolve_impl(
     ``causal`` ("keyword", "mask", "none" or "only") and ``mask`` ("both", "additive",
     "additive-min", "bool" or "none") say how causality and masks reach a function without a profile
     (``--impl-causal``, ``--impl-mask``), ``forms`` what it takes and ``domain`` the
-    shapes it accepts (a profile's), ``interpreter`` what it runs under. A
+    shapes it accepts (a profile's), ``interpreter`` what it runs under, ``lse`` where
+    its result holds its log-sum-exp (a profile's [lse], with the capability "lse"). A
     Backend subclass is instantiated, an instance is used as it is; both declare their own
     capabilities and dtypes.
 
@@ -238,8 +241,7 @@ def resolve_impl(
             "which a profile's 'packed' key names (SPEC §13.12); a plain --impl has one, "
             "attention"
         )
-    if dts == ["all"]:
-        dts = list(DTYPES)
+    dts = list(DTYPES) if dts == ["all"] else dts
     unknown = sorted(set(caps or ()) - allowed)
     if unknown:
         raise ValueError(
@@ -265,6 +267,7 @@ def resolve_impl(
             forms=forms,
             domain=domain,
             interpreter=interpreter,
+            lse=lse,
         )
     except LookupError as err:  # the framework is not installed
         raise ImplUnavailable(f"--impl {spec!r}: {err}") from err

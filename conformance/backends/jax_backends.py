@@ -35,7 +35,9 @@ class JaxBackend(Backend):
     name = "jax"
     framework = "jax"
     capabilities = (
-        ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged"}
+        ALL_CAPABILITIES
+        | GRAD_CAPABILITIES
+        | {"sinks", "chunked", "alibi", "packed", "paged", "lse"}
     )
     dtypes = DTYPES
     impl_module = "conformance.impls.jax.attention"
@@ -123,7 +125,7 @@ class JaxFlashBackend(Backend):
     name = "jax-flash"
     framework = "jax"
     impl_module = "conformance.impls.jax.flash"
-    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged"}
+    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged", "lse"}
     dtypes = DTYPES
     conformance_options = Blockwise.CONFORMANCE_OPTIONS
 

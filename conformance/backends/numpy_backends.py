@@ -14,7 +14,9 @@ from conformance.vocabulary import ALL_CAPABILITIES, DTYPES, GRAD_CAPABILITIES, 
 class NumpyBackend(Backend):
     name = "numpy"
     capabilities = (
-        ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged"}
+        ALL_CAPABILITIES
+        | GRAD_CAPABILITIES
+        | {"sinks", "chunked", "alibi", "packed", "paged", "lse"}
     )
     dtypes = DTYPES
 
@@ -129,7 +131,7 @@ class NumpyFlashBackend(Backend):
     impl_module = "conformance.impls.numpy.flash"
     packed_module = "conformance.impls.numpy.packed"
     paged_module = "conformance.impls.numpy.paged"
-    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged"}
+    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged", "lse"}
     dtypes = DTYPES
     conformance_options = Blockwise.CONFORMANCE_OPTIONS
 

@@ -205,7 +205,7 @@ class TorchNaiveBackend(_TorchBackend):
     capabilities = (
         (ALL_CAPABILITIES - {"module"})
         | (GRAD_CAPABILITIES - {"module_grad"})
-        | {"sinks", "chunked", "alibi", "packed", "paged"}
+        | {"sinks", "chunked", "alibi", "packed", "paged", "lse"}
     )
 
     def __init__(self) -> None:
@@ -225,7 +225,9 @@ class TorchModuleBackend(_TorchBackend):
 
     name = "torch-module"
     capabilities = (
-        ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged"}
+        ALL_CAPABILITIES
+        | GRAD_CAPABILITIES
+        | {"sinks", "chunked", "alibi", "packed", "paged", "lse"}
     )
 
     def __init__(self) -> None:
@@ -294,6 +296,7 @@ class TorchSdpaBackend(_TorchBackend):
         "alibi",
         "packed",
         "paged",
+        "lse",
     }
 
     def __init__(self) -> None:

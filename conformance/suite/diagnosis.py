@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from conformance.suite import quantized_diagnosis
+from conformance.suite import lse_diagnosis, quantized_diagnosis
 from conformance.suite.domain import CARRIED_BACK
 from conformance.suite.misreadings import MISREADINGS, Misreading
 from conformance.suite.planted import (
@@ -91,6 +91,9 @@ def find(actual, calls: list, tol: float) -> Found:
         return Found(sentence, (sentence,) if sentence else (), None)
     if not calls or calls[-1][2] != "attention":
         return NOTHING
+    if calls[-1][4].get("return_lse"):
+        sentence = lse_diagnosis.diagnose(actual, calls[-1], tol)  # SPEC §21
+        return Found(sentence, (sentence,) if sentence else (), None)
     call = call_of(calls[-1][3], calls[-1][4])
     if call is None:
         return NOTHING

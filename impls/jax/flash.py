@@ -90,7 +90,7 @@ import numpy as np
 
 from .. import contract
 from .flash_fast import _flash, _flash_vjp, _host_array, _prepare, _result
-from .flash_tiles import HIGHEST
+from .flash_tiles import HIGHEST, running_lse
 
 
 def online_softmax_row(x: jax.Array, v: jax.Array, block: int) -> jax.Array:
@@ -127,7 +127,8 @@ def attention(
     block_q: int = 512,
     block_k: int = 256,
     fast: bool = False,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention, computed one (query block, key block) tile at a time.
 
     Args:
@@ -158,15 +159,19 @@ def attention(
       fast: the same rows, compiled once for every call of a shape bucket (module
         docstring): what the jax-flash backend runs. Without it, the recurrence tile by
         tile, its tiles cut on the host, for concrete arrays (not under a trace).
+      return_lse: return each row's log-sum-exp m + log l beside the output (NumPy's
+        flash page derives it).
 
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
+      lse: with return_lse, (B, H, T), or (H, T) unbatched; in the working precision.
     """
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
     options.update(chunk_size=chunk_size, alibi_slopes=alibi_slopes)
     if not fast:
-        return _textbook(q, k, v, mask, options, block_q, block_k)
+        out, lse = _textbook(q, k, v, mask, options, block_q, block_k)
+        return (out, lse) if return_lse else out
     # 0. Validate: the input contract every impl shares (the contract package) checks shapes,
     # dtypes and options, and names the argument, the expected shape and what was given.
     call, (q, k, v, mask, sinks, alibi), static = _prepare(q, k, v, mask, options, block_q, block_k)
@@ -174,14 +179,24 @@ def attention(
         # Nothing to tile: with T = 0 there is no query, and with S = 0 every query has
         # no key, so every output row is exactly 0, whatever q holds.
         out = np.zeros((call.B, call.H, call.T, call.E), dtype=q.dtype)  # (B, H, T, E)
+        lse = np.full((call.B, call.H, call.T), -np.inf, dtype=_work(q.dtype))  # (B, H, T)
     else:
-        out = _flash(q, k, v, mask, sinks, alibi=alibi, **static)  # (B, H, Tq, E)
-    return _result(out, ((2, call.T),), call.unbatched)  # (B, H, T, E), padding cut off
+        out = _flash(q, k, v, mask, sinks, alibi=alibi, return_lse=return_lse, **static)
+        out, lse = out if return_lse else (out, None)  # (B, H, Tq, E), (B, H, Tq)
+    out = _result(out, ((2, call.T),), call.unbatched)  # (B, H, T, E), padding cut off
+    if return_lse:
+        return out, _result(lse, ((2, call.T),), call.unbatched)  # (B, H, T)
+    return out
 
 
-def _textbook(q, k, v, mask, options: dict, block_q: int, block_k: int) -> jax.Array:
-    """``attention`` without ``fast``: the recurrence, tile by tile, as NumPy's page runs
-    it. The tiles are cut on the host, in NumPy (``_tile``), every head's rows stacked and
+def _work(dtype) -> type:
+    """The working precision: float64 for float64, float32 for every other dtype."""
+    return np.float64 if dtype == np.float64 else np.float32
+
+
+def _textbook(q, k, v, mask, options: dict, block_q: int, block_k: int) -> tuple:
+    """``attention`` without ``fast``, (out, lse): the recurrence, tile by tile, as NumPy's
+    page runs it. The tiles are cut on the host, in NumPy (``_tile``), every head's rows stacked and
     padded to a power of two (at least 8) of rows, of D and of E (zeros, blocked or cut
     off), so that a few tile shapes serve every call, each one compiled program."""
     # 0. Validate with the input contract every impl shares; add the batch axis.
@@ -209,6 +224,7 @@ def _textbook(q, k, v, mask, options: dict, block_q: int, block_k: int) -> jax.A
     work = np.float64 if q.dtype == np.float64 else np.float32  # float16 is computed in float32
     R, Ep = _pow2(B * H), _pow2(E)  # rows of every head, and E, padded
     out = np.empty((B, H, T, E), dtype=q.dtype)  # (B, H, T, E)
+    lse = np.empty((B, H, T), dtype=work)  # (B, H, T)
 
     for t0 in range(0, T, block_q):
         t1 = min(t0 + block_q, T)
@@ -225,9 +241,12 @@ def _textbook(q, k, v, mask, options: dict, block_q: int, block_k: int) -> jax.A
         if sinks is not None:
             sink = np.broadcast_to(sinks.astype(work).reshape(1, H), (B, H))  # (B, H)
             sink = _padded(sink.reshape(B * H, 1, 1), R)  # (B·H, 1, 1)
-        a = np.asarray(normalised(m, l, a, sink))  # (B·H, Tb, E)
+        a, lse_b = (np.asarray(x) for x in normalised(m, l, a, sink))  # (B·H, Tb, E), (B·H, Tb)
         out[:, :, t0:t1] = a[: B * H, : t1 - t0, :E].reshape(B, H, t1 - t0, E)  # rounded once
-    return jax.device_put(out[0] if call.unbatched else out)
+        lse[:, :, t0:t1] = lse_b[: B * H, : t1 - t0].reshape(B, H, t1 - t0)  # (B, H, Tb)
+    if call.unbatched:
+        out, lse = out[0], lse[0]  # (H, T, E), (H, T)
+    return jax.device_put(out), jax.device_put(lse)
 
 
 @jax.jit
@@ -262,8 +281,9 @@ def online_softmax_step(m, l, a, q_b, k_b, v_b, bias, allowed, scale, softcap):
 
 @jax.jit
 def normalised(m, l, a, sink):
-    """a / l, after the sink (B·H, 1, 1) if any joins as one more key of the recurrence
-    whose value row is 0 (a row that saw no key gets none, and returns 0)."""
+    """(a / l, m + log l), after the sink (B·H, 1, 1) if any joins as one more key of the
+    recurrence whose value row is 0 (a row that saw no key gets none, and returns 0): the
+    output and each row's log-sum-exp, (B·H, Tb)."""
     if sink is not None:
         x = jnp.where(l > 0, sink, -jnp.inf)  # (B·H, Tb, 1)
         m_new = jnp.maximum(m, x)  # (B·H, Tb, 1)
@@ -273,7 +293,8 @@ def normalised(m, l, a, sink):
         l = alpha * l + p  # (B·H, Tb, 1)
         # p · (its value row, 0): NaN for a NaN or +inf sink, as the row must be.
         a = alpha * a + p * 0.0  # (B·H, Tb, E)
-    return a / jnp.where(l > 0, l, 1.0)  # (B·H, Tb, E)
+        m = m_new
+    return a / jnp.where(l > 0, l, 1.0), running_lse(m, l)[..., 0]  # (B·H, Tb, E), (B·H, Tb)
 
 
 def _tile(q, k, v, mask, alibi, call, span, work):

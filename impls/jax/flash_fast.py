@@ -80,6 +80,7 @@ from .flash_tiles import (
     backward_tile,
     bucket_count,
     log_sum_exp,
+    running_lse,
     scale_split,
 )
 
@@ -233,7 +234,7 @@ def _tiles(q, k, v, mask, alibi, opts: dict, Tb: int, Sb: int) -> Tiles:
     )  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("Tb", "Sb"))
+@functools.partial(jax.jit, static_argnames=("Tb", "Sb", "return_lse"))
 def _flash(
     q: jax.Array,
     k: jax.Array,
@@ -245,15 +246,18 @@ def _flash(
     Tb: int,
     Sb: int,
     alibi: jax.Array | None = None,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Steps 1-7 on checked, batched inputs; compiled once per shape, dtype, tile size and
-    set of options present (their values are traced: ``_traced_options``)."""
+    set of options present (their values are traced: ``_traced_options``). With
+    ``return_lse``, (out, lse), lse (B, H, T) each row's m + log l (step 8)."""
     B, H, T, _ = q.shape
     E = v.shape[-1]
     out_dtype = q.dtype
     tiles = _tiles(q, k, v, mask, alibi, opts, Tb, Sb)
 
-    def query_block(i: jax.Array, out: jax.Array) -> jax.Array:
+    def query_block(i: jax.Array, carry: tuple) -> tuple:
+        out, lse = carry
         # 1. Scores: every query of the block against every key, one key block at a time
         # (Tiles.scores). Every tile's product starts from this query tile, so
         # 2. Scale, so that the scores' spread does not grow with the head size D, is
@@ -263,14 +267,23 @@ def _flash(
         # Steps 3-5 and 7, key block by key block (Tiles.online_softmax).
         m, l, acc = tiles.online_softmax(qi, i)
         if sinks is not None:
-            _, l, acc = add_sink(m, l, acc, tiles.sink_rows(sinks))
+            m, l, acc = add_sink(m, l, acc, tiles.sink_rows(sinks))
+        if return_lse:
+            # 8. The log-sum-exp, m + log l: the pair the walk ends with holds it.
+            lse_i = running_lse(m, l).reshape(B, H, Tb)  # (B, H, Tb)
+            lse = lax.dynamic_update_slice_in_dim(lse, lse_i, i * Tb, axis=2)  # (B, H, Tp)
         # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
         acc = acc / jnp.where(l > 0, l, 1.0)[..., None]  # (B, K, G·Tb, E)
         acc = acc.reshape(B, H, Tb, E).astype(out_dtype)  # (B, H, Tb, E)
-        return lax.dynamic_update_slice_in_dim(out, acc, i * Tb, axis=2)  # (B, H, Tp, E)
+        out = lax.dynamic_update_slice_in_dim(out, acc, i * Tb, axis=2)  # (B, H, Tp, E)
+        return out, lse
 
     out = jnp.zeros((B, H, tiles.Tp, E), dtype=out_dtype)  # (B, H, Tp, E)
-    out = lax.fori_loop(0, tiles.nT_real, query_block, out)  # (B, H, Tp, E)
+    # A row's lse stays -inf where no query block reaches it (its keys all skipped).
+    lse = jnp.full((B, H, tiles.Tp), -jnp.inf, tiles.work) if return_lse else None  # (B, H, Tp)
+    out, lse = lax.fori_loop(0, tiles.nT_real, query_block, (out, lse))  # (B, H, Tp, E)
+    if return_lse:
+        return out[:, :, :T], lse[:, :, :T]  # (B, H, T, E), (B, H, T)
     return out[:, :, :T]  # (B, H, T, E), the padded rows cut off
 
 

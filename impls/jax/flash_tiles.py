@@ -338,6 +338,15 @@ class Tiles:
         return lax.dynamic_update_slice(dm, old + d, start)  # (B|1, H|1, Tp|1, Sp|1)
 
 
+def running_lse(m: jax.Array, l: jax.Array) -> jax.Array:
+    """Each row's log-sum-exp for the forward's ``return_lse`` (SPEC §21), from the pair
+    the walk ends with: l = Σ exp(x − m) with m taken as 0 where it is not finite, so
+    log Σ exp(x) = m + log l. A row with no key (l = 0) gets -inf, a row that read +inf
+    (l = +inf) or NaN gets NaN, as its output."""
+    lse = jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(l)
+    return jnp.where(l == jnp.inf, jnp.nan, lse)
+
+
 def log_sum_exp(m: jax.Array, l: jax.Array) -> jax.Array:
     """Each row's log-sum-exp m + log l from its running maximum and sum, what the backward
     needs of the forward: +inf for a row with no key (l = 0), so that its weights

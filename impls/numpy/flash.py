@@ -43,7 +43,7 @@ import numpy as np
 
 from .. import contract
 from . import flash_tiles
-from .flash_tiles import KeyTiles, fast_online_softmax, log_sum_exp, normalise
+from .flash_tiles import KeyTiles, fast_online_softmax, log_sum_exp, normalise, running_lse
 
 
 def online_softmax_row(x: np.ndarray, v: np.ndarray, block: int) -> np.ndarray:
@@ -79,7 +79,8 @@ def attention(
     block_q: int = 256,
     block_k: int = 512,
     fast: bool = False,
-) -> np.ndarray:
+    return_lse: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Scaled dot-product attention, computed one (query block, key block) tile at a time.
 
     Args:
@@ -90,18 +91,18 @@ def attention(
       fast: the same rows through ``flash_tiles.py``'s optimisations.
 
     Returns:
-      out: (B, H, T, E), or (H, T, E) for unbatched input; same dtype as q.
+      out: (B, H, T, E), or (H, T, E) unbatched, q's dtype; with return_lse (out, lse (B, H, T)).
     """
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
     options.update(chunk_size=chunk_size, alibi_slopes=alibi_slopes)
     if fast:
-        return flash_tiles.attention(q, k, v, mask, options, block_q, block_k)
+        return flash_tiles.attention(q, k, v, mask, options, block_q, block_k, return_lse)
     # 0. Validate with the input contract every impl shares; add the batch axis.
     call, q, k, v, mask, slopes = batched(q, k, v, mask, options, block_q, block_k)
     B, H, T, S, E = call.B, call.H, call.T, call.S, call.E
     work = np.float64 if q.dtype == np.float64 else np.float32  # float16 is computed in float32
-    out = np.empty((B, H, T, E), dtype=q.dtype)  # (B, H, T, E)
+    out, lse = np.empty((B, H, T, E), q.dtype), np.empty((B, H, T), work)  # and (B, H, T)
 
     for t0 in range(0, T, block_q):
         t1 = min(t0 + block_q, T)
@@ -133,7 +134,14 @@ def attention(
         # 0. Assigning into out rounds to the output dtype once.
         with np.errstate(invalid="ignore"):  # inf / inf: see Edge cases below
             out[:, :, t0:t1] = a / np.where(l > 0, l, 1.0)  # (B, H, Tb, E)
-    return out[0] if call.unbatched else out
+        # 8. The log-sum-exp, for return_lse: l = Σ exp(x − m), so log Σ exp(x) = m + log l,
+        # one number per row that the pair the walk ends with already holds. It is what the
+        # backward keeps of the forward, and what merges results over two parts of the keys
+        # (the core page's Notes: the log-sum-exp).
+        lse[:, :, t0:t1] = running_lse(m, l)  # (B, H, Tb)
+    if call.unbatched:
+        out, lse = out[0], lse[0]  # (H, T, E), (H, T)
+    return (out, lse) if return_lse else out
 
 
 def tile(

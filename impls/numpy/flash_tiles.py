@@ -383,11 +383,14 @@ def attention(
     options: dict,
     block_q: int,
     block_k: int,
-) -> np.ndarray:
-    """``flash.attention(..., fast=True)``: the same output, through optimisations 1-5."""
+    return_lse: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """``flash.attention(..., fast=True)``: the same output, through optimisations 1-5;
+    with ``return_lse``, (out, lse) as on ``flash.attention``."""
     call, q, tiles = prepare(q, k, v, mask, options, block_q, block_k)
     B, H, K, G, T, E = call.B, call.H, call.K, call.G, call.T, call.E
     out = np.empty((B * K, G, T, E), dtype=q.dtype)  # (B·K, G, T, E)
+    lse = np.empty((B * K, G, T), dtype=tiles.work)  # (B·K, G, T)
 
     for t0 in range(0, T, block_q):
         t1 = min(t0 + block_q, T)
@@ -398,7 +401,8 @@ def attention(
         acc, l, m = fast_online_softmax(qs, t0, t1, tiles)
         if options["sinks"] is not None:
             sink = sink_rows(options["sinks"], call, Tb, tiles.work)  # (B·K, G·Tb, 1)
-            acc, l, _ = add_sink(acc, l, m, sink)
+            acc, l, m = add_sink(acc, l, m, sink)
+        lse[:, :, t0:t1] = running_lse(m, l).reshape(B * K, G, Tb)  # (B·K, G, Tb)
 
         # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
         # Assigning into out rounds to the output dtype once.
@@ -407,7 +411,10 @@ def attention(
 
     # The query heads back in order h = k·G + g.
     out = out.reshape(B, H, T, E)  # (B, H, T, E)
-    return out[0] if call.unbatched else out
+    lse = lse.reshape(B, H, T)  # (B, H, T)
+    if call.unbatched:
+        out, lse = out[0], lse[0]  # (H, T, E), (H, T)
+    return (out, lse) if return_lse else out
 
 
 # ----------------------------------------------------------------------------------------
@@ -561,6 +568,17 @@ def normalise(acc: np.ndarray, l: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         acc /= np.where(l > 0, l, 1.0)  # (B·K, G·Tb, E)
     return acc
+
+
+def running_lse(m: np.ndarray, l: np.ndarray) -> np.ndarray:
+    """Each row's log-sum-exp for the forward's ``return_lse`` (SPEC §21), from the pair
+    the walk ends with: l = Σ exp(x − m) with m taken as 0 where it is not finite, so
+    log Σ exp(x) = m + log l. A row with no key (l = 0) gets -inf, a row that read +inf
+    (l = +inf) or NaN gets NaN, as its output."""
+    m = np.where(np.isfinite(m), m, 0.0)  # (..., 1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = m + np.log(l)  # (..., 1)
+    return np.where(l == np.inf, np.nan, lse)[..., 0]  # (...)
 
 
 def log_sum_exp(m: np.ndarray, l: np.ndarray) -> np.ndarray:

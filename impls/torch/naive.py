@@ -61,6 +61,7 @@ def attention(
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention with every option: ``textbook_attention``'s lines as
     steps 1, 2, 4, 5 and 7, each option a step of its own between them.
@@ -82,8 +83,12 @@ def attention(
       softcap: scores become softcap · tanh(scores / softcap).
       sinks: (H,), one logit per query head that joins the softmax and has no value.
 
+    Args, what it returns:
+      return_lse: return each row's log-sum-exp beside the output (step 8).
+
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; q's dtype. Or (out, weights).
+      lse: with return_lse, (B, H, T), or (H, T) unbatched; in the working precision.
     """
     # 0. Check the inputs: an error names the argument, the expected shape and what was
     # given. ``call`` holds the checked options and the sizes (call.T, call.G, ...).
@@ -129,6 +134,9 @@ def attention(
 
     # 7. Weighted sum of the values.
     out = torch.einsum("bhts,bhse->bhte", weights, v)  # (B, H, T, E)
+    if return_lse:
+        # 8. The log-sum-exp of each row's scores, what merges results over parts of the keys.
+        return as_given(out, dtype, call), log_sum_exp(scores, sinks, call)
     if return_weights:
         return as_given(out, dtype, call), as_given(weights, dtype, call)
     return as_given(out, dtype, call)  # (B, H, T, E), or (H, T, E) unbatched
@@ -284,6 +292,26 @@ def as_given(out: torch.Tensor, dtype: torch.dtype, call: contract.Checked) -> t
     return out[0] if call.unbatched else out  # (B, H, T, E) or (H, T, E)
 
 
+# --- Step 8: the log-sum-exp ---------------------------------------------------------------
+
+
+def log_sum_exp(scores: torch.Tensor, sinks: torch.Tensor | None, call: contract.Checked):
+    """Each row's log Σ_s exp(score[s]), (B, H, T): the log of the softmax's denominator, so
+    that weight[s] = exp(score[s] - lse), the sink's term included (see Notes: the
+    log-sum-exp). Taken as the row maximum plus the log of the shifted sum, so that no
+    exp() overflows; in the working precision, not rounded to q's dtype."""
+    highest = row_max(scores)  # (B, H, T, 1)
+    if sinks is not None:
+        sink = sink_logits(sinks, highest, call.H)  # (B, H, T, 1)
+        highest = torch.maximum(highest, sink)  # (B, H, T, 1)
+    shift = lse_shift(highest)  # (B, H, T, 1); Edge cases
+    total = torch.exp(scores - shift).sum(dim=-1, keepdim=True)  # (B, H, T, 1)
+    if sinks is not None:
+        total = total + torch.exp(sink - shift)  # (B, H, T, 1)
+    lse = (shift + torch.log(total))[..., 0]  # (B, H, T)
+    return lse[0] if call.unbatched else lse  # (B, H, T) or (H, T)
+
+
 # --- Notes ----------------------------------------------------------------------------------
 #
 # Working precision. Float16 and bfloat16 inputs are computed in float32 and the result is
@@ -312,6 +340,14 @@ def as_given(out: torch.Tensor, dtype: torch.dtype, call: contract.Checked) -> t
 # Chunked local attention (the visibility). Llama 4's chunks: query t sees key s only if
 # both lie in the same chunk of chunk_size positions, (t + offset) // c == s // c, the
 # offset placed by causal_alignment as for causality.
+#
+# The log-sum-exp (step 8). lse = log Σ_s exp(score[s]) over the keys a row attends, natural
+# log, with the sink's term where there are sinks. The weights are exp(score - lse), so a
+# result over one part of the keys, out_a with lse_a, and one over the rest, out_b with
+# lse_b, make the whole: lse = log(exp(lse_a) + exp(lse_b)), and out is out_a and out_b
+# weighted by exp(lse_a - lse) and exp(lse_b - lse). That is how split-KV decoding and ring
+# attention put pieces together, and what the backward pass needs of the forward. A row
+# with no key has lse = log 0 = -inf: it weighs nothing in such a merge.
 #
 # Framework spelling. The NumPy, JAX and PyTorch pages are the same lines, and differ only
 # where a framework asks it: JAX compiles the steps (its Notes: jit) and draws dropout with a
@@ -368,6 +404,13 @@ def divisor(row_sum: torch.Tensor) -> torch.Tensor:
     (SPEC §4.1); where autograd differentiates the page (JAX, PyTorch) its divisor is NaN
     too, so that the gradients reach every key that row attends."""
     return torch.where(row_sum == torch.inf, torch.nan, torch.where(row_sum > 0, row_sum, 1.0))
+
+
+def lse_shift(row_max: torch.Tensor) -> torch.Tensor:
+    """The shift of a row's log-sum-exp (SPEC §21.2): its maximum, and 0 for a row with no
+    key, whose sum of exp(-inf) = 0 then gives log 0 = -inf. Unlike ``finite_or_0``, +inf
+    stays: a row that reads +inf gets inf - inf = NaN, as its output does (SPEC §4.1)."""
+    return torch.where(row_max == -torch.inf, 0.0, row_max)  # (B, H, T, 1)
 
 
 def nan_where_sink_is(weights: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,10 @@ goes to it as follows (torch 2.13):
     softcap                         none: flex_attention with a score_mod in SDPA's place
     sinks                           none: not supported
     unbatched (H, T, D)             a batch axis of 1, added here and taken off after
+    return_lse                      none: the logsumexp of the operator SDPA runs on the CPU,
+                                      aten._scaled_dot_product_flash_attention_for_cpu,
+                                      called on the same q, k and mask (flex_attention's
+                                      return_lse with a softcap)
 
 Shapes as on ``naive.py``: q (B, H, T, D), k (B, K, S, D), v (B, K, S, E) give out
 (B, H, T, E); "B|1" is an axis of size B or 1. The Notes say why each row of the table is
@@ -53,7 +57,8 @@ def attention(
     dropout_p: float = 0.0,
     chunk_size: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention through ``F.scaled_dot_product_attention``.
 
     Args, the inputs and the core options:
@@ -67,9 +72,11 @@ def attention(
       causal_alignment, window, chunk_size, alibi_slopes.
       softcap: scores become softcap · tanh(scores / softcap), through flex_attention
         (not with dropout_p > 0, nor with gradients on the CPU).
+      return_lse: return each row's log-sum-exp beside the output (step 8).
 
     Returns:
       out: (B, H, T, E), or (H, T, E) for unbatched input; q's dtype.
+      lse: with return_lse, (B, H, T), or (H, T) unbatched; float32, float64 for float64.
     """
     # 0. Check the inputs: an error names the argument, the expected shape and what was
     # given. ``call`` holds the checked options and the sizes (call.T, call.G, ...).
@@ -103,6 +110,12 @@ def attention(
                    scale=call.scale, enable_gqa=call.K != call.H)  # fmt: skip
     out = fused(q, k, v, **options)  # (B, H, T, E)
     out = nan_rows_again(out, q, k, v, options, fused)  # (B, H, T, E); Edge cases
+    if return_lse:
+        # 8. The log-sum-exp of each row's scores: SDPA returns none, the operator it
+        # dispatches to on the CPU does.
+        lse = log_sum_exp(q, k, options, fused, call, work)  # (B, H, T)
+        lse = lse_repaired(lse, q, k, options, allowed, added, causal, call)  # Edge cases
+        return as_given(out, call), as_given(lse, call)
     return as_given(out, call)  # (B, H, T, E), or (H, T, E) unbatched
 
 
@@ -180,11 +193,13 @@ def softcapped(sdpa, allowed, added, call: contract.Checked):
     return functools.partial(flex_softcapped, allowed=allowed, added=added, softcap=call.softcap)
 
 
-def flex_softcapped(q, k, v, *, allowed, added, softcap: float, dropout_p: float, scale, **_):
+def flex_softcapped(
+    q, k, v, *, allowed, added, softcap: float, dropout_p: float, scale, return_lse=False, **_
+):
     """Softcapped attention through flex_attention's score_mod: (B, H, T, E). SDPA's
     attn_mask and is_causal are not needed: ``allowed`` and ``added`` are the mask, and
     SDPA's own triangle is never asked for with a softcap (``sdpa_is_causal``)."""
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     if dropout_p > 0:
         raise NotImplementedError(
@@ -221,9 +236,10 @@ def flex_softcapped(q, k, v, *, allowed, added, softcap: float, dropout_p: float
     with warnings.catch_warnings():
         # Eager (uncompiled) flex_attention is what we want here: a reference, not speed.
         warnings.filterwarnings("ignore", message="flex_attention called without")
-        return flex_attention(
-            q, k, v, score_mod=score_mod, scale=scale, enable_gqa=K != H
-        )  # (B, H, T, E)
+        # With return_lse, flex_attention's own lse beside the output: (out, lse (B, H, T)).
+        aux = {"return_aux": AuxRequest(lse=True)} if return_lse else {}
+        out = flex_attention(q, k, v, score_mod=score_mod, scale=scale, enable_gqa=K != H, **aux)
+    return (out[0], out[1].lse) if return_lse else out  # (B, H, T, E)
 
 
 def alibi_bias(slopes: torch.Tensor | None, call: contract.Checked, work) -> torch.Tensor | None:
@@ -267,6 +283,33 @@ def as_given(out: torch.Tensor, call: contract.Checked) -> torch.Tensor:
     """The output (SDPA returns q's dtype) without the batch axis it was given for
     unbatched inputs."""
     return out[0] if call.unbatched else out  # (B, H, T, E) or (H, T, E)
+
+
+# --- Step 8: the log-sum-exp ---------------------------------------------------------------
+
+
+def log_sum_exp(q, k, options: dict, fused, call: contract.Checked, work) -> torch.Tensor:
+    """Each row's log Σ_s exp(score[s]), (B, H, T), from the operator SDPA dispatches to on
+    the CPU, ``_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal,
+    attn_mask=, scale=)``, which returns (out, logsumexp): called on the same q, k, mask,
+    causality and scale as SDPA, with k in v's place (the operator wants v's head size
+    to be D, and the lse does not read v) and no dropout (the lse is taken before it).
+    The operator takes a float mask only: a bool one becomes 0 and -inf. float16 and
+    bfloat16 q and k go in as float32, which holds them exactly and is the lse's precision
+    (see Edge cases). With a softcap, flex_attention's own ``return_lse``. Float32, or
+    float64 for float64 q."""
+    B, H, T, S = call.B, call.H, call.T, call.S
+    if T == 0 or S == 0:
+        return torch.full((B, H, T), -math.inf, dtype=work, device=q.device)  # Edge cases
+    if fused is not F.scaled_dot_product_attention:
+        return fused(q, k, k, **{**options, "dropout_p": 0.0}, return_lse=True)[1]  # (B, H, T)
+    mask = options["attn_mask"]
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=work, device=q.device).masked_fill(~mask, -math.inf)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    q, k = q.to(work), k.to(work)  # (B, H, T, D), (B, K, S, D); Edge cases
+    _, lse = flash(q, k, k, 0.0, options["is_causal"], attn_mask=mask, scale=options["scale"])
+    return lse  # (B, H, T)
 
 
 # --- Notes ----------------------------------------------------------------------------------
@@ -338,6 +381,16 @@ def as_given(out: torch.Tensor, call: contract.Checked) -> torch.Tensor:
 # NaN rows (SPEC §4.9). SDPA's CPU flash kernel returns 0 for a row whose every score is
 # NaN, as if the row had no key; ``nan_rows_again`` computes such rows again on the math
 # backend, which propagates the NaN.
+#
+# The log-sum-exp's edges (SPEC §21.2-§21.4; torch 2.13, measured). The CPU flash operator
+# returns a logsumexp of 0, not -inf, for a row with no key; for a row of NaN scores 0 or
+# NaN, and for a row with a +inf score NaN or +inf, depending on the processor's vector
+# width (AVX-512 or AVX2, ATEN_CPU_CAPABILITY); on AVX2 its float16 and bfloat16 lse is
+# some 1e-5 off (relative), past the float32 tolerance, where its float32 one is not. And
+# it stops the process (SIGFPE) for T = 0 or S = 0. So it is not called for T = 0 or S = 0,
+# 16-bit q and k go in as float32 (exactly), and ``lse_repaired`` gives a row with no key
+# -inf and, where q, k or the mask hold a NaN or the mask a +inf, takes the lse from the
+# scores as the core pages do, NaN for such rows on every processor.
 
 
 def unseen_slots_zeroed(q, k, v, allowed, added, causal: bool, call: contract.Checked):
@@ -402,3 +455,30 @@ def has_nan(*tensors: torch.Tensor | None) -> bool:
     return any(
         x is not None and x.is_floating_point() and bool(torch.isnan(x.sum())) for x in tensors
     )
+
+
+def lse_repaired(lse, q, k, options: dict, allowed, added, causal, call: contract.Checked):
+    """The operator's log-sum-exp (B, H, T) with its edges repaired (see Edge cases): -inf
+    for a row with no key; with a NaN in q, k or the mask, or a +inf in the mask, the lse
+    of the scores as the core pages take it: the row maximum plus the log of the shifted
+    sum, NaN for a row that reads NaN or +inf."""
+    if call.T == 0 or call.S == 0:
+        return lse
+    mask = options["attn_mask"]
+    plus_inf = mask is not None and mask.is_floating_point() and bool((mask == math.inf).any())
+    if plus_inf or has_nan(q, k, mask):
+        k = k.repeat_interleave(call.G, dim=1)  # (B, H, S, D)
+        scores = torch.einsum("bhtd,bhsd->bhts", q.to(lse.dtype), k.to(lse.dtype))  # (B, H, T, S)
+        scores = scores * call.scale  # (B, H, T, S)
+        if added is not None:
+            # A blocked key's score is -inf, not NaN + -inf.
+            scores = torch.where(added == -math.inf, -math.inf, scores + added)  # (B, H, T, S)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, -math.inf)  # (B, H, T, S)
+        if causal:
+            scores = scores.masked_fill(~causal_band(call, q.device), -math.inf)  # (B, H, T, S)
+        top = scores.amax(dim=-1, keepdim=True)  # (B, H, T, 1)
+        shift = torch.where(top == -math.inf, 0.0, top)  # (B, H, T, 1): +inf - +inf is NaN
+        return (shift + torch.exp(scores - shift).sum(dim=-1, keepdim=True).log())[..., 0]
+    _, has_key = seen(allowed, added, causal, call, q.device)  # (B|1, H|1, T, 1) or None
+    return lse if has_key is None else torch.where(has_key[..., 0], lse, -math.inf)

@@ -21,6 +21,8 @@ conversion itself is ``conformance/adapters/native.py``; a profile only says wha
     needs = []                               # hardware: ["cuda"]; skipped by name without
     probe = ""                               # "module:function": None, or why not (measured)
     interpreter = ""                         # on the CPU: triton, pallas, pallas-tpu or words
+    # [lse]                                  # with "lse" (SPEC §21): index = 1 or key =
+                                             # "lse", out = 0, keyword, layout, base
     capabilities = ["unbatched", "gqa", "dropout", "grad", "grad_mask"]
     dtypes = ["float64", "float32", "float16", "bfloat16"]
 
@@ -92,6 +94,7 @@ from conformance.adapters.impl import (
     register_loaded,
     resolve_impl,
 )
+from conformance.adapters.lse import LseForm, parse_lse
 from conformance.adapters.native import BOOL_MEANINGS, SPEC_OPTIONS, OptionMap
 from conformance.adapters.profiles.parse import (  # noqa: F401 - the [forms] names, re-exported
     ALIGNMENTS,
@@ -127,6 +130,7 @@ KEYS = {
     "domain",
     "interpreter",
     "call",
+    "lse",
 }
 MASK_KEYS = {"bool", "bool_true", "float", "blocked"}
 #: What a profile's ``needs`` may name: hardware a function requires beyond its libraries.
@@ -163,6 +167,8 @@ class Profile:
     quantized: dict | None = None
     domain: Domain = field(default_factory=Domain)
     interpreter: str = ""
+    #: The [lse] table: where the function's result holds its log-sum-exp (SPEC §21).
+    lse: LseForm | None = None
 
     def missing(self) -> list[str]:
         """The distributions in ``requires`` that are not installed here."""
@@ -217,6 +223,7 @@ class Profile:
                 forms=self.forms,
                 domain=self.domain,
                 interpreter=self.interpreter,
+                lse=self.lse,
             )
         except (ImplUnavailable, ValueError) as err:
             raise ProfileError(f"profile {self.name!r} ({self.path}): {err}") from err
@@ -328,8 +335,14 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
         )
     try:
         domain = parse_domain(data.get("domain", {}), f"{where}: [domain]")
+        lse = parse_lse(data["lse"], where) if "lse" in data else None
     except ValueError as err:
         raise ProfileError(str(err)) from err
+    if (lse is not None) != ("lse" in data.get("capabilities", ())):
+        raise ProfileError(
+            f"{where}: the capability 'lse' and the table [lse] (where the result holds it) "
+            "go together"
+        )
     interpreter = data.get("interpreter", "")
     if not isinstance(interpreter, str):
         raise ProfileError(
@@ -357,6 +370,7 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
         quantized=data.get("quantized"),
         domain=domain,
         interpreter=interpreter,
+        lse=lse,
     )
 
 

@@ -145,6 +145,23 @@ def _split(values: Iterable[str] | str | None) -> list[str] | None:
     return [v.strip() for value in values for v in value.split(",") if v.strip()]
 
 
+def _backend_as_given(spec: str, backend: Backend, name: str | None, options: bool) -> Backend:
+    """``--impl`` naming a Backend: it declares its own capabilities and dtypes, so
+    ``options`` (any of a plain function's flags or profile keys given) is refused."""
+    if options:
+        raise ValueError(
+            f"--impl {spec!r} is a Backend, which declares its own capabilities and "
+            "dtypes and converts its own arrays; --impl-capabilities, --impl-dtypes, "
+            "--impl-framework, --impl-layout, --impl-causal, --impl-mask, --impl-domain "
+            "and profiles are for plain functions"
+        )
+    if name:
+        backend.name = name
+    elif not backend.name:
+        backend.name = default_name(spec.partition(":")[0], type(backend).__name__)
+    return backend
+
+
 def resolve_impl(
     spec: str,
     *,
@@ -190,30 +207,11 @@ def resolve_impl(
     if isinstance(target, type) and issubclass(target, Backend):
         target = target()
     if isinstance(target, Backend):
-        if (
-            caps
-            or dts
-            or framework != "numpy"
-            or layout != "BHTD"
-            or call is not None
-            or packed is not None
-            or causal is not None
-            or mask is not None
-            or domain is not None
-        ):
-            raise ValueError(
-                f"--impl {spec!r} is a Backend, which declares its own capabilities and "
-                "dtypes and converts its own arrays; --impl-capabilities, --impl-dtypes, "
-                "--impl-framework, --impl-layout, --impl-causal, --impl-mask, --impl-domain "
-                "and profiles "
-                "are for plain functions"
-            )
-        backend = target
-        if name:
-            backend.name = name
-        elif not backend.name:
-            backend.name = default_name(spec.partition(":")[0], type(backend).__name__)
-        return backend
+        plain = (framework != "numpy", layout != "BHTD", caps, dts)
+        given = (call, packed, causal, mask, domain, lse)
+        return _backend_as_given(
+            spec, target, name, any(plain) or any(x is not None for x in given)
+        )
     if not callable(target) or isinstance(target, type):
         raise ImplUnavailable(
             f"--impl {spec!r} is a {type(target).__name__}, not a function or a "

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from conformance.backends.merge import MergeEntryPoints
 from conformance.backends.paged import PagedEntryPoints
 from conformance.impls import contract
 from conformance.vocabulary import QuantizedForm, option_is_set
@@ -32,7 +33,7 @@ def _check_per_head(check: Callable[..., object], values: Any, q: Any) -> None:
         check(values, q)
 
 
-class Backend(PagedEntryPoints):
+class Backend(PagedEntryPoints, MergeEntryPoints):
     """The interface the suite tests. Subclass it to plug in your own implementation.
 
     Attributes:
@@ -83,11 +84,14 @@ class Backend(PagedEntryPoints):
         sinks: np.ndarray | None = None,
         chunk_size: int | None = None,
         alibi_slopes: np.ndarray | None = None,
-    ) -> np.ndarray:
+        return_lse: bool = False,
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """out (B, H, T, E) for q (B, H, T, D), k (B, K, S, D), v (B, K, S, E), NumPy in and
         out; ``sinks`` (H,) is one logit per query head (capability "sinks", SPEC §15);
         ``chunk_size`` the length of a local-attention chunk (capability "chunked", §16);
-        ``alibi_slopes`` (H,) or (B, H), ALiBi's slopes (capability "alibi", §17)."""
+        ``alibi_slopes`` (H,) or (B, H), ALiBi's slopes (capability "alibi", §17). With
+        ``return_lse`` (capability "lse", SPEC §21), (out, lse): lse (B, H, T), the
+        natural log-sum-exp of each row's scores."""
         options = {"is_causal": is_causal, "scale": scale}
         for key, value in (
             ("causal_alignment", causal_alignment),
@@ -107,10 +111,15 @@ class Backend(PagedEntryPoints):
             options["chunk_size"] = self._chunk_size(chunk_size)
         if alibi_slopes is not None:
             options["alibi_slopes"] = self._alibi_slopes(alibi_slopes, q)
+        if return_lse:
+            self._refuse_unless_declared("lse", "return_lse", "§21", lambda: None)
+            options["return_lse"] = True
         mask = None if mask is None else self.from_numpy(np.asarray(mask))
         out = self._attention(
             self.from_numpy(q), self.from_numpy(k), self.from_numpy(v), mask=mask, **options
         )
+        if return_lse:
+            return self.to_numpy(out[0]), self.to_numpy(out[1])
         return self.to_numpy(out)
 
     def _attention(self, q, k, v, **options):

@@ -13,9 +13,9 @@ from conformance.vocabulary import ALL_CAPABILITIES, DTYPES, GRAD_CAPABILITIES, 
 
 class NumpyBackend(Backend):
     name = "numpy"
-    capabilities = (
-        ALL_CAPABILITIES | GRAD_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged"}
-    )
+    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {
+        "sinks", "chunked", "alibi", "packed", "paged", "merge"
+    }  # fmt: skip
     dtypes = DTYPES
 
     #: The core page; the others build on it, each a teaching page of its own (the
@@ -25,9 +25,11 @@ class NumpyBackend(Backend):
     packed_module = "conformance.impls.numpy.packed"
     paged_module = "conformance.impls.numpy.paged"
     layers_module = "conformance.impls.numpy.layers"
+    merge_module = "conformance.impls.numpy.merge"
 
     def __init__(self) -> None:
         self.impl = importlib.import_module(self.impl_module)
+        self.merge = importlib.import_module(self.merge_module)
         self.backward = importlib.import_module(self.backward_module)
         self.packed = importlib.import_module(self.packed_module)
         self.paged = importlib.import_module(self.paged_module)
@@ -37,6 +39,9 @@ class NumpyBackend(Backend):
         if seed is not None:
             options["rng"] = np.random.default_rng(seed)
         return self.impl.attention(q, k, v, **options)
+
+    def _merge_states(self, o_a, lse_a, o_b, lse_b):
+        return self.merge.merge_states(o_a, lse_a, o_b, lse_b)
 
     def multi_head_attention(self, params, x, *, n_heads, mask=None, is_causal=False):
         return self.layers.multi_head_attention(

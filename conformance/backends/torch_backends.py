@@ -205,12 +205,13 @@ class TorchNaiveBackend(_TorchBackend):
     capabilities = (
         (ALL_CAPABILITIES - {"module"})
         | (GRAD_CAPABILITIES - {"module_grad"})
-        | {"sinks", "chunked", "alibi", "packed", "paged"}
+        | {"sinks", "chunked", "alibi", "packed", "paged", "merge"}
     )
 
     def __init__(self) -> None:
         super().__init__()
         self.impl = _pages("naive")
+        self.merge = _pages("merge")
         self.packed = _pages("packed").attention_packed
         self.paged = _pages("paged").attention_paged
 
@@ -218,6 +219,9 @@ class TorchNaiveBackend(_TorchBackend):
         if seed is not None:
             options["generator"] = self.torch.Generator().manual_seed(seed)
         return self.impl.attention(q, k, v, **options)
+
+    def _merge_states(self, o_a, lse_a, o_b, lse_b):
+        return self.merge.merge_states(o_a, lse_a, o_b, lse_b)
 
 
 class TorchModuleBackend(_TorchBackend):

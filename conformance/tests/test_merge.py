@@ -22,10 +22,8 @@ from conformance.suite.pieces import (
     pieces_of,
     rounded,
 )
-from conformance.suite.requirements import requires
+from conformance.suite.requirements import refuses, requires
 from conformance.suite.tolerance import assert_identical, assert_within, expect
-
-pytestmark = requires("merge")
 
 B, H, T, E = 2, 3, 7, 5
 dtypes = pytest.mark.parametrize("dtype", DTYPES)
@@ -56,6 +54,7 @@ def _check(got, expected, tols, context: str, behaviour: str) -> None:
 
 
 @pytest.mark.clause("22.1")
+@requires("merge")
 @pytest.mark.parametrize("setup", SETUPS)
 @pytest.mark.parametrize("S", [13, 8])
 @dtypes
@@ -80,6 +79,7 @@ def test_merge_is_attention_over_the_union(backend, setup, S, dtype):
 
 
 @pytest.mark.clause("22.2")
+@requires("merge")
 @dtypes
 def test_the_empty_state_is_the_identity(backend, dtype):
     """Merging a state with the empty state (0, -inf), on either side, returns the state
@@ -99,6 +99,7 @@ def test_the_empty_state_is_the_identity(backend, dtype):
 
 
 @pytest.mark.clause("22.3")
+@requires("merge")
 @dtypes
 def test_two_empty_states_give_the_empty_state(backend, dtype):
     """Two empty states merge into (0, -inf) exactly, never NaN (-inf - -inf)."""
@@ -122,6 +123,7 @@ ORDERS = {
 
 
 @pytest.mark.clause("22.4")
+@requires("merge")
 @pytest.mark.parametrize("setup", ["plain", "causal"])
 @dtypes
 def test_any_order_and_grouping_agree(backend, setup, dtype):
@@ -158,6 +160,7 @@ def _far_apart(dtype: str):
 
 
 @pytest.mark.clause("22.5")
+@requires("merge")
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_merge_does_not_overflow(backend, dtype):
     """Pieces whose lse differ by 1e4, or lie near the largest float, merge into the
@@ -172,6 +175,7 @@ def test_merge_does_not_overflow(backend, dtype):
 
 
 @pytest.mark.clause("22.6")
+@requires("merge")
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_a_sink_is_a_piece_of_its_own(backend, dtype):
     """A row's sink merged as one more piece, (0, sink) for a row that sees a key and the
@@ -195,6 +199,7 @@ def test_a_sink_is_a_piece_of_its_own(backend, dtype):
 
 
 @pytest.mark.clause("22.7")
+@requires("merge")
 def test_a_nan_piece_makes_its_row_nan(backend, dtype):
     """A piece whose row is NaN (lse NaN) makes that row of the merge NaN, o and lse; the
     other rows are untouched by it."""
@@ -220,6 +225,7 @@ def test_a_nan_piece_makes_its_row_nan(backend, dtype):
 
 
 @pytest.mark.clause("22.9")
+@requires("merge")
 @requires("error_messages")
 @pytest.mark.parametrize(
     ("which", "shape"), [("o_b", (B, H, T, E + 1)), ("lse_b", (B, H, T + 1)), ("lse_a", (B, H))]
@@ -232,3 +238,13 @@ def test_merge_refuses_states_of_other_rows(backend, which, shape, dtype):
     given[which] = np.zeros(shape, dtype=given[which].dtype)
     with pytest.raises(ValueError, match=which):
         backend.merge_states(given["o_a"], given["lse_a"], given["o_b"], given["lse_b"])
+
+
+@pytest.mark.clause("22.9")
+@refuses("merge")
+def test_merge_states_is_refused_where_not_declared(backend, dtype):
+    """A backend that does not declare "merge" refuses merge_states by name (SPEC §8.5)."""
+    o = np.zeros((B, H, T, E), dtype=numpy_dtype(dtype))
+    lse = np.zeros((B, H, T), dtype=numpy_dtype(lse_dtype(dtype)))
+    with pytest.raises(NotImplementedError, match="merge"):
+        backend.merge_states(o, lse, o, lse)

@@ -177,6 +177,35 @@ class NumpyFlashBackend(Backend):
         return self.paged.attention_paged_flash_vjp(*arrays, **self.tiles._query_tiles(), **options)
 
 
+class NumpySplitBackend(Backend):
+    """Split-KV decoding (flash-decoding): the keys cut into chunks, each attended on its
+    own, the pieces merged by their log-sum-exp (SPEC §22.8):
+    ``load_backend("numpy-split", num_splits=N)``; left out, chunks of at most 1024 keys."""
+
+    name = "numpy-split"
+    impl_module = "conformance.impls.numpy.split_kv"
+    merge_module = "conformance.impls.numpy.merge"
+    capabilities = (ALL_CAPABILITIES - {"dropout", "module"}) | {
+        "sinks", "chunked", "alibi", "lse", "merge"
+    }  # fmt: skip
+    dtypes = DTYPES
+    #: Three chunks, so that the suite's short rows (S of 0 to 20) are really split, into
+    #: chunks of unequal lengths, some with no key a row may see.
+    conformance_options = MappingProxyType({"num_splits": 3})
+
+    def __init__(self, *, num_splits: int | None = None) -> None:
+        self.impl = importlib.import_module(self.impl_module)
+        self.merge = importlib.import_module(self.merge_module)
+        self.num_splits = num_splits
+        self.options = {} if num_splits is None else {"num_splits": num_splits}
+
+    def _attention(self, q, k, v, *, seed=None, **options):
+        return self.impl.attention(q, k, v, num_splits=self.num_splits, **options)
+
+    def _merge_states(self, o_a, lse_a, o_b, lse_b):
+        return self.merge.merge_states(o_a, lse_a, o_b, lse_b)
+
+
 #: What the quantized pages take (SPEC §20.7): e4m3 and e5m2 operands (int8 for q and k),
 #: descales of every granularity, float32 or float8 output.
 QUANTIZED_FORMATS = {

@@ -224,6 +224,31 @@ class TorchNaiveBackend(_TorchBackend):
         return self.merge.merge_states(o_a, lse_a, o_b, lse_b)
 
 
+class TorchSplitBackend(_TorchBackend):
+    """Split-KV decoding (flash-decoding) in PyTorch, as ``numpy-split`` (SPEC §22.8):
+    ``load_backend("torch-split", num_splits=N)``; left out, chunks of at most 1024 keys."""
+
+    name = "torch-split"
+    capabilities = (ALL_CAPABILITIES - {"dropout", "module"}) | {
+        "sinks", "chunked", "alibi", "lse", "merge"
+    }  # fmt: skip
+    #: As numpy-split's: the suite's short rows split into three chunks of unequal lengths.
+    conformance_options = MappingProxyType({"num_splits": 3})
+
+    def __init__(self, *, num_splits: int | None = None) -> None:
+        super().__init__()
+        self.impl = _pages("split_kv")
+        self.merge = _pages("merge")
+        self.num_splits = num_splits
+        self.options = {} if num_splits is None else {"num_splits": num_splits}
+
+    def _attention(self, q, k, v, *, seed=None, **options):
+        return self.impl.attention(q, k, v, num_splits=self.num_splits, **options)
+
+    def _merge_states(self, o_a, lse_a, o_b, lse_b):
+        return self.merge.merge_states(o_a, lse_a, o_b, lse_b)
+
+
 class TorchModuleBackend(_TorchBackend):
     """The nn.Module backend: the core spec runs the module's own attention function."""
 

@@ -54,7 +54,7 @@ def merge_states(o_a, lse_a, o_b, lse_b):
     o_a, lse_a, o_b, lse_b = working(o_a, lse_a, o_b, lse_b)
 
     # 1. The larger log-sum-exp; a row that neither piece saw a key of has none.
-    m = finite_or_0(torch.maximum(lse_a, lse_b))  # (B, H, T)
+    m = empty_as_0(torch.maximum(lse_a, lse_b))  # (B, H, T)
 
     # 2. Each piece's weight relative to it: exp() of a number <= 0, so <= 1.
     w_a = torch.exp(lse_a - m)  # (B, H, T)
@@ -83,7 +83,7 @@ def working(o_a, lse_a, o_b, lse_b):
 # Empty pieces (SPEC §22.2, §22.3). A piece whose rows saw no key is the empty state
 # (0, -inf): exp(-inf - m) = 0, so it adds nothing and the merge returns the other piece
 # exactly (weight 1, divisor 1). Two empty pieces would give m = -inf and
-# -inf - (-inf) = NaN: m is taken as 0 there (``finite_or_0``), both weights are then
+# -inf - (-inf) = NaN: m is taken as 0 there (``empty_as_0``), both weights are then
 # exp(-inf) = 0, the divisor 1 (``divisor``), and the row stays (0, -inf) (``union_lse``).
 #
 # Overflow (SPEC §22.5). Nothing is exponentiated above 0: lse values of 1e4, or near the
@@ -91,10 +91,12 @@ def working(o_a, lse_a, o_b, lse_b):
 # lie at opposite ends of the range; its weight is then exp(-inf) = 0, which is its true
 # value rounded. m + log(l) adds at most log 2 to m, so it cannot overflow either.
 #
-# NaN (SPEC §22.6). A NaN log-sum-exp (a NaN row) makes m, both weights and the row NaN.
+# NaN (SPEC §22.7). A NaN log-sum-exp (a NaN row) makes m, both weights and the row NaN;
+# so does a log-sum-exp of +inf (a piece whose sum overflowed, or a +inf sink, §22.6):
+# exp(inf - inf) is NaN, and NaN stays NaN through ``divisor`` and ``union_lse``.
 
 
-def finite_or_0(m):
+def empty_as_0(m):
     """The larger log-sum-exp, 0 where both pieces are empty (m = -inf), so that no
     -inf - (-inf) = NaN is formed; a NaN stays NaN."""
     return torch.where(m == -torch.inf, 0.0, m)  # (B, H, T)
@@ -102,8 +104,8 @@ def finite_or_0(m):
 
 def divisor(l):
     """What divides the row: l, and 1 where both pieces are empty (l = 0), so the row is
-    0, not 0 / 0 = NaN."""
-    return torch.where(l > 0, l, 1.0)  # (B, H, T)
+    0, not 0 / 0 = NaN; a NaN l stays NaN."""
+    return torch.where(l == 0, 1.0, l)  # (B, H, T)
 
 
 def union_lse(m, l):

@@ -245,6 +245,10 @@ class TorchSplitBackend(_TorchBackend):
     def _attention(self, q, k, v, *, seed=None, **options):
         return self.impl.attention(q, k, v, num_splits=self.num_splits, **options)
 
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        # Autograd would run through the page, but the backward is not declared: refused.
+        raise NotImplementedError(f"{self.name} does not declare the 'grad' capability")
+
     def _merge_states(self, o_a, lse_a, o_b, lse_b):
         return self.merge.merge_states(o_a, lse_a, o_b, lse_b)
 

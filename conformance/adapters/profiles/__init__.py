@@ -89,6 +89,7 @@ from conformance.adapters.impl import (
     register_loaded,
     resolve_impl,
 )
+from conformance.adapters.merge import merge_table, with_merge
 from conformance.adapters.native import BOOL_MEANINGS, SPEC_OPTIONS, OptionMap
 from conformance.adapters.profiles.parse import (  # noqa: F401 - the [forms] names, re-exported
     ALIGNMENTS,
@@ -123,6 +124,7 @@ KEYS = {
     "quantized",
     "domain",
     "interpreter",
+    "merge",
 }
 MASK_KEYS = {"bool", "bool_true", "float", "blocked"}
 #: What a profile's ``needs`` may name: hardware a function requires beyond its libraries.
@@ -159,6 +161,8 @@ class Profile:
     quantized: dict | None = None
     domain: Domain = field(default_factory=Domain)
     interpreter: str = ""
+    #: The [merge] table (``conformance.adapters.merge``): the merge function, SPEC §22.
+    merge: dict | None = None
 
     def missing(self) -> list[str]:
         """The distributions in ``requires`` that are not installed here."""
@@ -199,7 +203,7 @@ class Profile:
         if self.quantized is not None:
             return self._quantized_backend()
         try:
-            return resolve_impl(
+            return with_merge(resolve_impl(
                 self.target,
                 name=self.name,
                 capabilities=list(self.capabilities),
@@ -213,7 +217,7 @@ class Profile:
                 forms=self.forms,
                 domain=self.domain,
                 interpreter=self.interpreter,
-            )
+            ), self.merge, self.layout)  # fmt: skip
         except (ImplUnavailable, ValueError) as err:
             raise ProfileError(f"profile {self.name!r} ({self.path}): {err}") from err
 
@@ -326,6 +330,10 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
         domain = parse_domain(data.get("domain", {}), f"{where}: [domain]")
     except ValueError as err:
         raise ProfileError(str(err)) from err
+    try:
+        merge = merge_table(data, where)
+    except ValueError as err:
+        raise ProfileError(str(err)) from err
     interpreter = data.get("interpreter", "")
     if not isinstance(interpreter, str):
         raise ProfileError(
@@ -353,6 +361,7 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
         quantized=data.get("quantized"),
         domain=domain,
         interpreter=interpreter,
+        merge=merge,
     )
 
 

@@ -25,6 +25,8 @@ from conformance.suite.helpers import random_qkv
 from conformance.suite.merge_diagnosis import MISREADINGS
 from conformance.suite.pieces import key_parts, oracle_state, pieces_of
 
+pytestmark = pytest.mark.clause("22.10")
+
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = """
 name = "{name}"

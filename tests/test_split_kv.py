@@ -26,6 +26,8 @@ from conformance import load_backend
 from conformance.suite.helpers import random_qkv, random_tolerance
 from conformance.suite.tolerance import assert_within, tolerance
 
+pytestmark = pytest.mark.clause("22.8")
+
 PAGES = {
     "numpy": numpy_split.attention,
     "torch": lambda *a, **o: torch_split.attention(

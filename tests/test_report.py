@@ -354,7 +354,9 @@ def test_variant_rows_count_each_section_and_say_what_is_not_declared():
         "b": {"capabilities": ["paged"], "dtypes": []},
     }
     table = variants(clause_table(rows), declared)
-    assert [v["capability"] for v in table] == ["sinks", "chunked", "alibi", "packed", "paged"]
+    assert [v["capability"] for v in table] == [
+        "sinks", "chunked", "alibi", "packed", "paged", "lse", "merge"
+    ]  # fmt: skip
     sinks, paged = table[0]["backends"], table[4]["backends"]
     assert sinks["a"] == {"declared": True, "passed": 1, "failed": 1, "skipped": 0, "xfailed": 0}
     assert not sinks["b"]["declared"] and sinks["b"]["skipped"] == sinks["b"]["passed"] == 1

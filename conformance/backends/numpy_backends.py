@@ -186,7 +186,7 @@ class NumpySplitBackend(Backend):
     impl_module = "conformance.impls.numpy.split_kv"
     merge_module = "conformance.impls.numpy.merge"
     capabilities = (ALL_CAPABILITIES - {"dropout", "module"}) | {
-        "sinks", "chunked", "alibi", "lse", "merge"
+        "sinks", "chunked", "alibi", "paged", "lse", "merge"
     }  # fmt: skip
     dtypes = DTYPES
     #: Three chunks, so that the suite's short rows (S of 0 to 20) are really split, into
@@ -201,6 +201,11 @@ class NumpySplitBackend(Backend):
 
     def _attention(self, q, k, v, *, seed=None, **options):
         return self.impl.attention(q, k, v, num_splits=self.num_splits, **options)
+
+    def _attention_paged(self, q, k_pages, v_pages, block_table, seq_lens, **options):
+        return self.impl.attention_paged(
+            q, k_pages, v_pages, block_table, seq_lens, num_splits=self.num_splits, **options
+        )
 
     def _merge_states(self, o_a, lse_a, o_b, lse_b):
         return self.merge.merge_states(o_a, lse_a, o_b, lse_b)

@@ -232,7 +232,7 @@ class TorchSplitBackend(_TorchBackend):
 
     name = "torch-split"
     capabilities = (ALL_CAPABILITIES - {"dropout", "module"}) | {
-        "sinks", "chunked", "alibi", "lse", "merge"
+        "sinks", "chunked", "alibi", "paged", "lse", "merge"
     }  # fmt: skip
     #: As numpy-split's: the suite's short rows split into three chunks of unequal lengths.
     conformance_options = MappingProxyType({"num_splits": 3})
@@ -246,6 +246,11 @@ class TorchSplitBackend(_TorchBackend):
 
     def _attention(self, q, k, v, *, seed=None, **options):
         return self.impl.attention(q, k, v, num_splits=self.num_splits, **options)
+
+    def _attention_paged(self, q, k_pages, v_pages, block_table, seq_lens, **options):
+        return self.impl.attention_paged(
+            q, k_pages, v_pages, block_table, seq_lens, num_splits=self.num_splits, **options
+        )
 
     def _attention_vjp(self, q, k, v, d_out, **options):
         # Autograd would run through the page, but the backward is not declared: refused.

@@ -20,6 +20,9 @@ each set's (o, lse). No array ever spans two chunks: the largest is a chunk's sc
 A sink (one logit per query head) belongs to no chunk: it is merged as one more piece,
 with o = 0 (it has no value) and lse = the sink, in every row that sees a key.
 
+``attention_paged`` is the same over a paged KV cache (``paged.py``'s call): each
+sequence's keys read from the pages its table lists, then chunked and merged.
+
 Shapes: the core page's (``attention.py``), and Sc the keys of one chunk.
 """
 
@@ -91,6 +94,44 @@ def attention(
     if sinks is not None:
         o, lse = merge_states(o, lse, *sink_piece(sinks, lse, o))
     return as_given(o, lse, dtype, call, return_lse)
+
+
+def attention_paged(
+    q: np.ndarray,
+    k_pages: np.ndarray,
+    v_pages: np.ndarray,
+    block_table: np.ndarray,
+    seq_lens: np.ndarray,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,
+) -> np.ndarray:
+    """Split-KV decoding over a paged KV cache (``paged.py``'s call): each sequence's keys
+    read from the pages its table lists, then ``attention`` on them, chunked and merged;
+    its T queries are its last T positions, so causality and the window are placed
+    bottom-right against its own length. out (B, H, T, E) in q's dtype."""
+    q, k_pages, v_pages = np.asarray(q), np.asarray(k_pages), np.asarray(v_pages)
+    block_table, seq_lens = np.asarray(block_table), np.asarray(seq_lens)
+    call = contract.check_paged(
+        q, k_pages, v_pages, block_table, seq_lens,
+        is_causal=is_causal, scale=scale, window=window, softcap=softcap,
+    )  # fmt: skip
+    rows = []
+    for b in range(call.B):
+        n = call.seq_lens[b]
+        pages = np.asarray(call.pages[b], dtype=np.int64)  # (⌈n / L⌉,): the pages it reads
+        k = k_pages[pages].transpose(1, 0, 2, 3).reshape(call.K, -1, call.D)[:, :n]  # (K, n, D)
+        v = v_pages[pages].transpose(1, 0, 2, 3).reshape(call.K, -1, call.E)[:, :n]  # (K, n, E)
+        out = attention(
+            q[b : b + 1], k[None], v[None], is_causal=call.is_causal,
+            causal_alignment="bottom_right", scale=call.scale, window=call.window,
+            softcap=call.softcap, num_splits=num_splits,
+        )  # fmt: skip
+        rows.append(out)  # (1, H, T, E)
+    return np.concatenate(rows, axis=0)  # (B, H, T, E)
 
 
 def chunks(S: int, num_splits: int | None) -> list[tuple[int, int]]:

@@ -20,6 +20,9 @@ each set's (o, lse). No array ever spans two chunks: the largest is a chunk's sc
 A sink (one logit per query head) belongs to no chunk: it is merged as one more piece,
 with o = 0 (it has no value) and lse = the sink, in every row that sees a key.
 
+``attention_paged`` is the same over a paged KV cache (``paged.py``'s call): each
+sequence's keys read from the pages its table lists, then chunked and merged.
+
 Shapes: the core page's (``attention.py``), and Sc the keys of one chunk.
 """
 
@@ -89,6 +92,42 @@ def attention(
     if sinks is not None:
         o, lse = merge_states(o, lse, *sink_piece(sinks, lse, o))
     return as_given(o, lse, dtype, call, return_lse)
+
+
+def attention_paged(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Split-KV decoding over a paged KV cache (``paged.py``'s call): each sequence's keys
+    read from the pages its table lists, then ``attention`` on them, chunked and merged;
+    its T queries are its last T positions, so causality and the window are placed
+    bottom-right against its own length. out (B, H, T, E) in q's dtype."""
+    call = contract.check_paged(
+        q, k_pages, v_pages, block_table, seq_lens,
+        is_causal=is_causal, scale=scale, window=window, softcap=softcap,
+    )  # fmt: skip
+    rows = []
+    for b in range(call.B):
+        n = call.seq_lens[b]
+        pages = torch.tensor(call.pages[b], dtype=torch.long, device=q.device)  # (⌈n / L⌉,)
+        k = k_pages[pages].transpose(0, 1).reshape(call.K, -1, call.D)[:, :n]  # (K, n, D)
+        v = v_pages[pages].transpose(0, 1).reshape(call.K, -1, call.E)[:, :n]  # (K, n, E)
+        out = attention(
+            q[b : b + 1], k[None], v[None], is_causal=call.is_causal,
+            causal_alignment="bottom_right", scale=call.scale, window=call.window,
+            softcap=call.softcap, num_splits=num_splits,
+        )  # fmt: skip
+        rows.append(out)  # (1, H, T, E)
+    return torch.cat(rows, dim=0)  # (B, H, T, E)
 
 
 def chunks(S: int, num_splits: int | None) -> list[tuple[int, int]]:

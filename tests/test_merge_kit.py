@@ -35,8 +35,8 @@ layout = "{layout}"
 capabilities = ["merge"]
 [merge]
 function = "merge_functions:{function}"
-lse_layout = "{lse_layout}"
-lse_base = "{base}"
+layout = "{lse_layout}"
+base = "{base}"
 """
 
 
@@ -127,7 +127,7 @@ def test_a_profile_names_merge_and_its_table_together(tmp_path):
         read_profile(path)
     path.write_text(
         'name = "p"\ntarget = "m:f"\ncapabilities = ["merge"]\n'
-        '[merge]\nfunction = "m:g"\nlse_base = "10"\n'
+        '[merge]\nfunction = "m:g"\nbase = "10"\n'
     )
-    with pytest.raises(ProfileError, match="lse_base should be one of"):
+    with pytest.raises(ProfileError, match="base should be one of"):
         read_profile(path)

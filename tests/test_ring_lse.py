@@ -15,6 +15,8 @@ from conformance.backends import numpy_dtype
 from conformance.suite.helpers import random_qkv
 from conformance.suite.tolerance import assert_within, finite_error, tolerance
 
+pytestmark = pytest.mark.clause("22.11")
+
 
 @pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])

@@ -4,16 +4,15 @@
     capabilities = ["merge", ...]
     [merge]
     function = "flashinfer:merge_state"      # merge(o_a, lse_a, o_b, lse_b) -> (o, lse)
-    lse_layout = "BTH"                       # or "BHT" (the default)
-    lse_base = "2"                           # or "e" (the default)
+    layout = "BTH"                           # the lse's: or "BHT" (the default)
+    base = "2"                               # the lse's: or "e" (the default)
 
 The outputs o are in the profile's ``layout`` (BHTD: (B, H, T, E); BTHD: (B, T, H, E)),
-the log-sum-exps in ``lse_layout`` and in base ``lse_base``, all in the profile's
-framework's arrays; the function returns the merged (o, lse) in the same conventions.
+the log-sum-exps in the table's ``layout`` and ``base`` (the ``[lse]`` table's keys and
+values, ``conformance/adapters/lse.py``), all in the profile's framework's arrays; the function returns the merged (o, lse) in the same conventions.
 The suite hands it the spec's (o (B, H, T, E), lse (B, H, T) natural log) and reads its
 answer back: the conversions are here, visibly, and change no number but by the base's
-factor log₂e. (The lse of ``attention`` itself, ``return_lse``, is the profile's ``[lse]``
-table's business: its layout and base read the same.)
+factor log₂e. (The lse of ``attention`` itself is the profile's ``[lse]`` table's.)
 """
 
 from __future__ import annotations
@@ -26,13 +25,13 @@ import numpy as np
 
 from conformance.adapters.impl import import_target
 
-MERGE_KEYS = {"function", "lse_layout", "lse_base"}
+MERGE_KEYS = {"function", "layout", "base"}
 LSE_LAYOUTS = ("BHT", "BTH")
 LSE_BASES = ("e", "2")
 
 
 def parse_merge(table: Any, where: str) -> dict:
-    """The ``[merge]`` table, checked: {function, lse_layout, lse_base}.
+    """The ``[merge]`` table, checked: {function, layout, base}, the last two the lse's.
 
     Raises:
       ValueError: an unknown key, or a value that is not one of those allowed.
@@ -52,10 +51,10 @@ def parse_merge(table: Any, where: str) -> dict:
         )
     parsed = {
         "function": function,
-        "lse_layout": table.get("lse_layout", "BHT"),
-        "lse_base": str(table.get("lse_base", "e")),
+        "layout": table.get("layout", "BHT"),
+        "base": str(table.get("base", "e")),
     }
-    for key, allowed in (("lse_layout", LSE_LAYOUTS), ("lse_base", LSE_BASES)):
+    for key, allowed in (("layout", LSE_LAYOUTS), ("base", LSE_BASES)):
         if parsed[key] not in allowed:
             raise ValueError(
                 f"{where}: [merge] {key} should be one of {list(allowed)}, got {parsed[key]!r}"
@@ -135,6 +134,6 @@ def with_merge(backend: Any, table: dict | None, layout: str) -> Any:
     if table is not None:
         backend.merge_function = MergeFunction(
             import_target(table["function"]), backend.arrays, layout=layout,
-            lse_layout=table["lse_layout"], lse_base=table["lse_base"],
+            lse_layout=table["layout"], lse_base=table["base"],
         )  # fmt: skip
     return backend

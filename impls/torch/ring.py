@@ -132,9 +132,8 @@ def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, *, opts,
     alibi = None if slopes is None else slopes.reshape(B, K, G, 1, 1)  # (B, K, G, 1, 1)
 
     def attend(qa, kb, vb, allowed, used, mb, bias):
-        """One block's partial state (o_b (B, K, G, Tr, E), lse_b (B, K, G, Tr)), in the
-        state's precision: its rows' attention over its keys alone, and their
-        log-sum-exp (-inf for a row that may see none of them)."""
+        """One block's partial state, its rows' attention over its keys alone, in the state's
+        precision: o_b (B, K, G, Tr, E), lse_b (B, K, G, Tr) (-inf: a row that sees none)."""
         # A key no query of this block may see is replaced by 0 before use (0 · NaN is NaN).
         kb = torch.where(used[..., None], kb, 0.0)  # (B, K, Sr, D)
         vb = torch.where(used[..., None], vb, 0.0)  # (B, K, Sr, E)
@@ -196,16 +195,14 @@ def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, *, opts,
                     bias = _alibi_bias(alibi, tpos[rows], spos[cols], opts)
                     piece = attend(q[:, :, :, rows], k[:, :, cols], v[:, :, cols], *seen, bias)
                     # The block's state merged into its rows' (merge.py, SPEC §22).
-                    o[:, :, :, rows], lse[:, :, :, rows] = merge_states(
-                        o[:, :, :, rows], lse[:, :, :, rows], *piece
-                    )
+                    held = (o[:, :, :, rows], lse[:, :, :, rows])
+                    o[:, :, :, rows], lse[:, :, :, rows] = merge_states(*held, *piece)
         for req in pending:
             req.wait()
 
     if sinks is not None:
-        # The sink joins each row's softmax once, now that every key block has been
-        # merged (once per step or per rank, it would count P times): a piece of its own,
-        # o = 0 and lse = the sink, in each row that saw a key (SPEC §22.6).
+        # The sink joins each row's softmax once (per step, it would count P times): a piece
+        # of its own, o = 0 and lse = the sink, in each row that saw a key (SPEC §22.6).
         sink = sinks.to(state).reshape(1, K, G, 1).expand(B, K, G, Tl)  # (B, K, G, Tl)
         sink = torch.where(lse > -torch.inf, sink, -torch.inf)  # (B, K, G, Tl)
         o, lse = merge_states(o, lse, torch.zeros_like(o), sink)

@@ -166,3 +166,19 @@ def test_jax_page_against_the_oracle(dtype):
     assert_within(out, expected, tolerance(dtype, finite_error(naive, expected), expected), "out")
     lse_tol = tolerance(dtype, finite_error(naive_lse, expected_lse), expected_lse)
     assert_within(lse, expected_lse, lse_tol, "lse")
+
+
+def test_the_merge_pages_open_with_the_formula_they_run():
+    """``textbook_merge``, the formula on each merge page's first screen, is what
+    ``merge_states`` returns on pieces that each saw a key (NumPy and PyTorch; the JAX
+    page's is the same lines)."""
+    from conformance.impls.numpy import merge as numpy_merge
+    from conformance.impls.torch import merge as torch_merge
+
+    rng = np.random.default_rng(100)
+    o_a, o_b = rng.standard_normal((2, 2, 3, 7, 5))  # (B, H, T, E) each
+    lse_a, lse_b = rng.uniform(-30, 30, (2, 2, 3, 7))  # (B, H, T) each
+    for page, conv in ((numpy_merge, np.asarray), (torch_merge, torch.from_numpy)):
+        args = [conv(x) for x in (o_a, lse_a, o_b, lse_b)]
+        for got, want in zip(page.merge_states(*args), page.textbook_merge(*args)):
+            assert_within(np.asarray(got), np.asarray(want), 1e-14, page.__name__)

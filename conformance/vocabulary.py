@@ -28,8 +28,10 @@ CAPABILITIES = {
     "(SPEC §18)",
     "paged": "paged KV caches: attention_paged(q, k_pages, v_pages, block_table, seq_lens), "
     "keys and values in pages of L slots addressed by a block table (SPEC §19)",
-    "lse": "attention(..., return_lse=True) returns (out, lse): each row's log-sum-exp of the "
-    "scores the softmax normalises, (B, H, T), natural log (SPEC §21)",
+    "lse": "attention(..., return_lse=True) returns (out, lse), lse (B, H, T) the natural "
+    "log-sum-exp of each row's scores (SPEC §21)",
+    "merge": "merge_states(o_a, lse_a, o_b, lse_b) -> (o, lse): attention over the union "
+    "of two disjoint key sets from each set's partial state (SPEC §22)",
     "module": "the multi-head layer and GPT block from shared weights (SPEC §9)",
     "grad": "backward pass: attention_vjp (SPEC §12)",
     "grad_mask": "attention_vjp also returns the gradient of a float mask (SPEC §12.3)",
@@ -56,7 +58,7 @@ DTYPES = ("float64", "float32", "float16", "bfloat16")
 #: implements them: they are not part of ``ALL_CAPABILITIES`` either, so that a backend
 #: (or an ``--impl`` function) declaring ``ALL_CAPABILITIES`` promises only what it
 #: promised before they existed, and has their tests skipped by name.
-VARIANT_CAPABILITIES = frozenset({"sinks", "chunked", "alibi", "packed", "paged", "lse"})
+VARIANT_CAPABILITIES = frozenset({"sinks", "chunked", "alibi", "packed", "paged", "lse", "merge"})
 
 #: Quantized operands (SPEC §20) are a separate entry point with its own declaration (a
 #: ``QuantizedForm``), opted into by name like the variants, but not an option of

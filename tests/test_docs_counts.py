@@ -88,17 +88,25 @@ def test_the_table_has_a_row_per_backend():
     assert set(_backends_table()) == names
 
 
+def _cell_says(cell: str, names: set[str], declared: set[str], backend: str) -> None:
+    """A cell "a b (no c d)": what the backend declares of ``names``, then what it lacks."""
+    listed, _, lacking = cell.partition("(no ")
+    assert set(listed.split()) == declared, f"{backend}: README says {cell!r}, declared {declared}"
+    missing = set(lacking.rstrip(")").replace(",", " ").split())
+    assert missing == names - declared, f"{backend}: README says {cell!r}"
+
+
 @pytest.mark.clause("15.6")
 def test_the_table_names_each_backends_variant_capabilities():
     """The "today's variants" cell lists the variant capabilities the backend declares
-    (SPEC §15-§19), and says which it lacks."""
+    (SPEC §15-§19), and says which it lacks; the "in pieces" cell does the same for "lse"
+    and "merge" (§21, §22), opted into like the variants."""
+    pieces = {"lse", "merge"}
+    variants = VARIANT_CAPABILITIES - pieces
     for name, row in _backends_table().items():
-        cell = row["today's variants (§15-§19)"]
-        declared = set(BUILTIN[name].capabilities) & VARIANT_CAPABILITIES
-        listed, _, lacking = cell.partition("(no ")
-        assert set(listed.split()) == declared, f"{name}: README says {cell!r}, declared {declared}"
-        missing = set(lacking.rstrip(")").replace(",", " ").split())
-        assert missing == VARIANT_CAPABILITIES - declared, f"{name}: README says {cell!r}"
+        caps = set(BUILTIN[name].capabilities)
+        _cell_says(row["today's variants (§15-§19)"], variants, caps & variants, name)
+        _cell_says(row["in pieces (§21, §22)"], pieces, caps & pieces, name)
 
 
 def test_the_table_gives_each_backends_dtypes_and_page():

@@ -148,6 +148,17 @@ class FunctionBackend(Backend):
                 "layer and GPT block); subclass conformance.Backend instead"
             )
 
+    #: A profile's merge function (``conformance.adapters.merge.MergeFunction``), or None.
+    merge_function = None
+
+    def _merge_states(self, o_a, lse_a, o_b, lse_b):
+        # NumPy in and out: the merge function converts to the library's conventions.
+        o_a, lse_a, o_b, lse_b = (self.to_numpy(x) for x in (o_a, lse_a, o_b, lse_b))
+        if self.merge_function is None:
+            raise NotImplementedError(f"{self.name} names no merge function (SPEC §22)")
+        o, lse = self.merge_function(o_a, lse_a, o_b, lse_b)
+        return self.from_numpy(o), self.from_numpy(lse)
+
     def from_numpy(self, x):
         return self.arrays.from_numpy(x)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from conformance.backends.merge import MergeEntryPoints
 from conformance.backends.paged import PagedEntryPoints
 from conformance.impls import contract
 from conformance.vocabulary import QuantizedForm, option_is_set
@@ -32,7 +33,7 @@ def _check_per_head(check: Callable[..., object], values: Any, q: Any) -> None:
         check(values, q)
 
 
-class Backend(PagedEntryPoints):
+class Backend(PagedEntryPoints, MergeEntryPoints):
     """The interface the suite tests. Subclass it to plug in your own implementation.
 
     Attributes:
@@ -89,7 +90,8 @@ class Backend(PagedEntryPoints):
         out; ``sinks`` (H,) is one logit per query head (capability "sinks", SPEC §15);
         ``chunk_size`` the length of a local-attention chunk (capability "chunked", §16);
         ``alibi_slopes`` (H,) or (B, H), ALiBi's slopes (capability "alibi", §17). With
-        ``return_lse`` (capability "lse", §21), (out, lse), lse (B, H, T)."""
+        ``return_lse`` (capability "lse", SPEC §21), (out, lse): lse (B, H, T), the
+        natural log-sum-exp of each row's scores."""
         options = {"is_causal": is_causal, "scale": scale}
         for key, value in (
             ("causal_alignment", causal_alignment),

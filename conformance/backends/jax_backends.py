@@ -34,15 +34,13 @@ def _share_of_mappings_in_use() -> float:
 class JaxBackend(Backend):
     name = "jax"
     framework = "jax"
-    capabilities = (
-        ALL_CAPABILITIES
-        | GRAD_CAPABILITIES
-        | {"sinks", "chunked", "alibi", "packed", "paged", "lse"}
-    )
+    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {
+        "sinks", "chunked", "alibi", "packed", "paged", "lse", "merge"
+    }  # fmt: skip
     dtypes = DTYPES
     impl_module = "conformance.impls.jax.attention"
     #: The pages beside the core one that the backend calls (impls/jax/).
-    pages = ("gradients", "packed", "paged", "layers")
+    pages = ("gradients", "packed", "paged", "layers", "merge")
 
     def __init__(self) -> None:
         self.jax = import_jax()
@@ -58,6 +56,9 @@ class JaxBackend(Backend):
         if seed is not None:
             options["key"] = self.jax.random.key(seed)
         return self.impl.attention(q, k, v, **options)
+
+    def _merge_states(self, o_a, lse_a, o_b, lse_b):
+        return self.page["merge"].merge_states(o_a, lse_a, o_b, lse_b)
 
     def multi_head_attention(self, params, x, *, n_heads, mask=None, is_causal=False):
         params = {n: self.from_numpy(p) for n, p in params.items()}

@@ -13,11 +13,9 @@ from conformance.vocabulary import ALL_CAPABILITIES, DTYPES, GRAD_CAPABILITIES, 
 
 class NumpyBackend(Backend):
     name = "numpy"
-    capabilities = (
-        ALL_CAPABILITIES
-        | GRAD_CAPABILITIES
-        | {"sinks", "chunked", "alibi", "packed", "paged", "lse"}
-    )
+    capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {
+        "sinks", "chunked", "alibi", "packed", "paged", "lse", "merge"
+    }  # fmt: skip
     dtypes = DTYPES
 
     #: The core page; the others build on it, each a teaching page of its own (the
@@ -27,9 +25,11 @@ class NumpyBackend(Backend):
     packed_module = "conformance.impls.numpy.packed"
     paged_module = "conformance.impls.numpy.paged"
     layers_module = "conformance.impls.numpy.layers"
+    merge_module = "conformance.impls.numpy.merge"
 
     def __init__(self) -> None:
         self.impl = importlib.import_module(self.impl_module)
+        self.merge = importlib.import_module(self.merge_module)
         self.backward = importlib.import_module(self.backward_module)
         self.packed = importlib.import_module(self.packed_module)
         self.paged = importlib.import_module(self.paged_module)
@@ -39,6 +39,9 @@ class NumpyBackend(Backend):
         if seed is not None:
             options["rng"] = np.random.default_rng(seed)
         return self.impl.attention(q, k, v, **options)
+
+    def _merge_states(self, o_a, lse_a, o_b, lse_b):
+        return self.merge.merge_states(o_a, lse_a, o_b, lse_b)
 
     def multi_head_attention(self, params, x, *, n_heads, mask=None, is_causal=False):
         return self.layers.multi_head_attention(
@@ -172,6 +175,40 @@ class NumpyFlashBackend(Backend):
 
     def _attention_paged_vjp(self, *arrays, **options):
         return self.paged.attention_paged_flash_vjp(*arrays, **self.tiles._query_tiles(), **options)
+
+
+class NumpySplitBackend(Backend):
+    """Split-KV decoding (flash-decoding): the keys cut into chunks, each attended on its
+    own, the pieces merged by their log-sum-exp (SPEC §22.8):
+    ``load_backend("numpy-split", num_splits=N)``; left out, chunks of at most 1024 keys."""
+
+    name = "numpy-split"
+    impl_module = "conformance.impls.numpy.split_kv"
+    merge_module = "conformance.impls.numpy.merge"
+    capabilities = (ALL_CAPABILITIES - {"dropout", "module"}) | {
+        "sinks", "chunked", "alibi", "paged", "lse", "merge"
+    }  # fmt: skip
+    dtypes = DTYPES
+    #: Three chunks, so that the suite's short rows (S of 0 to 20) are really split, into
+    #: chunks of unequal lengths, some with no key a row may see.
+    conformance_options = MappingProxyType({"num_splits": 3})
+
+    def __init__(self, *, num_splits: int | None = None) -> None:
+        self.impl = importlib.import_module(self.impl_module)
+        self.merge = importlib.import_module(self.merge_module)
+        self.num_splits = num_splits
+        self.options = {} if num_splits is None else {"num_splits": num_splits}
+
+    def _attention(self, q, k, v, *, seed=None, **options):
+        return self.impl.attention(q, k, v, num_splits=self.num_splits, **options)
+
+    def _attention_paged(self, q, k_pages, v_pages, block_table, seq_lens, **options):
+        return self.impl.attention_paged(
+            q, k_pages, v_pages, block_table, seq_lens, num_splits=self.num_splits, **options
+        )
+
+    def _merge_states(self, o_a, lse_a, o_b, lse_b):
+        return self.merge.merge_states(o_a, lse_a, o_b, lse_b)
 
 
 #: What the quantized pages take (SPEC §20.7): e4m3 and e5m2 operands (int8 for q and k),

@@ -18,13 +18,19 @@ from conformance.backends.jax_backends import (
     JaxRingBackend,
     JaxUlyssesBackend,
 )
-from conformance.backends.numpy_backends import NumpyBackend, NumpyFlashBackend, NumpyFp8Backend
+from conformance.backends.numpy_backends import (
+    NumpyBackend,
+    NumpyFlashBackend,
+    NumpyFp8Backend,
+    NumpySplitBackend,
+)
 from conformance.backends.torch_backends import (
     TorchFp8Backend,
     TorchModuleBackend,
     TorchNaiveBackend,
     TorchRingBackend,
     TorchSdpaBackend,
+    TorchSplitBackend,
     TorchUlyssesBackend,
 )
 from conformance.vocabulary import CAPABILITIES, DTYPES
@@ -49,11 +55,13 @@ def _at_shards(base: type[Backend], P: int) -> type[Backend]:
 BUILTIN: dict[str, type[Backend]] = {
     "numpy": NumpyBackend,
     "numpy-flash": NumpyFlashBackend,
+    "numpy-split": NumpySplitBackend,
     "jax": JaxBackend,
     "jax-flash": JaxFlashBackend,
     "torch-naive": TorchNaiveBackend,
     "torch-module": TorchModuleBackend,
     "torch-sdpa": TorchSdpaBackend,
+    "torch-split": TorchSplitBackend,
     "jax-ring": JaxRingBackend,
     **{f"jax-ring-p{P}": _at_shards(JaxRingBackend, P) for P in (1, 2, 3)},
     "jax-ulysses": JaxUlyssesBackend,
@@ -73,6 +81,7 @@ REQUIRES = {
     "torch-naive": "torch",
     "torch-module": "torch",
     "torch-sdpa": "torch",
+    "torch-split": "torch",
     "jax-ring": "jax",
     **{f"jax-ring-p{P}": "jax" for P in (1, 2, 3)},
     "jax-ulysses": "jax",

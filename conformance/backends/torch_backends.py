@@ -109,7 +109,7 @@ class TorchRingBackend(_TorchBackend):
     capabilities = (
         (ALL_CAPABILITIES - {"dropout", "module"})
         | (GRAD_CAPABILITIES - {"module_grad"})
-        | {"sharded", "sinks", "chunked", "alibi", "packed"}
+        | {"sharded", "sinks", "chunked", "alibi", "packed", "lse"}
     )
     conformance_options = MappingProxyType({"shards": 3, "layout": "zigzag"})
     default_shards = 4
@@ -176,7 +176,9 @@ class TorchUlyssesBackend(TorchRingBackend):
 
     name = "torch-ulysses"
     impl_module = "conformance.impls.torch.ulysses"
-    capabilities = TorchRingBackend.capabilities | {"sharded_heads"}
+    #: Not "lse": Ulysses' ranks attend whole heads with naive.py's softmax, which does not
+    #: give it back yet.
+    capabilities = (TorchRingBackend.capabilities - {"lse"}) | {"sharded_heads"}
 
     def _run(self, fn, shards, **kwargs):
         return self.pool.run_on_ranks(self.shards, fn, shards, **kwargs)
@@ -205,12 +207,13 @@ class TorchNaiveBackend(_TorchBackend):
     capabilities = (
         (ALL_CAPABILITIES - {"module"})
         | (GRAD_CAPABILITIES - {"module_grad"})
-        | {"sinks", "chunked", "alibi", "packed", "paged", "lse"}
+        | {"sinks", "chunked", "alibi", "packed", "paged", "lse", "merge"}
     )
 
     def __init__(self) -> None:
         super().__init__()
         self.impl = _pages("naive")
+        self.merge = _pages("merge")
         self.packed = _pages("packed").attention_packed
         self.paged = _pages("paged").attention_paged
 
@@ -218,6 +221,43 @@ class TorchNaiveBackend(_TorchBackend):
         if seed is not None:
             options["generator"] = self.torch.Generator().manual_seed(seed)
         return self.impl.attention(q, k, v, **options)
+
+    def _merge_states(self, o_a, lse_a, o_b, lse_b):
+        return self.merge.merge_states(o_a, lse_a, o_b, lse_b)
+
+
+class TorchSplitBackend(_TorchBackend):
+    """Split-KV decoding (flash-decoding) in PyTorch, as ``numpy-split`` (SPEC §22.8):
+    ``load_backend("torch-split", num_splits=N)``; left out, chunks of at most 1024 keys."""
+
+    name = "torch-split"
+    capabilities = (ALL_CAPABILITIES - {"dropout", "module"}) | {
+        "sinks", "chunked", "alibi", "paged", "lse", "merge"
+    }  # fmt: skip
+    #: As numpy-split's: the suite's short rows split into three chunks of unequal lengths.
+    conformance_options = MappingProxyType({"num_splits": 3})
+
+    def __init__(self, *, num_splits: int | None = None) -> None:
+        super().__init__()
+        self.impl = _pages("split_kv")
+        self.merge = _pages("merge")
+        self.num_splits = num_splits
+        self.options = {} if num_splits is None else {"num_splits": num_splits}
+
+    def _attention(self, q, k, v, *, seed=None, **options):
+        return self.impl.attention(q, k, v, num_splits=self.num_splits, **options)
+
+    def _attention_paged(self, q, k_pages, v_pages, block_table, seq_lens, **options):
+        return self.impl.attention_paged(
+            q, k_pages, v_pages, block_table, seq_lens, num_splits=self.num_splits, **options
+        )
+
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        # Autograd would run through the page, but the backward is not declared: refused.
+        raise NotImplementedError(f"{self.name} does not declare the 'grad' capability")
+
+    def _merge_states(self, o_a, lse_a, o_b, lse_b):
+        return self.merge.merge_states(o_a, lse_a, o_b, lse_b)
 
 
 class TorchModuleBackend(_TorchBackend):

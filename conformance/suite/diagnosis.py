@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from conformance.suite import lse_diagnosis, quantized_diagnosis
+from conformance.suite import lse_diagnosis, merge_diagnosis, quantized_diagnosis
 from conformance.suite.domain import CARRIED_BACK
 from conformance.suite.misreadings import MISREADINGS, Misreading
 from conformance.suite.planted import (
@@ -88,6 +88,9 @@ def find(actual, calls: list, tol: float) -> Found:
     ``where`` says where the error lies."""
     if calls and calls[-1][2] == "attention_quantized":
         sentence = quantized_diagnosis.diagnose(actual, calls, tol)  # SPEC §20
+        return Found(sentence, (sentence,) if sentence else (), None)
+    if calls and calls[-1][2] == "merge_states":
+        sentence = merge_diagnosis.diagnose(actual, calls, tol)  # SPEC §22
         return Found(sentence, (sentence,) if sentence else (), None)
     if not calls or calls[-1][2] != "attention":
         return NOTHING

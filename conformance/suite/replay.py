@@ -32,6 +32,7 @@ from conformance.suite.requirements import SuiteError, undeclared
 #: The backend methods a replay covers: everything that computes.
 RECORDED = (
     "attention",
+    "merge_states",
     "attention_quantized",
     "attention_vjp",
     "attention_packed",

@@ -182,6 +182,8 @@ def undeclared(backend: Any, method: str, args: tuple, kwargs: Mapping[str, Any]
     here: refusing them is the backend's part (SPEC §8.1)."""
     if method in ("attention_paged", "attention_paged_vjp"):
         return _undeclared_paged(backend, method, args, kwargs)
+    if method == "merge_states":
+        return _undeclared_merge(backend, args)
     packed = method in ("attention_packed", "attention_packed_vjp")
     if method not in ("attention", "attention_vjp") and not packed:
         return []
@@ -221,6 +223,16 @@ def undeclared(backend: Any, method: str, args: tuple, kwargs: Mapping[str, Any]
         for option, (cap, default) in GRAD_OPTION_CAPABILITIES.items():
             if option in kwargs and _differs(kwargs[option], default) and cap not in caps:
                 found.append(f"{option} in attention_vjp (capability {cap!r})")
+    return found
+
+
+def _undeclared_merge(backend: Any, args: tuple) -> list[str]:
+    """What a ``merge_states`` call uses that ``backend`` does not declare: the capability
+    and the outputs' dtype (SPEC §22)."""
+    found = [] if "merge" in backend.capabilities else ["merge_states (capability 'merge')"]
+    dtype = _float_dtype(args[0]) if args else None
+    if dtype is not None and dtype not in backend.dtypes:
+        found.append(f"dtype {dtype!r}")
     return found
 
 

@@ -71,6 +71,7 @@ from .core import (
     check_sinks,
 )
 from .layouts import PagedChecked, check_boundaries, check_cu_seqlens, check_packed, check_paged
+from .merge import check_merge
 from .numbers import check_bool, check_chunk_size, check_window
 
 __all__ = [
@@ -87,6 +88,7 @@ __all__ = [
     "check_cu_seqlens",
     "check_d_out",
     "check_heads",
+    "check_merge",
     "check_module_input",
     "check_packed",
     "check_paged",

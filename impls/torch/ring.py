@@ -14,10 +14,11 @@ its way to rank r + 1:
     3             q0 · kv1      q1 · kv2      q2 · kv3      q3 · kv0
                   send to r + 1 and receive from r − 1, overlapped with the step's compute
 
-Each rank merges the blocks by the online softmax (running max m, running sum l,
-unnormalised output a; α = exp(m_old − m_new) <= 1, the stable form), skips a block no query
-of its slice may see (causal, window, padding), and returns a / l (0 for a row with no
-key). How the sequence is laid out over the ranks (contiguous, or zigzag to balance causal
+Each rank attends each block on its own, giving the block's partial state (o_b, lse_b),
+and merges it into its rows' state with ``merge.py``'s ``merge_states`` (the one merge of
+this package, SPEC §22: weights exp(lse − max) <= 1, the stable form), the state kept in
+float64; it skips a block no query of its slice may see (causal, window, padding), and
+returns o (0 for a row with no key) and lse. How the sequence is laid out over the ranks (contiguous, or zigzag to balance causal
 work), and how positions and documents travel with the tokens: ``ring_layout.py``.
 
 ``ring_attention`` is the per-rank function: a user's own ``torchrun`` script calls it on
@@ -78,14 +79,15 @@ import torch
 import torch.distributed as dist
 
 from .. import contract
+from .merge import merge_states
 from .process_pool import run_on_ranks
 from .ring_layout import Layout, scale_split, sum_to
 
 
 def ring_attention(
     q, k, v, tpos, spos, mask, sinks=None, slopes=None, tdoc=None, sdoc=None, *,
-    opts: dict, pieces: int,
-) -> torch.Tensor:  # fmt: skip
+    opts: dict, pieces: int, return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One rank's share: its query slice against every key/value slice in turn.
 
     q (B, H, Tl, D), k (B, K, Sl, D), v (B, K, Sl, E) in the working dtype; tpos (Tl,),
@@ -99,11 +101,14 @@ def ring_attention(
     the document (a query's shifted by S_n − T_n for bottom-right alignment, so that
     ``opts["offset"]`` is 0) and no mask. Left out (None), the whole sequence is one
     document and padding is told by tpos >= T, spos >= S.
+
+    With ``return_lse``, (out, lse): lse (B, H, Tl), each row's natural log-sum-exp in the
+    working dtype (SPEC §21), the sink's term included.
     """
-    out, _ = _ring_forward(
+    out, lse = _ring_forward(
         q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, opts=opts, pieces=pieces
     )
-    return out  # (B, H, Tl, E)
+    return (out, lse) if return_lse else out  # (B, H, Tl, E), (B, H, Tl)
 
 
 def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, *, opts, pieces):
@@ -126,8 +131,9 @@ def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, *, opts,
     q = (q * folded).reshape(B, K, G, Tl, D)  # (B, K, G, Tl, D)
     alibi = None if slopes is None else slopes.reshape(B, K, G, 1, 1)  # (B, K, G, 1, 1)
 
-    def update(carry, qa, kb, vb, allowed, used, mb, bias):
-        m, l, acc = carry  # (B, K, G, Tr), (B, K, G, Tr), (B, K, G, Tr, E)
+    def attend(qa, kb, vb, allowed, used, mb, bias):
+        """One block's partial state, its rows' attention over its keys alone, in the state's
+        precision: o_b (B, K, G, Tr, E), lse_b (B, K, G, Tr) (-inf: a row that sees none)."""
         # A key no query of this block may see is replaced by 0 before use (0 · NaN is NaN).
         kb = torch.where(used[..., None], kb, 0.0)  # (B, K, Sr, D)
         vb = torch.where(used[..., None], vb, 0.0)  # (B, K, Sr, E)
@@ -150,20 +156,24 @@ def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, *, opts,
             x = x + mb
         x = torch.where(allowed, x, -torch.inf)  # (B, K, G, Tr, Sr)
 
-        # 5. Softmax over the keys, online (the stable form: α <= 1, exp of values <= 0).
-        m_new = torch.maximum(m, x.amax(dim=-1))  # (B, K, G, Tr)
-        m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)  # (B, K, G, Tr)
-        alpha = torch.exp(m - m_safe)  # (B, K, G, Tr)
-        p = torch.exp(x - m_safe[..., None])  # (B, K, G, Tr, Sr)
-        l = alpha * l + p.sum(dim=-1)  # (B, K, G, Tr)
+        # 5. Softmax over the block's keys, against the block's own maximum (a row that
+        # sees none of them takes its exponents against 0: exp(-inf) = 0).
+        m = x.amax(dim=-1)  # (B, K, G, Tr)
+        m = torch.where(torch.isfinite(m), m, 0.0)  # (B, K, G, Tr)
+        p = torch.exp(x - m[..., None])  # (B, K, G, Tr, Sr)
+        l = p.sum(dim=-1).to(state)  # (B, K, G, Tr)
+        safe = torch.where(l == 0, 1.0, l)  # (B, K, G, Tr)
 
-        # 7. Weighted sum of the values, accumulated unnormalised.
-        acc = alpha[..., None] * acc + torch.einsum("bkgts,bkse->bkgte", p, vb)
-        return m_new, l, acc
+        # 7. Weighted sum of the values, normalised within the block.
+        o_b = torch.einsum("bkgts,bkse->bkgte", p, vb).to(state) / safe[..., None]
+        return o_b, torch.where(l == 0, -torch.inf, m.to(state) + torch.log(safe))
 
-    m = torch.full((B, K, G, Tl), -torch.inf, dtype=work)  # running row max
-    l = torch.zeros((B, K, G, Tl), dtype=work)  # running row sum
-    acc = torch.zeros((B, K, G, Tl, E), dtype=work)  # unnormalised output
+    # Each row's state so far, (o, lse): the empty state until a block with a key arrives.
+    # It is kept in float64: an lse rounded to float32 near |lse| = 1e4 is off by up to
+    # 5e-4, and so, relatively, is every later merge's weight of it (SPEC §22).
+    state = torch.float64
+    o = torch.zeros((B, K, G, Tl, E), dtype=state)  # (B, K, G, Tl, E)
+    lse = torch.full((B, K, G, Tl), -torch.inf, dtype=state)  # (B, K, G, Tl)
     for step in range(P):
         src = (me - step) % P  # whose key/value slice this rank holds now
         k, v, spos, sdoc = travel
@@ -183,26 +193,23 @@ def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, *, opts,
                 for rows, cols in _documents(tdoc, sdoc, ta, sb):
                     seen = _visible(tpos, spos, tdoc, sdoc, rows, cols, mb, opts, K, G)
                     bias = _alibi_bias(alibi, tpos[rows], spos[cols], opts)
-                    carry = (m[:, :, :, rows], l[:, :, :, rows], acc[:, :, :, rows])
-                    carry = update(
-                        carry, q[:, :, :, rows], k[:, :, cols], v[:, :, cols], *seen, bias
-                    )
-                    m[:, :, :, rows], l[:, :, :, rows], acc[:, :, :, rows] = carry
+                    piece = attend(q[:, :, :, rows], k[:, :, cols], v[:, :, cols], *seen, bias)
+                    # The block's state merged into its rows' (merge.py, SPEC §22).
+                    held = (o[:, :, :, rows], lse[:, :, :, rows])
+                    o[:, :, :, rows], lse[:, :, :, rows] = merge_states(*held, *piece)
         for req in pending:
             req.wait()
 
     if sinks is not None:
-        # The sink joins each row's softmax once, now that every key block has been
-        # merged (once per step or per rank, it would count P times).
-        sink = sinks.reshape(1, K, G, 1).expand(B, K, G, Tl)  # (B, K, G, Tl)
-        m, l, acc = _add_sink(m, l, acc, sink)
-    # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
-    out = acc / torch.where(l > 0, l, 1.0)[..., None]  # (B, K, G, Tl, E)
-    m_safe = torch.where(torch.isfinite(m), m, 0.0)  # (B, K, G, Tl)
-    lse = torch.where(l > 0, m_safe + torch.log(torch.where(l > 0, l, 1.0)), -torch.inf)
-    # A row that read a +inf score (q·k overflowed) has l = +inf or NaN: its lse is
-    # NaN, so that in the backward every weight of it is NaN, as its output is (§4.1).
-    lse = torch.where(torch.isnan(l) | (l == torch.inf), torch.nan, lse)  # (B, K, G, Tl)
+        # The sink joins each row's softmax once (per step, it would count P times): a piece
+        # of its own, o = 0 and lse = the sink, in each row that saw a key (SPEC §22.6).
+        sink = sinks.to(state).reshape(1, K, G, 1).expand(B, K, G, Tl)  # (B, K, G, Tl)
+        sink = torch.where(lse > -torch.inf, sink, -torch.inf)  # (B, K, G, Tl)
+        o, lse = merge_states(o, lse, torch.zeros_like(o), sink)
+    # A row that read a +inf score (q·k overflowed) has a block's lse +inf, which the merge
+    # makes NaN, o and lse: so that in the backward every weight of it is NaN, as its
+    # output is (§4.1).
+    out, lse = o.to(work), lse.to(work)  # (B, K, G, Tl, E), (B, K, G, Tl)
     return out.reshape(B, H, Tl, E), lse.reshape(B, H, Tl)  # (B, H, Tl, E), (B, H, Tl)
 
 
@@ -318,21 +325,6 @@ def ring_attention_backward(
     return (dq * opts["scale"]).reshape(B, H, Tl, D), dk, dv, dmask, dsinks
 
 
-def _add_sink(m, l, acc, sink):
-    """Fold each row's sink into its (m, l, acc) after the last key block, as one more
-    block of one key whose value row is 0: a row with no key (l = 0) is left alone, and a
-    NaN or +inf sink makes a row with a key NaN (SPEC §15.4)."""
-    some = l > 0  # (B, K, G, Tl)
-    sink = torch.where(some, sink, -torch.inf)  # (B, K, G, Tl)
-    m_new = torch.maximum(m, sink)  # (B, K, G, Tl)
-    m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)  # (B, K, G, Tl)
-    alpha = torch.exp(m - m_safe)  # (B, K, G, Tl)
-    l = alpha * l + torch.exp(sink - m_safe)  # (B, K, G, Tl)
-    bad = torch.isnan(sink) | (sink == torch.inf)  # (B, K, G, Tl)
-    acc = torch.where(bad[..., None], torch.nan, alpha[..., None] * acc)  # (B, K, G, Tl, E)
-    return m_new, torch.where(bad, torch.nan, l), acc
-
-
 def _alibi_bias(alibi, tp, sp, opts: dict):
     """ALiBi's bias on one block, (B, K, G, Tr, Sr): −slope · |t + S − T − s|, t and s the
     tokens' global positions (which travel with them), so the layout and the padding do
@@ -444,9 +436,12 @@ def attention(
     alibi_slopes=None,
     world_size: int = 2,
     layout: str = "zigzag",
-) -> np.ndarray:
+    return_lse: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Ring attention on a pool of ``world_size`` worker processes; NumPy in and out.
-    ``sinks`` (H,), ``chunk_size`` and ``alibi_slopes`` (H,) or (B, H) as in SPEC §15-§17."""
+    ``sinks`` (H,), ``chunk_size`` and ``alibi_slopes`` (H,) or (B, H) as in SPEC §15-§17;
+    with ``return_lse``, (out, lse), lse (B, H, T) in float64 for float64 inputs and
+    float32 otherwise (SPEC §21)."""
     # 0. Validate: the input contract every impl shares (the contract package).
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     mask = None if mask is None else np.asarray(mask)
@@ -459,9 +454,16 @@ def attention(
         sinks=sinks, chunk_size=chunk_size, alibi_slopes=slopes,
     )  # fmt: skip
     lay = Layout(call, q, k, v, mask, None, world_size, layout, sinks, slopes)
-    outs = run_on_ranks(lay.P, ring_attention, _shards(lay), opts=lay.opts, pieces=lay.pieces)
-    out = lay.rows_back(np.concatenate(outs, axis=2)).astype(q.dtype)  # (B, H, T, E)
-    return out[0] if call.unbatched else out
+    outs = run_on_ranks(
+        lay.P, ring_attention, _shards(lay), opts=lay.opts, pieces=lay.pieces,
+        return_lse=return_lse,
+    )  # fmt: skip
+    if not return_lse:
+        out = lay.rows_back(np.concatenate(outs, axis=2)).astype(q.dtype)  # (B, H, T, E)
+        return out[0] if call.unbatched else out
+    out = lay.rows_back(np.concatenate([o for o, _ in outs], axis=2)).astype(q.dtype)
+    lse = lay.rows_back(np.concatenate([x for _, x in outs], axis=2))  # (B, H, T)
+    return (out[0], lse[0]) if call.unbatched else (out, lse)
 
 
 def attention_vjp(

@@ -95,6 +95,7 @@ from conformance.adapters.impl import (
     resolve_impl,
 )
 from conformance.adapters.lse import LseForm, parse_lse
+from conformance.adapters.merge import merge_table, with_merge
 from conformance.adapters.native import BOOL_MEANINGS, SPEC_OPTIONS, OptionMap
 from conformance.adapters.profiles.parse import (  # noqa: F401 - the [forms] names, re-exported
     ALIGNMENTS,
@@ -131,6 +132,7 @@ KEYS = {
     "interpreter",
     "call",
     "lse",
+    "merge",
 }
 MASK_KEYS = {"bool", "bool_true", "float", "blocked"}
 #: What a profile's ``needs`` may name: hardware a function requires beyond its libraries.
@@ -169,6 +171,8 @@ class Profile:
     interpreter: str = ""
     #: The [lse] table: where the function's result holds its log-sum-exp (SPEC §21).
     lse: LseForm | None = None
+    #: The [merge] table (``conformance.adapters.merge``): the merge function, SPEC §22.
+    merge: dict | None = None
 
     def missing(self) -> list[str]:
         """The distributions in ``requires`` that are not installed here."""
@@ -209,7 +213,7 @@ class Profile:
         if self.quantized is not None:
             return self._quantized_backend()
         try:
-            return resolve_impl(
+            return with_merge(resolve_impl(
                 self.target,
                 name=self.name,
                 capabilities=list(self.capabilities),
@@ -224,7 +228,7 @@ class Profile:
                 domain=self.domain,
                 interpreter=self.interpreter,
                 lse=self.lse,
-            )
+            ), self.merge, self.layout)  # fmt: skip
         except (ImplUnavailable, ValueError) as err:
             raise ProfileError(f"profile {self.name!r} ({self.path}): {err}") from err
 
@@ -343,6 +347,10 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
             f"{where}: the capability 'lse' and the table [lse] (where the result holds it) "
             "go together"
         )
+    try:
+        merge = merge_table(data, where)
+    except ValueError as err:
+        raise ProfileError(str(err)) from err
     interpreter = data.get("interpreter", "")
     if not isinstance(interpreter, str):
         raise ProfileError(
@@ -371,6 +379,7 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
         domain=domain,
         interpreter=interpreter,
         lse=lse,
+        merge=merge,
     )
 
 

@@ -277,6 +277,36 @@ def read_profile(name_or_path: str | Path) -> Profile:
     return parse_profile(data, path)
 
 
+def _entry_points(data: dict[str, Any], where: str) -> tuple:
+    """A profile's second functions and result forms: (packed, domain, lse, merge), each
+    checked with the capability it goes with."""
+    packed = data.get("packed")
+    if packed is not None and (not isinstance(packed, str) or ":" not in packed):
+        raise ProfileError(
+            f"{where}: 'packed' should be the 'module:function' of attention_packed, got {packed!r}"
+        )
+    if (packed is not None) != ("packed" in data.get("capabilities", ())):
+        raise ProfileError(
+            f"{where}: the capability 'packed' and the key 'packed' (the function for "
+            "attention_packed) go together"
+        )
+    try:
+        domain = parse_domain(data.get("domain", {}), f"{where}: [domain]")
+        lse = parse_lse(data["lse"], where) if "lse" in data else None
+    except ValueError as err:
+        raise ProfileError(str(err)) from err
+    if (lse is not None) != ("lse" in data.get("capabilities", ())):
+        raise ProfileError(
+            f"{where}: the capability 'lse' and the table [lse] (where the result holds it) "
+            "go together"
+        )
+    try:
+        merge = merge_table(data, where)
+    except ValueError as err:
+        raise ProfileError(str(err)) from err
+    return packed, domain, lse, merge
+
+
 def parse_profile(data: dict[str, Any], path: Path) -> Profile:
     """Check a profile's keys and build the ``Profile``."""
     where = str(path)
@@ -327,30 +357,7 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
             f"{where}: {both} listed both as known failures and as processor-dependent: "
             "a test is one or the other"
         )
-    packed = data.get("packed")
-    if packed is not None and (not isinstance(packed, str) or ":" not in packed):
-        raise ProfileError(
-            f"{where}: 'packed' should be the 'module:function' of attention_packed, got {packed!r}"
-        )
-    if (packed is not None) != ("packed" in data.get("capabilities", ())):
-        raise ProfileError(
-            f"{where}: the capability 'packed' and the key 'packed' (the function for "
-            "attention_packed) go together"
-        )
-    try:
-        domain = parse_domain(data.get("domain", {}), f"{where}: [domain]")
-        lse = parse_lse(data["lse"], where) if "lse" in data else None
-    except ValueError as err:
-        raise ProfileError(str(err)) from err
-    if (lse is not None) != ("lse" in data.get("capabilities", ())):
-        raise ProfileError(
-            f"{where}: the capability 'lse' and the table [lse] (where the result holds it) "
-            "go together"
-        )
-    try:
-        merge = merge_table(data, where)
-    except ValueError as err:
-        raise ProfileError(str(err)) from err
+    packed, domain, lse, merge = _entry_points(data, where)
     interpreter = data.get("interpreter", "")
     if not isinstance(interpreter, str):
         raise ProfileError(

@@ -15,7 +15,8 @@ import pytest
 
 from conformance.adapters import interpreters
 from conformance.adapters.interpreters import Interpreter, Limitation, interpreter_words
-from conformance.suite.behaviours import behaviour
+from conformance.suite import verdicts
+from conformance.suite.behaviours import behaviour, misreadings
 from conformance.suite.tolerance import Departure
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,13 +97,14 @@ def _calls(interpreter: str, dtype) -> list:
 
 @pytest.mark.clause("13.19")
 def test_a_measured_limitation_names_the_failures_of_its_dtypes(monkeypatch):
-    shown = Limitation(("float16",), "the toy interpreter rounds float16 twice", lambda: "off")
-    hidden = Limitation(("float32",), "the toy interpreter drops float32", lambda: None)
+    shown = Limitation(("float16",), "the toy rounds float16 twice", lambda: "off", "float16")
+    hidden = Limitation(("float32",), "the toy drops float32", lambda: None, "float32")
     toy = Interpreter("a toy interpreter", "numpy", (shown, hidden))
     monkeypatch.setitem(interpreters.INTERPRETERS, "toy", toy)
     interpreters.measured.cache_clear()
     err = Departure("m")
     assert behaviour(err, _calls("toy", np.float16), "4.1", "T") == shown.sentence
+    assert misreadings(err, _calls("toy", np.float16)) == []
     # Its probe does not show it here: the failure is named as any other.
     assert behaviour(err, _calls("toy", np.float32), "4.1", "T").startswith("fails a check")
     # Another interpreter, or text that names none the suite knows: nothing is blamed on it.
@@ -135,5 +137,47 @@ def test_tritons_bfloat16_dot_is_named_as_the_interpreters(tmp_path):
     out = run.stdout + run.stderr
     assert run.returncode == 1 and "1 failed, 1 passed" in out, out[-3000:]
     assert f"tkern: {SENTENCE}" in out, out[-3000:]
+    version = interpreters.INTERPRETERS["triton"].version()
+    assert (
+        "verdict tkern — math: conforms (1 test), except 1 test its interpreter cannot run "
+        f"right: tl.dot on bfloat16, {version} · edges: not run · contract: not run"
+    ) in out, out[-3000:]
     assert "runs under Triton's interpreter (TRITON_INTERPRET=1), triton " in out
     assert "its interpreter's known limitation, measured here (a 16 × 16 tl.dot of" in out
+
+
+@pytest.mark.clause("13.18")
+def test_a_verdict_counts_the_interpreters_failures_apart():
+    """A failure named as its interpreter's limitation is no departure of the kernel's: the
+    layer conforms on the rest, or departs on its own failures alone, and says how many
+    tests the interpreter spoiled; where it spoiled every test that ran, the layer is not
+    judged, never "conforms"."""
+    words = f"tl.dot on bfloat16, {interpreters.INTERPRETERS['triton'].version()}"
+
+    def row(clause, outcome, found="", layer="math"):
+        return {
+            "backend": "k",
+            "clause": clause,
+            "layer": layer,
+            "outcome": outcome,
+            "behaviour": found,
+            "test": f"t{clause}",
+            "rerun": "pytest ...",
+        }
+
+    spoiled = [row("11.1", "failed", SENTENCE), row("5.1", "xfailed", SENTENCE)]
+    own = row("6.3", "failed", "departs from §6.3 (No future leakage)")
+    assert verdicts.layer_verdict([row("11.1", "passed"), *spoiled], "math", []) == (
+        f"math: conforms (1 test), except 2 tests its interpreter cannot run right: {words}"
+    )
+    assert verdicts.layer_verdict([own, *spoiled], "math", []) == (
+        "math: departs on §6.3 (departs from §6.3 (No future leakage)), except 2 tests its "
+        f"interpreter cannot run right: {words}"
+    )
+    assert verdicts.layer_verdict(spoiled[:1], "math", []) == (
+        f"math: not judged (1 test its interpreter cannot run right: {words})"
+    )
+    # The same behaviour under no interpreter the suite knows is the kernel's departure.
+    assert verdicts.layer_verdict([row("11.1", "failed", "fails")], "math", []).startswith(
+        "math: departs on §11.1"
+    )

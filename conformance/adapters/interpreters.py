@@ -27,12 +27,14 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Limitation:
     """A known limitation of an interpreter: the dtypes whose results it spoils, the
-    sentence that names a failure it causes (no number in it), and its probe: what it
-    measured where the limitation shows here (words), or None."""
+    sentence that names a failure it causes (no number in it), its probe (what it measured
+    where the limitation shows here, in words, or None), and its name in a few words, for
+    the verdicts (SPEC §13.18)."""
 
     dtypes: tuple[str, ...]
     sentence: str
     probe: Callable[[], str | None]
+    short: str
 
 
 @dataclass(frozen=True)
@@ -44,13 +46,17 @@ class Interpreter:
     distribution: str
     limitations: tuple[Limitation, ...] = ()
 
-    def describe(self) -> str:
-        """Its words with the installed version: "Triton's interpreter ..., triton 3.9.0"."""
+    def version(self) -> str:
+        """The installed distribution and its version: "triton 3.9.0"."""
         try:
             version = importlib.metadata.version(self.distribution)
         except importlib.metadata.PackageNotFoundError:
             version = "not installed"
-        return f"{self.words}, {self.distribution} {version}"
+        return f"{self.distribution} {version}"
+
+    def describe(self) -> str:
+        """Its words with the installed version: "Triton's interpreter ..., triton 3.9.0"."""
+        return f"{self.words}, {self.version()}"
 
 
 def _triton_bf16_dot() -> str | None:
@@ -90,6 +96,7 @@ INTERPRETERS = {
                 "Triton's interpreter computes tl.dot on bfloat16 from raw bit patterns: the "
                 "interpreter's limitation, not the kernel's",
                 _triton_bf16_dot,
+                "tl.dot on bfloat16",
             ),
         ),
     ),
@@ -127,3 +134,14 @@ def limitation_for(interpreter: str, dtype: str) -> Limitation | None:
     if interpreter not in INTERPRETERS:
         return None
     return next((lim for lim, _ in measured(interpreter) if dtype in lim.dtypes), None)
+
+
+def limitation_named(behaviour: str) -> str | None:
+    """For a failure's behaviour that is a known limitation's sentence: the limitation in a
+    few words with its interpreter's version ("tl.dot on bfloat16, triton 3.9.0"), which a
+    verdict names instead of counting the failure as the kernel's departure; else None."""
+    for known in INTERPRETERS.values():
+        for limitation in known.limitations:
+            if behaviour == limitation.sentence:
+                return f"{limitation.short}, {known.version()}"
+    return None

@@ -218,10 +218,11 @@ def _found(departure: Departure, calls) -> diagnosis.Found:
 
 def misreadings(err: BaseException | None, calls: list) -> list[str]:
     """The sentences of every misreading of attention that a failing test's output equals
-    (``diagnosis.find``), in ``misreadings.MISREADINGS``' order; [] where none does or the
-    failure saw no output."""
+    (``diagnosis.find``), in ``misreadings.MISREADINGS``' order; [] where none does, the
+    failure saw no output, or a known limitation of its interpreter spoiled it (the run
+    must not name it by a misreading of the kernel's)."""
     inner = _innermost(err) if err is not None else None
-    if not isinstance(inner, Departure):
+    if not isinstance(inner, Departure) or _interpreters_limitation(calls) is not None:
         return []
     return list(_found(inner, calls).matches)
 

@@ -725,3 +725,37 @@ def test_the_report_says_what_a_kernel_was_judged_on(tmp_path):
     section = md[md.index("## What each function was judged on") :]
     assert "- `kern.tiled`: dtypes float64, float32; forms it does not take: a bool mask" in section
     assert "**Untested**, no call of theirs fits what it takes: SPEC §2.5, §3.1, §3.2" in section
+
+
+@pytest.mark.clause("13.7", "13.19")
+def test_the_report_takes_an_impls_forms_and_domain_as_pytest_does(tmp_path):
+    """``--impl-mask``, ``--impl-causal`` and ``--impl-domain`` reach the report's run: the
+    no-mask kernel of D in {16, 32} and S a multiple of 16 (which asserts inside itself that
+    it gets nothing else) is judged on its domain, named by the same flags as in pytest;
+    without --impl they are an error, as in pytest."""
+    from test_domain import KERNELS
+
+    (tmp_path / "kern.py").write_text(KERNELS.format(drop_scale=False))
+    domain = ["--impl-domain", "head_dims=[16, 32]", "--impl-domain", "s_multiple=16"]
+    flags = ["--impl-mask", "none", "--impl-causal", "keyword", *domain]
+    run = subprocess.run(
+        [sys.executable, "-m", "conformance", "report", "--impl", "kern:tiled", *flags]
+        + ["--impl-name", "kern.tiled", "--impl-dtypes", "float64,float32"]
+        + ["--out", str(tmp_path / "out"), "-k", "test_fixture_case"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KERNEL_LOG": str(tmp_path / "calls.jsonl")},
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert calls and all(c["q"][-1] in (16, 32) and c["k"][-2] % 16 == 0 for c in calls)
+    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    judged = data["domains"]["kern.tiled"]
+    assert judged["on"][-1] == "shapes D, E in {16, 32}; S a multiple of 16"
+    assert "forms it does not take: a bool mask; an additive float mask" in judged["on"]
+    assert data["verdicts"]["kern.tiled"]["conforms"]
+
+    alone = _report("--impl-domain", "s_multiple=16", "--backend", "numpy", "--out", str(tmp_path))
+    assert alone.returncode == 2
+    assert "--impl-domain describes an --impl; give --impl MODULE:ATTR" in alone.stderr

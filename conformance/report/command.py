@@ -100,6 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--impl-capabilities", help="capabilities of an --impl function")
     parser.add_argument("--impl-dtypes", help="dtypes of an --impl function")
     parser.add_argument("--impl-name", help="the --impl backend's name")
+    _impl_form_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("report"), help="output directory")
     parser.add_argument(
         "--workers",
@@ -116,6 +117,80 @@ def _parser() -> argparse.ArgumentParser:
         "one): the report then has its clauses, versions and agreement beside the backends'",
     )
     return parser
+
+
+def _impl_form_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that say how an --impl function is called and what it takes, as
+    pytest's (``conformance.suite.options``): its arrays, layout, causality, masks and
+    shapes (SPEC §13.17, §13.19)."""
+    from conformance.adapters.impl import IMPL_CAUSALITY, IMPL_MASKS
+
+    parser.add_argument(
+        "--impl-framework",
+        choices=["numpy", "torch", "jax", "auto"],
+        help="the arrays an --impl function takes and returns (default: numpy)",
+    )
+    parser.add_argument(
+        "--impl-layout", choices=["BHTD", "BTHD"], help="an --impl function's axis order"
+    )
+    parser.add_argument(
+        "--impl-causal",
+        choices=list(IMPL_CAUSALITY),
+        help="how causality reaches an --impl function (default: keyword)",
+    )
+    parser.add_argument(
+        "--impl-mask",
+        choices=list(IMPL_MASKS),
+        help="what an --impl function's mask= takes (default: both)",
+    )
+    parser.add_argument(
+        "--impl-domain",
+        action="append",
+        metavar="KEY=VALUE",
+        help="the shapes an --impl function accepts (repeatable), e.g. 'head_dims=[16, 32]', "
+        "s_multiple=16, square=true",
+    )
+
+
+def _load_impl(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """Register the --impl function in this process, with every --impl-* option; its name,
+    or None without --impl (where an --impl-* option is an error, as in pytest)."""
+    from conformance.adapters.domain import domain_flags
+    from conformance.adapters.impl import load_impl
+
+    if not args.impl:
+        for flag in IMPL_FLAGS:
+            if getattr(args, flag[2:].replace("-", "_")) is not None:
+                parser.error(f"{flag} describes an --impl; give --impl MODULE:ATTR")
+        return None
+    try:
+        impl = load_impl(
+            args.impl,
+            name=args.impl_name,
+            capabilities=args.impl_capabilities,
+            dtypes=args.impl_dtypes,
+            framework=args.impl_framework or "numpy",
+            layout=args.impl_layout or "BHTD",
+            causal=args.impl_causal,
+            mask=args.impl_mask,
+            domain=domain_flags(args.impl_domain or ()),
+        )
+    except (BackendUnavailable, ValueError) as err:
+        parser.error(str(err))
+    return impl.name
+
+
+#: The options that describe an --impl, and need one.
+IMPL_FLAGS = (
+    "--impl-capabilities",
+    "--impl-dtypes",
+    "--impl-name",
+    "--impl-framework",
+    "--impl-layout",
+    "--impl-causal",
+    "--impl-mask",
+    "--impl-domain",
+)
 
 
 def _declarations(name: str) -> dict:
@@ -171,20 +246,10 @@ def main(argv: list[str]) -> int:
             return args.backend
 
     backends = selected_backends(_Opts())
-    if args.impl:
-        from conformance.adapters.impl import load_impl
-
-        try:
-            impl = load_impl(
-                args.impl,
-                name=args.impl_name,
-                capabilities=args.impl_capabilities,
-                dtypes=args.impl_dtypes,
-            )
-        except (BackendUnavailable, ValueError) as err:
-            parser.error(str(err))
+    impl = _load_impl(parser, args)
+    if impl:
         # Registered in this process, so the in-process pytest run finds it by name.
-        backends = list(dict.fromkeys([*backends, impl.name]))
+        backends = list(dict.fromkeys([*backends, impl]))
     for profile in args.impl_profile:
         # Every test process (xdist's workers too) registers the profiles from this option.
         extra += ["--impl-profile", profile]

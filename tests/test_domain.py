@@ -325,3 +325,16 @@ def test_the_pallas_profiles_declare_their_domains():
     tpu = profiles.read_profile(ROOT / "examples" / "pallas.tpu.flash_attention.toml")
     assert "mask_float" in tpu.forms and tpu.domain.s_multiple == 128
     assert "float64" not in gpu.dtypes + tpu.dtypes  # neither switches JAX's x64 on
+
+
+def test_the_triton_tutorial_example_declares_its_domain():
+    """examples/triton_fused_attention.toml (not run in CI: docs/gpu-kernels-on-cpu.md)
+    parses to the tutorial's domain: no mask, both causal forms, float16, its head dims and
+    tiles, under Triton's interpreter."""
+    tutorial = profiles.read_profile(ROOT / "examples" / "triton_fused_attention.toml")
+    assert not {"mask_bool", "mask_float"} & tutorial.forms
+    assert {"causal", "non_causal"} <= tutorial.forms
+    assert tuple(tutorial.dtypes) == ("float16",) and tutorial.interpreter == "triton"
+    assert tutorial.domain.words() == (
+        "D, E in {32, 64, 128, 256}; T a multiple of 64; S a multiple of 64"
+    )

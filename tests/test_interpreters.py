@@ -181,3 +181,70 @@ def test_a_verdict_counts_the_interpreters_failures_apart():
     assert verdicts.layer_verdict([row("11.1", "failed", "fails")], "math", []).startswith(
         "math: departs on §11.1"
     )
+
+
+#: Integer arithmetic a quantized kernel does, under Triton's interpreter: an int8 tl.dot
+#: into int32, the same accumulated, C's division and remainder, and uint8's refusal.
+TRITON_INTEGERS = """
+import numpy as np, torch, triton, triton.language as tl
+
+
+@triton.jit
+def _dot(a_ptr, b_ptr, c_ptr, twice_ptr):
+    i = tl.arange(0, 16)
+    square = i[:, None] * 16 + i[None, :]  # (16, 16)
+    a, b = tl.load(a_ptr + square), tl.load(b_ptr + square)
+    tl.store(c_ptr + square, tl.dot(a, b))
+    tl.store(twice_ptr + square, tl.dot(a, b, tl.dot(a, b)))
+
+
+@triton.jit
+def _divmod(x_ptr, q_ptr, r_ptr):
+    i = tl.arange(0, 8)
+    x = tl.load(x_ptr + i)
+    tl.store(q_ptr + i, x // 3)
+    tl.store(r_ptr + i, x % 3)
+
+
+rng = np.random.default_rng(0)
+a, b = (torch.from_numpy(rng.integers(-128, 128, (16, 16))).to(torch.int8) for _ in "ab")
+c, twice = torch.empty(16, 16, dtype=torch.int32), torch.empty(16, 16, dtype=torch.int32)
+_dot[(1,)](a, b, c, twice)
+exact = a.long() @ b.long()
+print("dot", int((c.long() - exact).abs().max()), int((twice.long() - 2 * exact).abs().max()))
+x = torch.tensor([-7, -4, -3, -1, 0, 1, 4, 7], dtype=torch.int32)
+q, r = torch.empty_like(x), torch.empty_like(x)
+_divmod[(1,)](x, q, r)
+print("divmod", q.tolist(), r.tolist())
+try:
+    _dot[(1,)](a.to(torch.uint8), b.to(torch.uint8), c, twice)
+except Exception as err:
+    print("uint8", type(err).__name__, err)
+"""
+
+
+@pytest.mark.clause("13.19")
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
+    reason="needs triton and torch (pip install --no-deps triton)",
+)
+def test_tritons_interpreter_computes_integers_as_the_device(tmp_path):
+    """Measured on the installed Triton (3.9.0 here): its interpreter has no integer
+    limitation of the kind its bfloat16 tl.dot has, so INTERPRETERS names none: an int8
+    tl.dot into int32 is exact, accumulated too; ``//`` and ``%`` truncate toward zero, as
+    C and the GPU do; a uint8 tl.dot is refused by Triton's front end ("only int8
+    supported!"), which a compiled kernel meets alike."""
+    (tmp_path / "integers.py").write_text(TRITON_INTEGERS)
+    run = subprocess.run(
+        [sys.executable, "integers.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert lines[0] == "dot 0 0", run.stdout
+    assert lines[1] == "divmod [-2, -1, -1, 0, 0, 0, 1, 2] [-1, -1, 0, -1, 0, 1, 1, 1]"
+    assert lines[2].startswith("uint8 ") and "only int8 supported!" in lines[2], run.stdout
+    assert all("int8" not in lim.dtypes for lim in interpreters.INTERPRETERS["triton"].limitations)

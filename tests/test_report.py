@@ -759,3 +759,36 @@ def test_the_report_takes_an_impls_forms_and_domain_as_pytest_does(tmp_path):
     alone = _report("--impl-domain", "s_multiple=16", "--backend", "numpy", "--out", str(tmp_path))
     assert alone.returncode == 2
     assert "--impl-domain describes an --impl; give --impl MODULE:ATTR" in alone.stderr
+
+
+@pytest.mark.clause("13.7", "13.18")
+def test_the_reports_verdict_counts_the_interpreters_failures_apart():
+    """A failure named as its interpreter's known limitation (SPEC §13.19) is neither a
+    failed clause nor a conforming test in the report's verdict: counted apart, by name."""
+    from conformance.adapters.interpreters import INTERPRETERS
+    from conformance.report.markdown import render_verdicts
+    from conformance.report.outcomes import verdicts
+
+    triton = INTERPRETERS["triton"]
+    sentence, words = triton.limitations[0].sentence, f"tl.dot on bfloat16, {triton.version()}"
+    declared = {"k": {"capabilities": [], "dtypes": ["float32", "bfloat16"]}}
+    spoiled = {**_row("k", "11.1", "failed"), "behaviour": sentence}
+    rows = [_row("k", "4.1", "passed"), spoiled, {**spoiled, "outcome": "xfailed"}]
+    v = verdicts(rows, declared)["k"]
+    assert v["conforms"] and v["ran"] == 1 and v["failed_clauses"] == []
+    assert v["known_failure_clauses"] == []
+    assert v["interpreter"] == {"tests": 2, "limitations": [words]}
+    (line,) = [x for x in render_verdicts({"k": v}) if x.startswith("| k |")]
+    assert (
+        f"✅ conforms: 1 test, none failed; ➖ 2 tests its interpreter cannot run right: {words}"
+        in line
+    )
+    # Only the interpreter's failures ran: the kernel conforms on nothing, and no test is
+    # said not to have run.
+    alone = verdicts([spoiled], declared)["k"]
+    assert not alone["conforms"] and alone["failed_clauses"] == []
+    (line,) = [x for x in render_verdicts({"k": alone}) if x.startswith("| k |")]
+    assert f"| k | ➖ 1 test its interpreter cannot run right: {words} |" in line
+    # The kernel's own failure stays its own.
+    own = verdicts([*rows, {**_row("k", "6.3", "failed"), "behaviour": "fails"}], declared)["k"]
+    assert not own["conforms"] and own["failed_clauses"] == ["6.3"]

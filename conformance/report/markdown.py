@@ -101,12 +101,18 @@ def render_verdicts(verdicts: dict[str, dict]) -> list[str]:
             )
         if v["known_failure_clauses"]:
             parts.append(f"⚠️ known failures in {_sections(v['known_failure_clauses'])}")
+        spoiled = v.get("interpreter", {}).get("tests", 0)
         if v["conforms"]:
-            parts.append(f"✅ conforms: {v['ran']} tests, none failed")
-        elif not parts:
+            parts.append(f"✅ conforms: {v['ran']} test{'s' * (v['ran'] != 1)}, none failed")
+        elif not parts and not spoiled:
             parts.append("➖ no test ran")
-        elif not v["failed_clauses"] and not v["apart_from"]:
+        elif parts and not v["failed_clauses"] and not v["apart_from"]:
             parts.append("nothing else fails")
+        if spoiled:
+            parts.append(
+                f"➖ {spoiled} test{'s' * (spoiled != 1)} its interpreter cannot run right: "
+                + "; ".join(v["interpreter"]["limitations"])
+            )
         lacks = [*v["lacks_capabilities"], *(f"dtype {d}" for d in v["lacks_dtypes"])]
         verdict = "; ".join(parts).replace("; nothing else fails", ", nothing else fails")
         lines.append(f"| {name} | {verdict} | {', '.join(lacks) or 'nothing: all declared'} |")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
+from conformance.adapters.interpreters import limitation_named
 from conformance.backends import CAPABILITIES, DTYPES
 from conformance.report.collect import OUTCOMES
 from conformance.suite.behaviours import describe_common, family
@@ -71,11 +72,17 @@ def _clauses(rows: list[dict]) -> list[str]:
     return sorted(found, key=lambda c: clause_key(None if c == "(no clause)" else c))
 
 
+def _spoiler(row: dict) -> str | None:
+    return limitation_named(row.get("behaviour") or "")
+
+
 def verdicts(rows: list[dict], declared: dict[str, dict]) -> dict[str, dict]:
     """Per backend: whether it conforms; the clauses its own tests fail; per partner, the
     clauses where a pairwise test found the two apart (which of them is wrong, the pair
-    cannot say); the clauses with known failures; how many tests ran; and the capabilities
-    and dtypes it does not declare.
+    cannot say); the clauses with known failures; how many tests ran; the tests a known
+    limitation of its interpreter spoiled (``interpreter``: how many, and the limitations in
+    words), which count in none of these; and the capabilities and dtypes it does not
+    declare.
 
     ``declared``: {backend: {"capabilities": [...], "dtypes": [...], "declarable": [...]}};
     what it does not declare is what it could (``declarable``, default every capability)
@@ -84,6 +91,10 @@ def verdicts(rows: list[dict], declared: dict[str, dict]) -> dict[str, dict]:
     result = {}
     for name, decl in declared.items():
         own = [r for r in rows if r["backend"] == name]
+        # A failure its interpreter's known limitation explains is not the kernel's (SPEC
+        # §13.18): counted apart, neither a departure nor a test that conforms.
+        spoiled = [r for r in own if r["outcome"] in ("failed", "xfailed") and _spoiler(r)]
+        own = [r for r in own if all(r is not s for s in spoiled)]
         paired = [r for r in rows if r["backend"] and name in r["backend"].split("~")[:2]]
         paired = [r for r in paired if "~" in r["backend"]]
         failed = [r for r in own if r["outcome"] == "failed"]
@@ -104,6 +115,10 @@ def verdicts(rows: list[dict], declared: dict[str, dict]) -> dict[str, dict]:
                 for partner, rs in apart.items()
             },
             "known_failure_clauses": _clauses(known),
+            "interpreter": {
+                "tests": len(spoiled),
+                "limitations": list(dict.fromkeys(_spoiler(r) for r in spoiled)),
+            },
             "lacks_capabilities": sorted(
                 set(decl.get("declarable", CAPABILITIES)) - set(decl["capabilities"])
             ),

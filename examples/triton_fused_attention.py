@@ -32,12 +32,21 @@ BLOCK_N = 32
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, Out, sm_scale,
-    stride_z, stride_h, stride_m,
-    H, N_CTX,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    Out,
+    sm_scale,
+    stride_z,
+    stride_h,
+    stride_m,
+    H,
+    N_CTX,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
-):  # fmt: skip
+):
     tl.static_assert(BLOCK_N <= HEAD_DIM)
     start_m = tl.program_id(0)
     off_hz = tl.program_id(1)
@@ -86,9 +95,19 @@ def attention(q, k, v, causal=False, sm_scale=None):
     out = torch.empty_like(q)  # (B, H, T, D)
     grid = (triton.cdiv(q.shape[2], BLOCK_M), q.shape[0] * q.shape[1])
     _attn_fwd[grid](
-        q, k, v, out, sm_scale,
-        q.stride(0), q.stride(1), q.stride(2),
-        q.shape[1], q.shape[2],
-        HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        out,
+        sm_scale,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        q.shape[1],
+        q.shape[2],
+        HEAD_DIM=head_dim,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        CAUSAL=causal,
+    )
     return out

@@ -35,7 +35,7 @@ class JaxBackend(Backend):
     name = "jax"
     framework = "jax"
     capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {
-        "sinks", "chunked", "alibi", "packed", "paged", "lse", "merge"
+        "sinks", "chunked", "alibi", "packed", "paged", "lse", "merge", "grad_lse"
     }  # fmt: skip
     dtypes = DTYPES
     impl_module = "conformance.impls.jax.attention"

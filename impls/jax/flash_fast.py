@@ -85,9 +85,7 @@ from .flash_tiles import (
 )
 
 
-def _prepare(
-    q, k, v, mask, options: dict, block_q: int, block_k: int, d_out=None, d_lse=None
-):
+def _prepare(q, k, v, mask, options: dict, block_q: int, block_k: int, d_out=None, d_lse=None):
     """Step 0 and the shape bucket: (the checked call, the batched q, k, v and the mask as
     (B|1, H|1, T|1, S|1), padded to the bucket, the sinks (H,) and ALiBi's slopes (H,) or
     (B, H), the keyword arguments of ``_flash``, with ``d_out`` batched and padded too,

@@ -317,7 +317,7 @@ def log_sum_exp(scores: jax.Array, sinks: jax.Array | None, call: contract.Check
     total = jnp.exp(scores - shift).sum(axis=-1, keepdims=True)  # (B, H, T, 1)
     if sinks is not None:
         total = total + jnp.exp(sink - shift)  # (B, H, T, 1)
-    lse = (shift + log_of_sum(total))[..., 0]  # (B, H, T); Edge cases
+    lse = (shift + jnp.log(total))[..., 0]  # (B, H, T)
     return lse[0] if call.unbatched else lse  # (B, H, T) or (H, T)
 
 
@@ -428,15 +428,6 @@ def lse_shift(row_max: jax.Array) -> jax.Array:
     key, whose sum of exp(-inf) = 0 then gives log 0 = -inf. Unlike ``finite_or_0``, +inf
     stays: a row that reads +inf gets inf - inf = NaN, as its output does (SPEC §4.1)."""
     return jnp.where(row_max == -jnp.inf, 0.0, row_max)  # (B, H, T, 1)
-
-
-def log_of_sum(total: jax.Array) -> jax.Array:
-    """log of a row's shifted sum, with the -inf of a row with no key (a sum of 0)
-    selected rather than computed: differentiated (SPEC §21.7), log's slope 1/0 times that
-    row's exp(-inf) = 0 would be NaN, and a selection passes the gradient only to the
-    branch it took. A NaN sum stays NaN (SPEC §21.2)."""
-    empty = total == 0  # (B, H, T, 1)
-    return jnp.where(empty, -jnp.inf, jnp.log(jnp.where(empty, 1.0, total)))  # (B, H, T, 1)
 
 
 def nan_where_sink_is(weights: jax.Array, sink: jax.Array) -> jax.Array:

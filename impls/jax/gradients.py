@@ -11,8 +11,10 @@ selection passes the cotangent only to the branch it took (the core page's Notes
 
 The log-sum-exp's gradient (SPEC §21.7): with ``d_lse``, the forward is the core page's
 with ``return_lse``, (out, lse), and JAX pulls (d_out, d_lse) back through both, step 8
-included; a row with no key has its lse selected as -inf (the core page's ``log_of_sum``),
-so its d_lse reaches nothing.
+included. A row with no key has lse = log 0 = -inf, and log's slope there is 1/0: the
+NaN that it makes of exp(-inf)'s cotangent lands on the -inf that step 4 selected for
+each score (and the sink logit selects for the sink), a constant, so nothing reaches q, k,
+v or the sinks.
 
 Shape legend: the core page's (``attention.py``). Dropout is refused: its gradient would
 need the forward's random draw.

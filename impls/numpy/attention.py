@@ -302,7 +302,7 @@ def log_sum_exp(scores: np.ndarray, sinks: np.ndarray | None, call: contract.Che
     total = np.exp(scores - shift).sum(axis=-1, keepdims=True)  # (B, H, T, 1)
     if sinks is not None:
         total = total + np.exp(sink - shift)  # (B, H, T, 1)
-    lse = (shift + log_of_sum(total))[..., 0]  # (B, H, T); Edge cases
+    lse = (shift + np.log(total))[..., 0]  # (B, H, T)
     return lse[0] if call.unbatched else lse  # (B, H, T) or (H, T)
 
 
@@ -405,15 +405,6 @@ def lse_shift(row_max: np.ndarray) -> np.ndarray:
     key, whose sum of exp(-inf) = 0 then gives log 0 = -inf. Unlike ``finite_or_0``, +inf
     stays: a row that reads +inf gets inf - inf = NaN, as its output does (SPEC §4.1)."""
     return np.where(row_max == -np.inf, 0.0, row_max)  # (B, H, T, 1)
-
-
-def log_of_sum(total: np.ndarray) -> np.ndarray:
-    """log of a row's shifted sum, with the -inf of a row with no key (a sum of 0)
-    selected rather than computed: differentiated (SPEC §21.7), log's slope 1/0 times that
-    row's exp(-inf) = 0 would be NaN, and a selection passes the gradient only to the
-    branch it took. A NaN sum stays NaN (SPEC §21.2)."""
-    empty = total == 0  # (B, H, T, 1)
-    return np.where(empty, -np.inf, np.log(np.where(empty, 1.0, total)))  # (B, H, T, 1)
 
 
 def nan_where_sink_is(weights: np.ndarray, sink: np.ndarray) -> np.ndarray:

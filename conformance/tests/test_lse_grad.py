@@ -17,29 +17,33 @@ from conformance.suite.helpers import as64, random_qkv
 from conformance.suite.requirements import requires, value_dims
 from conformance.suite.tolerance import assert_identical, assert_within, expect, tolerance
 
-T, S = 7, 13
+T = 7
 
 #: The setups (options, capabilities), each of them §12.10's pairwise setup of that name
-#: with a row that attends no key where there is a mask.
+#: with a row that attends no key where there is a mask; "sinks-bool-mask" is
+#: test_sinks.py's gradient setup of a bool mask (H = 3, S = 9, D = E = 5), where a row
+#: with no key has its sink's weight too (§15.3), and must not pass its d_lse to dsinks.
 SETUPS = {
     "bool-mask": ({"mask": "bool"}, ()),
     "float-mask": ({"mask": "float", "scale": 0.4}, ()),
     "gqa-softcap": ({"softcap": 3.0, "K": 1}, ("gqa", "softcap", "grad_softcap")),
     "sinks-gqa-causal": ({"is_causal": True, "K": 2, "sinks": "random"}, ("gqa", "sinks")),
+    "sinks-bool-mask": ({"mask": "bool", "sinks": "random", "H": 3, "S": 9}, ("sinks",)),
 }
 #: The queries whose mask row blocks every key: their lse is -inf, a constant.
 EMPTY_ROWS = [2, 5]
 
 
 def _setup(backend, name: str, dtype: str):
-    """q, k, v, the options of setup ``name`` (test_gradients' pairwise inputs), d_out
+    """q, k, v, the options of setup ``name`` (test_gradients' or test_sinks' inputs), d_out
     and d_lse, standard normal, d_lse in the lse's dtype (§21.4)."""
     options = dict(SETUPS[name][0])
-    D, E = value_dims(backend, 6, 5)
-    q, k, v = random_qkv(54, H=4, K=options.pop("K", None), T=T, S=S, D=D, E=E, dtype=dtype)
+    H, S = options.pop("H", 4), options.pop("S", 13)
+    D, E = value_dims(backend, 6, 5) if H == 4 else (5, 5)
+    q, k, v = random_qkv(54, H=H, K=options.pop("K", None), T=T, S=S, D=D, E=E, dtype=dtype)
     rng = np.random.default_rng(55)
     if options.get("mask") == "bool":
-        mask = rng.random((2, 1, T, S)) < 0.7
+        mask = rng.random((2, 1 if H == 4 else H, T, S)) < 0.7
         mask[:, :, EMPTY_ROWS] = False
         options["mask"] = mask
     elif options.get("mask") == "float":
@@ -47,7 +51,7 @@ def _setup(backend, name: str, dtype: str):
         mask[EMPTY_ROWS] = -np.inf
         options["mask"] = mask.astype(q.dtype)
     if options.get("sinks") == "random":
-        options["sinks"] = rng.uniform(-1.0, 2.0, 4).astype(q.dtype)  # (H,)
+        options["sinks"] = rng.uniform(-1.0, 2.0, H).astype(q.dtype)  # (H,)
     d_out = gradients.random_d_out(56, q, v)
     d_lse = np.random.default_rng(57).standard_normal(q.shape[:3]).astype(dtype)  # (B, H, T)
     return q, k, v, options, d_out, d_lse

@@ -343,9 +343,9 @@ def _flash_vjp(
         do = do.reshape(B, K, G * Tb, E)  # (B, K, G·Tb, E)
         delta = (do * o).sum(axis=-1)  # (B, K, G·Tb)
         # 8'. The log-sum-exp's gradient joins Δ with the opposite sign (dZ += d_lse · P);
-        # a row with no key (lse = −inf, a constant) drops it.
+        # a row with no key has weights 0, so it reaches nothing there.
         dl = lax.dynamic_slice_in_dim(d_lse, i * Tb, Tb, axis=2).astype(work)  # (B, H, Tb)
-        delta = delta - jnp.where(some, dl.reshape(B, K, G * Tb), 0.0)  # (B, K, G·Tb)
+        delta = delta - dl.reshape(B, K, G * Tb)  # (B, K, G·Tb)
 
         # 5'. Sinks: dsink = −Σ_t p_sink · Δ, p_sink = exp(sink − lse) (0 with no key).
         if sinks is not None:

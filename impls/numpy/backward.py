@@ -36,7 +36,8 @@ d_lse · P[s] to dZ[s], which is one more term in the row's constant:
     dZ[t,s] = P[t,s] · (dP[t,s] − Δ[t]),      Δ[t] = dO[t]·O[t] − d_lse[t]
 
 and the sink's line below takes it up as written (its weight is in the lse too). A row
-with no key has lse = −inf, a constant: its d_lse reaches nothing.
+with no key has lse = −inf, a constant: its weights and its sink's are all 0, so its d_lse
+reaches nothing.
 
 ALiBi's bias is added to the scores like a float mask, but it is a constant: its slopes
 get no gradient, and dZ flows on to the softcap and the scores unchanged.
@@ -152,7 +153,8 @@ def attention_backward(
     d_row = np.sum(d_out * out, axis=-1, keepdims=True)  # (B, H, T, 1)
     # 8'. The log-sum-exp, where its gradient is given: ∂lse/∂Z = P, so d_lse joins the
     # row's constant with the opposite sign (d_lse · P added to dZ).
-    d_row = d_row - lse_cotangent(d_lse, allowed, call)  # (B, H, T, 1)
+    if d_lse is not None:
+        d_row = d_row - (d_lse[None] if call.unbatched else d_lse)[..., None]  # (B, H, T, 1)
     d_scores = weights * (d_weights - d_row)  # (B, H, T, S)
 
     # 5'. Sinks: the sink's value row is 0, so its dZ is p_sink · (0 − Δ), summed over the
@@ -241,18 +243,6 @@ def softmax_with_sink(scores: np.ndarray, sinks: np.ndarray | None):
     bad = np.isnan(sink) | (sink == np.inf)  # (B, H, T, 1): NaN rows, as in the forward
     weights = np.where(bad, np.nan, p / divisor)  # (B, H, T, S)
     return weights, np.where(bad, np.nan, p_sink / divisor)  # (B, H, T, S), (B, H, T, 1)
-
-
-def lse_cotangent(
-    d_lse: np.ndarray | None, allowed: np.ndarray, call: contract.Checked
-) -> np.ndarray | float:
-    """8'. d_lse (B, H, T, 1) in the working precision, 0 on the rows with no key (their lse
-    is −inf whatever the scores: a constant with no gradient), or 0 without d_lse."""
-    if d_lse is None:
-        return 0.0
-    d_lse = (d_lse[None] if call.unbatched else d_lse)[..., None]  # (B, H, T, 1)
-    some = allowed.any(axis=-1, keepdims=True)  # (B|1, H|1, T, 1)
-    return np.where(some, d_lse, 0.0)  # (B, H, T, 1)
 
 
 def softcap_backward(d_scores: np.ndarray, raw: np.ndarray, softcap: float | None) -> np.ndarray:

@@ -390,7 +390,8 @@ def attention_vjp(
     too (SPEC §21.7), ∂lse/∂Z = P adds d_lse · P to dZ: dZ = P ⊙ (dP − (Δ − d_lse)), so
     Δ ← Δ − d_lse before the tiles are visited, and nothing else changes (the sink's
     gradient below reads the same Δ). A row with no key has lse = −inf, a constant: its
-    d_lse is dropped.
+    weights and its sink's are 0 (lse is taken as +inf above), so its d_lse reaches
+    nothing.
 
     Args:
       q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks,
@@ -446,7 +447,7 @@ def attention_vjp(
         if d_lse is not None:
             dl = options["d_lse"].reshape(B * K, G, T)[:, :, t0:t1]  # (B·K, G, Tb)
             dl = dl.astype(work).reshape(B * K, G * Tb, 1)  # (B·K, G·Tb, 1)
-            delta = delta - np.where(some, dl, 0.0)  # (B·K, G·Tb, 1)
+            delta = delta - dl  # (B·K, G·Tb, 1)
 
         # 5'. Sinks: dsink = −Σ_t p_sink · Δ, p_sink = exp(sink − lse) (0 with no key).
         if sinks is not None:

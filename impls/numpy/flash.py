@@ -443,11 +443,13 @@ def attention_vjp(
         # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O): one dot product per row.
         do = d_out[:, :, t0:t1].astype(work).reshape(B * K, G * Tb, E)  # (B·K, G·Tb, E)
         delta = np.sum(do * o, axis=-1, keepdims=True)  # (B·K, G·Tb, 1)
+        # --8<-- [start:backward-8-lse]
         # 8'. The log-sum-exp's gradient joins Δ with the opposite sign (dZ += d_lse · P).
         if d_lse is not None:
             dl = options["d_lse"].reshape(B * K, G, T)[:, :, t0:t1]  # (B·K, G, Tb)
             dl = dl.astype(work).reshape(B * K, G * Tb, 1)  # (B·K, G·Tb, 1)
             delta = delta - dl  # (B·K, G·Tb, 1)
+        # --8<-- [end:backward-8-lse]
 
         # 5'. Sinks: dsink = −Σ_t p_sink · Δ, p_sink = exp(sink − lse) (0 with no key).
         if sinks is not None:

@@ -36,6 +36,8 @@ CAPABILITIES = {
     "grad": "backward pass: attention_vjp (SPEC §12)",
     "grad_mask": "attention_vjp also returns the gradient of a float mask (SPEC §12.3)",
     "grad_softcap": "attention_vjp with softcap (SPEC §12.2)",
+    "grad_lse": "attention_vjp(..., d_lse=) takes the log-sum-exp's cotangent too: the "
+    "gradients of L = Σ d_out · out + Σ d_lse · lse (SPEC §21.7)",
     "module_grad": "parameter gradients of the module and GPT block: module_param_grads (SPEC §12.8)",
     "error_messages": "errors worded to this project's standard: argument, expected shape, "
     "what was given (SPEC §8.3)",
@@ -53,6 +55,12 @@ CAPABILITIES = {
 #: gradient tests skipped by name rather than failed.
 GRAD_CAPABILITIES = frozenset({"grad", "grad_mask", "grad_softcap", "module_grad"})
 DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+#: The backward pass through the log-sum-exp (SPEC §21.7), opted into by name: not a member
+#: of ``GRAD_CAPABILITIES``, so that a backend or an ``--impl`` function that declares
+#: ``grad`` (the rings, the mutants, the kit's functions) is not judged on a cotangent it
+#: never promised to take.
+LSE_GRAD_CAPABILITIES = frozenset({"grad_lse"})
 
 #: The variants of today's models (SPEC §15 onwards), opted into one by one as a backend
 #: implements them: they are not part of ``ALL_CAPABILITIES`` either, so that a backend
@@ -73,6 +81,7 @@ ALL_CAPABILITIES = (
     - GRAD_CAPABILITIES
     - VARIANT_CAPABILITIES
     - QUANTIZED_CAPABILITIES
+    - LSE_GRAD_CAPABILITIES
     - {"sharded", "sharded_heads"}
 )
 

@@ -214,6 +214,7 @@ def test_jax_flash_backward_memory_is_linear_in_t():
         None,
         None,
         shape,
+        d_lse=jax.ShapeDtypeStruct((1, 8, 16384), jax.numpy.float32),  # (B, H, T)
         opts=jax_flash_fast._traced_options(_checked(16384, 16384, 64), np.float32, 16384),
         Tb=512,
         Sb=256,

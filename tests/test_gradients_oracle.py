@@ -359,3 +359,30 @@ def test_oracle_lse_gradients_match_finite_differences(options):
         assert err < FD_ATOL, (
             f"{options}: oracle {name} with d_lse vs central differences: {err:.3e}"
         )
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_naive_backward_with_d_lse_is_the_oracle_s_in_its_dtype(dtype):
+    """naive_vjp_same_precision(..., d_lse=) (SPEC §21.7's tolerance baseline) is the
+    oracle's gradient, to the float64 rounding in float64 and within float32's error in
+    float32, with a float mask that leaves a row with no key, softcap and sinks; d_lse
+    moves it (by more than that error), and the row with no key still gets dq = 0."""
+    rng = np.random.default_rng(13)
+    B, H, K, T, S, D, E = 1, 4, 2, 5, 7, 4, 3
+    q, k = rng.standard_normal((B, H, T, D)), rng.standard_normal((B, K, S, D))
+    v, d_out = rng.standard_normal((B, K, S, E)), rng.standard_normal((B, H, T, E))
+    d_lse = rng.standard_normal((B, H, T))
+    mask = np.where(rng.random((H, T, S)) < 0.3, -np.inf, rng.standard_normal((H, T, S)))
+    mask[1, 2] = -np.inf
+    options = {"mask": mask, "softcap": 2.0, "sinks": rng.standard_normal(H)}
+    expected = oracle.attention_vjp(q, k, v, d_out, d_lse=d_lse, **options)
+    naive = oracle.naive_vjp_same_precision(q, k, v, d_out, dtype, d_lse=d_lse, **options)
+    plain = oracle.naive_vjp_same_precision(q, k, v, d_out, dtype, **options)
+    bound = 1e-14 if dtype == np.float64 else 1e-5
+    assert sorted(naive) == sorted(expected)
+    for name in expected:
+        err = np.max(np.abs(naive[name] - expected[name]))
+        assert err < bound, f"naive {name} in {np.dtype(dtype)} with d_lse vs the oracle: {err:.3e}"
+    assert np.max(np.abs(naive["dq"] - plain["dq"])) > 100 * bound
+    assert np.max(np.abs(naive["dsinks"] - plain["dsinks"])) > 100 * bound
+    assert not np.any(naive["dq"][0, 1, 2])

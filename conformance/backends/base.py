@@ -241,6 +241,7 @@ class Backend(PagedEntryPoints, MergeEntryPoints):
         sinks: np.ndarray | None = None,
         chunk_size: int | None = None,
         alibi_slopes: np.ndarray | None = None,
+        d_lse: np.ndarray | None = None,
     ) -> tuple[np.ndarray, ...]:
         """The backward pass (capability "grad"), NumPy in and out.
 
@@ -250,6 +251,9 @@ class Backend(PagedEntryPoints, MergeEntryPoints):
         the mask; with ``sinks`` (capability "sinks"), dsinks (H,) last (SPEC §15.5).
         ``chunk_size`` (capability "chunked") and ``alibi_slopes`` (capability "alibi") add
         no gradient (SPEC §16.3, §17.3). Options as for ``attention``; there is no dropout in the backward.
+        ``d_lse`` (B, H, T) (capability "grad_lse", SPEC §21.7), in the lse's dtype (§21.4),
+        is the cotangent of the log-sum-exp: the gradients are then those of
+        L = Σ d_out · out + Σ d_lse · lse.
         """
         options = {"is_causal": is_causal, "scale": scale}
         for key, value in (
@@ -265,6 +269,9 @@ class Backend(PagedEntryPoints, MergeEntryPoints):
             options["chunk_size"] = self._chunk_size(chunk_size)
         if alibi_slopes is not None:
             options["alibi_slopes"] = self._alibi_slopes(alibi_slopes, q)
+        if d_lse is not None:
+            self._refuse_unless_declared("grad_lse", "d_lse", "§21.7", lambda: None)
+            options["d_lse"] = self.from_numpy(np.asarray(d_lse))
         mask = None if mask is None else self.from_numpy(np.asarray(mask))
         grads = self._attention_vjp(
             self.from_numpy(q),

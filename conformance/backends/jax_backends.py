@@ -35,7 +35,7 @@ class JaxBackend(Backend):
     name = "jax"
     framework = "jax"
     capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {
-        "sinks", "chunked", "alibi", "packed", "paged", "lse", "merge"
+        "sinks", "chunked", "alibi", "packed", "paged", "lse", "merge", "grad_lse"
     }  # fmt: skip
     dtypes = DTYPES
     impl_module = "conformance.impls.jax.attention"
@@ -126,7 +126,9 @@ class JaxFlashBackend(Backend):
     name = "jax-flash"
     framework = "jax"
     impl_module = "conformance.impls.jax.flash"
-    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged", "lse"}
+    capabilities = BLOCKWISE_CAPABILITIES | {
+        "sinks", "chunked", "alibi", "packed", "paged", "lse", "grad_lse"
+    }  # fmt: skip
     dtypes = DTYPES
     conformance_options = Blockwise.CONFORMANCE_OPTIONS
 

@@ -14,7 +14,7 @@ from conformance.vocabulary import ALL_CAPABILITIES, DTYPES, GRAD_CAPABILITIES, 
 class NumpyBackend(Backend):
     name = "numpy"
     capabilities = ALL_CAPABILITIES | GRAD_CAPABILITIES | {
-        "sinks", "chunked", "alibi", "packed", "paged", "lse", "merge"
+        "sinks", "chunked", "alibi", "packed", "paged", "lse", "merge", "grad_lse"
     }  # fmt: skip
     dtypes = DTYPES
 
@@ -134,7 +134,9 @@ class NumpyFlashBackend(Backend):
     impl_module = "conformance.impls.numpy.flash"
     packed_module = "conformance.impls.numpy.packed"
     paged_module = "conformance.impls.numpy.paged"
-    capabilities = BLOCKWISE_CAPABILITIES | {"sinks", "chunked", "alibi", "packed", "paged", "lse"}
+    capabilities = BLOCKWISE_CAPABILITIES | {
+        "sinks", "chunked", "alibi", "packed", "paged", "lse", "grad_lse"
+    }  # fmt: skip
     dtypes = DTYPES
     conformance_options = Blockwise.CONFORMANCE_OPTIONS
 

@@ -45,6 +45,12 @@ class _TorchBackend(Backend):
         sinks = options.pop("sinks", None)
         if sinks is not None:
             primals.append(sinks)
+        # The lse's cotangent (SPEC §21.7): the forward returns (out, lse) and autograd
+        # takes (d_out, d_lse) back through both.
+        d_lse = options.pop("d_lse", None)
+        if d_lse is not None:
+            options["return_lse"] = True
+            d_out = (d_out, d_lse)
 
         def call(q, k, v, *rest):
             rest = list(rest)
@@ -52,7 +58,8 @@ class _TorchBackend(Backend):
             given = rest.pop() if float_mask else mask
             return self._attention(q, k, v, mask=given, **extra, **options)
 
-        return self.arrays.vjp(call, primals, d_out, check=_check_d_out)
+        check = _check_d_out if d_lse is None else _check_d_out_and_d_lse
+        return self.arrays.vjp(call, primals, d_out, check=check)
 
     def _attention_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
         return self.packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
@@ -202,12 +209,26 @@ class TorchUlyssesBackend(TorchRingBackend):
         return self.impl.attention_packed_vjp(q, k, v, cu_q, cu_k, d_out, **where, **options)
 
 
+def _check_d_out_and_d_lse(outputs, cotangents) -> None:
+    """d_out like the output, and d_lse shaped and typed like the lse (SPEC §21.4)."""
+    (out, lse), (d_out, d_lse) = outputs, cotangents
+    _check_d_out(out, d_out)
+    if d_lse.shape != lse.shape:
+        letters = "(B, H, T)" if lse.ndim == 3 else "(H, T)"
+        raise ValueError(
+            f"d_lse shape should be the lse's {letters} = {tuple(lse.shape)}, "
+            f"got {tuple(d_lse.shape)}"
+        )
+    if d_lse.dtype != lse.dtype:
+        raise TypeError(f"d_lse dtype should be {lse.dtype}, the lse's, got {d_lse.dtype}")
+
+
 class TorchNaiveBackend(_TorchBackend):
     name = "torch-naive"
     capabilities = (
         (ALL_CAPABILITIES - {"module"})
         | (GRAD_CAPABILITIES - {"module_grad"})
-        | {"sinks", "chunked", "alibi", "packed", "paged", "lse", "merge"}
+        | {"sinks", "chunked", "alibi", "packed", "paged", "lse", "merge", "grad_lse"}
     )
 
     def __init__(self) -> None:
@@ -267,7 +288,7 @@ class TorchModuleBackend(_TorchBackend):
     capabilities = (
         ALL_CAPABILITIES
         | GRAD_CAPABILITIES
-        | {"sinks", "chunked", "alibi", "packed", "paged", "lse"}
+        | {"sinks", "chunked", "alibi", "packed", "paged", "lse", "grad_lse"}
     )
 
     def __init__(self) -> None:

@@ -74,6 +74,7 @@ def check(
     sinks: Any = None,
     chunk_size: Any = None,
     alibi_slopes: Any = None,
+    d_lse: Any = None,
 ) -> Checked:
     """Check one attention call; return its sizes and normalised options.
 
@@ -90,6 +91,8 @@ def check(
       sinks: the sink logits (H,) in q's dtype, or None (SPEC §15).
       chunk_size: the length of a local-attention chunk, an int >= 1, or None (SPEC §16).
       alibi_slopes: ALiBi's slopes (H,) or (B, H) in float32 or q's dtype, or None (§17).
+      d_lse: for a backward pass, the log-sum-exp's cotangent, shaped like the lse
+        (B, H, T) and in its dtype, the working precision (SPEC §21.4, §21.7), or None.
 
     Raises:
       ValueError, TypeError: bad input, with a message naming the argument, the expected
@@ -122,6 +125,8 @@ def check(
             raise ValueError(f"{name} should be a positive int, got {size!r}")
     if d_out is not None:
         check_d_out(d_out, (H, T, E) if unbatched else (B, H, T, E), dtype_name(q))
+    if d_lse is not None:
+        check_d_lse(d_lse, (H, T) if unbatched else (B, H, T), dtype_name(q))
     if sinks is not None:
         check_sinks(sinks, q)
     if alibi_slopes is not None:
@@ -310,6 +315,21 @@ def check_d_out(d_out: Any, want: tuple[int, ...], dtype: str) -> None:
         )
     if dtype_name(d_out) != dtype:
         raise TypeError(f"d_out dtype should be {dtype} like q, got {dtype_name(d_out)}")
+
+
+def check_d_lse(d_lse: Any, want: tuple[int, ...], dtype: str) -> None:
+    letters = "(H, T)" if len(want) == 2 else "(B, H, T)"
+    if tuple(d_lse.shape) != want:
+        raise ValueError(
+            f"d_lse shape should be the lse's {letters} = {want}, got {tuple(d_lse.shape)}"
+        )
+    # The lse is returned in the working precision (SPEC §21.4): float64 for float64 q,
+    # float32 for the others.
+    work = "float64" if dtype == "float64" else "float32"
+    if dtype_name(d_lse) != work:
+        raise TypeError(
+            f"d_lse dtype should be {work}, the lse's for {dtype} q, got {dtype_name(d_lse)}"
+        )
 
 
 def check_heads(n_heads: Any, d_model: int) -> int:

@@ -388,6 +388,7 @@ def attention_vjp(
     alibi_slopes: jax.Array | None = None,
     block_q: int = 512,
     block_k: int = 256,
+    d_lse: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """Gradients of ``attention`` by FlashAttention-2's blockwise backward (module
     docstring; the derivation is NumPy's ``flash.py``'s).
@@ -398,6 +399,9 @@ def attention_vjp(
         its gradient needs the forward's random draw).
       d_out: ∂L/∂out, shaped like the output, (B, H, T, E) or (H, T, E), in q's dtype.
       dropout_p: must be 0.
+      d_lse: ∂L/∂lse for L = Σ d_out · out + Σ d_lse · lse (SPEC §21.7), shaped like the
+        lse, (B, H, T) or (H, T), in its dtype (float64 for float64 q, else float32):
+        Δ ← Δ − d_lse, as NumPy's ``flash.py`` derives. None: 0.
 
     Returns:
       (dq, dk, dv) shaped and typed like q, k, v, for L = Σ d_out · attention(q, k, v,
@@ -411,7 +415,7 @@ def attention_vjp(
     options.update(chunk_size=chunk_size, alibi_slopes=alibi_slopes)
     given = None if mask is None else np.shape(mask)  # dmask is shaped like this
     call, (q, k, v, mask, sinks, alibi), static = _prepare(
-        q, k, v, mask, options, block_q, block_k, d_out=d_out
+        q, k, v, mask, options, block_q, block_k, d_out=d_out, d_lse=d_lse
     )
     float_mask = mask is not None and not call.mask_is_bool
     if call.T == 0 or call.S == 0:

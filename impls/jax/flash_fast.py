@@ -85,17 +85,18 @@ from .flash_tiles import (
 )
 
 
-def _prepare(q, k, v, mask, options: dict, block_q: int, block_k: int, d_out=None):
+def _prepare(q, k, v, mask, options: dict, block_q: int, block_k: int, d_out=None, d_lse=None):
     """Step 0 and the shape bucket: (the checked call, the batched q, k, v and the mask as
     (B|1, H|1, T|1, S|1), padded to the bucket, the sinks (H,) and ALiBi's slopes (H,) or
-    (B, H), the keyword arguments of ``_flash``, with ``d_out`` batched and padded too)."""
+    (B, H), the keyword arguments of ``_flash``, with ``d_out`` batched and padded too,
+    and ``d_lse``, zeros where it is not given)."""
     sinks, alibi = options.pop("sinks"), options.pop("alibi_slopes")
     # On the host, the reshapes and pads below are NumPy's (``_on_host``), on arrays of
     # the dtypes JAX gives them (float64 only with jax_enable_x64).
-    host = _on_host(q, k, v, mask, sinks, alibi, d_out)
-    q, k, v, mask, sinks, alibi, d_out = (
+    host = _on_host(q, k, v, mask, sinks, alibi, d_out, d_lse)
+    q, k, v, mask, sinks, alibi, d_out, d_lse = (
         None if x is None else _host_array(x) if host else jnp.asarray(x)
-        for x in (q, k, v, mask, sinks, alibi, d_out)
+        for x in (q, k, v, mask, sinks, alibi, d_out, d_lse)
     )
     call = contract.check(
         q,
@@ -108,10 +109,12 @@ def _prepare(q, k, v, mask, options: dict, block_q: int, block_k: int, d_out=Non
         d_out=d_out,
         sinks=sinks,
         alibi_slopes=alibi,
+        d_lse=d_lse,
     )
     if call.unbatched:
         q, k, v = q[None], k[None], v[None]  # (1, H, T, D), (1, K, S, D), (1, K, S, E)
         d_out = None if d_out is None else d_out[None]  # (1, H, T, E)
+        d_lse = None if d_lse is None else d_lse[None]  # (1, H, T)
     if mask is not None:
         # Keep the mask as small as it was given, (B|1, H|1, T|1, S|1): broadcasting it
         # to (B, H, T, S) here would build the very T × S array this module avoids.
@@ -130,6 +133,11 @@ def _prepare(q, k, v, mask, options: dict, block_q: int, block_k: int, d_out=Non
     static = dict(opts=_traced_options(call, q.dtype, Tq), Tb=Tb, Sb=Sb)
     if d_out is not None:
         static["d_out"] = _pad(d_out, 2, Tq)  # (B, H, Tq, E)
+        # Always an array, zeros where not given: one compiled backward serves both.
+        if d_lse is None:
+            work = np.float64 if q.dtype == np.float64 else np.float32
+            d_lse = (np.zeros if host else jnp.zeros)((call.B, call.H, call.T), work)
+        static["d_lse"] = _pad(d_lse, 2, Tq)  # (B, H, Tq)
     return call, (q, k, v, mask, sinks, alibi), static
 
 
@@ -296,6 +304,7 @@ def _flash_vjp(
     sinks: jax.Array | None,
     d_out: jax.Array,
     *,
+    d_lse: jax.Array,
     opts: dict,
     Tb: int,
     Sb: int,
@@ -311,6 +320,7 @@ def _flash_vjp(
     work, G = tiles.work, tiles.G
     float_mask = mask is not None and mask.dtype != jnp.bool_
     d_out = jnp.pad(d_out, ((0, 0), (0, 0), (0, tiles.Tp - T), (0, 0)))  # (B, H, Tp, E)
+    d_lse = jnp.pad(d_lse, ((0, 0), (0, 0), (0, tiles.Tp - T)))  # (B, H, Tp)
 
     def query_block(i: jax.Array, grads: tuple) -> tuple:
         dq, dk, dv, dm, ds = grads
@@ -332,6 +342,10 @@ def _flash_vjp(
         do = lax.dynamic_slice_in_dim(d_out, i * Tb, Tb, axis=2).astype(work)
         do = do.reshape(B, K, G * Tb, E)  # (B, K, G·Tb, E)
         delta = (do * o).sum(axis=-1)  # (B, K, G·Tb)
+        # 8'. The log-sum-exp's gradient joins Δ with the opposite sign (dZ += d_lse · P);
+        # a row with no key has weights 0, so it reaches nothing there.
+        dl = lax.dynamic_slice_in_dim(d_lse, i * Tb, Tb, axis=2).astype(work)  # (B, H, Tb)
+        delta = delta - dl.reshape(B, K, G * Tb)  # (B, K, G·Tb)
 
         # 5'. Sinks: dsink = −Σ_t p_sink · Δ, p_sink = exp(sink − lse) (0 with no key).
         if sinks is not None:

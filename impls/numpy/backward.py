@@ -26,7 +26,18 @@ An attention sink is one more logit in each row's softmax whose value row is 0: 
 output), and ∂P[s']/∂sink = −P[s'] · p_sink gives its own gradient, summed over the
 batch and the queries of its head:
 
-    dsink = − Σ_t p_sink[t] · Σ_s' P[t,s'] dP[t,s'] = − Σ_t p_sink[t] · (dO[t]·O[t])
+    dsink = − Σ_t p_sink[t] · Σ_s' P[t,s'] dP[t,s'] = − Σ_t p_sink[t] · Δ[t]
+
+The log-sum-exp's gradient. A caller that keeps each row's lse = log Σ_s exp(Z[t,s]) (the
+forward's ``return_lse``, SPEC §21) may send a gradient d_lse back through it too. Its
+derivative by a score is that score's weight, ∂lse/∂Z[s] = P[s], so it adds
+d_lse · P[s] to dZ[s], which is one more term in the row's constant:
+
+    dZ[t,s] = P[t,s] · (dP[t,s] − Δ[t]),      Δ[t] = dO[t]·O[t] − d_lse[t]
+
+and the sink's line below takes it up as written (its weight is in the lse too). A row
+with no key has lse = −inf, a constant: its weights and its sink's are all 0, so its d_lse
+reaches nothing.
 
 ALiBi's bias is added to the scores like a float mask, but it is a constant: its slopes
 get no gradient, and dZ flows on to the softcap and the scores unchanged.
@@ -89,6 +100,7 @@ def attention_backward(
     sinks: np.ndarray | None = None,
     chunk_size: int | None = None,
     alibi_slopes: np.ndarray | None = None,
+    d_lse: np.ndarray | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Gradients of ``attention`` with respect to q, k, v (and a float mask, and sinks).
 
@@ -99,6 +111,9 @@ def attention_backward(
       d_out: ∂L/∂out, the gradient arriving from above, shaped like the output:
         (B, H, T, E) or unbatched (H, T, E), same dtype as q.
       dropout_p: must be 0.
+      d_lse: ∂L/∂lse for the loss L = Σ d_out · out + Σ d_lse · lse, shaped like the lse,
+        (B, H, T) or unbatched (H, T), in its dtype (float64 for float64, else float32);
+        None: 0.
 
     Returns:
       (dq, dk, dv): (B, H, T, D), (B, K, S, D), (B, K, S, E), or unbatched without B;
@@ -108,10 +123,11 @@ def attention_backward(
     """
     # 0. Validate with the forward's contract, and d_out against the output's shape.
     q, k, v, d_out, mask, sinks, alibi_slopes = as_arrays(q, k, v, d_out, mask, sinks, alibi_slopes)
+    d_lse = None if d_lse is None else np.asarray(d_lse)
     call = contract.check(
         q, k, v, mask=mask, is_causal=is_causal, scale=scale, causal_alignment=causal_alignment,
         window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size,
-        alibi_slopes=alibi_slopes, d_out=d_out,
+        alibi_slopes=alibi_slopes, d_out=d_out, d_lse=d_lse,
         unsupported={"dropout_p": "the backward pass would need the forward's random draw"},
     )  # fmt: skip
     dtype, given_mask = q.dtype, mask
@@ -135,10 +151,14 @@ def attention_backward(
     # 5'. Softmax: dZ = P ⊙ (dP − rowsum(dO ⊙ O)). The row sum is where the weights'
     # coupling shows: raising one score lowers every other weight of its row.
     d_row = np.sum(d_out * out, axis=-1, keepdims=True)  # (B, H, T, 1)
+    # 8'. The log-sum-exp, where its gradient is given: ∂lse/∂Z = P, so d_lse joins the
+    # row's constant with the opposite sign (d_lse · P added to dZ).
+    if d_lse is not None:
+        d_row = d_row - (d_lse[None] if call.unbatched else d_lse)[..., None]  # (B, H, T, 1)
     d_scores = weights * (d_weights - d_row)  # (B, H, T, S)
 
-    # 5'. Sinks: the sink's value row is 0, so its dZ is p_sink · (0 − rowsum(dO ⊙ O)),
-    # summed over the batch and the queries that share the head's sink.
+    # 5'. Sinks: the sink's value row is 0, so its dZ is p_sink · (0 − Δ), summed over the
+    # batch and the queries that share the head's sink.
     d_sinks = None
     if sinks is not None:
         d_sinks = -np.sum(sink_weights * d_row, axis=(0, 2, 3))  # (H,)

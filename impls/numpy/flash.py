@@ -327,6 +327,7 @@ def attention_vjp(
     alibi_slopes: np.ndarray | None = None,
     block_q: int = 256,
     block_k: int = 512,
+    d_lse: np.ndarray | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Gradients of ``attention``, FlashAttention-2's way: tile by tile, no T × S matrix.
 
@@ -385,12 +386,21 @@ def attention_vjp(
     weight with the sink in the sum; the sink has no value row, so its dP is 0 and its
     own gradient is dsink = Σ_t p_sink[t] · (0 − Δ[t]) with p_sink = exp(sink − lse).
 
+    The log-sum-exp's gradient. Where the caller kept lse and sends d_lse = ∂L/∂lse back
+    too (SPEC §21.7), ∂lse/∂Z = P adds d_lse · P to dZ: dZ = P ⊙ (dP − (Δ − d_lse)), so
+    Δ ← Δ − d_lse before the tiles are visited, and nothing else changes (the sink's
+    gradient below reads the same Δ). A row with no key has lse = −inf, a constant: its
+    weights and its sink's are 0 (lse is taken as +inf above), so its d_lse reaches
+    nothing.
+
     Args:
       q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks,
         chunk_size, alibi_slopes, block_q, block_k: as for ``attention`` (no dropout:
         its gradient needs the forward's random draw).
       d_out: ∂L/∂out, shaped like the output, (B, H, T, E) or (H, T, E), in q's dtype.
       dropout_p: must be 0.
+      d_lse: ∂L/∂lse, shaped like the lse, (B, H, T) or (H, T), in its dtype (float64
+        for float64 q, else float32); None: 0.
 
     Returns:
       (dq, dk, dv) shaped and typed like q, k, v, for L = Σ d_out · attention(q, k, v,
@@ -403,6 +413,8 @@ def attention_vjp(
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
     options.update(chunk_size=chunk_size, alibi_slopes=alibi_slopes)
     d_out = np.asarray(d_out)
+    if d_lse is not None:
+        options.update(d_lse=np.asarray(d_lse))
     call, q, tiles = flash_tiles.prepare(q, k, v, mask, options, block_q, block_k, d_out=d_out)
     B, H, K, G, T, S, D, E = call.B, call.H, call.K, call.G, call.T, call.S, call.D, call.E
     work = tiles.work
@@ -431,6 +443,13 @@ def attention_vjp(
         # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O): one dot product per row.
         do = d_out[:, :, t0:t1].astype(work).reshape(B * K, G * Tb, E)  # (B·K, G·Tb, E)
         delta = np.sum(do * o, axis=-1, keepdims=True)  # (B·K, G·Tb, 1)
+        # --8<-- [start:backward-8-lse]
+        # 8'. The log-sum-exp's gradient joins Δ with the opposite sign (dZ += d_lse · P).
+        if d_lse is not None:
+            dl = options["d_lse"].reshape(B * K, G, T)[:, :, t0:t1]  # (B·K, G, Tb)
+            dl = dl.astype(work).reshape(B * K, G * Tb, 1)  # (B·K, G·Tb, 1)
+            delta = delta - dl  # (B·K, G·Tb, 1)
+        # --8<-- [end:backward-8-lse]
 
         # 5'. Sinks: dsink = −Σ_t p_sink · Δ, p_sink = exp(sink − lse) (0 with no key).
         if sinks is not None:

@@ -107,7 +107,7 @@ def _problem(name: str, seed: int = 5):
         H, K = 4, 2
     if name == "scale-1-over-d-or-model-width":
         H, K = 4, 4  # H = D: 1/D and 1/√(H·D) are the same number
-    if name == "keys-as-if-s-is-t":
+    if name in ("keys-as-if-s-is-t", "keys-in-q-layout"):
         T, S = 3, 6
     if name == "keys-past-s":
         T, S = 6, 3
@@ -167,6 +167,7 @@ def _problem(name: str, seed: int = 5):
         "softcap-ignored": ({"softcap": 1.0}, _drop("softcap")),
         "sinks-dropped": ({"sinks": sinks}, _drop("sinks")),
         "keys-as-if-s-is-t": ({}, lambda q, k, v, o: (q, k[:, :, :T], v[:, :, :T], o)),
+        "keys-in-q-layout": ({}, _in_q_layout),
         "keys-past-s": ({"is_causal": True}, _keys_past_s),
         "causal-added": ({"mask": blocked_inf, "is_causal": True}, _causal_added),
     }
@@ -192,6 +193,15 @@ def _problem(name: str, seed: int = 5):
     if name == "softcap-after-mask":
         return q, k, v, {"mask": padding, "softcap": 2.0}, _softcap_after_mask
     return q, k, v, {"sinks": sinks}, _mutant("mutant-sink-in-numerator")
+
+
+def _in_q_layout(q, k, v, o):
+    """k and v read through q's strides: head h of batch b takes T rows of the flat key
+    buffer from element (b·H + h)·T on, as a kernel that reuses q's strides does."""
+    B, H, T = q.shape[:3]
+    k = k.reshape(-1)[: B * H * T * k.shape[-1]].reshape(B, H, T, -1)  # (B, H, T, D)
+    v = v.reshape(-1)[: B * H * T * v.shape[-1]].reshape(B, H, T, -1)  # (B, H, T, E)
+    return q, k, v, o
 
 
 def _repeated_over_heads(q, k, v, o):

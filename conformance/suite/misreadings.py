@@ -30,6 +30,7 @@ from conformance.suite.planted import (
     expanded,
     gqa_tiled,
     keys_as_if_s_is_t,
+    keys_in_q_layout,
     keys_past_s,
     oracle_run,
     prescaled,
@@ -340,6 +341,14 @@ MISREADINGS: tuple[Misreading, ...] = (
         "keys are attended",
         lambda c: 0 < c.q.shape[2] < c.k.shape[2],
         keys_as_if_s_is_t,
+    ),
+    Misreading(
+        "keys-in-q-layout",
+        "the keys are read as if S = T, through q's layout: k and v addressed with q's "
+        "length and strides, so with fewer queries than keys each head reads a slice of "
+        "the key buffer that runs into other heads' keys",
+        lambda c: 0 < c.q.shape[2] < c.k.shape[2] and c.k.shape[1] == c.q.shape[1],
+        keys_in_q_layout,
     ),
     Misreading(
         "keys-past-s",

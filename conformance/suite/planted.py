@@ -297,6 +297,25 @@ def keys_as_if_s_is_t(call: Call) -> np.ndarray | None:
     return oracle_run(call, k=k, v=v, mask=mask, causal_alignment="top_left")
 
 
+def keys_in_q_layout(call: Call) -> np.ndarray | None:
+    """The keys read as if S = T through q's layout: with T < S and K = H, a kernel that
+    addresses k and v with q's strides (one length, q's) reads, for head h of batch b, the
+    T rows that start at element (b·H + h)·T of k's contiguous (B, K, S, ·) buffer, which
+    spill into other heads' keys (the Triton tutorial's fused attention)."""
+    B, H, T = call.q.shape[:3]
+    K, S = call.k.shape[1:3]
+    if not (0 < T < S and K == H):
+        return None
+    mask = call.mask
+    if mask is not None and mask.shape[-1] == S:
+        mask = mask[..., :T]  # (·, ·, ·, T)
+    k = np.ascontiguousarray(call.k).reshape(-1)[: B * H * T * call.k.shape[3]]
+    v = np.ascontiguousarray(call.v).reshape(-1)[: B * H * T * call.v.shape[3]]
+    k = k.reshape(B, H, T, call.k.shape[3])  # (B, H, T, D)
+    v = v.reshape(B, H, T, call.v.shape[3])  # (B, H, T, E)
+    return oracle_run(call, k=k, v=v, mask=mask, causal_alignment="top_left")
+
+
 def keys_past_s(call: Call) -> np.ndarray | None:
     """Keys read past S: with T > S under causality, rows t >= S read key slots S .. t as a
     square causal problem would, and what those slots hold is no number (NaN)."""

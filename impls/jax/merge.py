@@ -81,17 +81,20 @@ def merged(o_a, lse_a, o_b, lse_b):
 
 def merge_partials(o_a, m_a, l_a, o_b, m_b, l_b):
     """Attention over the union of two disjoint key sets, from each set's (o, m, l): o its
-    output, m its largest score, l its sum of exp(score − m) (0 and any m: no key). Returns
-    the union's (o, m, l), in the arrays' precision, its lse ``union_lse(m, l)``.
+    output, m its largest score, l its sum of exp(score − m) (l = 0 and m = -inf: no key;
+    an m of 0 there would outweigh the other piece's scores far below 0). Returns the
+    union's (o, m, l), in the arrays' precision; its lse is ``union_lse(m, l)``.
 
     Shapes: o_a, o_b (B, H, T, E); m_a, m_b, l_a, l_b (B, H, T) (or numbers).
     """
-    # 1. The larger maximum; a row that neither piece saw a key of has none.
-    m = empty_as_0(jnp.maximum(m_a, m_b))  # (B, H, T)
+    # 1. The larger maximum; a row that neither piece saw a key of has none (-inf), and
+    # is shifted by 0 instead.
+    m = jnp.maximum(m_a, m_b)  # (B, H, T)
+    shift = empty_as_0(m)  # (B, H, T)
 
     # 2. Each piece's sum, moved onto it: exp() of a number <= 0, so <= 1, times l.
-    w_a = jnp.exp(m_a - m) * l_a  # (B, H, T)
-    w_b = jnp.exp(m_b - m) * l_b  # (B, H, T)
+    w_a = jnp.exp(m_a - shift) * l_a  # (B, H, T)
+    w_b = jnp.exp(m_b - shift) * l_b  # (B, H, T)
 
     # 3. The union's sum, relative to exp(m).
     l = w_a + w_b  # (B, H, T)

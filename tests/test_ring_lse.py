@@ -19,7 +19,7 @@ from conformance.suite.tolerance import assert_within
 
 pytestmark = pytest.mark.clause("22.11")
 
-CONTEXT_PARALLEL = ["torch-ring", "torch-ulysses"]
+CONTEXT_PARALLEL = ["torch-ring", "torch-ulysses", "jax-ring", "jax-ulysses"]
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])

@@ -16,19 +16,17 @@ The ring, P = 4, contiguous layout (q_i, kv_i: the i-th quarter of the sequence)
                   after each step: device i sends its kv block to device i + 1 (mod P)
                   with lax.ppermute, so at step j it holds block (i − j) mod P
 
-Why the merge is exact. Each device attends each key block as it arrives on its own,
-giving the block's partial state: its rows' largest score m_b, their sum l_b = Σ exp(x_s −
-m_b) and their output o_b over the block's keys. It merges that into the rows' state
-(o, m, l) with ``merge.py``'s ``merge_partials``, the one merge of this package (SPEC §22):
-m = max(m, m_b), each piece's sum moved onto it, w = exp(m_piece − m) · l_piece, and o the
-pieces' outputs weighted by w / Σ w. exp(x − m_b) · exp(m_b − m) = exp(x − m) is an
-identity, so after the last block l is exactly Σ_s exp(x_s − m) and o the softmax-weighted
-sum with m the true row max, whatever order the blocks came in: only rounding differs from
-the reference. The form is the stable one: nothing is exponentiated above 0, so a row's
-maximum on another device than most of its mass cannot overflow (written as log(exp(a) +
-exp(b)), a log-sum-exp merge overflows, EasyContext #14). The state is m and l, not the
-lse = m + log l: an lse rounded to float32 near 1e4 is off by 4.9e-4, and so would be
-every later weight of it, where m is a score as computed (``merge.py``, the second step).
+Why the merge is exact. Each device attends each key block as it arrives on its own:
+the block's partial state is its rows' largest score m_b, their sum l_b = Σ exp(x_s − m_b)
+and their output o_b over its keys. ``merge.py``'s ``merge_partials`` (SPEC §22) merges
+it into the rows' state (o, m, l): m = max(m, m_b), each piece's sum moved onto it,
+w = exp(m_piece − m) · l_piece, o the outputs weighted by w / Σ w. exp(x − m_b) ·
+exp(m_b − m) = exp(x − m) is an identity, so after the last block l = Σ_s exp(x_s − m) and
+o the softmax-weighted sum with m the true row max, in any block order: only rounding
+differs from the reference. Nothing is exponentiated above 0, so a row's maximum on another
+device than most of its mass cannot overflow (log(exp(a) + exp(b)) would, EasyContext
+#14). The state is m and l, not the lse = m + log l: an lse rounded to float32 near 1e4
+is off by 4.9e-4, and so would be every later weight of it (``merge.py``, the second step).
 
 Where the causal imbalance comes from. Under a causal mask, query slice i needs only the
 key slices j <= i. A block wholly above the diagonal is skipped (``lax.cond``), so in the

@@ -14,15 +14,14 @@ its way to rank r + 1:
     3             q0 · kv1      q1 · kv2      q2 · kv3      q3 · kv0
                   send to r + 1 and receive from r − 1, overlapped with the step's compute
 
-Each rank attends each block on its own, giving the block's partial state (o_b, m_b, l_b):
-its output, its largest score and its sum of exp(score − m_b). It merges that into its
-rows' state with ``merge.py``'s ``merge_partials`` (the one merge of this package, SPEC
-§22: weights exp(m − max) · l with exp() <= 1, the stable form), the state carried as
-(o, m, l) in the working precision, not as (o, lse): an lse rounded to float32 near 1e4
-is off by 4.9e-4, and so would be every later weight of it (``merge.py``'s docstring,
-the second step); m is a score as computed and l is near 1. It skips a block no query of its slice may see (causal, window, padding), and
-returns o (0 for a row with no key) and lse. How the sequence is laid out over the ranks (contiguous, or zigzag to balance causal
-work), and how positions and documents travel with the tokens: ``ring_layout.py``.
+Each rank attends each block on its own, giving its partial state (o_b, m_b, l_b): output,
+largest score, sum of exp(score − m_b). ``merge.py``'s ``merge_partials`` (SPEC §22, the
+stable form) merges it into the rows' state, carried as (o, m, l) in the working
+precision: an lse rounded to float32 near 1e4 is off by 4.9e-4, and so would be every
+later weight of it (``merge.py``, the second step). Blocks no query of the slice may see
+(causal, window, padding) are skipped; it returns o (0 for a row with no key) and lse.
+Layouts (contiguous, or zigzag to balance causal work), and how positions and documents
+travel with the tokens: ``ring_layout.py``.
 
 ``ring_attention`` is the per-rank function: a user's own ``torchrun`` script calls it on
 its shards (``examples/torch_ring_torchrun.py``). ``attention`` is the single-process
@@ -195,10 +194,8 @@ def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, *, opts,
                     bias = _alibi_bias(alibi, tpos[rows], spos[cols], opts)
                     piece = attend(q[:, :, :, rows], k[:, :, cols], v[:, :, cols], *seen, bias)
                     # The block's state merged into its rows' (merge.py, SPEC §22).
-                    held = (o[:, :, :, rows], m[:, :, :, rows], l[:, :, :, rows])
-                    o[:, :, :, rows], m[:, :, :, rows], l[:, :, :, rows] = merge_partials(
-                        *held, *piece
-                    )
+                    new = merge_partials(o[..., rows, :], m[..., rows], l[..., rows], *piece)
+                    o[..., rows, :], m[..., rows], l[..., rows] = new
         for req in pending:
             req.wait()
 

@@ -182,3 +182,51 @@ def test_the_merge_pages_open_with_the_formula_they_run():
         args = [conv(x) for x in (o_a, lse_a, o_b, lse_b)]
         for got, want in zip(page.merge_states(*args), page.textbook_merge(*args)):
             assert_within(np.asarray(got), np.asarray(want), 1e-14, page.__name__)
+
+
+def test_the_merge_pages_share_their_helpers():
+    """The three merge pages define the same steps under the same names (``merge_partials``
+    the (o, m, l) merge that ``merge_states`` runs), as the core pages share theirs."""
+    from conformance.impls.jax import merge as jax_merge
+    from conformance.impls.numpy import merge as numpy_merge
+    from conformance.impls.torch import merge as torch_merge
+
+    def helpers(page):
+        return {n for n, f in vars(page).items() if callable(f) and f.__module__ == page.__name__}
+
+    names = helpers(numpy_merge)
+    assert {"textbook_merge", "merge_states", "merge_partials", "union_lse"} <= names
+    assert helpers(torch_merge) == names
+    assert helpers(jax_merge) == names | {"merged"}  # merge_states's steps under jax.jit
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_merge_partials_of_block_states_is_the_union(framework):
+    """Three key blocks' states (o, m, l), m a block's largest score and l = exp(lse − m),
+    from the oracle at 50 digits; merged left to right by ``merge_partials`` in float64,
+    the union is the oracle's attention over all keys (o, and lse = m + log l). Causal, so
+    that early rows see no key of the late blocks (the empty state, m = −inf, l = 0)."""
+    from conformance.impls.numpy import merge as numpy_merge
+    from conformance.impls.torch import merge as torch_merge
+
+    page, conv = {
+        "numpy": (numpy_merge, np.asarray),
+        "torch": (torch_merge, torch.from_numpy),
+    }[framework]
+    q, k, v = random_qkv(101, B=2, H=3, T=13, S=13, D=5)
+    scores = np.einsum("bhtd,bhsd->bhts", q, np.repeat(k, 3 // k.shape[1], axis=1)) / np.sqrt(5)
+    causal = np.tril(np.ones((13, 13), dtype=bool))  # (T, S)
+    state = None
+    for cols in (slice(0, 4), slice(4, 9), slice(9, 13)):
+        mask = causal[:, cols]  # (T, Sb)
+        o_b, lse_b = oracle.attention(q, k[:, :, cols], v[:, :, cols], mask=mask, return_lse=True)
+        m_b = np.where(mask, scores[..., cols], -np.inf).max(axis=-1)  # (B, H, T)
+        with np.errstate(invalid="ignore"):
+            l_b = np.where(np.isfinite(lse_b), np.exp(lse_b - m_b), 0.0)  # (B, H, T)
+        piece = [conv(np.ascontiguousarray(x)) for x in (o_b, m_b, l_b)]
+        state = piece if state is None else page.merge_partials(*state, *piece)
+    o, m, l = (np.asarray(x) for x in state)
+    lse = np.asarray(page.union_lse(*(conv(x) for x in (m, l))))
+    expected, expected_lse = oracle.attention(q, k, v, is_causal=True, return_lse=True)
+    assert_within(o, expected, tolerance("float64", 0.0, expected), f"{framework} o")
+    assert_within(lse, expected_lse, tolerance("float64", 0.0, expected_lse), f"{framework} lse")

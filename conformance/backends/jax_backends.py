@@ -201,6 +201,7 @@ class JaxRingBackend(JaxBackend):
         "chunked",
         "alibi",
         "packed",
+        "lse",
     }
     pages = ()  # the ring and Ulysses pages hold their own gradients and packed calls
     default_shards: int | None = None

@@ -183,9 +183,7 @@ class TorchUlyssesBackend(TorchRingBackend):
 
     name = "torch-ulysses"
     impl_module = "conformance.impls.torch.ulysses"
-    #: Not "lse": Ulysses' ranks attend whole heads with naive.py's softmax, which does not
-    #: give it back yet.
-    capabilities = (TorchRingBackend.capabilities - {"lse"}) | {"sharded_heads"}
+    capabilities = TorchRingBackend.capabilities | {"sharded_heads"}
 
     def _run(self, fn, shards, **kwargs):
         return self.pool.run_on_ranks(self.shards, fn, shards, **kwargs)

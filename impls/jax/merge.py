@@ -18,6 +18,16 @@ with whole pieces in place of key blocks, and what split-KV decoding (``split_kv
 ring attention and cascade attention use to put their pieces together. The merge is
 associative and commutative up to rounding, so pieces may be merged in any order.
 
+The second step: why a ring carries m and l, not the lse. A piece's lse is m + log l,
+its largest score m plus the log of its shifted sum l = Σ exp(score − m), 1 <= l <= S.
+Rounded to float32, an lse near 1e4 is off by up to half an ulp there, 2⁻¹¹ ≈ 4.9e-4, and
+so, relatively, is the piece's weight exp(lse − max); the rounding is the lse's size's,
+not the row's. Kept apart, m is a score as it was computed (no rounding added) and l is
+near 1 (rounded at 6e-8 of itself), so the weight exp(m_a − m) · l_a is off by a few eps
+at any |m|: ``merge_partials`` merges states carried as (o, m, l), the form a ring or a
+blockwise loop keeps, and is what ``merge_states`` runs, with m = lse and l = 1 (exact:
+a weight times 1 is the weight). A state (o, m, l) stands for (o, m + log l).
+
 Shapes: o (B, H, T, E) and lse (B, H, T), or any leading axes, (..., E) and (...).
 The working precision is float64 for float64 outputs and float32 otherwise; o is
 returned in o_a's dtype and lse in lse_a's.
@@ -61,22 +71,37 @@ def merged(o_a, lse_a, o_b, lse_b):
     o_dtype, lse_dtype = o_a.dtype, lse_a.dtype
     o_a, lse_a, o_b, lse_b = working(o_a, lse_a, o_b, lse_b)
 
-    # 1. The larger log-sum-exp; a row that neither piece saw a key of has none.
-    m = empty_as_0(jnp.maximum(lse_a, lse_b))  # (B, H, T)
-
-    # 2. Each piece's weight relative to it: exp() of a number <= 0, so <= 1.
-    w_a = jnp.exp(lse_a - m)  # (B, H, T)
-    w_b = jnp.exp(lse_b - m)  # (B, H, T)
-
-    # 3. The union's denominator, relative to exp(m).
-    l = w_a + w_b  # (B, H, T)
-
-    # 4. The outputs, weighted by their pieces' shares of the union.
-    o = (w_a[..., None] * o_a + w_b[..., None] * o_b) / divisor(l)[..., None]  # (B, H, T, E)
+    # 1-4. The merge of (o, m, l) states, each piece's lse standing as its m with l = 1.
+    o, m, l = merge_partials(o_a, lse_a, 1.0, o_b, lse_b, 1.0)  # (B, H, T, E), (B, H, T), ...
 
     # 5. The union's log-sum-exp.
     lse = union_lse(m, l)  # (B, H, T)
     return o.astype(o_dtype), lse.astype(lse_dtype)
+
+
+def merge_partials(o_a, m_a, l_a, o_b, m_b, l_b):
+    """Attention over the union of two disjoint key sets, from each set's (o, m, l): o its
+    output, m its largest score, l its sum of exp(score − m) (l = 0 and m = -inf: no key;
+    an m of 0 there would outweigh the other piece's scores far below 0). Returns the
+    union's (o, m, l), in the arrays' precision; its lse is ``union_lse(m, l)``.
+
+    Shapes: o_a, o_b (B, H, T, E); m_a, m_b, l_a, l_b (B, H, T) (or numbers).
+    """
+    # 1. The larger maximum; a row that neither piece saw a key of has none (-inf), and
+    # is shifted by 0 instead.
+    m = jnp.maximum(m_a, m_b)  # (B, H, T)
+    shift = empty_as_0(m)  # (B, H, T)
+
+    # 2. Each piece's sum, moved onto it: exp() of a number <= 0, so <= 1, times l.
+    w_a = jnp.exp(m_a - shift) * l_a  # (B, H, T)
+    w_b = jnp.exp(m_b - shift) * l_b  # (B, H, T)
+
+    # 3. The union's sum, relative to exp(m).
+    l = w_a + w_b  # (B, H, T)
+
+    # 4. The outputs, weighted by their pieces' shares of the union.
+    o = (w_a[..., None] * o_a + w_b[..., None] * o_b) / divisor(l)[..., None]  # (B, H, T, E)
+    return o, m, l
 
 
 def working(o_a, lse_a, o_b, lse_b):

@@ -16,17 +16,17 @@ The ring, P = 4, contiguous layout (q_i, kv_i: the i-th quarter of the sequence)
                   after each step: device i sends its kv block to device i + 1 (mod P)
                   with lax.ppermute, so at step j it holds block (i − j) mod P
 
-Why the merge is exact. Each device runs the online softmax of ``flash.py`` over the key
-blocks as they arrive: it keeps, per query row, the running max m, the running sum
-l = Σ exp(x_s − m) and the unnormalised output a = Σ exp(x_s − m) v_s over the keys seen so
-far, and rescales the old l and a by α = exp(m_old − m_new) when a block raises the max.
-exp(x − m_old) · exp(m_old − m_new) = exp(x − m_new) is an identity, so after the last
-block l and a are exactly Σ_s exp(x_s − m) and Σ_s exp(x_s − m) v_s with m the true row
-max, whatever order the blocks came in: only rounding differs from the reference. The
-form is the stable one: m only grows, α <= 1, nothing is exponentiated above 0, so a
-row's maximum on another device than most of its mass cannot overflow. (The other
-form keeps a log-sum-exp lse and merges out = out_a·exp(lse_a − lse) + ...;
-written as log(exp(a) + exp(b)) it overflows, EasyContext #14.)
+Why the merge is exact. Each device attends each key block as it arrives on its own:
+the block's partial state is its rows' largest score m_b, their sum l_b = Σ exp(x_s − m_b)
+and their output o_b over its keys. ``merge.py``'s ``merge_partials`` (SPEC §22) merges
+it into the rows' state (o, m, l): m = max(m, m_b), each piece's sum moved onto it,
+w = exp(m_piece − m) · l_piece, o the outputs weighted by w / Σ w. exp(x − m_b) ·
+exp(m_b − m) = exp(x − m) is an identity, so after the last block l = Σ_s exp(x_s − m) and
+o the softmax-weighted sum with m the true row max, in any block order: only rounding
+differs from the reference. Nothing is exponentiated above 0, so a row's maximum on another
+device than most of its mass cannot overflow (log(exp(a) + exp(b)) would, EasyContext
+#14). The state is m and l, not the lse = m + log l: an lse rounded to float32 near 1e4
+is off by 4.9e-4, and so would be every later weight of it (``merge.py``, the second step).
 
 Where the causal imbalance comes from. Under a causal mask, query slice i needs only the
 key slices j <= i. A block wholly above the diagonal is skipped (``lax.cond``), so in the
@@ -134,6 +134,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as PS
 
+from .merge import union_lse
 from .ring_blocks import (
     QueryGradients,
     QueryPieces,
@@ -174,7 +175,8 @@ def attention(
     alibi_slopes=None,
     shards: int | None = None,
     layout: str = "zigzag",
-) -> np.ndarray:
+    return_lse: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Scaled dot-product attention over P devices, key/value blocks passed round a ring.
 
     Args:
@@ -200,9 +202,13 @@ def attention(
       shards: P, the number of devices in the ring (default: every device JAX sees).
       layout: "contiguous" (device i holds the i-th slice) or "zigzag" (chunks i and
         2P - 1 - i of 2P: balanced causal work).
+      return_lse: also return each row's natural log-sum-exp (SPEC §21), the merged
+        state's m + log l.
 
     Returns:
-      out: (B, H, T, E), or (H, T, E) for unbatched input, as a NumPy array in q's dtype.
+      out: (B, H, T, E), or (H, T, E) for unbatched input, as a NumPy array in q's dtype;
+      with ``return_lse``, (out, lse), lse (B, H, T) or (H, T) in float64 for float64
+      inputs and float32 otherwise.
     """
     # 0. Validate, and lay the sequence out over the devices (pad, permute, shard).
     run = prepare(
@@ -210,7 +216,7 @@ def attention(
         window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size,
         alibi_slopes=alibi_slopes,
     )  # fmt: skip
-    return run_forward(run, shards, layout)  # (B, H, T, E) or (H, T, E)
+    return run_forward(run, shards, layout, return_lse)  # (B, H, T, E) or (H, T, E)
 
 
 def attention_vjp(
@@ -322,13 +328,18 @@ def attention_packed_vjp(
     return run_backward(run, shards, layout)
 
 
-def run_forward(run, shards: int | None, layout: str) -> np.ndarray:
-    """Lay the checked inputs out over the devices, run the forward ring, gather."""
+def run_forward(run, shards: int | None, layout: str, return_lse: bool = False):
+    """Lay the checked inputs out over the devices, run the forward ring, gather: out,
+    or (out, lse) with ``return_lse``."""
     ring = Ring(run, shards, layout)
-    fn = ring_fn(ring.mesh, **ring.static)
-    out = fn(*ring.put(run))  # (B, H, Tp, E), sharded along Tp
+    if not return_lse:
+        out = ring_fn(ring.mesh, **ring.static)(*ring.put(run))  # (B, H, Tp, E), sharded
+        out = ring.unpermute(np.asarray(out), axis=2, n=run.T)  # (B, H, T, E)
+        return out[0] if run.unbatched else out
+    out, lse = ring_lse_fn(ring.mesh, **ring.static)(*ring.put(run))  # sharded along Tp
     out = ring.unpermute(np.asarray(out), axis=2, n=run.T)  # (B, H, T, E)
-    return out[0] if run.unbatched else out
+    lse = ring.unpermute(np.asarray(lse)[..., None], axis=2, n=run.T)[..., 0]  # (B, H, T)
+    return (out[0], lse[0]) if run.unbatched else (out, lse)
 
 
 def run_backward(run, shards: int | None, layout: str) -> tuple[np.ndarray, ...]:
@@ -380,6 +391,13 @@ def ring_body(
     return out.astype(q.dtype)
 
 
+def ring_body_lse(q, k, v, tpos, spos, tdoc, sdoc, mask, sinks, slopes, opts, **static):
+    """``ring_body`` with each row's log-sum-exp beside the output: (out (B, H, Tl, E) in
+    q's dtype, lse (B, H, Tl) in the working dtype, SPEC §21)."""
+    out, lse = ring_forward(q, k, v, tpos, spos, tdoc, sdoc, mask, sinks, slopes, opts, **static)
+    return out.astype(q.dtype), lse
+
+
 def ring_forward(
     q, k, v, tpos, spos, tdoc, sdoc, mask, sinks, slopes, opts, *, P, pieces, softcap_on,
     huge_scale,
@@ -393,27 +411,25 @@ def ring_forward(
     here = QueryPieces(q, tpos, tdoc, slopes, opts, K=K, pieces=pieces, **flags)
     work = here.work
 
-    # One (m, l, acc) per query piece, stacked on a leading axis; they differ from device
-    # to device ("varying" over the ring axis). Nothing travels with the key/value slices.
+    # One (m, l, o) per query piece, stacked on a leading axis: the rows' state, merged
+    # with each block's (merge.py's merge_partials); they differ from device to device
+    # ("varying" over the ring axis). Nothing travels with the key/value slices.
     stay = varying(
-        jnp.full((pieces, B, K, G * Tc), -jnp.inf, dtype=work),  # m: running row max
-        jnp.zeros((pieces, B, K, G * Tc), dtype=work),  # l: running row sum
-        jnp.zeros((pieces, B, K, G * Tc, E), dtype=work),  # acc: unnormalised output
+        jnp.full((pieces, B, K, G * Tc), -jnp.inf, dtype=work),  # m: the row max so far
+        jnp.zeros((pieces, B, K, G * Tc), dtype=work),  # l: the row sum against m
+        jnp.zeros((pieces, B, K, G * Tc, E), dtype=work),  # o: the output so far
     )
     kv = (k, v, spos, sdoc)
-    (m, l, acc), _ = walk(
+    (m, l, out), _ = walk(
         here.update, stay, (), kv, mask, here.tps, here.tds, opts, P=P, pieces=pieces
     )
     if sinks is not None:
         # The sink joins each row's softmax once, now that every key block has been merged
         # (once per step or per device, it would count P times).
-        m, l, acc = add_sink(m, l, acc, sink_rows(sinks.astype(work), m.shape, K, G))
+        m, l, out = add_sink(m, l, out, sink_rows(sinks.astype(work), m.shape, K, G))
 
-    # Normalise once at the end; a row that saw no key has l = 0 and acc = 0 -> 0.
-    some = l > 0
-    out = acc / jnp.where(some, l, 1.0)[..., None]  # (pieces, B, K, G·Tc, E)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # (pieces, B, K, G·Tc)
-    lse = jnp.where(some, m_safe + jnp.log(jnp.where(some, l, 1.0)), -jnp.inf)
+    # A row that saw no key has l = 0 and o = 0; its lse is -inf.
+    lse = union_lse(m, l)  # (pieces, B, K, G·Tc)
     # A row that read a +inf score (q·k overflowed) has l = +inf or NaN: its lse is NaN, so
     # that in the backward every weight of it is NaN, as its output is (SPEC §4.1).
     lse = jnp.where(jnp.isnan(l) | (l == jnp.inf), jnp.nan, lse)  # (pieces, B, K, G·Tc)
@@ -563,6 +579,14 @@ def ring_fn(mesh, mask_spec, sinks_on, alibi_on, packed_on, **static):
     in_specs = _specs(mask_spec, sinks_on, alibi_on, packed_on)
     ring = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=PS(None, None, AXIS, None))
     return jax.jit(ring)
+
+
+@functools.lru_cache(maxsize=64)
+def ring_lse_fn(mesh, mask_spec, sinks_on, alibi_on, packed_on, **static):
+    body = functools.partial(ring_body_lse, P=mesh.size, **static)
+    in_specs = _specs(mask_spec, sinks_on, alibi_on, packed_on)
+    out_specs = (PS(None, None, AXIS, None), PS(None, None, AXIS))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
 
 
 @functools.lru_cache(maxsize=64)

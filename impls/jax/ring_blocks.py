@@ -3,8 +3,9 @@ against the key piece it holds now (``QueryPieces`` forward, ``QueryGradients`` 
 and the helpers both use: which keys a query may see, from the tokens' positions that
 travel with them (``allowed_keys``, ``visible``), the mask's block, ALiBi's bias, the sink.
 
-The block is FlashAttention's tile: steps 1-5 and 7 of the online softmax (``flash.py``'s
-docstring) forward, and FlashAttention-2's tile of the backward, dZ = P ⊙ (dP − Δ). It is
+The block forward is steps 1-5 and 7 over the block's keys alone, its partial state merged
+into the rows' with ``merge.py``'s ``merge_partials`` (no online softmax of its own), and
+backward FlashAttention-2's tile, dZ = P ⊙ (dP − Δ). It is
 written apart from ``flash_tiles.py``'s on purpose: here the options and every token's
 position are traced values that travel with the slices (one compiled program serves every
 option and layout), where the flash tiles mask a static band and skip by loop bounds.
@@ -24,12 +25,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from .merge import divisor, merge_partials
+
 HIGHEST = lax.Precision.HIGHEST
 
 
 class QueryPieces:
     """This device's query slice, in pieces (one, or two in zigzag), and what one block of
-    it does against a key piece: the forward's online softmax (``update``). The options
+    it does against a key piece: the forward's block and merge (``update``). The options
     (``opts``) are traced, the sizes static."""
 
     def __init__(
@@ -81,31 +84,34 @@ class QueryPieces:
         x = jnp.where(allowed, x, -jnp.inf).reshape(B, K, G * Tc, Sc)  # (B, K, G·Tc, Sc)
         return raw, x
 
-    def attend(self, m, l, acc, a, kb, vb, sp, mb, docs):
-        """Query piece a's (m, l, acc) (B, K, G·Tc), ..., (B, K, G·Tc, E) after one key
-        piece; docs: the pieces' documents (tokens of no document -1), or None."""
+    def attend(self, m, l, o, a, kb, vb, sp, mb, docs):
+        """Query piece a's (m, l, o) (B, K, G·Tc), ..., (B, K, G·Tc, E) after one key
+        piece: the block's own partial state merged into it with ``merge.py``'s
+        ``merge_partials`` (SPEC §22); docs: the pieces' documents (tokens of no document
+        -1), or None."""
         allowed, _, mb, kb, vb = self.keys(a, kb, vb, sp, mb, docs)
         float_mask = mb is not None and mb.dtype != jnp.bool_
         _, x = self.scores(self.qs[a], a, kb, sp, mb, allowed, float_mask)
 
-        # 5. Softmax over the keys, online: rescale what was accumulated against the old
-        # running max onto the new one (``ring.py``'s docstring). A row that has seen only
-        # blocked keys keeps max -inf; its exponent is taken against 0, so its weights are
-        # exactly 0 instead of exp(-inf - -inf) = NaN.
-        m_new = jnp.maximum(m, x.max(axis=-1))  # (B, K, G·Tc)
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # (B, K, G·Tc)
-        alpha = jnp.exp(m - m_safe)  # (B, K, G·Tc)
-        p = jnp.exp(x - m_safe[..., None])  # (B, K, G·Tc, Sc)
-        l = alpha * l + p.sum(axis=-1)  # (B, K, G·Tc)
+        # 5. Softmax over the block's keys, against the block's own maximum m_b. A row that
+        # sees none of them keeps m_b = -inf and takes its exponents against 0, so its
+        # weights are exactly 0 instead of exp(-inf - -inf) = NaN.
+        m_b = x.max(axis=-1)  # (B, K, G·Tc)
+        p = jnp.exp(x - jnp.where(jnp.isfinite(m_b), m_b, 0.0)[..., None])  # (B, K, G·Tc, Sc)
+        l_b = p.sum(axis=-1)  # (B, K, G·Tc)
 
-        # 7. Weighted sum of the values, accumulated unnormalised.
+        # 7. Weighted sum of the values, normalised within the block.
         pv = jnp.einsum("bkrs,bkse->bkre", p, vb, precision=HIGHEST)  # (B, K, G·Tc, E)
-        return m_new, l, alpha[..., None] * acc + pv
+        o_b = pv / divisor(l_b)[..., None]  # (B, K, G·Tc, E)
+
+        # The block's state (o_b, m_b, l_b) merged into the rows' (SPEC §22).
+        o, m, l = merge_partials(o, m, l, o_b, m_b, l_b)
+        return m, l, o
 
     def update(self, state, a, b, src, kb, vb, sp, sd, mb):
-        """Query piece a's running (m, l, acc) after key piece b of device src's slice."""
-        (ms, ls, accs), travelling = state  # (pieces, B, K, G·Tc), ..., (pieces, B, K, G·Tc, E)
-        piece = (ms[a], ls[a], accs[a])  # this query piece's
+        """Query piece a's (m, l, o) after key piece b of device src's slice."""
+        (ms, ls, outs), travelling = state  # (pieces, B, K, G·Tc), ..., (pieces, B, K, G·Tc, E)
+        piece = (ms[a], ls[a], outs[a])  # this query piece's
         if sd is None:
             new = self.attend(*piece, a, kb, vb, sp, mb, None)
         else:
@@ -250,19 +256,13 @@ def shared_documents(td, sd) -> tuple:
     return first, jnp.maximum(first, last)
 
 
-def add_sink(m, l, acc, sink):
-    """Fold each row's sink into its (m, l, acc) after the last key block, as one more
-    block of one key whose value row is 0: a row with no key (l = 0) is left alone, and a
-    NaN or +inf sink makes a row with a key NaN (SPEC §15.4)."""
-    some = l > 0  # (pieces, B, K, G·Tc)
-    sink = jnp.where(some, sink, -jnp.inf)  # (pieces, B, K, G·Tc)
-    m_new = jnp.maximum(m, sink)  # (pieces, B, K, G·Tc)
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # (pieces, B, K, G·Tc)
-    alpha = jnp.exp(m - m_safe)  # (pieces, B, K, G·Tc)
-    l = alpha * l + jnp.exp(sink - m_safe)  # (pieces, B, K, G·Tc)
-    bad = jnp.isnan(sink) | (sink == jnp.inf)  # (pieces, B, K, G·Tc)
-    acc = jnp.where(bad[..., None], jnp.nan, alpha[..., None] * acc)  # (pieces, B, K, G·Tc, E)
-    return m_new, jnp.where(bad, jnp.nan, l), acc
+def add_sink(m, l, o, sink):
+    """Merge each row's sink into its (m, l, o) after the last key block, as a piece of
+    its own, o = 0, m = the sink, l = 1 (SPEC §22.6): a row with no key (l = 0) is left
+    alone, and a NaN or +inf sink makes a row with a key NaN (SPEC §15.4)."""
+    sink = jnp.where(l > 0, sink, -jnp.inf)  # (pieces, B, K, G·Tc)
+    o, m, l = merge_partials(o, m, l, jnp.zeros_like(o), sink, 1.0)
+    return m, l, o
 
 
 def sink_rows(sinks, shape, K: int, G: int):

@@ -130,12 +130,15 @@ def attention(
     alibi_slopes=None,
     shards: int | None = None,
     layout: str = "contiguous",
-) -> np.ndarray:
-    """Scaled dot-product attention over P devices by two all-to-alls (args as ring.py's)."""
+    return_lse: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Scaled dot-product attention over P devices by two all-to-alls (args as ring.py's);
+    with ``return_lse``, (out, lse), each row's log-sum-exp taken on the device that holds
+    its head and sent back as the output is."""
     return _run(q, k, v, None, mask, shards, layout, is_causal=is_causal, scale=scale,
                 causal_alignment=causal_alignment, window=window, softcap=softcap,
                 dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size,
-                alibi_slopes=alibi_slopes)  # fmt: skip
+                alibi_slopes=alibi_slopes, return_lse=return_lse)  # fmt: skip
 
 
 def attention_vjp(
@@ -207,7 +210,7 @@ def attention_packed_vjp(
                 packed=(cu_seqlens_q, cu_seqlens_k))  # fmt: skip
 
 
-def _run(q, k, v, d_out, mask, shards, layout, *, packed=None, **options):
+def _run(q, k, v, d_out, mask, shards, layout, *, packed=None, return_lse=False, **options):
     # 0. Validate (the shared contract), then lay the heads and the sequence out and shard.
     if packed is None:
         run = prepare(q, k, v, mask, d_out, name="Ulysses attention", **options)
@@ -220,6 +223,9 @@ def _run(q, k, v, d_out, mask, shards, layout, *, packed=None, **options):
     heads = _Heads(run, ring)
     args, static = heads.place(run)
     static["documents"] = None if packed is None else np.asarray(packed[0]).size - 1  # N
+    if run.d_out is None and return_lse:
+        out, lse = _ulysses_fn(ring.mesh, **static, return_lse=True)(*args)
+        return heads.output(out), heads.lse(lse)  # (B, H, T, E), (B, H, T) (or unbatched)
     if run.d_out is None:
         out = _ulysses_fn(ring.mesh, **static)(*args)  # (B, Hp, Tp, E)
         return heads.output(out)  # (B, H, T, E) or (H, T, E)
@@ -297,6 +303,12 @@ class _Heads:
         out = out.astype(self.dtype)  # (B, H, T, E)
         return out[0] if run.unbatched else out
 
+    def lse(self, lse):
+        """The log-sum-exp (B, Hp, Tp) gathered as the output is, in the working dtype."""
+        run = self.run
+        lse = self.ring.unpermute(np.asarray(lse), axis=2, n=run.T, seq="t")[:, : self.H]
+        return lse[0] if run.unbatched else lse  # (B, H, T) or (H, T)
+
     def gradients(self, grads, float_mask: bool) -> tuple:
         """(dq, dk, dv, then dmask and dsinks where given) gathered: the gradient of a key/value head is
         the sum over its copies on the devices."""
@@ -326,8 +338,9 @@ class _Heads:
 
 
 def _ulysses_body(
-    q, k, v, kv_slot, tpos, spos, tdoc, sdoc, mask, sinks, slopes, opts, *, documents, **flags
-):
+    q, k, v, kv_slot, tpos, spos, tdoc, sdoc, mask, sinks, slopes, opts, *, documents,
+    return_lse=False, **flags,
+):  # fmt: skip
     """One device: all-to-all to head shards, attention on whole sequences, and back.
 
     q (B, Hp, Tl, D), k (B, P·Kl, Sl, D), v (B, P·Kl, Sl, E); kv_slot (Hl,) this device's
@@ -336,6 +349,7 @@ def _ulysses_body(
     sdoc (Sp,) every slot's packed document (-1: padding), or None, with ``documents``
     = N; mask (B|1, Hl|1, Tp|1, Sp|1) or None; sinks (Hl,) and ALiBi's slopes (B, Hl) of
     this device's query heads, or None; ``flags``: softcap_on and huge_scale, static.
+    With ``return_lse`` (not packed): (out, lse (B, Hp, Tl) in the working dtype).
     """
     # Sequence shards -> head shards: split the heads into P groups, send group d' to
     # device d', and concatenate what arrives along the sequence.
@@ -367,6 +381,12 @@ def _ulysses_body(
         opts=opts, scale=(folded, post), softcap=softcap if flags["softcap_on"] else None,
     )  # fmt: skip
 
+    if return_lse:
+        out, lse = local(q, allowed, return_lse=True)  # (B, Hl, Tp, E), (B, Hl, Tp)
+        out = out.astype(out_dtype)  # (B, Hl, Tp, E)
+        # Head shards -> sequence shards, the lse as the output.
+        back = functools.partial(lax.all_to_all, axis_name=AXIS, split_axis=2, concat_axis=1)
+        return back(out, tiled=True), back(lse, tiled=True)  # (B, Hp, Tl, E), (B, Hp, Tl)
     if tdoc is None:
         out = local(q, allowed)  # (B, Hl, Tp, E)
     else:
@@ -388,10 +408,12 @@ def _ulysses_body(
     return lax.all_to_all(out, AXIS, split_axis=2, concat_axis=1, tiled=True)  # (B, Hp, Tl, E)
 
 
-def _attend(q, allowed, *, k, v, mask, sinks, slopes, tpos, spos, opts, scale, softcap):
-    """Steps 1-7 of this device's heads over the whole sequence: (B, Hl, Tp, E). scale:
-    (the part folded into q, the power of two on the product or None); softcap: the cap,
-    or None."""
+def _attend(
+    q, allowed, *, k, v, mask, sinks, slopes, tpos, spos, opts, scale, softcap, return_lse=False
+):
+    """Steps 1-7 of this device's heads over the whole sequence: (B, Hl, Tp, E), and with
+    ``return_lse`` step 8, its log-sum-exp (B, Hl, Tp). scale: (the part folded into q, the
+    power of two on the product or None); softcap: the cap, or None."""
     # Low precision inputs are computed in float32: exp() of a float16 score overflows
     # past 11.09, and summing many weights in float16 loses the small ones.
     work = working_dtype(q.dtype)
@@ -451,28 +473,44 @@ def _attend(q, allowed, *, k, v, mask, sinks, slopes, tpos, spos, opts, scale, s
         w = jnp.where(jnp.isnan(sink) | (sink == jnp.inf), jnp.nan, w)  # (B, Hl, Tp, Sp)
 
     # 7. Weighted sum of the values.
-    return jnp.einsum("bhts,bhse->bhte", w, v_used, precision=lax.Precision.HIGHEST)
+    out = jnp.einsum("bhts,bhse->bhte", w, v_used, precision=lax.Precision.HIGHEST)
+    if not return_lse:
+        return out
+
+    # 8. The log-sum-exp: the row maximum plus the log of the shifted sum, the sink's term
+    # in it; -inf for a row with no key (sum 0), NaN for a row that read a NaN or +inf
+    # score or sink (sum NaN or +inf, SPEC §21.2).
+    some = row_sum > 0  # (B, Hl, Tp, 1)
+    lse = jnp.where(some, row_max + jnp.log(jnp.where(some, row_sum, 1.0)), -jnp.inf)
+    lse = jnp.where(jnp.isnan(row_sum) | (row_sum == jnp.inf), jnp.nan, lse)  # (B, Hl, Tp, 1)
+    return out, lse[..., 0]  # (B, Hl, Tp, E), (B, Hl, Tp)
 
 
-def _sharded(mesh, mask_spec, softcap_on, huge_scale, sinks_on, alibi_on, documents):
+def _sharded(
+    mesh, mask_spec, softcap_on, huge_scale, sinks_on, alibi_on, documents, return_lse=False
+):
     seq = SEQ
     sinks_spec = PS(AXIS) if sinks_on else None  # (Hp,): with the query heads
     slopes_spec = PS(None, AXIS) if alibi_on else None  # (B, Hp)
     docs = None if documents is None else PS()  # (Tp,), (Sp,): replicated, as positions
     return jax.shard_map(
         functools.partial(
-            _ulysses_body, softcap_on=softcap_on, huge_scale=huge_scale, documents=documents
+            _ulysses_body, softcap_on=softcap_on, huge_scale=huge_scale, documents=documents,
+            **({"return_lse": True} if return_lse else {}),
         ),
         mesh=mesh,
         in_specs=(seq, seq, seq, PS(AXIS), PS(), PS(), docs, docs, mask_spec, sinks_spec,
                   slopes_spec, PS()),
-        out_specs=seq,
+        out_specs=(seq, PS(None, None, AXIS)) if return_lse else seq,
     )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)
-def _ulysses_fn(mesh, mask_spec, softcap_on, huge_scale, sinks_on, alibi_on, documents):
-    return jax.jit(_sharded(mesh, mask_spec, softcap_on, huge_scale, sinks_on, alibi_on, documents))
+def _ulysses_fn(
+    mesh, mask_spec, softcap_on, huge_scale, sinks_on, alibi_on, documents, return_lse=False
+):
+    static = (mask_spec, softcap_on, huge_scale, sinks_on, alibi_on, documents, return_lse)
+    return jax.jit(_sharded(mesh, *static))
 
 
 @functools.lru_cache(maxsize=64)

@@ -14,12 +14,14 @@ its way to rank r + 1:
     3             q0 · kv1      q1 · kv2      q2 · kv3      q3 · kv0
                   send to r + 1 and receive from r − 1, overlapped with the step's compute
 
-Each rank attends each block on its own, giving the block's partial state (o_b, lse_b),
-and merges it into its rows' state with ``merge.py``'s ``merge_states`` (the one merge of
-this package, SPEC §22: weights exp(lse − max) <= 1, the stable form), the state kept in
-float64; it skips a block no query of its slice may see (causal, window, padding), and
-returns o (0 for a row with no key) and lse. How the sequence is laid out over the ranks (contiguous, or zigzag to balance causal
-work), and how positions and documents travel with the tokens: ``ring_layout.py``.
+Each rank attends each block on its own, giving its partial state (o_b, m_b, l_b): output,
+largest score, sum of exp(score − m_b). ``merge.py``'s ``merge_partials`` (SPEC §22, the
+stable form) merges it into the rows' state, carried as (o, m, l) in the working
+precision: an lse rounded to float32 near 1e4 is off by 4.9e-4, and so would be every
+later weight of it (``merge.py``, the second step). Blocks no query of the slice may see
+(causal, window, padding) are skipped; it returns o (0 for a row with no key) and lse.
+Layouts (contiguous, or zigzag to balance causal work), and how positions and documents
+travel with the tokens: ``ring_layout.py``.
 
 ``ring_attention`` is the per-rank function: a user's own ``torchrun`` script calls it on
 its shards (``examples/torch_ring_torchrun.py``). ``attention`` is the single-process
@@ -79,7 +81,7 @@ import torch
 import torch.distributed as dist
 
 from .. import contract
-from .merge import merge_states
+from .merge import divisor, merge_partials, union_lse
 from .process_pool import run_on_ranks
 from .ring_layout import Layout, scale_split, sum_to
 
@@ -132,8 +134,8 @@ def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, *, opts,
     alibi = None if slopes is None else slopes.reshape(B, K, G, 1, 1)  # (B, K, G, 1, 1)
 
     def attend(qa, kb, vb, allowed, used, mb, bias):
-        """One block's partial state, its rows' attention over its keys alone, in the state's
-        precision: o_b (B, K, G, Tr, E), lse_b (B, K, G, Tr) (-inf: a row that sees none)."""
+        """One block's partial state, its rows' attention over its keys alone: o_b (B, K,
+        G, Tr, E), m_b and l_b (B, K, G, Tr) (l_b = 0: a row that sees none)."""
         # A key no query of this block may see is replaced by 0 before use (0 · NaN is NaN).
         kb = torch.where(used[..., None], kb, 0.0)  # (B, K, Sr, D)
         vb = torch.where(used[..., None], vb, 0.0)  # (B, K, Sr, E)
@@ -159,21 +161,18 @@ def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, *, opts,
         # 5. Softmax over the block's keys, against the block's own maximum (a row that
         # sees none of them takes its exponents against 0: exp(-inf) = 0).
         m = x.amax(dim=-1)  # (B, K, G, Tr)
-        m = torch.where(torch.isfinite(m), m, 0.0)  # (B, K, G, Tr)
-        p = torch.exp(x - m[..., None])  # (B, K, G, Tr, Sr)
-        l = p.sum(dim=-1).to(state)  # (B, K, G, Tr)
-        safe = torch.where(l == 0, 1.0, l)  # (B, K, G, Tr)
+        p = torch.exp(x - torch.where(torch.isfinite(m), m, 0.0)[..., None])  # (B, K, G, Tr, Sr)
+        l = p.sum(dim=-1)  # (B, K, G, Tr)
 
         # 7. Weighted sum of the values, normalised within the block.
-        o_b = torch.einsum("bkgts,bkse->bkgte", p, vb).to(state) / safe[..., None]
-        return o_b, torch.where(l == 0, -torch.inf, m.to(state) + torch.log(safe))
+        o_b = torch.einsum("bkgts,bkse->bkgte", p, vb) / divisor(l)[..., None]
+        return o_b, m, l
 
-    # Each row's state so far, (o, lse): the empty state until a block with a key arrives.
-    # It is kept in float64: an lse rounded to float32 near |lse| = 1e4 is off by up to
-    # 5e-4, and so, relatively, is every later merge's weight of it (SPEC §22).
-    state = torch.float64
-    o = torch.zeros((B, K, G, Tl, E), dtype=state)  # (B, K, G, Tl, E)
-    lse = torch.full((B, K, G, Tl), -torch.inf, dtype=state)  # (B, K, G, Tl)
+    # Each row's state so far, (o, m, l): the empty state (l = 0) until a block with a key
+    # arrives, in the working precision (SPEC §22.11).
+    o = torch.zeros((B, K, G, Tl, E), dtype=work)  # (B, K, G, Tl, E)
+    m = torch.full((B, K, G, Tl), -torch.inf, dtype=work)  # (B, K, G, Tl)
+    l = torch.zeros((B, K, G, Tl), dtype=work)  # (B, K, G, Tl)
     for step in range(P):
         src = (me - step) % P  # whose key/value slice this rank holds now
         k, v, spos, sdoc = travel
@@ -195,22 +194,22 @@ def _ring_forward(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, *, opts,
                     bias = _alibi_bias(alibi, tpos[rows], spos[cols], opts)
                     piece = attend(q[:, :, :, rows], k[:, :, cols], v[:, :, cols], *seen, bias)
                     # The block's state merged into its rows' (merge.py, SPEC §22).
-                    held = (o[:, :, :, rows], lse[:, :, :, rows])
-                    o[:, :, :, rows], lse[:, :, :, rows] = merge_states(*held, *piece)
+                    new = merge_partials(o[..., rows, :], m[..., rows], l[..., rows], *piece)
+                    o[..., rows, :], m[..., rows], l[..., rows] = new
         for req in pending:
             req.wait()
 
     if sinks is not None:
         # The sink joins each row's softmax once (per step, it would count P times): a piece
-        # of its own, o = 0 and lse = the sink, in each row that saw a key (SPEC §22.6).
-        sink = sinks.to(state).reshape(1, K, G, 1).expand(B, K, G, Tl)  # (B, K, G, Tl)
-        sink = torch.where(lse > -torch.inf, sink, -torch.inf)  # (B, K, G, Tl)
-        o, lse = merge_states(o, lse, torch.zeros_like(o), sink)
-    # A row that read a +inf score (q·k overflowed) has a block's lse +inf, which the merge
-    # makes NaN, o and lse: so that in the backward every weight of it is NaN, as its
-    # output is (§4.1).
-    out, lse = o.to(work), lse.to(work)  # (B, K, G, Tl, E), (B, K, G, Tl)
-    return out.reshape(B, H, Tl, E), lse.reshape(B, H, Tl)  # (B, H, Tl, E), (B, H, Tl)
+        # of its own, o = 0, m = the sink and l = 1, in each row that saw a key (SPEC §22.6).
+        sink = sinks.reshape(1, K, G, 1).expand(B, K, G, Tl)  # (B, K, G, Tl)
+        sink = torch.where(l > 0, sink, -torch.inf)  # (B, K, G, Tl)
+        o, m, l = merge_partials(o, m, l, torch.zeros_like(o), sink, 1.0)
+    lse = union_lse(m, l)  # (B, K, G, Tl)
+    # A row that read a +inf score (q·k overflowed) has l = +inf or NaN: its lse is NaN, as
+    # its output is, so that in the backward every weight of it is NaN (§4.1).
+    lse = torch.where(torch.isnan(l) | (l == torch.inf), torch.nan, lse)  # (B, K, G, Tl)
+    return o.reshape(B, H, Tl, E), lse.reshape(B, H, Tl)  # (B, H, Tl, E), (B, H, Tl)
 
 
 def ring_attention_backward(

@@ -61,13 +61,14 @@ NaN would carry one document's NaN into another's rows (SPEC §18.3).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from .. import contract
-from .naive import softcapped, softmax
+from .naive import log_sum_exp, softcapped, softmax
 from .ring_layout import Layout, scale_split, sum_to
 
 
@@ -85,8 +86,8 @@ def head_split(H: int, K: int, P: int) -> tuple[list[int], list[int], list[int],
 
 def ulysses_attention(
     q, k, v, tpos, spos, mask, sinks=None, slopes=None, tdoc=None, sdoc=None, *,
-    opts: dict, heads: tuple,
-) -> torch.Tensor:  # fmt: skip
+    opts: dict, heads: tuple, return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One rank's share: (B, H, Tl, E), its sequence slice of every head's output.
 
     q (B, H, Tl, D), k (B, K, Sl, D), v (B, K, Sl, E) in the working dtype, this rank's
@@ -100,10 +101,20 @@ def ulysses_attention(
     the document (a query's shifted by S_n − T_n for bottom-right alignment, so that
     ``opts["offset"]`` is 0) and no mask. Left out (None), the whole sequence is one
     document and padding is told by tpos >= T, spos >= S.
+
+    With ``return_lse`` (not with documents), (out, lse): lse (B, H, Tl), each row's
+    natural log-sum-exp in the working dtype (SPEC §21), the sink's term included, taken on
+    the rank that holds the row's head and sent back as the output is.
     """
     qh, kh, vh = _to_heads(q, k, v, heads)
-    out = _attention_on_heads(qh, kh, vh, tpos, spos, mask, sinks, slopes, tdoc, sdoc, opts, heads)
-    return _to_sequence(out, heads[1])  # (B, H, Tl, E)
+    out = _attention_on_heads(
+        qh, kh, vh, tpos, spos, mask, sinks, slopes, tdoc, sdoc, opts, heads, return_lse
+    )
+    if not return_lse:
+        return _to_sequence(out, heads[1])  # (B, H, Tl, E)
+    out, lse = out
+    lse = _to_sequence(lse[..., None], heads[1])[..., 0]  # (B, H, Tl)
+    return _to_sequence(out, heads[1]), lse  # (B, H, Tl, E), (B, H, Tl)
 
 
 def ulysses_attention_backward(
@@ -147,9 +158,11 @@ def ulysses_attention_backward(
 
 
 def _attention_on_heads(
-    q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, opts: dict, heads: tuple
-):
-    """Attention of this rank's query heads over the whole sequence: (B, Hr, Tp, E).
+    q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, opts: dict, heads: tuple,
+    return_lse: bool = False,
+):  # fmt: skip
+    """Attention of this rank's query heads over the whole sequence: (B, Hr, Tp, E), and
+    with ``return_lse`` (no documents) its lse (B, Hr, Tp).
 
     q (B, Hr, Tp, D), k (B, Kr, Sp, D), v (B, Kr, Sp, E); sinks (Hr,), slopes (B, Hr) or
     None; tdoc (Tp,), sdoc (Sp,) the packed documents or None."""
@@ -162,7 +175,7 @@ def _attention_on_heads(
     k = k[:, slot]  # (B, Hr, Sp, D)
     v = v[:, slot]  # (B, Hr, Sp, E)
     if tdoc is None:
-        return _attend(q, k, v, tpos, spos, mask, sinks, slopes, None, None, opts)
+        return _attend(q, k, v, tpos, spos, mask, sinks, slopes, None, None, opts, return_lse)
 
     # Packed documents: the whole sequence is here, so each document is attended on its
     # own, its queries against its own keys only. One product over all of them, with the
@@ -182,11 +195,12 @@ def _attention_on_heads(
     return out
 
 
-def _attend(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, opts: dict):
+def _attend(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, opts: dict, return_lse=False):
     """Attention of q (B, Hr, Tp, D) on k (B, Hr, Sp, D), v (B, Hr, Sp, E), each query
-    head with its own key/value head: (B, Hr, Tp, E). tpos (Tp,), spos (Sp,) are the
-    tokens' positions, tdoc, sdoc their documents or None; Tp and Sp here are the slots
-    given, the whole sequence or one packed document's."""
+    head with its own key/value head: (B, Hr, Tp, E), and with ``return_lse`` its lse
+    (B, Hr, Tp). tpos (Tp,), spos (Sp,) are the tokens' positions, tdoc, sdoc their
+    documents or None; Tp and Sp here are the slots given, the whole sequence or one
+    packed document's."""
     # Which keys each query may see: causality, the window, local-attention chunks and
     # padding (from the tokens' original positions), a bool mask, a float mask's -inf
     # entries. Chunks use floor division: a query at a negative position lies in a chunk
@@ -234,7 +248,19 @@ def _attend(q, k, v, tpos, spos, mask, sinks, slopes, tdoc, sdoc, opts: dict):
     w = softmax(x, sinks)  # (B, Hr, Tp, Sp)
 
     # 7. Weighted sum of the values.
-    return torch.einsum("bhts,bhse->bhte", w, v)  # (B, Hr, Tp, E)
+    out = torch.einsum("bhts,bhse->bhte", w, v)  # (B, Hr, Tp, E)
+    if not return_lse:
+        return out
+
+    # 8. The log-sum-exp of the scores step 4 made (naive.py's, on this rank's heads).
+    return out, log_sum_exp(x, sinks, _Heads(H=x.shape[1]))  # (B, Hr, Tp, E), (B, Hr, Tp)
+
+
+class _Heads(NamedTuple):
+    """What ``naive.log_sum_exp`` reads of a call: the heads of the scores, batched."""
+
+    H: int
+    unbatched: bool = False
 
 
 def _to_heads(q, k, v, heads: tuple):
@@ -323,9 +349,12 @@ def attention(
     world_size: int = 2,
     layout: str = "zigzag",
     run: Runner,
-) -> np.ndarray:
+    return_lse: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Ulysses attention on ``world_size`` ranks run by ``run``; NumPy in and out.
-    ``sinks`` (H,), ``chunk_size`` and ``alibi_slopes`` (H,) or (B, H) as in SPEC §15-§17."""
+    ``sinks`` (H,), ``chunk_size`` and ``alibi_slopes`` (H,) or (B, H) as in SPEC §15-§17;
+    with ``return_lse``, (out, lse), lse (B, H, T) in float64 for float64 inputs and
+    float32 otherwise (SPEC §21)."""
     # 0. Validate: the input contract every impl shares (the contract package).
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     mask = None if mask is None else np.asarray(mask)
@@ -340,10 +369,15 @@ def attention(
     lay = Layout(call, q, k, v, mask, None, world_size, layout, sinks, slopes)
     heads = head_split(call.H, call.K, lay.P)
     outs = run(
-        ulysses_attention, _shards(lay, heads), opts=lay.opts, heads=heads
-    )  # P × (B, H, Tl, E)
-    out = lay.rows_back(np.concatenate(outs, axis=2)).astype(q.dtype)  # (B, H, T, E)
-    return out[0] if call.unbatched else out
+        ulysses_attention, _shards(lay, heads), opts=lay.opts, heads=heads,
+        return_lse=return_lse,
+    )  # fmt: skip  # P × (B, H, Tl, E), or P × ((B, H, Tl, E), (B, H, Tl))
+    if not return_lse:
+        out = lay.rows_back(np.concatenate(outs, axis=2)).astype(q.dtype)  # (B, H, T, E)
+        return out[0] if call.unbatched else out
+    out = lay.rows_back(np.concatenate([o for o, _ in outs], axis=2)).astype(q.dtype)
+    lse = lay.rows_back(np.concatenate([x for _, x in outs], axis=2))  # (B, H, T)
+    return (out[0], lse[0]) if call.unbatched else (out, lse)
 
 
 def attention_vjp(

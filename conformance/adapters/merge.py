@@ -24,10 +24,9 @@ from typing import Any
 import numpy as np
 
 from conformance.adapters.impl import import_target
+from conformance.adapters.lse import LSE_BASES, LSE_LAYOUTS
 
 MERGE_KEYS = {"function", "layout", "base"}
-LSE_LAYOUTS = ("BHT", "BTH")
-LSE_BASES = ("e", "2")
 
 
 def parse_merge(table: Any, where: str) -> dict:

@@ -55,6 +55,7 @@ from conformance.report.outcomes import (
     verdicts,
 )
 from conformance.report.pictures import draw_pictures
+from conformance.suite.options import IMPL_FLAGS
 from conformance.suite.verdicts import named_by_run
 
 
@@ -178,19 +179,6 @@ def _load_impl(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str
     except (BackendUnavailable, ValueError) as err:
         parser.error(str(err))
     return impl.name
-
-
-#: The options that describe an --impl, and need one.
-IMPL_FLAGS = (
-    "--impl-capabilities",
-    "--impl-dtypes",
-    "--impl-name",
-    "--impl-framework",
-    "--impl-layout",
-    "--impl-causal",
-    "--impl-mask",
-    "--impl-domain",
-)
 
 
 def _declarations(name: str) -> dict:

@@ -242,3 +242,16 @@ def _add_jax_program_options(group: pytest.OptionGroup) -> None:
         action="store_true",
         help="with --check-programs ENV: write this run's counts as ENV's record",
     )
+
+
+#: The options that describe an --impl, and need one (pytest's and the report's).
+IMPL_FLAGS = (
+    "--impl-capabilities",
+    "--impl-dtypes",
+    "--impl-name",
+    "--impl-framework",
+    "--impl-layout",
+    "--impl-causal",
+    "--impl-mask",
+    "--impl-domain",
+)

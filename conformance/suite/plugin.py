@@ -76,6 +76,7 @@ from conformance.suite.isolation import (  # noqa: F401
 
 # The plugin's command-line options live on a page of their own; the hook is this plugin's.
 from conformance.suite.options import (
+    IMPL_FLAGS,
     draws_independent_of_loaded_modules,
     property_tests_use_the_runs_profile,
     pytest_addoption,  # noqa: F401
@@ -154,16 +155,7 @@ def selected_backends(config: pytest.Config) -> list[str]:
 def _load_impl(config: pytest.Config) -> str | None:
     spec = config.getoption("--impl")
     if spec is None:
-        for flag in (
-            "--impl-capabilities",
-            "--impl-dtypes",
-            "--impl-name",
-            "--impl-framework",
-            "--impl-layout",
-            "--impl-causal",
-            "--impl-mask",
-            "--impl-domain",
-        ):
+        for flag in IMPL_FLAGS:
             if config.getoption(flag) is not None:
                 raise pytest.UsageError(f"{flag} describes an --impl; give --impl MODULE:ATTR")
         return None

@@ -24,6 +24,7 @@ import pytest
 from conformance.adapters.interpreters import limitation_named
 from conformance.suite import behaviours, diagnosis
 from conformance.suite.clauses import LAYERS, clause_key, clause_titles, layer_of
+from conformance.suite.options import IMPL_FLAGS
 
 #: The user property that labels a conformance test's report (JSON): {"backend",
 #: "clause", "layer", "rerun"}.
@@ -57,14 +58,7 @@ def layer_of_failure(clause: str | None, behaviour: str) -> str | None:
 RERUN_OPTIONS = (
     "--backend",
     "--impl",
-    "--impl-capabilities",
-    "--impl-dtypes",
-    "--impl-name",
-    "--impl-framework",
-    "--impl-layout",
-    "--impl-causal",
-    "--impl-mask",
-    "--impl-domain",
+    *IMPL_FLAGS,
     "--impl-profile",
     "--known-failures",
 )

@@ -16,7 +16,7 @@ behaviour its failing tests show (``conformance/suite/behaviours.py``), with the
 number of tests. Then the table, a row per SPEC clause where some function departs from
 the spec and a cell per function: ✅ every test of the clause passes, ❌ how many fail and
 which of the function's departures they show (by number), — the function does not declare
-what the clause needs. Behaviours hold no error size, so the page means the same on any
+what the clause needs, or no call of the clause fits its domain (untested, and said so). Behaviours hold no error size, so the page means the same on any
 machine with the same versions. ``--page`` (or its older name ``--readme``) replaces only the
 text between ``START`` and ``END`` of the file it names; ``--check`` compares the behaviours and the marks (✅ ❌ —).
 
@@ -40,6 +40,7 @@ from pathlib import Path
 from conformance.report.markdown import departure_line
 from conformance.suite.behaviours import SUITE_BUG, as_text
 from conformance.suite.clauses import clause_key, clause_titles
+from conformance.suite.domain import OUTSIDE
 from conformance.suite.known_failures import ON_SOME_PROCESSORS, pattern
 
 START = "<!-- frameworks-table:start -->"
@@ -128,6 +129,8 @@ def _varying(rows: list[dict], name: str) -> list[dict]:
 def _cell(rows: list[dict], listed: list[dict]) -> tuple[str, str]:
     ran = [r for r in rows if r["outcome"] != "skipped"]
     if not ran:
+        if any(OUTSIDE in r["reason"] for r in rows):
+            return NONE, "untested: no call of it fits the domain"
         return NONE, "not declared" if rows else "not run"
     bad = [r for r in ran if r["outcome"] in ("failed", "xfailed")]
     if not bad:
@@ -176,7 +179,8 @@ def table(found: dict) -> str:
     lines.append(
         "No function departs from "
         + ", ".join(f"§{c}" for c in conforming)
-        + f" ({NONE} where it does not declare what the clause needs)."
+        + f" ({NONE} where it does not declare what the clause needs, or where no call of "
+        "the clause fits the shapes it takes: untested, not passed)."
     )
     for name, why in found.get("elsewhere", {}).items():
         lines.append("")

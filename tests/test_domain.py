@@ -37,6 +37,7 @@ import numpy as np
 from conformance.impls.numpy.attention import attention as reference
 
 DROP_SCALE = {drop_scale}
+LEAK = {leak}
 
 
 def _log(**call):
@@ -50,6 +51,18 @@ def tiled(q, k, v, is_causal=False, scale=None):
     assert q.shape[-1] in (16, 32) and v.shape[-1] in (16, 32), (q.shape, v.shape)
     assert k.shape[-2] % 16 == 0, k.shape
     return reference(q, k, v, is_causal=is_causal, scale=None if DROP_SCALE else scale)
+
+
+def tiled_masked(q, k, v, mask=None, is_causal=False, scale=None):
+    """D in {{16}}, T a multiple of 4, S a multiple of 16, a bool mask; with LEAK, a mask
+    applied as a large negative number added to the scores (the bug of §4.7)."""
+    _log(q=list(q.shape), k=list(k.shape), v=list(v.shape), causal=is_causal)
+    assert q.shape[-1] == 16 and v.shape[-1] == 16, (q.shape, v.shape)
+    assert q.shape[-2] % 4 == 0 and k.shape[-2] % 16 == 0, (q.shape, k.shape)
+    if not LEAK or mask is None:
+        return reference(q, k, v, mask=mask, is_causal=is_causal, scale=scale)
+    bias = np.where(mask, 0.0, -1e9).astype(q.dtype)
+    return reference(q, k, v, mask=bias, is_causal=is_causal, scale=scale)
 
 
 def causal_only(q, k, v, scale=None):
@@ -76,6 +89,25 @@ head_dims = [16, 32]
 s_multiple = 16
 """
 
+TILED_MASKED = """
+name = "kern.tiled_masked"
+target = "kern:tiled_masked"
+dtypes = ["float64", "float32"]
+
+[options]
+is_causal = "is_causal"
+scale = "scale"
+
+[mask]
+bool = "mask"
+float = false
+
+[domain]
+head_dims = [16]
+t_multiple = 4
+s_multiple = 16
+"""
+
 CAUSAL_ONLY = """
 name = "kern.causal_only"
 target = "kern:causal_only"
@@ -93,8 +125,8 @@ causal = "only"
 """
 
 
-def _kernel(tmp_path: Path, profile: str, *, drop_scale: bool = False) -> Path:
-    (tmp_path / "kern.py").write_text(KERNELS.format(drop_scale=drop_scale))
+def _kernel(tmp_path: Path, profile: str, *, drop_scale: bool = False, leak=False) -> Path:
+    (tmp_path / "kern.py").write_text(KERNELS.format(drop_scale=drop_scale, leak=leak))
     path = tmp_path / "kern.toml"
     path.write_text(profile)
     return path
@@ -142,6 +174,42 @@ def test_a_bug_inside_the_domain_still_fails(tmp_path):
     path = _kernel(tmp_path, TILED, drop_scale=True)
     code, out, _ = _run(tmp_path, path, "test_fixtures.py", args=["-k", "test_fixture_case"])
     assert code == 1 and " failed" in out, out[-3000:]
+
+
+@pytest.mark.clause("4.7", "13.19")
+@pytest.mark.parametrize("leak", [False, True], ids=["right", "adds-a-large-negative"])
+def test_unused_slots_are_built_inside_the_domain(tmp_path, leak):
+    """§4.7's problems (T = 5, S = 9, D = 4) are drawn at the domain's T = 8, S = 16,
+    D = 16 rather than carried (carrying would add queries that read the garbage): the
+    kernel is judged on them, every call inside its domain, the move in the summary, and a
+    kernel whose mask adds -1e9 lets the garbage through and fails."""
+    path = _kernel(tmp_path, TILED_MASKED, leak=leak)
+    code, out, calls = _run(
+        tmp_path, path, "test_edges.py", args=["-k", "unused_slots_hold_anything"]
+    )
+    assert calls and all(c["q"][-1] == 16 and c["k"][-2] % 16 == 0 for c in calls)
+    assert all(c["q"][-2] % 4 == 0 for c in calls)
+    assert "T5-S9-D4-E4 -> T8-S16-D16-E16 (unused slots)" in out, out[-3000:]
+    assert " passed" in out, out[-3000:]
+    if not leak:
+        assert code == 0 and " failed" not in out, out[-4000:]
+        assert "would attend keys that no query of it attends" not in out, out[-3000:]
+    else:
+        assert code == 1, out[-3000:]
+        assert "garbage (NaN, ±inf, the largest number) in key slots" in out, out[-3000:]
+
+
+def test_per_position_tests_take_every_position_or_the_tile_edges():
+    """Every i where there are at most 32 (the suite's own sizes), the tile edges of the
+    domain's multiples beyond that (SPEC §13.19)."""
+    tiled = _Kernel(Domain(t_multiple=16, s_multiple=128), ALL)
+    assert carrying.positions(tiled, 12) == list(range(12))
+    assert carrying.positions(tiled, 32) == list(range(32))
+    taken = carrying.positions(tiled, 127)
+    assert taken[:5] == [0, 1, 15, 16, 17] and taken[-4:] == [111, 112, 113, 126]
+    assert len(taken) == 24
+    backward = _Kernel(Domain(backward=Domain(s_multiple=64)), ALL)
+    assert carrying.positions(backward, 127, "attention_vjp") == [0, 1, 63, 64, 65, 126]
 
 
 @pytest.mark.clause("13.17", "13.19")
@@ -322,7 +390,7 @@ def test_the_pallas_profiles_declare_their_domains():
     assert interpreter_words(gpu.interpreter).startswith(
         "Pallas' interpreter (interpret=True), jax "
     )
-    tpu = profiles.read_profile(ROOT / "examples" / "pallas.tpu.flash_attention.toml")
+    tpu = profiles.read_profile("pallas.tpu.flash_attention")
     assert "mask_float" in tpu.forms and tpu.domain.s_multiple == 128
     assert "float64" not in gpu.dtypes + tpu.dtypes  # neither switches JAX's x64 on
 

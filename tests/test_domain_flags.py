@@ -16,7 +16,7 @@ FLAGS = ["--impl-domain", "head_dims=[16, 32]", "--impl-domain", "s_multiple=16"
 
 
 def _run(tmp_path, *args: str) -> tuple[int, str]:
-    (tmp_path / "kern.py").write_text(KERNELS.format(drop_scale=False))
+    (tmp_path / "kern.py").write_text(KERNELS.format(drop_scale=False, leak=False))
     run = subprocess.run(
         [sys.executable, "-m", "pytest", str(ROOT / "conformance/tests/test_fixtures.py")]
         + ["-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-n", "0", "-rs"]

@@ -70,6 +70,29 @@ def test_cells_say_passes_fails_or_not_declared():
         assert f"Not run here: `{name}`, {why}" in table.splitlines()
 
 
+def test_a_clause_outside_a_kernels_domain_reads_untested_not_undeclared():
+    """A clause whose tests were all skipped because no call of theirs fits the kernel's
+    shapes is untested, which the cell says; a form the kernel does not take is not
+    declared; a clause with one test run is judged on that test."""
+    from conformance.suite.domain import LACKS_FORM, OUTSIDE
+
+    outside = f"{OUTSIDE} pallas.gpu.mha (T a multiple of 16): T = 5; an empty sequence ..."
+    lacks = f"pallas.gpu.mha {LACKS_FORM} 'mask_bool': a bool mask"
+    rows = [
+        {**_row("pallas.gpu.mha", "test_a[pallas.gpu.mha-1]", "2.5", "skipped"), "reason": outside},
+        {**_row("pallas.gpu.mha", "test_b[pallas.gpu.mha-1]", "3.1", "skipped"), "reason": lacks},
+        {**_row("pallas.gpu.mha", "test_c[pallas.gpu.mha-1]", "4.7", "skipped"), "reason": outside},
+        _row("pallas.gpu.mha", "test_c[pallas.gpu.mha-2]", "4.7", "passed"),
+    ]
+    found = frameworks.matrix(_data(rows))
+    cells = {clause: by_name["pallas.gpu.mha"] for clause, by_name in found["clauses"].items()}
+    assert cells == {
+        "2.5": (frameworks.NONE, "untested: no call of it fits the domain"),
+        "3.1": (frameworks.NONE, "not declared"),
+        "4.7": (frameworks.PASS, ""),
+    }
+
+
 def test_departures_are_numbered_by_how_many_tests_show_them():
     rows = [
         _row("torch.sdpa", "test_a[torch.sdpa-1]", "4.3", "failed", ACCEPTS),

@@ -705,7 +705,7 @@ def test_the_report_says_what_a_kernel_was_judged_on(tmp_path):
     theirs reached, as the run's summary does."""
     from test_domain import KERNELS, TILED
 
-    (tmp_path / "kern.py").write_text(KERNELS.format(drop_scale=False))
+    (tmp_path / "kern.py").write_text(KERNELS.format(drop_scale=False, leak=False))
     (tmp_path / "kern.toml").write_text(TILED)
     run = subprocess.run(
         [sys.executable, "-m", "conformance", "report", "--impl-profile", "kern.toml"]
@@ -735,7 +735,7 @@ def test_the_report_takes_an_impls_forms_and_domain_as_pytest_does(tmp_path):
     without --impl they are an error, as in pytest."""
     from test_domain import KERNELS
 
-    (tmp_path / "kern.py").write_text(KERNELS.format(drop_scale=False))
+    (tmp_path / "kern.py").write_text(KERNELS.format(drop_scale=False, leak=False))
     domain = ["--impl-domain", "head_dims=[16, 32]", "--impl-domain", "s_multiple=16"]
     flags = ["--impl-mask", "none", "--impl-causal", "keyword", *domain]
     run = subprocess.run(

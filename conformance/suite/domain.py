@@ -245,6 +245,27 @@ def inside(domain: Domain, T: int, S: int) -> tuple[int, int]:
     return T2, S2
 
 
+#: Up to this many positions, a per-position test takes every one of them.
+EVERY_POSITION = 32
+
+
+def positions(backend: Any, n: int, method: str = "attention") -> list[int]:
+    """The positions i a per-position test takes (SPEC §4.3's leakage, §12.5's gradient:
+    outputs <= i against keys > i): every i < n where n <= ``EVERY_POSITION``, as at the
+    suite's own sizes; else, at a size moved inside a kernel's domain, the first two, the
+    last and those around each tile edge the domain declares (i = m - 1, m, m + 1 for every
+    multiple m of its T and S multiples), where a blockwise kernel's masking changes. Every
+    position of an interpreted kernel at S = 128 is minutes per test."""
+    if n <= EVERY_POSITION:
+        return list(range(n))
+    domain = domain_of(backend).of(method)
+    edges = {0, 1, n - 1}
+    for step in {domain.t_multiple, domain.s_multiple} - {1}:
+        for m in range(step, n + 1, step):
+            edges |= {m - 1, m, m + 1}
+    return sorted(i for i in edges if 0 <= i < n)
+
+
 def head_dims_inside(backend, domain: Domain, D: int, E: int) -> tuple[int | None, int]:
     if "value_dim" in backend.capabilities:
         D2, E2 = domain.next_head_dim(D), domain.next_head_dim(E)

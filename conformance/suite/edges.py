@@ -8,9 +8,14 @@ mask's -inf entries), never from the backend under test.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pytest
 
 from conformance.fixtures.oracle import allowed_keys
+from conformance.suite.domain import OUTSIDE, domain_of, head_dims_inside, inside
+from conformance.suite.domain_summary import MOVED_PROPERTY
 from conformance.suite.helpers import as64, random_qkv
 from conformance.suite.requirements import value_dims
 from conformance.vocabulary import numpy_dtype
@@ -90,12 +95,38 @@ def empty_options(how: str, T: int, S: int, dtype: str) -> dict:
     return {}
 
 
-def inert_problem(backend, how: str, dtype: str, seed: int = 80):
-    """Inputs, options and the (B, K, S) unused slots for one way of leaving slots unused."""
-    B, H, K, T, S = 2, 4, 4, 5, 9
+def inert_sizes(backend, method: str = "attention", node=None) -> tuple[int, int, int, int]:
+    """(T, S, D, E) of the unused-slot problems: 5 queries against 9 keys, or, for a kernel
+    that declares a domain, the least lengths and head dims inside it with T < S still
+    (a top-left causal call leaves keys unused only there). The problems are built at
+    those sizes, so every slot the test calls unused is one the kernel's own call leaves
+    unused; padding the call into the domain instead would add queries that attend them.
+
+    Raises:
+      pytest.skip.Exception: the domain has no T < S (T = S only) or no head dim for D.
+    """
+    D, E = value_dims(backend, 4, 3)
+    domain = domain_of(backend).of(method)
+    if domain.everything:
+        return 5, 9, D, E
+    T, S = inside(domain, 5, 9)
+    D2, E2 = head_dims_inside(backend, domain, D, E)
+    if T >= S or D2 is None:
+        why = "no T < S" if T >= S else f"no head dim of at least {max(D, E)}"
+        pytest.skip(f"{OUTSIDE} {backend.name} ({domain.words()}): {why} to build it at")
+    if node is not None and (T, S, D2, E2) != (5, 9, D, E):
+        text = f"T5-S9-D{D}-E{E} -> T{T}-S{S}-D{D2}-E{E2} (unused slots)"
+        node.user_properties.append((MOVED_PROPERTY, json.dumps([backend.name, text])))
+    return T, S, D2, E2
+
+
+def inert_problem(backend, how: str, dtype: str, seed: int = 80, *, method="attention", node=None):
+    """Inputs, options and the (B, K, S) unused slots for one way of leaving slots unused,
+    at ``inert_sizes``."""
+    B, H, K = 2, 4, 4
     if how == "gqa-group":
         K = 2
-    D, E = value_dims(backend, 4, 3)
+    T, S, D, E = inert_sizes(backend, method, node)
     q, k, v = random_qkv(seed, B=B, H=H, K=K, T=T, S=S, D=D, E=E, dtype=dtype)
     rng = np.random.default_rng(seed + 1)
     options: dict = {}

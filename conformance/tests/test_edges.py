@@ -183,10 +183,10 @@ def clean_call(backend, q, k, v, options: dict, dtype: str, context: str) -> np.
 @pytest.mark.parametrize("garbage", ["nan", "inf", "max", "mixed"])
 @pytest.mark.parametrize("how", INERT_PARAMS)
 @dtypes
-def test_unused_slots_hold_anything(backend, how, garbage, dtype):
+def test_unused_slots_hold_anything(backend, how, garbage, dtype, request):
     """An unused slot may hold NaN, ±inf or the largest finite number: the output is bit for
     bit what it is with ordinary numbers there."""
-    q, k, v, options, unused = edges.inert_problem(backend, how, dtype)
+    q, k, v, options, unused = edges.inert_problem(backend, how, dtype, node=request.node)
     clean = clean_call(backend, q, k, v, options, dtype, f"{backend.name}: {INERT[how][1]}")
     k2, v2 = edges.with_garbage(k, v, unused, garbage, dtype)
     dirty = backend.attention(q, k2, v2, **options)
@@ -202,11 +202,11 @@ def test_unused_slots_hold_anything(backend, how, garbage, dtype):
 @pytest.mark.clause("4.7")
 @pytest.mark.parametrize("how", INERT_PARAMS)
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_unused_slots_are_deleted_keys(backend, how, dtype):
+def test_unused_slots_are_deleted_keys(backend, how, dtype, request):
     """The output with garbage in the unused slots equals, within the tolerance, the output
     for each batch element and key/value head with those keys removed (the causal band or
     window then given as the equivalent bool mask, since removing keys moves the diagonal)."""
-    q, k, v, options, unused = edges.inert_problem(backend, how, dtype)
+    q, k, v, options, unused = edges.inert_problem(backend, how, dtype, node=request.node)
     clean_call(backend, q, k, v, options, dtype, f"{backend.name}: {INERT[how][1]}")
     k2, v2 = edges.with_garbage(k, v, unused, "mixed", dtype)
     out = as64(backend.attention(q, k2, v2, **options))
@@ -246,10 +246,12 @@ def test_unused_slots_are_deleted_keys(backend, how, dtype):
 )
 @dtypes
 @requires("grad")
-def test_unused_slot_gradients(backend, how, garbage, dtype):
+def test_unused_slot_gradients(backend, how, garbage, dtype, request):
     """Garbage in unused slots changes no gradient bit; the slots' own dk and dv are exactly
     0, and so is dmask wherever the float mask is -inf."""
-    q, k, v, options, unused = edges.inert_problem(backend, how, dtype, seed=81)
+    q, k, v, options, unused = edges.inert_problem(
+        backend, how, dtype, seed=81, method="attention_vjp", node=request.node
+    )
     float_mask = "mask" in options and options["mask"].dtype != np.bool_
     d_out = np.random.default_rng(82).standard_normal((*q.shape[:-1], v.shape[-1]))
     d_out = d_out.astype(q.dtype)

@@ -16,6 +16,7 @@ from conformance.adapters.forms import forms_used
 from conformance.backends import numpy_dtype
 from conformance.suite import gradients
 from conformance.suite.cases import case_entries, load_case
+from conformance.suite.domain import positions
 from conformance.suite.helpers import SIZES, as64, fixture_marks, random_qkv
 from conformance.suite.measure import publish
 from conformance.suite.rebuilt import case_inside
@@ -198,7 +199,7 @@ def test_no_gradient_from_the_future(backend, size, dtype):
     T, S = size["T"], size["S"]
     q, k, v = random_qkv(44, T=T, S=S, dtype=dtype)
     d_out = gradients.random_d_out(45, q, v)
-    for i in range(min(T, S) - 1):
+    for i in positions(backend, min(T, S) - 1, "attention_vjp"):
         d_i = d_out.copy()
         d_i[..., i + 1 :, :] = 0
         grads = gradients.vjp(backend, q, k, v, d_i, is_causal=True)

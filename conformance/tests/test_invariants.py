@@ -12,6 +12,7 @@ import pytest
 
 from conformance.backends import numpy_dtype
 from conformance.suite.diagnosis import output_dtype
+from conformance.suite.domain import positions
 from conformance.suite.helpers import (
     SIZES,
     as64,
@@ -123,7 +124,7 @@ def test_no_future_leakage(backend, size, dtype):
     T, S = size["T"], size["S"]
     q, k, v = random_qkv(4, T=T, S=S, dtype=dtype)
     base = backend.attention(q, k, v, is_causal=True)
-    for i in range(min(T, S) - 1):
+    for i in positions(backend, min(T, S) - 1):
         k2, v2 = k.copy(), v.copy()
         k2[..., i + 1 :, :] = (k2[..., i + 1 :, :].astype(np.float64) * -7 + 50).astype(k.dtype)
         v2[..., i + 1 :, :] = (v2[..., i + 1 :, :].astype(np.float64) * 9 - 30).astype(v.dtype)

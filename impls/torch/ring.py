@@ -457,12 +457,10 @@ def attention(
         lay.P, ring_attention, _shards(lay), opts=lay.opts, pieces=lay.pieces,
         return_lse=return_lse,
     )  # fmt: skip
-    if not return_lse:
-        out = lay.rows_back(np.concatenate(outs, axis=2)).astype(q.dtype)  # (B, H, T, E)
-        return out[0] if call.unbatched else out
-    out = lay.rows_back(np.concatenate([o for o, _ in outs], axis=2)).astype(q.dtype)
-    lse = lay.rows_back(np.concatenate([x for _, x in outs], axis=2))  # (B, H, T)
-    return (out[0], lse[0]) if call.unbatched else (out, lse)
+    out = lay.outputs(outs, q.dtype, return_lse)  # (B, H, T, E), or with the lse (B, H, T)
+    if call.unbatched:
+        return tuple(x[0] for x in out) if return_lse else out[0]
+    return out
 
 
 def attention_vjp(

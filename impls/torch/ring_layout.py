@@ -114,6 +114,15 @@ class Layout:
         index[axis] = slice(0, self.S)
         return back[tuple(index)]
 
+    def outputs(self, outs: list, dtype, return_lse: bool):
+        """out (B, H, T, E) in ``dtype``, and with ``return_lse`` (out, lse (B, H, T)), from
+        the ranks' results ``outs``, each its rows' out or (out, lse), in rank order."""
+        if not return_lse:
+            return self.rows_back(np.concatenate(outs, axis=2)).astype(dtype)  # (B, H, T, E)
+        out = self.rows_back(np.concatenate([o for o, _ in outs], axis=2))  # (B, H, T, E)
+        lse = self.rows_back(np.concatenate([x for _, x in outs], axis=2))  # (B, H, T)
+        return out.astype(dtype), lse
+
     def qkv_grads(self, parts: list, dtype) -> list[np.ndarray]:
         """dq (B, H, T, D), dk (B, K, S, D), dv (B, K, S, E) in ``dtype``, from the ranks'
         results ``parts``, each (dq, dk, dv, ...) of its own slices, in rank order."""

@@ -85,6 +85,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--out", type=Path, default=Path("bench/results"), help="where results go (made if absent)"
     )
     p.add_argument(
+        "--ratios",
+        action="store_true",
+        help="instead: the flash backends' ratios to torch-sdpa, interleaved in one process "
+        "(issue 54's measurement; its options: python -m conformance bench --ratios --help)",
+    )
+    p.add_argument(
         "--no-progress",
         action="store_true",
         help="no progress at all (without a terminal there is no bar, one line per run)",
@@ -198,6 +204,11 @@ class _Progress:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m conformance bench [options]``; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--ratios" in argv:
+        from conformance.bench import ratios
+
+        return ratios.main([a for a in argv if a != "--ratios"])
     args = _parse(argv)
     mem_limit = args.mem_limit_gib * GIB if args.mem_limit_gib else _mem_available() / 2
     B, H, D = args.B, args.H, args.D

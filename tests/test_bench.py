@@ -118,3 +118,59 @@ def test_backward_section(tmp_path):
     assert "forward pass only" in rows[1]["reason"]
     assert (tmp_path / "memory_vs_T_backward.png").stat().st_size > 0
     assert "## Forward + backward, non-causal: time" in (tmp_path / "results.md").read_text()
+
+
+def test_ratios_table_from_any_directory(tmp_path):
+    """``python -m conformance bench --ratios``, tiny: every backend, pass and mask has a
+    row, torch-sdpa's own ratio is 1 and the others are its minimum over theirs; the
+    goals column names fd4b5cd's ratios. The ratios themselves are not asserted."""
+    cmd = [sys.executable, "-m", "conformance", "bench", "--ratios", "--T", "32", "--H", "2"]
+    cmd += ["--D", "8", "--repeats", "2", "--settle", "0", "--backends", "numpy-flash"]
+    cmd += ["--goals"]
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "T=S=32" in run.stdout and "min of 2 after a warm-up, interleaved" in run.stdout
+    rows = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith("| ")]
+    assert [c.strip() for c in rows[0]] == [
+        "backend", "pass", "causal", "min ms", "torch-sdpa ms", "ratio", "fd4b5cd's", "met"
+    ]  # fmt: skip
+    cells = [[c.strip() for c in r] for r in rows[1:]]
+    assert [(c[0], c[1], c[2]) for c in cells] == [
+        (name, pass_, causal)
+        for name in ("numpy-flash", "torch-sdpa")
+        for pass_ in ("forward", "vjp")
+        for causal in ("no", "yes")
+    ]
+    assert [c[6] for c in cells[:4]] == ["0.86", "0.86", "0.75", "0.75"]
+    assert all(c[5] == "1.00" and c[6] == "-" for c in cells[4:])
+
+
+def test_ratios_interleave_the_backends(monkeypatch):
+    """Each round calls every backend once, in order, after one warm-up round; a row's
+    time is the minimum of its timed rounds and its ratio torch-sdpa's minimum over it."""
+    from conformance.bench import ratios
+
+    order = []
+    clock = iter(range(1000))
+    # Each call takes one tick of this clock, except numpy-flash's second timed call.
+    monkeypatch.setattr(ratios.time, "perf_counter", lambda: float(next(clock)))
+
+    def fake_calls(names, pass_, q, k, v, causal):
+        def make(name):
+            def call():
+                order.append(name)
+                if name == "numpy-flash" and order.count(name) == 3:
+                    next(clock), next(clock)
+
+            return call
+
+        return {name: make(name) for name in names}
+
+    monkeypatch.setattr(ratios, "_calls", fake_calls)
+    args = ratios._parse(["--T", "8", "--repeats", "3", "--settle", "0"])
+    args.passes, args.causal, args.backends = ["forward"], "no", ["torch-sdpa", "numpy-flash"]
+    rows = ratios.measure(args)
+    assert order == ["numpy-flash", "torch-sdpa"] * 4
+    flash, torch_ = rows
+    assert flash["times_s"] == [1.0, 3.0, 1.0] and torch_["times_s"] == [1.0, 1.0, 1.0]
+    assert flash["min_s"] == 1.0 and torch_["ratio"] == 1.0

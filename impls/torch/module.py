@@ -5,15 +5,15 @@
 For one query row t of one head: score[s] = scale · Σ_d q[t, d] · k[s, d], then
 w[s] = exp(score[s] - max score) / Σ exp(score - max score), then out[t] = Σ_s w[s] · v[s].
 
-Why 1/√D: if q's and k's entries have unit variance, q·k sums D such products and has
-variance D. Dividing by √D keeps the scores near unit variance at any head size, so the
-softmax neither saturates (one-hot weights, vanishing gradients) nor flattens.
+Why 1/√D: if q's and k's entries are independent with mean 0 and variance 1, q·k sums D
+such products and has variance D; divided by √D, the scores keep variance 1 at any D, so
+the softmax neither saturates (one-hot weights, vanishing gradients) nor flattens.
 
 Shapes, heads-first as in PyTorch: B batch, H query heads, K key/value heads (H % K == 0),
 G = H // K, T query length, S key/value length, D q/k head dim, E v head dim; "B|1" is an
 axis of size B or 1 (it broadcasts). q (B, H, T, D), k (B, K, S, D), v (B, K, S, E) give
 out (B, H, T, E); without B (unbatched) q (H, T, D) gives out (H, T, E).
-PyTorch's docs call T "L" and E "Ev".
+PyTorch's docs call B "N", T "L", D "E" and E "Ev".
 
 Read from the top: ``attention`` runs the lines of ``naive.textbook_attention`` with every
 option as one named step (masks, causality, windows, chunks, ALiBi, softcap, sinks, grouped

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -433,7 +434,9 @@ def write_pages(folder: Path) -> list[Path]:
         return []
     spec = importlib.util.spec_from_file_location("walkthrough_includes", module)
     includes = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(includes)
+    sys.modules.setdefault(spec.name, includes)  # dataclasses look their module up there
+    spec.loader.exec_module(sys.modules[spec.name])
+    includes = sys.modules[spec.name]
     changed = []
     for page in PAGES:
         path = folder / f"{page}.md"

@@ -145,7 +145,10 @@ def test_a_stale_page_is_found(tmp_path):
 
 @pytest.mark.clause("11.1")
 def test_the_command_writes_the_numbers_and_the_pictures(tmp_path):
+    stale = (PAGES / "paged.md").read_text(encoding="utf-8").replace("| 0 |", "| 9 |")
+    (tmp_path / "paged.md").write_text(stale, encoding="utf-8")
     assert walkthrough.main(["--out", str(tmp_path)]) == 0
+    assert (tmp_path / "paged.md").read_text(encoding="utf-8") == assembled("paged")
     for page in walkthrough.PAGES:
         written = (tmp_path / "numbers" / f"{page}.md").read_text(encoding="utf-8")
         assert written == (PAGES / "numbers" / f"{page}.md").read_text(encoding="utf-8")

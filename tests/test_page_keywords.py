@@ -176,3 +176,14 @@ def test_the_module_page_refuses_dropout_p_and_a_dropout_callable_together():
     q = torch.zeros(1, 1, 2, 2)
     with pytest.raises(ValueError, match="dropout_p and dropout: give one"):
         module.attention(q, q, q, dropout_p=0.5, dropout=torch.nn.Dropout(0.5))
+
+
+def test_the_naive_page_refuses_weights_and_lse_together():
+    """Both ask for the second output: the page once returned the lse and dropped the
+    weights without a word."""
+    import torch
+    from conformance.impls.torch import naive
+
+    q = torch.zeros(1, 1, 2, 2)
+    with pytest.raises(ValueError, match="return_weights and return_lse"):
+        naive.attention(q, q, q, return_weights=True, return_lse=True)

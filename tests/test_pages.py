@@ -358,9 +358,13 @@ DIFFERENCES = {
         '-@xp.errstate(over="ignore", invalid="ignore", divide="ignore")',
         # PyTorch's return_weights (Notes: framework spelling).
         "+    return_weights: bool = False,",
-        "+      return_weights: also return the weights that multiplied v (after dropout).",
+        "+      return_weights: also return the weights that multiplied v (after dropout); not",
+        "+        with return_lse, each asks for the second output.",
         "-      out: (B, H, T, E), or (H, T, E) for unbatched input; q's dtype.",
         "+      out: (B, H, T, E), or (H, T, E) for unbatched input; q's dtype. Or (out, weights).",
+        # return_weights and return_lse both ask for the second output: refused together.
+        "+    if return_weights and return_lse:",
+        '+        raise ValueError("return_weights and return_lse: set one of the two, got both True")',
         # PyTorch makes its tensors on q's device (Notes: framework spelling).
         "-    allowed = allowed_keys(mask, call)  # (B|1, H|1, T, S)",
         "+    allowed = allowed_keys(mask, call, q.device)  # (B|1, H|1, T, S)",

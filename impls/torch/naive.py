@@ -83,7 +83,8 @@ def attention(
       is_causal: query t attends only keys on or before its diagonal.
       scale: multiplies q·k; defaults to 1/√D.
       dropout_p, generator: drop each weight with probability dropout_p, drawn from generator.
-      return_weights: also return the weights that multiplied v (after dropout).
+      return_weights: also return the weights that multiplied v (after dropout); not
+        with return_lse, each asks for the second output.
 
     Args, the variants (each off by default):
       causal_alignment: "top_left" (key s <= t) or "bottom_right" (s <= t + S - T, the
@@ -109,6 +110,8 @@ def attention(
         window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size,
         alibi_slopes=alibi_slopes, random=random_source(generator),
     )  # fmt: skip
+    if return_weights and return_lse:
+        raise ValueError("return_weights and return_lse: set one of the two, got both True")
 
     # Prepare the batch axis: unbatched inputs get one, and the mask takes the scores' rank.
     dtype = q.dtype

@@ -187,3 +187,48 @@ def test_the_naive_page_refuses_weights_and_lse_together():
     q = torch.zeros(1, 1, 2, 2)
     with pytest.raises(ValueError, match="return_weights and return_lse"):
         naive.attention(q, q, q, return_weights=True, return_lse=True)
+
+
+class _Called(Exception):
+    """Raised by the spy in place of the page's work: the call is what is under test."""
+
+
+#: The core pages' backends, and the page keyword their random source arrives as.
+CORE_BACKENDS = {
+    "numpy": "rng",
+    "torch-naive": "generator",
+    "torch-module": None,
+    "torch-sdpa": None,
+    "jax": "key",
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORE_BACKENDS))
+def test_the_suite_calls_the_core_page_by_its_own_keywords(name, monkeypatch):
+    """What the suite runs on a core page's backend is the page's ``attention`` called as
+    its signature says: every option by its own keyword, with the value given, and the
+    seed as the page's random source (the global generator where it has none)."""
+    from conformance import load_backend
+
+    backend = load_backend(name)
+    calls = []
+
+    def spy(q, k, v, **options):
+        calls.append(options)
+        raise _Called
+
+    monkeypatch.setattr(backend.impl, "attention", spy)
+    options = dict(
+        is_causal=True, scale=0.5, causal_alignment="bottom_right", window=(2, 0),
+        softcap=3.0, dropout_p=0.25,
+    )  # fmt: skip
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 2, n, 4)) for n in (3, 5, 5))
+    mask = rng.random((3, 5)) > 0.3  # (T, S)
+    with pytest.raises(_Called):
+        backend.attention(q, k, v, mask=mask, seed=3, **options)
+    (given,) = calls
+    assert np.array_equal(np.asarray(given.pop("mask")), mask), f"{name}: the mask changed"
+    random = CORE_BACKENDS[name]
+    assert given.pop(random, None) is not None if random else True, f"{name}: no {random}"
+    assert given == options, f"{name} calls its page with {given}, not {options}"

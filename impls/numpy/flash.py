@@ -3,16 +3,12 @@
     out = softmax(mask(softcap(scale · q kᵀ))) v
 
 The core page builds every score at once, a (B, H, T, S) array: 16 GiB in float32 for
-16 heads of 16384 tokens. Yet an output row is a weighted average of value rows, which
-can be built a block of keys at a time if the softmax can: the *online softmax*. For one
-query row with scores x_1 … x_S and any constant m,
-
-    out = Σ_s exp(x_s − m) v_s / Σ_s exp(x_s − m)
-
-m cancels; the safe softmax takes m = max_s x_s, so that no exp() overflows, and so walks
-the keys three times: for m, for l = Σ exp(x_s − m), for the weighted sum. Two of the
-walks fold into one through a surrogate, the sums against the maximum *so far*
-m_s = max(x_1 … x_s):
+16 heads of 16384 tokens. Yet an output row, a weighted average of value rows, can be
+built a block of keys at a time if the softmax can: the *online softmax*. For one query
+row with scores x_1 … x_S, out = Σ_s exp(x_s − m) v_s / Σ_s exp(x_s − m) for any m; the
+safe softmax takes m = max_s x_s, so that no exp() overflows, and so walks the keys three
+times: for m, for l = Σ exp(x_s − m), for the weighted sum. The walks fold into one
+through a surrogate, the sums against the maximum *so far* m_s = max(x_1 … x_s):
 
     l_s = Σ_{j ≤ s} exp(x_j − m_s)            a_s = Σ_{j ≤ s} exp(x_j − m_s) v_j
 
@@ -22,9 +18,8 @@ m_s) = exp(x_j − m_s): with α = exp(m_{s−1} − m_s) ≤ 1,
     l_s = α · l_{s−1} + exp(x_s − m_s)        a_s = α · a_{s−1} + exp(x_s − m_s) v_s
 
 α is exact, no approximation: it moves every term summed so far onto the new maximum at
-once. After the last key m_S is the row's maximum, so l_S and a_S are the safe softmax's
-sums and out = a_S / l_S; only the rounding differs from the core page. A block of keys
-in place of one changes only the sums: m_s is the maximum over the block as well.
+once. After the last key m_S is the row's maximum, so out = a_S / l_S; only the rounding
+differs from the core page. A block of keys in place of one changes only the sums.
 ``online_softmax_row`` is this recurrence for one row (m, l, a); ``attention`` runs it,
 with the same names, on tiles of Tb rows and Sb keys. docs/walkthrough/flash.md derives it
 in code that runs (three passes, two, one) and follows the worked example through it.

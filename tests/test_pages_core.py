@@ -59,12 +59,12 @@ def _causal(T: int, S: int, alignment: str) -> np.ndarray:
 
 
 #: How far the core may lie from attention() on a row both define, in units of max |v|:
-#: nothing for NumPy and PyTorch, which run the same operations. attention() in JAX is one
-#: XLA program, which contracts step 2's multiply into the softmax's subtraction (a fused
-#: multiply-add, one rounding fewer) and shifts a second time to undo it (its Edge cases:
-#: fused multiply-add); the core, run op by op, rounds each. An exponent then differs by
-#: at most an ulp of its score, each weight by a few ulps relative, the weighted sum of
-#: values by as many ulps of max |v|: 4 float64 ulps of 1 bound it (seen: 1).
+#: nothing for NumPy and PyTorch, which run the same operations. In JAX both are XLA
+#: programs, which may contract step 2's multiply into the softmax's subtraction (a fused
+#: multiply-add, one rounding fewer); attention() then shifts a second time to undo it (its
+#: Edge cases: fused multiply-add), the core does not. An exponent then differs by at most
+#: an ulp of its score, each weight by a few ulps relative, the weighted sum of values by
+#: as many ulps of max |v|: 4 float64 ulps of 1 bound it (seen: 1).
 _ROUNDING = {"numpy": 0.0, "torch-naive": 0.0, "jax": 4 * np.finfo(np.float64).eps}
 
 
@@ -112,7 +112,11 @@ def test_the_core_is_attention_without_options(page, case_id):
     has_key = np.broadcast_to(np.asarray(allowed).any(axis=-1), q.shape[:-1])  # (B, H, T)
     core, scale = module.textbook_attention, options.get("scale")
     if page == "jax":
-        # Given the scale as a number of q's dtype, as attention() compiles it.
+        # Compiled, one program a fixture (not one per operation), and given the scale as
+        # a traced number of q's dtype, as attention() compiles it.
+        import jax
+
+        core = jax.jit(core, static_argnames=("is_causal",))
         scale = to(np.asarray(scale or 1 / math.sqrt(q.shape[-1]), q.dtype))
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         core = back(

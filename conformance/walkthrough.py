@@ -2,10 +2,11 @@
 
 The walkthroughs (``docs/walkthrough/*.md``) are written by hand, and the code they show is
 the impl pages' own lines: the core page's steps by their numbered comments and its helpers
-by their names (``docs/includes.py``), the other pages' parts between pymdownx.snippets
-``# --8<-- [start:NAME]`` markers. What they cannot hold by hand are the numbers each step makes: this command
-writes them, one named section per table, into ``numbers/{walkthrough,backward,sinks,
-paged,flash}.md`` (the pages include them the same way), and the worked example's two pictures.
+by their names, the other pages' parts between ``# --8<-- [start:NAME]`` markers. What they
+cannot hold by hand are the numbers each step makes: this command writes them, one named
+section per table, into ``numbers/{walkthrough,backward,sinks,paged,flash}.md``, with the
+worked example's two pictures, and then writes the code and the numbers into the pages
+themselves (``docs/includes.py``'s ``refresh``), so that a page reads where it is stored.
 The online softmax page's numbers are made in ``walkthrough_flash.py``.
 
 Every number is the NumPy impl's (weights are read off it with V = identity, SPEC §6.2),
@@ -17,7 +18,9 @@ the text is the same on any CPU: tests/test_walkthrough.py regenerates and compa
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +33,8 @@ from conformance.impls.numpy import paged as numpy_paged
 from conformance.suite.cases import worked_example
 
 PAGES = ("walkthrough", "backward", "sinks", "paged", "flash")
+#: The checkout this module stands in: its docs/includes.py writes the pages' stored parts.
+ROOT = Path(__file__).resolve().parents[1]
 CASES = {"non-causal": False, "causal": True}
 #: The backward page's upstream gradient dO (T, E), and its tiles (Tb = Sb = 2).
 D_OUT = [[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]
@@ -404,7 +409,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m conformance walkthrough",
         description="Write the walkthroughs' numbers (numbers/*.md) and the worked example's "
-        "pictures; the pages themselves are written by hand.",
+        "pictures, then the code and numbers the pages store; their prose is written by hand.",
     )
     parser.add_argument("--out", type=Path, default=Path("docs/walkthrough"))
     args = parser.parse_args(argv)
@@ -414,4 +419,31 @@ def main(argv: list[str]) -> int:
     for case, is_causal in CASES.items():
         draw(args.out / f"{case}.png", is_causal)
     print(f"wrote {args.out / 'numbers'}/{{{','.join(PAGES)}}}.md and the pictures")
+    refreshed = write_pages(args.out)
+    if refreshed:
+        print(f"wrote the code and numbers into {', '.join(str(p) for p in refreshed)}")
     return 0
+
+
+def write_pages(folder: Path) -> list[Path]:
+    """Each walkthrough page in ``folder`` with its stored code and numbers written anew
+    from the repository's files (docs/includes.py): the pages that changed. Nothing where
+    the folder holds no page, or this is no checkout with docs/includes.py."""
+    module = ROOT / "docs" / "includes.py"
+    if not module.is_file():
+        return []
+    spec = importlib.util.spec_from_file_location("walkthrough_includes", module)
+    includes = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, includes)  # dataclasses look their module up there
+    spec.loader.exec_module(sys.modules[spec.name])
+    includes = sys.modules[spec.name]
+    changed = []
+    for page in PAGES:
+        path = folder / f"{page}.md"
+        if path.is_file():
+            text = path.read_text(encoding="utf-8")
+            fresh = includes.refresh(text, ROOT)
+            if fresh != text:
+                path.write_text(fresh, encoding="utf-8")
+                changed.append(path)
+    return changed

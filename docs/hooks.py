@@ -9,9 +9,10 @@
 - A link from a page to a file of the repository outside docs/ (``../impls/contract/__init__.py``,
   as the Markdown reads on a forge) cannot be a link of the site: it becomes the file's
   path in code, and a link to a path that does not exist fails the build.
-- A walkthrough's ``<!-- include PATH step N -->`` or ``<!-- include PATH def NAME ... -->``
-  becomes the impl page's step N or functions (docs/includes.py), before pymdownx.snippets
-  runs; an include that names no such step or function fails the build.
+- A walkthrough stores its generated parts (an impl page's steps and functions, the numbers)
+  between ``<!-- include ... -->`` and ``<!-- end include -->`` (docs/includes.py), so that
+  it reads where it is stored; a page whose stored parts differ from what the files give
+  now, or an include that names nothing, fails the (strict) build.
 """
 
 from __future__ import annotations
@@ -86,9 +87,15 @@ def on_page_markdown(markdown: str, page, **kwargs) -> str:
     if page.file.src_uri == "reference/impls.md":
         markdown = markdown.replace("<!-- impls: every page -->", impl_pages())
     try:
-        markdown = includes.expand(markdown, ROOT)
+        fresh = includes.refresh(markdown, ROOT)
     except includes.IncludeError as error:
         raise PluginError(f"{page.file.src_uri}: {error}") from error
+    if fresh.rstrip("\n") != markdown.rstrip("\n"):
+        log.warning(
+            "%s: its generated parts are stale: run "
+            "`python -m conformance walkthrough --out docs/walkthrough`",
+            page.file.src_uri,
+        )
     here = PurePosixPath("docs") / PurePosixPath(page.file.src_uri).parent
 
     def outside(match: re.Match) -> str:

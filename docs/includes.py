@@ -1,15 +1,28 @@
-"""The walkthroughs' includes of an impl page's code, keyed by what the page already has.
+"""The walkthroughs' generated parts: an impl page's code and the numbers, written into the page.
 
-A line ``<!-- include PATH step N -->`` (inside a code fence, where the code goes) becomes
-the numbered step N of the file at PATH (relative to the repository): its comment line
-``# N. ...`` through the line before the blank line that ends the step. A line
-``<!-- include PATH def NAME [NAME ...] -->`` becomes the top-level functions NAME, which
-must follow one another in the file, from the first one's ``def`` (or decorator) through
-the last one's last line. Both are dedented and keep the directive's own indent.
+A walkthrough is Markdown written by hand, read where it is stored (a forge's view of the
+repository) as well as on the site. What it shows of the code and the numbers is generated
+and stored in the page itself, between a directive and its end:
 
-So the core page's body needs no marker lines: the steps it is read by are the keys. The
-site's hook (docs/hooks.py) and tests/test_walkthrough.py load this module by its path; it
-needs nothing outside the standard library.
+    <!-- include PATH step N -->          the numbered step N of the Python file PATH: its
+                                          comment line ``# N. ...`` through the line before
+                                          the blank line that ends the step
+    <!-- include PATH def NAME ... -->    the top-level functions NAME, one right after the
+                                          other in the file, from the first one's ``def`` (or
+                                          decorator) through the last one's last line
+    <!-- include PATH section NAME -->    the lines between PATH's ``--8<-- [start:NAME]``
+                                          and ``[end:NAME]`` markers (other markers left out)
+    ...what ``refresh`` writes...
+    <!-- end include -->
+
+Code is written dedented, in a ``python`` fence; a section of a Markdown file (the numbers
+that ``python -m conformance walkthrough`` writes into docs/walkthrough/numbers/) as it
+stands. ``refresh`` rewrites every directive's lines from the files as they are now: that
+command runs it on the pages, tests/test_walkthrough.py fails when a stored page differs
+from it, and the site's hook (docs/hooks.py) fails a strict build then too. PATH is the
+repository's; a file, step, function or section that is not there is an error. So the core
+page's body needs no marker lines: the steps it is read by are the keys. This module needs
+nothing outside the standard library.
 """
 
 from __future__ import annotations
@@ -21,8 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DIRECTIVE = re.compile(
-    r"^(?P<indent>[ \t]*)<!-- include (?P<path>\S+) (?P<kind>step|def) (?P<keys>[^<>]*?) -->\s*$"
+    r"^(?P<indent>[ \t]*)<!-- include (?P<path>\S+) (?P<kind>step|def|section) "
+    r"(?P<keys>[^<>]*?) -->\s*$"
 )
+END = "<!-- end include -->"
+MARKER = re.compile(r"--8<-- \[(?P<kind>start|end):(?P<name>[a-z][-_0-9a-z]*)\]")
 
 
 class IncludeError(ValueError):
@@ -59,12 +75,18 @@ def source(root: Path, include: Include) -> list[str]:
         if len(include.keys) != 1 or not include.keys[0].isdigit():
             raise IncludeError(f"include {include}: a step is one number, as in 'step 1'")
         lines = step(text, include.keys[0])
+    elif include.kind == "section":
+        if len(include.keys) != 1:
+            raise IncludeError(f"include {include}: a section is one name, as in 'section q'")
+        lines = section(text, include.keys[0])
     else:
         if not include.keys:
             raise IncludeError(f"include {include}: name at least one function")
         lines = functions(text, include.keys)
     if not lines:
-        what = "step" if include.kind == "step" else "run of consecutive top-level functions"
+        what = {"step": "step", "section": "section (one start and one end marker)"}.get(
+            include.kind, "run of consecutive top-level functions"
+        )
         raise IncludeError(f"include {include}: {include.path} has no such {what}")
     return textwrap.dedent("\n".join(lines)).splitlines()
 
@@ -104,15 +126,47 @@ def functions(text: str, names: tuple[str, ...]) -> list[str]:
     return text.splitlines()[top - 1 : last.end_lineno]
 
 
-def expand(markdown: str, root: Path) -> str:
-    """The page with every include replaced by its lines."""
-    out = []
-    for line in markdown.splitlines():
-        found = directives(line)
+def section(text: str, name: str) -> list[str]:
+    """The lines between the one ``--8<-- [start:name]`` and ``[end:name]`` marker of
+    ``text``, other markers' lines left out; none if there is not exactly one pair."""
+    lines = text.splitlines()
+    found = [
+        (i, m["kind"])
+        for i, line in enumerate(lines)
+        if (m := MARKER.search(line)) and m["name"] == name
+    ]
+    if [kind for _, kind in found] != ["start", "end"]:
+        return []
+    inside = lines[found[0][0] + 1 : found[1][0]]
+    return [line for line in inside if not MARKER.search(line)]
+
+
+def block(root: Path, include: Include) -> list[str]:
+    """What stands between ``include``'s directive and its end: code in a python fence, a
+    Markdown section as it is; a blank line either side, so that both read as blocks."""
+    lines = source(root, include)
+    if include.kind != "section" or include.path.endswith(".py"):
+        lines = ["```python", *lines, "```"]
+    return ["", *lines, ""]
+
+
+def refresh(markdown: str, root: Path) -> str:
+    """The page with every directive's lines written anew from the files under ``root``:
+    the lines that stood between a directive and its ``<!-- end include -->`` are
+    replaced (a directive without an end, as first written, gets one)."""
+    lines, out, i = markdown.splitlines(), [], 0
+    while i < len(lines):
+        found = directives(lines[i])
+        out.append(lines[i])
+        i += 1
         if not found:
-            out.append(line)
             continue
-        out += [found[0].indent + code if code else code for code in source(root, found[0])]
+        include = found[0]
+        end = next((j for j in range(i, len(lines)) if lines[j].strip() == END), None)
+        if end is not None and not directives("\n".join(lines[i:end])):
+            i = end + 1
+        out += [include.indent + line if line else line for line in block(root, include)]
+        out.append(include.indent + END)
     return "\n".join(out) + ("\n" if markdown.endswith("\n") else "")
 
 

@@ -23,9 +23,11 @@ What sybil cannot do is this parser, which takes every other fence, by its langu
   entry-point excerpt must name the group the registry reads.
 - ``text``: a figure (a diagram), read by no program.
 
-The walkthroughs (docs/walkthrough/) are left out: their fences hold include lines that
-bring in the impls' own code when the site is built (the code runs in the conformance
-suite), and tests/test_walkthrough.py checks the included sections and the numbers.
+The walkthroughs (docs/walkthrough/) are pages like the others, but for the parts they
+store between ``<!-- include ... -->`` and ``<!-- end include -->``: those are the impls'
+own lines (the code runs in the conformance suite) and the generated numbers, which
+tests/test_walkthrough.py holds to what docs/includes.py writes. Their fences are not run
+here; the fences a walkthrough writes itself (the online softmax's derivation) are.
 """
 
 from __future__ import annotations
@@ -54,11 +56,34 @@ MARKER = re.compile(r"<!--\s*not run:(?P<reason>.*?)-->")
 LANGUAGES = {"sh", "toml", "text", ""}
 
 
+INCLUDE = re.compile(r"^<!-- include \S+ (step|def|section) [^<>]*? -->$", re.MULTILINE)
+END = "<!-- end include -->"
+
+
 def pages() -> list[Path]:
-    """The pages whose fences run: the README and the site's pages but the walkthroughs."""
+    """The pages whose fences run: the README and the site's pages (not the numbers that
+    the walkthroughs store, docs/walkthrough/numbers/)."""
     docs = ROOT / "docs"
-    site = [p for p in sorted(docs.rglob("*.md")) if "walkthrough" not in p.parts]
+    site = [p for p in sorted(docs.rglob("*.md")) if "numbers" not in p.parts]
     return [ROOT / "README.md", *site]
+
+
+def stored(text: str) -> list[tuple[int, int]]:
+    """Where a page stores generated parts: (start, end) offsets, each from an include
+    directive to its end."""
+    return [(m.start(), text.index(END, m.end())) for m in INCLUDE.finditer(text)]
+
+
+def written(parser):
+    """``parser`` on the fences a page writes itself, not those it stores generated."""
+
+    def parse(document: Document) -> Iterable[Region]:
+        spans = stored(document.text)
+        for region in parser(document):
+            if not any(start <= region.start < end for start, end in spans):
+                yield region
+
+    return parse
 
 
 def not_run(example: Example) -> str | None:
@@ -95,7 +120,7 @@ def evaluate(example: Example) -> None:
         check_sample(text, example.namespace["KIT"])
 
 
-SYBIL = Sybil(parsers=[PythonCodeBlockParser(), OtherFences()])
+SYBIL = Sybil(parsers=[written(PythonCodeBlockParser()), written(OtherFences())])
 
 
 # --- commands -------------------------------------------------------------------------

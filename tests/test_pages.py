@@ -1,4 +1,4 @@
-"""The impls as teaching pages: the promises of the README's "Reading an impl" kept true.
+"""The impls as teaching pages: the promises of docs/architecture.md's core pages kept true.
 
 A student opens a core page and meets the formula on the first screen, and ``diff`` of two
 core pages shows framework spelling, not a different structure. These tests hold the pages
@@ -277,7 +277,7 @@ def _different_lines(page: str) -> list[str]:
 DIFFERENCES = {
     "jax/attention.py": (
         # The docstring: the framework's own letters, the package's other pages.
-        "+jax.nn writes N for H, and H for D and E.",
+        "+jax.nn.dot_product_attention is sequence-first, (B, T, N, H): N for H, H for D and E.",
         "-other pages: backward, flash, layers, kv_cache, packed and paged.",
         "+other pages: gradients, flash, layers, kv_cache, packed, paged, ring and ulysses.",
         # Imports.
@@ -349,7 +349,7 @@ DIFFERENCES = {
     ),
     "torch/naive.py": (
         # The docstring: the framework's own letters, the package's other pages.
-        '+FRAMEWORK\'s docs call T "L" and E "Ev".',
+        '+FRAMEWORK\'s docs call B "N", T "L", D "E" and E "Ev".',
         "-other pages: backward, flash, layers, kv_cache, packed and paged.",
         "+other pages: module, sdpa, layers, kv_cache, packed, paged, ring and ulysses.",
         "-import numpy as np",
@@ -358,12 +358,18 @@ DIFFERENCES = {
         '-@xp.errstate(over="ignore", invalid="ignore", divide="ignore")',
         # PyTorch's return_weights (Notes: framework spelling).
         "+    return_weights: bool = False,",
-        "+      return_weights: also return the weights that multiplied v (after dropout).",
+        "+      return_weights: also return the weights that multiplied v (after dropout); not",
+        "+        with return_lse, each asks for the second output.",
         "-      out: (B, H, T, E), or (H, T, E) for unbatched input; q's dtype.",
         "+      out: (B, H, T, E), or (H, T, E) for unbatched input; q's dtype. Or (out, weights).",
+        # return_weights and return_lse both ask for the second output: refused together.
+        "+    if return_weights and return_lse:",
+        '+        raise ValueError("return_weights and return_lse: set one of the two, got both True")',
         # PyTorch makes its tensors on q's device (Notes: framework spelling).
         "-    allowed = allowed_keys(mask, call)  # (B|1, H|1, T, S)",
         "+    allowed = allowed_keys(mask, call, q.device)  # (B|1, H|1, T, S)",
+        "-        causal = xp.tril(xp.ones((T, S), dtype=bool))  # (T, S): s <= t",
+        "+        causal = xp.tril(xp.ones((T, S), dtype=bool, device=q.device))  # (T, S): s <= t",
         # return_weights.
         "+    if return_weights:",
         "+        return as_given(out, dtype, call), as_given(weights, dtype, call)",
@@ -431,3 +437,49 @@ def test_the_core_pages_differ_only_in_the_listed_lines(page):
     )
     stale = Counter(DIFFERENCES[page]) - Counter(different)
     assert not stale, f"DIFFERENCES lists lines of {page} that no longer differ: {list(stale)}"
+
+
+#: How a framework spells the textbook core beyond NORMALISE: PyTorch makes the causal
+#: triangle on q's device.
+TEXTBOOK_SPELLING = ((r", device=q\.device", ""),)
+
+
+def _textbook(page: str) -> list[str]:
+    """``textbook_attention``'s lines on ``page``, normalised to one spelling."""
+    source = _source(page)
+    node = next(
+        n for n in ast.parse(source).body
+        if isinstance(n, ast.FunctionDef) and n.name == "textbook_attention"
+    )  # fmt: skip
+    lines = source.splitlines()[node.lineno - 1 : node.end_lineno]
+    for pattern, spelling in (*NORMALISE, *TEXTBOOK_SPELLING):
+        lines = [re.sub(pattern, spelling, line) for line in lines]
+    return lines
+
+
+def test_the_textbook_core_calls_nothing_of_its_page():
+    """The core reads whole on one screen: every name it calls is the framework's or a
+    builtin, none a helper of its page."""
+    for page in PARALLEL_PAGES:
+        tree = ast.parse(_source(page))
+        own = {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)}
+        core = next(n for n in tree.body if getattr(n, "name", "") == "textbook_attention")
+        called = {
+            n.func.id
+            for n in ast.walk(core)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+        }
+        assert not called & own, f"{page}: textbook_attention calls {sorted(called & own)}"
+
+
+@pytest.mark.parametrize("page", PARALLEL_PAGES[1:])
+def test_the_textbook_core_is_the_same_lines_in_each_framework(page):
+    """Normalised (NORMALISE, TEXTBOOK_SPELLING), the JAX and PyTorch cores are the NumPy
+    core line for line: the same steps, the same comments, nothing listed as different."""
+    reference, mine = _textbook(PARALLEL_PAGES[0]), _textbook(page)
+    diff = [
+        line
+        for line in difflib.unified_diff(reference, mine, n=0)
+        if line[:1] in "+-" and line[:3] not in ("+++", "---")
+    ]
+    assert not diff, f"{page}'s textbook_attention differs from the NumPy one:\n" + "\n".join(diff)

@@ -1,18 +1,20 @@
 """The walkthroughs (docs/walkthrough/*.md) show what the NumPy impl runs and makes today.
 
-The pages are written by hand; the site includes the code they show from the impl pages
-(the core page's numbered steps and functions by their own comments and names, through
-docs/includes.py; the other pages' lines between pymdownx.snippets' section markers) and
-their numbers from docs/walkthrough/numbers/, between section markers. Here: the committed
-numbers are what ``python -m conformance walkthrough`` writes today, they are the worked
-example's hand values (``fixtures/worked_example.json``) and the mpmath oracle's, and every
-step, function and section a page includes exists (the site's build checks that too, but
-needs mkdocs: these tests read the files as the hook and the snippets extension do, the
-includes with the hook's own module).
+The pages' prose is written by hand; the code they show (the core page's numbered steps and
+functions by their own comments and names, the other pages' lines between ``--8<--``
+section markers) and their numbers (docs/walkthrough/numbers/) are stored in the pages,
+between ``<!-- include ... -->`` and ``<!-- end include -->``, written by docs/includes.py,
+so that a page reads on a forge's view as on the site. Here: the stored parts are what
+docs/includes.py writes from the files today, the committed numbers are what ``python -m
+conformance walkthrough`` writes today, they are the worked example's hand values
+(``fixtures/worked_example.json``) and the mpmath oracle's, and every step, function and
+section a page includes exists (the site's build checks that too, but needs mkdocs: these
+tests use the hook's own module).
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import math
@@ -30,7 +32,6 @@ from conformance import walkthrough
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ROOT / "docs" / "walkthrough"
 EXAMPLE = json.loads((ROOT / "fixtures" / "worked_example.json").read_text(encoding="utf-8"))
-INCLUDE = re.compile(r'^--8<-- "(?P<path>[^":]+):(?P<name>[a-z][-_0-9a-z]*)"$')
 MARKER = re.compile(r"--8<-- \[(?P<kind>start|end):(?P<name>[a-z][-_0-9a-z]*)\]")
 #: Four decimals, as the pages print them.
 PRINTED = 5e-5
@@ -68,24 +69,20 @@ def section(path: str, name: str) -> list[str]:
 
 
 def snippets(page: str) -> list[tuple[str, str]]:
-    """The page's pymdownx.snippets includes: (path, section name)."""
+    """The page's includes of a marked section: (path, section name)."""
     text = (PAGES / f"{page}.md").read_text(encoding="utf-8")
-    return [(m["path"], m["name"]) for m in map(INCLUDE.match, text.splitlines()) if m]
+    return [(i.path, i.keys[0]) for i in includes.directives(text) if i.kind == "section"]
 
 
 def code_includes(page: str) -> list[str]:
-    """The page's includes of impl code by step or function name, as the hook reads them."""
-    return [str(i) for i in includes.directives((PAGES / f"{page}.md").read_text("utf-8"))]
+    """The page's includes of impl code by step or function name."""
+    text = (PAGES / f"{page}.md").read_text("utf-8")
+    return [str(i) for i in includes.directives(text) if i.kind != "section"]
 
 
 def assembled(page: str) -> str:
-    """The page as the site shows it: each step, function and section included."""
-    text = includes.expand((PAGES / f"{page}.md").read_text(encoding="utf-8"), ROOT)
-    out = []
-    for line in text.splitlines():
-        m = INCLUDE.match(line)
-        out += section(m["path"], m["name"]) if m else [line]
-    return "\n".join(out)
+    """The page as it is stored, which is what the site shows."""
+    return (PAGES / f"{page}.md").read_text(encoding="utf-8")
 
 
 def table(page: str, name: str) -> np.ndarray:
@@ -108,8 +105,50 @@ def test_committed_numbers_are_what_the_command_writes():
 
 
 @pytest.mark.clause("11.1")
+@pytest.mark.parametrize("page", walkthrough.PAGES)
+def test_the_stored_pages_are_what_the_generator_writes(page):
+    """If this fails, run `python -m conformance walkthrough --out docs/walkthrough`: the
+    code and numbers a page stores are what docs/includes.py writes from the files now."""
+    stored = (PAGES / f"{page}.md").read_text(encoding="utf-8")
+    fresh = includes.refresh(stored, ROOT)
+    diff = difflib.unified_diff(stored.splitlines(), fresh.splitlines(), "stored", "now", n=1)
+    assert fresh == stored, f"docs/walkthrough/{page}.md is stale:\n" + "\n".join(diff)
+
+
+@pytest.mark.parametrize("page", walkthrough.PAGES)
+def test_a_page_reads_without_a_build(page):
+    """Nothing is left for a build to include: no snippets line, every include followed by
+    what it shows (a python fence for code, a table for numbers) and its end."""
+    lines = assembled(page).splitlines()
+    assert not [line for line in lines if line.startswith("--8<--")], f"{page}.md has snippets"
+    starts = [n for n, line in enumerate(lines) if includes.directives(line)]
+    assert starts, f"{page}.md includes nothing"
+    for n in starts:
+        shown = lines[n + 2]
+        assert shown == "```python" or shown.startswith("|"), f"{page}.md:{n + 1}: {shown!r}"
+        end = lines.index(includes.END, n)
+        assert end - n > 4, f"{page}.md:{n + 1} shows nothing"
+
+
+def test_a_stale_page_is_found(tmp_path):
+    """The staleness check bites: a stored step that no longer matches its impl, or a
+    number edited by hand, is rewritten by refresh."""
+    stored = (PAGES / "walkthrough.md").read_text(encoding="utf-8")
+    for old, new in (
+        ("scores = np.einsum(", "scores = np.dot("),
+        ("| 0 | 0.7071 | 0.0000 | 0.7071 |", "| 0 | 0.7000 | 0.0000 | 0.7071 |"),
+    ):
+        assert old in stored
+        edited = stored.replace(old, new, 1)
+        assert includes.refresh(edited, ROOT) == stored
+
+
+@pytest.mark.clause("11.1")
 def test_the_command_writes_the_numbers_and_the_pictures(tmp_path):
+    stale = (PAGES / "paged.md").read_text(encoding="utf-8").replace("| 0 |", "| 9 |")
+    (tmp_path / "paged.md").write_text(stale, encoding="utf-8")
     assert walkthrough.main(["--out", str(tmp_path)]) == 0
+    assert (tmp_path / "paged.md").read_text(encoding="utf-8") == assembled("paged")
     for page in walkthrough.PAGES:
         written = (tmp_path / "numbers" / f"{page}.md").read_text(encoding="utf-8")
         assert written == (PAGES / "numbers" / f"{page}.md").read_text(encoding="utf-8")
@@ -183,7 +222,7 @@ def test_an_include_of_nothing_fails(directive, says):
     """A step or function that is not there (or functions that do not follow one another)
     is an error, which the hook turns into a failed build."""
     with pytest.raises(includes.IncludeError, match=says):
-        includes.expand(f"```python\n{directive}\n```\n", ROOT)
+        includes.refresh(f"{directive}\n", ROOT)
 
 
 def test_a_step_ends_at_its_blank_line_or_its_block(tmp_path):
@@ -192,7 +231,24 @@ def test_a_step_ends_at_its_blank_line_or_its_block(tmp_path):
         encoding="utf-8",
     )
     one = "  <!-- include page.py step 1 -->\n  <!-- include page.py step 2 -->\n"
-    assert includes.expand(one, tmp_path) == "  # 1. One.\n  y = x\n  # 2. Two.\n  return y\n"
+    fence = "\n  ```python\n  {}\n  ```\n\n  <!-- end include -->\n"
+    expected = (
+        "  <!-- include page.py step 1 -->\n" + fence.format("# 1. One.\n  y = x")
+        + "  <!-- include page.py step 2 -->\n" + fence.format("# 2. Two.\n  return y")
+    )  # fmt: skip
+    assert includes.refresh(one, tmp_path) == expected
+    assert includes.refresh(expected, tmp_path) == expected
+
+
+def test_a_section_of_numbers_is_stored_as_it_stands(tmp_path):
+    (tmp_path / "n.md").write_text(
+        "<!-- --8<-- [start:a] -->\n| x |\n|---|\n<!-- --8<-- [end:a] -->\n", encoding="utf-8"
+    )
+    page = "<!-- include n.md section a -->\nold\n<!-- end include -->\n"
+    expected = "<!-- include n.md section a -->\n\n| x |\n|---|\n\n<!-- end include -->\n"
+    assert includes.refresh(page, tmp_path) == expected
+    with pytest.raises(includes.IncludeError, match="no such section"):
+        includes.refresh("<!-- include n.md section b -->\n", tmp_path)
 
 
 @pytest.mark.clause("11.1")

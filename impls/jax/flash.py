@@ -9,29 +9,29 @@ query row with scores x_1 … x_S and any constant m,
 
     out = Σ_s exp(x_s − m) v_s / Σ_s exp(x_s − m)
 
-m cancels; it is there so that exp() cannot overflow, which needs m ≥ every x_s. Walk the
-keys in blocks and keep three running quantities:
+m cancels; the safe softmax takes m = max_s x_s, so that no exp() overflows, and so walks
+the keys three times: for m, for l = Σ exp(x_s − m), for the weighted sum. They fold into
+one through a surrogate, the sums against the maximum *so far* m_s = max(x_1 … x_s):
 
-    m   the largest score seen so far                  the running maximum
-    l   Σ exp(x_s − m) over the keys seen              the running sum
-    a   Σ exp(x_s − m) v_s over the keys seen          the unnormalised output
+    l_s = Σ_{j ≤ s} exp(x_j − m_s)            a_s = Σ_{j ≤ s} exp(x_j − m_s) v_j
 
-A new block of scores x raises the maximum to m' = max(m, max_s x_s); α = exp(m − m') ≤ 1
-moves what was summed against m onto m':
+Each follows from the one before, by induction, since exp(x_j − m_{s−1}) · exp(m_{s−1} −
+m_s) = exp(x_j − m_s): with α = exp(m_{s−1} − m_s) ≤ 1,
 
-    l' = α · l + Σ_{s in block} exp(x_s − m')
-    a' = α · a + Σ_{s in block} exp(x_s − m') v_s
+    l_s = α · l_{s−1} + exp(x_s − m_s)        a_s = α · a_{s−1} + exp(x_s − m_s) v_s
 
-and after the last block out = a / l. The rescaling is exact: exp(x − m) · exp(m − m')
-= exp(x − m'), so l and a end as the two sums above with m the row's true maximum; only
-the rounding differs from the core page. ``online_softmax_row`` is this recurrence for
-one row; ``attention`` runs it, with the same names, on tiles of Tb rows and Sb keys
-(``online_softmax_step``). NumPy's docs/walkthrough/flash.md follows the worked example
-through it, tile by tile.
+α is exact, no approximation: it moves every term summed so far onto the new maximum at
+once. After the last key m_S is the row's maximum, so out = a_S / l_S; only the rounding
+differs from the core page. A block of keys in place of one changes only the sums.
+``online_softmax_row`` is this recurrence for one row (m, l, a); ``attention`` runs it,
+with the same names, on tiles of Tb rows and Sb keys (``online_softmax_step``). NumPy's
+docs/walkthrough/flash.md derives it in code that runs (three passes, two, one) and
+follows the worked example through it, tile by tile.
 
 Blocked keys have score −inf. A row that has seen only blocked keys has m = −inf, and
-exp(x − m) would be exp(−inf + inf) = NaN: its exponents are taken against 0 instead, so
-its weights are 0, and a row that never sees a key returns exactly 0, as the core page's.
+exp(x − m) would be exp(−inf + inf) = NaN: ``online_softmax_row``, the lesson, leaves that
+out; ``attention`` takes such a row's exponents against 0 instead, so its weights are 0,
+and a row that never sees a key returns exactly 0, as the core page's.
 
 The fast path. ``attention(..., fast=True)``, what the jax-flash backend runs, is the same
 recurrence compiled once for many calls: ``flash_fast.py`` holds its host and jit
@@ -42,8 +42,10 @@ The backward pass. ``attention_vjp`` is FlashAttention-2's backward, the algorit
 NumPy's ``flash.py`` derives: for each query block, the forward over its key
 blocks gives each row's log-sum-exp lse = m + log l and its output O, hence
 Δ = rowsum(dO ⊙ O); then a second walk over the same key blocks recomputes each tile's
-weights as P = exp(Z − lse), forms dZ = P ⊙ (dO·Vᵀ − Δ), adds dZ·K to the block's dQ,
-and adds dZᵀ·Q and Pᵀ·dO to dK and dV of the key block, in place. No (T, S) array, no
+weights as P = exp(Z − lse), forms dZ = P ⊙ (dO·Vᵀ − Δ), adds scale · dZ·K to the block's
+dQ, and adds scale · dZᵀ·Q and Pᵀ·dO to dK and dV of the key block, in place (Z = scale ·
+q·kᵀ, so the scale comes back in dQ and dK; with a softcap, dZ is first multiplied by the
+cap's derivative). No (T, S) array, no
 ``jax.vjp`` through the loops (which would store every tile's weights), and the same
 block skipping as the forward. ``ring.py``'s backward runs the same tile algorithm in a
 body of its own: there the positions and options are traced values travelling with the
@@ -95,7 +97,8 @@ from .flash_tiles import HIGHEST, running_lse
 
 def online_softmax_row(x: jax.Array, v: jax.Array, block: int) -> jax.Array:
     """The recurrence for one query row: scores x (S,), values v (S, E), ``block`` keys at
-    a time (the first block holding a visible key: ``online_softmax_step`` lifts that)."""
+    a time. The lesson only: a first block of blocked keys (all −inf) makes the row NaN
+    here; ``online_softmax_step`` guards that (see "Blocked keys" above)."""
     m, l, a = -jnp.inf, 0.0, jnp.zeros(v.shape[-1])  # a: (E,)
     for s0 in range(0, len(x), block):
         x_b, v_b = x[s0 : s0 + block], v[s0 : s0 + block]  # (Sb,), (Sb, E)

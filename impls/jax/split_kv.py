@@ -4,10 +4,11 @@
 
 A decoding step has a handful of queries (T = 1 per sequence) and a long key/value cache
 (S in the thousands). Blockwise attention (``flash.py``) walks the keys one block after
-another for each query block, and with one query block there is nothing to run in
-parallel but the walk itself. Flash-decoding cuts the cache into ``num_splits`` chunks
-of consecutive keys instead, attends each chunk on its own, independently (on a GPU,
-one thread block per chunk), and merges the chunks' partial states:
+another for each query block, and with one query block per head the only work to run
+in parallel is the B·H walks, one per sequence and head: too few, at small batches, to
+fill a device of a hundred cores or more. Flash-decoding cuts the cache into
+``num_splits`` chunks of consecutive keys instead, attends each chunk on its own,
+independently (on a GPU, one thread block per chunk), and merges the chunks' partial states:
 
     for each chunk c:   o_c   = softmax(scores over c's keys) · v[c]      (B, H, T, E)
                         lse_c = log Σ_{s in c} exp(score[s])              (B, H, T)

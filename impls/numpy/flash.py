@@ -3,34 +3,31 @@
     out = softmax(mask(softcap(scale · q kᵀ))) v
 
 The core page builds every score at once, a (B, H, T, S) array: 16 GiB in float32 for
-16 heads of 16384 tokens. Yet an output row is a weighted average of value rows, which
-can be built a block of keys at a time if the softmax can: the *online softmax*. For one
-query row with scores x_1 … x_S and any constant m,
+16 heads of 16384 tokens. Yet an output row, a weighted average of value rows, can be
+built a block of keys at a time if the softmax can: the *online softmax*. For one query
+row with scores x_1 … x_S, out = Σ_s exp(x_s − m) v_s / Σ_s exp(x_s − m) for any m; the
+safe softmax takes m = max_s x_s, so that no exp() overflows, and so walks the keys three
+times: for m, for l = Σ exp(x_s − m), for the weighted sum. The walks fold into one
+through a surrogate, the sums against the maximum *so far* m_s = max(x_1 … x_s):
 
-    out = Σ_s exp(x_s − m) v_s / Σ_s exp(x_s − m)
+    l_s = Σ_{j ≤ s} exp(x_j − m_s)            a_s = Σ_{j ≤ s} exp(x_j − m_s) v_j
 
-m cancels; it is there so that exp() cannot overflow, which needs m ≥ every x_s. Walk the
-keys in blocks and keep three running quantities:
+Each follows from the one before, by induction, since exp(x_j − m_{s−1}) · exp(m_{s−1} −
+m_s) = exp(x_j − m_s): with α = exp(m_{s−1} − m_s) ≤ 1,
 
-    m   the largest score seen so far                  the running maximum
-    l   Σ exp(x_s − m) over the keys seen              the running sum
-    a   Σ exp(x_s − m) v_s over the keys seen          the unnormalised output
+    l_s = α · l_{s−1} + exp(x_s − m_s)        a_s = α · a_{s−1} + exp(x_s − m_s) v_s
 
-A new block of scores x raises the maximum to m' = max(m, max_s x_s); α = exp(m − m') ≤ 1
-moves what was summed against m onto m':
-
-    l' = α · l + Σ_{s in block} exp(x_s − m')
-    a' = α · a + Σ_{s in block} exp(x_s − m') v_s
-
-and after the last block out = a / l. The rescaling is exact: exp(x − m) · exp(m − m')
-= exp(x − m'), so l and a end as the two sums above with m the row's true maximum; only
-the rounding differs from the core page. ``online_softmax_row`` is this recurrence for
-one row; ``attention`` runs it, with the same names, on tiles of Tb rows and Sb keys.
-docs/walkthrough/flash.md follows the worked example through it, tile by tile.
+α is exact, no approximation: it moves every term summed so far onto the new maximum at
+once. After the last key m_S is the row's maximum, so out = a_S / l_S; only the rounding
+differs from the core page. A block of keys in place of one changes only the sums.
+``online_softmax_row`` is this recurrence for one row (m, l, a); ``attention`` runs it,
+with the same names, on tiles of Tb rows and Sb keys. docs/walkthrough/flash.md derives it
+in code that runs (three passes, two, one) and follows the worked example through it.
 
 Blocked keys have score −inf. A row that has seen only blocked keys has m = −inf, and
-exp(x − m) would be exp(−inf + inf) = NaN: its exponents are taken against 0 instead, so
-its weights are 0, and a row that never sees a key returns exactly 0, as the core page's.
+exp(x − m) would be exp(−inf + inf) = NaN: ``online_softmax_row``, the lesson, leaves that
+out; ``attention`` takes such a row's exponents against 0 instead (``m_safe``), so its
+weights are 0, and a row that never sees a key returns exactly 0, as the core page's.
 
 ``attention(..., fast=True)``, what the numpy-flash backend runs, gives the same rows
 faster through the optimisations of ``flash_tiles.py``, on whose tiles ``attention_vjp``
@@ -48,7 +45,8 @@ from .flash_tiles import KeyTiles, fast_online_softmax, log_sum_exp, normalise, 
 
 def online_softmax_row(x: np.ndarray, v: np.ndarray, block: int) -> np.ndarray:
     """The recurrence for one query row: scores x (S,), values v (S, E), ``block`` keys at
-    a time (the first block holding a visible key: ``attention`` lifts that)."""
+    a time. The lesson only: a first block of blocked keys (all −inf) makes the row NaN
+    here; ``attention`` guards that (see "Blocked keys" above)."""
     m, l, a = -np.inf, 0.0, np.zeros(v.shape[-1])  # a: (E,)
     for s0 in range(0, len(x), block):
         x_b, v_b = x[s0 : s0 + block], v[s0 : s0 + block]  # (Sb,), (Sb, E)
@@ -362,8 +360,10 @@ def attention_vjp(
 
     Z[t,s] itself is q[t]·k[s] again (with softcap and mask), so one number per row,
     lse, turns any tile's recomputed scores into its exact weights: no max, no sum, no
-    rescaling in the backward. A row with no key has l = 0; its lse is taken as +inf,
-    so its weights are exp(-inf) = 0 and its gradients exactly 0. (A backward kept
+    rescaling in the backward. A row with no key has l = 0, and its true lse, log 0 =
+    −inf (what ``return_lse`` gives), would make exp(Z − lse) = exp(−inf + inf) NaN: the
+    backward takes +inf in its place (``flash_tiles.log_sum_exp``, unlike
+    ``running_lse``), so its weights are exp(−inf) = 0 and its gradients exactly 0. (A backward kept
     separate from its forward stores lse, T numbers per head; here each query block's
     forward runs just before its backward, so lse and Δ live only as long as the
     block.)
@@ -390,8 +390,8 @@ def attention_vjp(
     too (SPEC §21.7), ∂lse/∂Z = P adds d_lse · P to dZ: dZ = P ⊙ (dP − (Δ − d_lse)), so
     Δ ← Δ − d_lse before the tiles are visited, and nothing else changes (the sink's
     gradient below reads the same Δ). A row with no key has lse = −inf, a constant: its
-    weights and its sink's are 0 (lse is taken as +inf above), so its d_lse reaches
-    nothing.
+    weights and its sink's are 0 (the backward's +inf in place of its lse, above), so its
+    d_lse reaches nothing.
 
     Args:
       q, k, v, mask, is_causal, scale, causal_alignment, window, softcap, sinks,
@@ -504,7 +504,7 @@ def backward_block(
         z, used = tiles.scores(qs, t0, t1, s0, s1, whole, keep_tanh=True)  # (B·K, G·Tb, Sb)
         # --8<-- [start:backward-5-weights]
         # 5. The weights, recomputed from the row's log-sum-exp: P = exp(Z − lse). A row
-        # with no key has lse = +inf and so P = 0; a row that read a +inf score (q·k
+        # with no key has +inf in place of its lse (log 0 = −inf) and so P = 0; a row that read a +inf score (q·k
         # overflowed) has l = +inf and lse = NaN, so that every weight of it is NaN, as
         # in the forward (SPEC §4.1), not only its +inf ones (exp(Z − inf) would be 0).
         # Under a huge scale Z − lse may overflow to -inf: weight 0, as it should be.

@@ -426,7 +426,7 @@ def attention(
 # as nothing leaves the floating-point range: then there is no max to find, nothing to
 # subtract and nothing to rescale, only exp(x), and l and a are plain sums. That is the
 # common case (scores of a few units), and it saves two of the four passes over every
-# tile. Whether it held is checked for each row after its last key tile: its sum l finite
+# tile, the max and the subtraction (exp and the sum remain). Whether it held is checked for each row after its last key tile: its sum l finite
 # and at least √tiny (about 1e-19 in float32, where tiny is the smallest normal number),
 # and its output sums a finite. An overflow shows as inf or NaN in l or a; a weight small
 # enough to underflow is below tiny, so with l >= √tiny all such weights together weigh
@@ -439,8 +439,8 @@ def attention(
 # arrays, which BLAS runs on all cores, and so is the row sum, a matrix-vector product
 # with a vector of ones; the rest is elementwise passes over the tile, done in place, on
 # one core (NumPy's ufuncs are single-threaded). With the max deferred a tile needs one
-# pass (exp) instead of four (max, subtract, exp, sum), and only the diagonal strips a
-# fifth (the mask). The block sizes trade Python overhead and BLAS efficiency (larger
+# elementwise pass (exp) instead of three (max, subtract, exp), beside the sum, a BLAS
+# product either way, and only the diagonal strips a second (the mask). The block sizes trade Python overhead and BLAS efficiency (larger
 # tiles) against cache residency and causal skipping (smaller ones): a query block of Tb
 # rows wastes about Tb²/2 masked scores on the diagonal. 256 × 512 was fastest on 2
 # cores, causal and not (T = 4096, float32). (Running query blocks on Python threads
@@ -582,9 +582,10 @@ def running_lse(m: np.ndarray, l: np.ndarray) -> np.ndarray:
 
 
 def log_sum_exp(m: np.ndarray, l: np.ndarray) -> np.ndarray:
-    """Each row's log-sum-exp m + log l, what the backward needs of the forward: +inf for a
-    row with no key (l = 0), so that its weights exp(Z − lse) are all 0; NaN for a row that
-    read a +inf score (l = +inf; see backward_block)."""
+    """Each row's log-sum-exp m + log l as the backward uses it: for a row with no key
+    (l = 0), +inf in place of its true lse, log 0 = −inf (``running_lse``'s), so that its
+    weights exp(Z − lse) are all 0, not exp(−inf + inf) = NaN; NaN for a row that read a
+    +inf score (l = +inf; see backward_block)."""
     some = l > 0
     lse = np.where(some, m + np.log(np.where(some, l, 1.0)), np.inf)
     return np.where(l == np.inf, np.nan, lse)

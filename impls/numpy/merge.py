@@ -22,8 +22,9 @@ The second step: why a ring carries m and l, not the lse. A piece's lse is m + l
 its largest score m plus the log of its shifted sum l = Σ exp(score − m), 1 <= l <= S.
 Rounded to float32, an lse near 1e4 is off by up to half an ulp there, 2⁻¹¹ ≈ 4.9e-4, and
 so, relatively, is the piece's weight exp(lse − max); the rounding is the lse's size's,
-not the row's. Kept apart, m is a score as it was computed (no rounding added) and l is
-near 1 (rounded at 6e-8 of itself), so the weight exp(m_a − m) · l_a is off by a few eps
+not the row's. Kept apart, m is a score as it was computed (no rounding added) and l, a
+small number however large |m| is, is rounded at 6e-8 of itself, so the weight
+exp(m_a − m) · l_a is off by a few eps
 at any |m|: ``merge_partials`` merges states carried as (o, m, l), the form a ring or a
 blockwise loop keeps, and is what ``merge_states`` runs, with m = lse and l = 1 (exact:
 a weight times 1 is the weight). A state (o, m, l) stands for (o, m + log l).
@@ -115,7 +116,9 @@ def working(o_a, lse_a, o_b, lse_b):
 # Overflow (SPEC §22.5). Nothing is exponentiated above 0: lse values of 1e4, or near the
 # largest float, never meet exp() themselves. lse_b - m may overflow to -inf when the two
 # lie at opposite ends of the range; its weight is then exp(-inf) = 0, which is its true
-# value rounded. m + log(l) adds at most log 2 to m, so it cannot overflow either.
+# value rounded. m + log(l) adds at most log 2 to m in ``merge_states`` (l = w_a + w_b <= 2)
+# and log S in ``merge_partials`` (l <= the S keys of both pieces), far below an ulp of an
+# m near the largest float, so it cannot overflow either.
 #
 # NaN (SPEC §22.7). A NaN log-sum-exp (a NaN row) makes m, both weights and the row NaN;
 # so does a log-sum-exp of +inf (a piece whose sum overflowed, or a +inf sink, §22.6):

@@ -5,23 +5,22 @@
 For one query row t of one head: score[s] = scale · Σ_d q[t, d] · k[s, d], then
 w[s] = exp(score[s] - max score) / Σ exp(score - max score), then out[t] = Σ_s w[s] · v[s].
 
-Why 1/√D: if q's and k's entries have unit variance, q·k sums D such products and has
-variance D. Dividing by √D keeps the scores near unit variance at any head size, so the
-softmax neither saturates (one-hot weights, vanishing gradients) nor flattens.
+Why 1/√D: if q's and k's entries are independent with mean 0 and variance 1, q·k sums D
+such products and has variance D; divided by √D, the scores keep variance 1 at any D, so
+the softmax neither saturates (one-hot weights, vanishing gradients) nor flattens.
 
 Shapes, heads-first as in PyTorch: B batch, H query heads, K key/value heads (H % K == 0),
 G = H // K, T query length, S key/value length, D q/k head dim, E v head dim; "B|1" is an
 axis of size B or 1 (it broadcasts). q (B, H, T, D), k (B, K, S, D), v (B, K, S, E) give
 out (B, H, T, E); without B (unbatched) q (H, T, D) gives out (H, T, E).
-PyTorch's docs call T "L" and E "Ev".
+PyTorch's docs call B "N", T "L", D "E" and E "Ev".
 
-Read from the top: ``attention`` runs the lines of ``naive.textbook_attention`` with every
-option as one named step (masks, causality, windows, chunks, ALiBi, softcap, sinks, grouped
-heads, dropout through a callable such as nn.Dropout, float16 and bfloat16), its helpers
-below it, then Notes. The guards that floating point's edges need (a row with no
-key, NaN in a slot no query sees, overflow) come last, under "Edge cases". The math is this
-page's own, not naive.py's, so that the suite checks two independent copies of the steps;
-the seed tutorial's MultiHeadAttention and a GPT block built on it are ``layers.py``.
+Read from the top: ``attention`` runs ``naive.textbook_attention``'s lines with every option
+as one named step (masks, causality, windows, chunks, ALiBi, softcap, sinks, grouped heads,
+dropout by dropout_p or a callable such as nn.Dropout, float16 and bfloat16), its helpers
+below it, then Notes; the guards for floating point's edges (a row with no key, overflow)
+last, under "Edge cases". The math is this page's own, not naive.py's, so that the suite
+checks two copies of the steps; MultiHeadAttention and a GPT block on it are ``layers.py``.
 """
 
 from __future__ import annotations
@@ -59,8 +58,9 @@ def attention(
       mask: bool (True = may attend) or floating (added), broadcastable to (B, H, T, S).
       is_causal: query t attends only keys on or before its diagonal.
       scale: multiplies q·k; defaults to 1/√D.
-      dropout: applied to the (B, H, T, S) weights, e.g. ``nn.Dropout(p)``: zeroes each
-        weight with probability p in training mode, does nothing in eval mode.
+      dropout_p: drop each weight with this probability, as SDPA's math backend does.
+      dropout: or a callable for the (B, H, T, S) weights, e.g. a layer's nn.Dropout(p),
+        which drops in training mode only; not with dropout_p > 0.
 
     Args, the variants (each off by default):
       causal_alignment: "top_left" (key s <= t) or "bottom_right" (s <= t + S - T, the
@@ -80,7 +80,7 @@ def attention(
     q, k, v, mask, sinks, alibi_slopes = as_arrays(q, k, v, mask, sinks, alibi_slopes)
     call = contract.check(
         q, k, v, mask=mask, is_causal=is_causal, scale=scale, causal_alignment=causal_alignment,
-        window=window, softcap=softcap, dropout_p=getattr(dropout, "p", 0.0), sinks=sinks,
+        window=window, softcap=softcap, dropout_p=dropout_p_of(dropout_p, dropout), sinks=sinks,
         chunk_size=chunk_size, alibi_slopes=alibi_slopes, random=random_source(dropout),
     )  # fmt: skip
 
@@ -115,7 +115,7 @@ def attention(
     weights = softmax(scores, sinks)  # (B, H, T, S)
 
     # 6. Dropout: zero each weight with probability dropout_p, rescale the rest.
-    weights = dropped_out(weights, dropout)  # (B, H, T, S)
+    weights = dropped_out(weights, call.dropout_p, dropout)  # (B, H, T, S)
 
     # 7. Weighted sum of the values.
     out = torch.einsum("bhts,bhse->bhte", weights, v)  # (B, H, T, E)
@@ -131,6 +131,18 @@ def attention(
 def as_arrays(*xs):
     """The arrays in the framework's own type, None left as it is."""
     return tuple(None if x is None else torch.as_tensor(x) for x in xs)
+
+
+def dropout_p_of(dropout_p: float, dropout) -> float:
+    """Step 6's probability, for the contract to check: dropout_p, or the dropout callable's
+    own p (an ``nn.Dropout``'s; 0 for a callable without one). Given both, which one
+    holds is not clear, so that is refused (see Notes: dropout)."""
+    if dropout is not None and dropout_p != 0:
+        raise ValueError(
+            "dropout_p and dropout: give one of the two, got "
+            f"dropout_p={dropout_p!r} and dropout={dropout!r}"
+        )
+    return dropout_p if dropout is None else getattr(dropout, "p", 0.0)
 
 
 def random_source(dropout):
@@ -252,13 +264,16 @@ def sink_logits(sinks: torch.Tensor, row_max: torch.Tensor, H: int) -> torch.Ten
     return torch.where(has_key, logits, -torch.inf)  # (B, H, T, 1)
 
 
-def dropped_out(weights: torch.Tensor, dropout) -> torch.Tensor:
-    """The weights through the dropout callable, e.g. an ``nn.Dropout``, which zeroes each
-    weight with probability p in training mode and rescales the survivors by 1 / (1 - p),
-    and does nothing in eval mode (see Notes: dropout)."""
-    if dropout is None:
+def dropped_out(weights: torch.Tensor, dropout_p: float, dropout) -> torch.Tensor:
+    """Zero each weight with probability dropout_p and rescale the survivors by
+    1 / (1 - dropout_p), so that the expected output is unchanged; or the weights through
+    the dropout callable, e.g. an ``nn.Dropout``, which does that with its own p in
+    training mode and nothing in eval mode (see Notes: dropout)."""
+    if dropout is not None:
+        return dropout(weights)  # (B, H, T, S)
+    if dropout_p == 0:
         return weights
-    return dropout(weights)  # (B, H, T, S)
+    return torch.nn.functional.dropout(weights, dropout_p)  # (B, H, T, S)
 
 
 # --- Step 7: the output ---------------------------------------------------------------------
@@ -320,12 +335,13 @@ def log_sum_exp(scores: torch.Tensor, sinks: torch.Tensor | None, call: contract
 # both lie in the same chunk of chunk_size positions, (t + offset) // c == s // c, the
 # offset placed by causal_alignment as for causality.
 #
-# Dropout (step 6). The dropout callable receives the (B, H, T, S) weights in the compute
-# dtype, the tensor SDPA's math backend hands to at::dropout. An nn.Dropout in training
-# mode runs at::dropout itself, so after torch.manual_seed(s) it drops the same positions
-# as F.scaled_dot_product_attention(..., dropout_p=p) with the same seed. Its p goes to the
-# contract as dropout_p: nn.Dropout accepts p = 1 (every weight dropped), but the rescale by
-# 1 / (1 - p), SDPA's too, needs p < 1, and the contract says so by name.
+# Dropout (step 6). dropout_p, or the dropout callable, acts on the (B, H, T, S) weights in
+# the compute dtype, the tensor SDPA's math backend hands to at::dropout. F.dropout and an
+# nn.Dropout in training mode run at::dropout, so after torch.manual_seed(s) they drop the
+# same positions as F.scaled_dot_product_attention(..., dropout_p=p) with the same seed. A
+# callable's p goes to the contract as dropout_p: nn.Dropout accepts p = 1 (every weight
+# dropped), but the rescale by 1 / (1 - p), SDPA's too, needs p < 1, and the contract says
+# so by name. A layer passes its nn.Dropout, so that eval mode turns dropout off.
 #
 # The log-sum-exp (step 8). lse = log Σ_s exp(score[s]) over the keys a row attends, natural
 # log, with the sink's term where there are sinks. The weights are exp(score - lse), so a

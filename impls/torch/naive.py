@@ -5,22 +5,23 @@
 For one query row t of one head: score[s] = scale · Σ_d q[t, d] · k[s, d], then
 w[s] = exp(score[s] - max score) / Σ exp(score - max score), then out[t] = Σ_s w[s] · v[s].
 
-Why 1/√D: if q's and k's entries have unit variance, q·k sums D such products and has
-variance D. Dividing by √D keeps the scores near unit variance at any head size, so the
-softmax neither saturates (one-hot weights, vanishing gradients) nor flattens.
+Why 1/√D: if q's and k's entries are independent with mean 0 and variance 1, q·k sums D
+such products and has variance D; divided by √D, the scores keep variance 1 at any D, so
+the softmax neither saturates (one-hot weights, vanishing gradients) nor flattens.
 
 Shapes, heads-first as in PyTorch: B batch, H query heads, K key/value heads (H % K == 0),
 G = H // K, T query length, S key/value length, D q/k head dim, E v head dim; "B|1" is an
 axis of size B or 1 (it broadcasts). q (B, H, T, D), k (B, K, S, D), v (B, K, S, E) give
 out (B, H, T, E); without B (unbatched) q (H, T, D) gives out (H, T, E).
-PyTorch's docs call T "L" and E "Ev".
+PyTorch's docs call B "N", T "L", D "E" and E "Ev".
 
-Read from the top: ``textbook_attention`` is the formula as every course writes it;
-``attention`` runs the same lines with every option as one named step (masks, causality,
-windows, chunks, ALiBi, softcap, sinks, grouped heads, dropout, float16 and bfloat16), its
-helpers below it, then Notes. The guards that floating point's edges need (a row with no
-key, NaN in a slot no query sees, overflow) come last, under "Edge cases". The NumPy page
-is the reference that the JAX and PyTorch pages mirror line for line. The package's
+Read from the top: ``textbook_attention`` is the formula as every course writes it, causal
+triangle included (a row with no key is NaN there, 0 in ``attention``); ``attention`` runs
+the same lines with every option as one named step (masks, causality, windows, chunks,
+ALiBi, softcap, sinks, grouped heads, dropout, float16 and bfloat16), its helpers below it,
+then Notes. The guards that floating point's edges need (a row with no key, NaN in a slot
+no query sees, overflow) come last, under "Edge cases". The JAX and PyTorch pages mirror
+the NumPy page, the reference, line for line. The package's
 other pages: module, sdpa, layers, kv_cache, packed, paged, ring and ulysses.
 """
 
@@ -33,14 +34,24 @@ import torch
 from .. import contract
 
 
-def textbook_attention(q, k, v, mask=None, scale=None):
-    """Attention as the seed notes write it, for q (B, H, T, D), k (B, H, S, D), v (B, H, S, E)
-    and a bool mask (True = may attend) broadcastable to (B, H, T, S)."""
+def textbook_attention(q, k, v, mask=None, is_causal=False, scale=None):
+    """Attention as every course writes it, whole on one screen: q (B, H, T, D), k and v
+    (B, H, S, D|E) give out (B, H, T, E); a bool mask (True = may attend) broadcasts to
+    (B, H, T, S); is_causal lets query t see keys s <= t (the lower triangle).
+
+    Unlike ``attention``, a row with every key masked is NaN, the formula's exp(-inf + inf);
+    ``attention`` gives it 0 (a query with nothing to see takes nothing, as PyTorch's SDPA
+    and FlashAttention do, and its gradients stay finite: see "Edge cases")."""
+    T, S = q.shape[-2], k.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.einsum("bhtd,bhsd->bhts", q, k) * scale  # (B, H, T, S)
+    if is_causal:
+        causal = torch.tril(torch.ones((T, S), dtype=torch.bool, device=q.device))  # (T, S): s <= t
+        scores = torch.where(causal, scores, -torch.inf)  # (B, H, T, S): the future weighs 0
     if mask is not None:
         scores = torch.where(mask, scores, -torch.inf)  # (B, H, T, S): a blocked key weighs 0
-    weights = softmax(scores)  # (B, H, T, S)
+    p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # (B, H, T, S): exp() <= 1
+    weights = p / p.sum(dim=-1, keepdim=True)  # (B, H, T, S)
     return torch.einsum("bhts,bhse->bhte", weights, v)  # (B, H, T, E)
 
 
@@ -72,7 +83,8 @@ def attention(
       is_causal: query t attends only keys on or before its diagonal.
       scale: multiplies q·k; defaults to 1/√D.
       dropout_p, generator: drop each weight with probability dropout_p, drawn from generator.
-      return_weights: also return the weights that multiplied v (after dropout).
+      return_weights: also return the weights that multiplied v (after dropout); not
+        with return_lse, each asks for the second output.
 
     Args, the variants (each off by default):
       causal_alignment: "top_left" (key s <= t) or "bottom_right" (s <= t + S - T, the
@@ -98,6 +110,8 @@ def attention(
         window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size,
         alibi_slopes=alibi_slopes, random=random_source(generator),
     )  # fmt: skip
+    if return_weights and return_lse:
+        raise ValueError("return_weights and return_lse: set one of the two, got both True")
 
     # Prepare the batch axis: unbatched inputs get one, and the mask takes the scores' rank.
     dtype = q.dtype

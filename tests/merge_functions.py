@@ -1,7 +1,7 @@
 """Merge functions as libraries write them, for the kit's tests (tests/test_merge_kit.py).
 
 ``merge_bth_base2`` is a correct merge in FlashInfer's conventions: o (B, T, H, E), lse
-(B, T, H) in base 2; the others carry the misreadings of ``merge_diagnosis.py``, planted
+(B, T, H) in base 2; the others carry the merge misreadings of ``misreadings.py``, planted
 in the spec's conventions (o (B, H, T, E), lse (B, H, T), natural log), the reference page
 (``conformance.impls.numpy.merge``) doing the correct part. NumPy in and out.
 """

@@ -21,7 +21,7 @@ from conformance.fixtures import quantized as fq
 from conformance.suite import quantized as sq
 from conformance.suite.cases import case_entries, case_marks, load_case
 from conformance.suite.measure import publish_pipeline_costs
-from conformance.suite.quantized_diagnosis import other_cast_rule
+from conformance.suite.diagnosis import other_cast_rule
 from conformance.suite.requirements import requires
 from conformance.suite.tolerance import assert_identical, assert_within, expect
 

@@ -109,10 +109,16 @@ def test_the_diagnosis_names_each_misreading_and_nothing_else():
     lse_a, lse_b = a[1] + 1000.0, b[1] + 1000.0
     lse_a[..., 0], lse_b[..., 0] = -np.inf, -np.inf
     empty_rows = ((a[0], lse_a), (b[0], lse_b))
+    large = ((a[0], a[1] + 1000.0), (b[0], b[1] + 1000.0))
     cases = {
         "merge-averaged": (merge_functions.merge_averaged, (a, b), 0),
+        "merge-other-pieces-lse": (merge_functions.merge_other_lse, (a, b), 0),
+        "merge-base-2-on-base-e": (merge_functions.merge_base2_on_e, (a, b), 1),
+        "merge-empty-as-zero": (merge_functions.merge_empty_as_zero, (a, b), 0),
         "merge-empty-nan": (merge_functions.merge_unguarded, empty_rows, 0),
+        "merge-exp-without-maximum": (merge_functions.merge_without_maximum, large, 0),
     }
+    assert set(cases) == set(BY_NAME)
     by_name = {m.name: m.sentence for m in MISREADINGS}
     for name, (merge, (x, y), part) in cases.items():
         args = (x[0], x[1], y[0], y[1])

@@ -150,7 +150,7 @@ PLANTS = {
     "v-rounded-to-e5m2": _codes("v", lambda c: c.astype(np.float32).astype(ml_dtypes.float8_e5m2)),
     "v-zero-point-dropped": _zero_point_dropped,
     "normalised-p-underflow": _with(pipeline="e4m3_normalized"),
-    "p-rounded-to-e5m2": _tiled(p_format=ml_dtypes.float8_e5m2, tile=None),
+    "p-rounded-to-e5m2-row": _tiled(p_format=ml_dtypes.float8_e5m2, tile=None),
     "p-at-stale-maximum-overflow-32": _tiled(stale=True),
     "pv-accumulated-in-bfloat16": _tiled(accumulate=ml_dtypes.bfloat16, tile=None),
 }
@@ -167,7 +167,7 @@ def _operands(name: str) -> tuple[dict, dict]:
         return o, {}
     if name.startswith("p-at-stale"):  # scores that grow from key tile to key tile
         return sq.growing_scores(53), {"scale": 1.0}
-    if name in ("p-rounded-to-e5m2", "pv-accumulated-in-bfloat16"):
+    if name in ("p-rounded-to-e5m2-row", "pv-accumulated-in-bfloat16"):
         return _p_at_240(), {"scale": 0.0645}
     if name == "v-zero-point-dropped":
         formats = ("float8_e4m3fn", "float8_e4m3fn", "int8")

@@ -138,6 +138,9 @@ def find(actual, calls: list, tol: float) -> Found:
         where = subject.where(actual, right, tol) if actual.shape == right.shape else None
         return Found(None, (), where)
     sentences = tuple(dict.fromkeys(m.sentence for m, _, _ in found))
+    if zeros:
+        # Zeros too, for the run to name by whichever the most failures show.
+        sentences = (*sentences, ZEROS.sentence)
     first, planted, within = found[0]
     alike = [first.sentence]
     if not first.alone:
@@ -145,7 +148,7 @@ def find(actual, calls: list, tol: float) -> Found:
             if other.sentence not in alike and matches(other_planted, planted, within):
                 alike.append(other.sentence)
     if first.alone:
-        sentences = (first.sentence,)
+        sentences = (first.sentence, *((ZEROS.sentence,) if zeros else ()))
     if len(alike) == 1:
         return Found(first.sentence, sentences, None)
     return Found("; or, alike on this case, ".join(alike), sentences, None)

@@ -698,6 +698,10 @@ MERGE: tuple[Misreading, ...] = (
 # rounded at a stale row maximum (FlashAttention #2577).
 
 
+#: The key tiles an FP8 kernel may round P over.
+P_TILES = (16, 32, 64, 128)
+
+
 def _per_head(role: str) -> Callable[[QuantizedCall], bool]:
     return lambda c: c.descale(role).ndim == 2 and c.descale(role).size > 1
 
@@ -803,12 +807,15 @@ QUANTIZED: tuple[Misreading, ...] = (
         lambda c: quantized_run(c, "e4m3_normalized"),
         clauses=("20.6",),
     ),
-    Misreading(
-        "p-rounded-to-e5m2",
-        "P is rounded to float8_e5m2, not float8_e4m3fn: one bit of its mantissa is lost",
-        lambda c: c.pipeline != "float32",
-        p_pipeline_misread(p_format="float8_e5m2"),
-        clauses=("20.6",),
+    *(
+        Misreading(
+            f"p-rounded-to-e5m2-{tile or 'row'}",
+            "P is rounded to float8_e5m2, not float8_e4m3fn: one bit of its mantissa is lost",
+            lambda c: c.pipeline != "float32",
+            p_pipeline_misread(p_format="float8_e5m2", tile=tile),
+            clauses=("20.6",),
+        )
+        for tile in (None, *P_TILES)
     ),
     *(
         Misreading(
@@ -816,12 +823,12 @@ QUANTIZED: tuple[Misreading, ...] = (
             "P is rounded at a stale row maximum (the tiles' before it): a growing score "
             "lifts P · 2⁸ past float8_e4m3fn's 448",
             lambda c: c.pipeline == "e4m3_unnormalized",
-            p_pipeline_misread(stale_tile=tile, cast_rule=rule),
+            p_pipeline_misread(tile=tile, stale=True, cast_rule=rule),
             clauses=("20.4", "20.6"),
             nonfinite=rule == "overflow",
         )
         for rule in ("overflow", "saturate")
-        for tile in (16, 32, 64, 128)
+        for tile in P_TILES
     ),
     Misreading(
         "pv-accumulated-in-bfloat16",

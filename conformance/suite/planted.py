@@ -687,14 +687,16 @@ def v_offset_per_head(c: QuantizedCall) -> np.ndarray | None:
 def p_pipeline_misread(
     p_format: str = "float8_e4m3fn",
     accumulate: str = "float32",
-    stale_tile: int | None = None,
+    tile: int | None = None,
+    stale: bool = False,
     cast_rule: str = "overflow",
 ) -> Callable[[QuantizedCall], np.ndarray | None]:
-    """The declared P pipeline with one step misread: P rounded to ``p_format``; P·V
-    accumulated key by key in ``accumulate``; or P taken, tile by tile of ``stale_tile``
-    keys, at the row maximum of the tiles before (the running maximum not updated before
-    P is rounded), so a growing score lifts P · 2⁸ past 448 (NaN with the overflow
-    ``cast_rule``, 448 with saturate)."""
+    """The declared P pipeline, over key tiles of ``tile`` (None: one tile) with a running
+    maximum, with one step misread: P rounded to ``p_format``; P·V accumulated key by key
+    in ``accumulate``; or (``stale``) P taken at the row maximum of the tiles before (the
+    running maximum not updated before P is rounded), so a growing score lifts P · 2⁸ past
+    448 (NaN with the overflow ``cast_rule``, 448 with saturate)."""
+    stale_tile = tile if stale else None
     import ml_dtypes
 
     def compute(c: QuantizedCall) -> np.ndarray | None:
@@ -710,8 +712,17 @@ def p_pipeline_misread(
         L = o.get("block_size")
         q = fq.dequantize(o["q"], o["q_descale"]).astype(f32)
         k = fq.dequantize(o["k"], o["k_descale"], L).astype(f32)
-        v = fq.dequantize(o["v"], o["v_descale"], L).astype(f32)
-        call = Call(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+        # A per-head v descale is applied at the end, as kernels do: P·V is summed over
+        # the codes, whose rounding in a narrow accumulator differs from the values'.
+        late = np.ndim(o["v_descale"]) <= 2
+        v_scale = fq.dequantize(np.ones_like(np.asarray(o["v"], np.float32)[..., :1]),
+                                o["v_descale"], L).astype(f32) if late else f32(1)  # fmt: skip
+        v = (
+            np.asarray(o["v"]).astype(f32)
+            if late
+            else fq.dequantize(o["v"], o["v_descale"], L).astype(f32)
+        )
+        call = Call(q.astype(np.float64), k.astype(np.float64), k[..., :1].astype(np.float64),
                     c.options.get("mask"), {"causal_alignment": "top_left", **{
                         n: x for n, x in c.options.items() if n != "mask"}})  # fmt: skip
         ok = allowed(call)  # (B, H, T, S)
@@ -719,17 +730,17 @@ def p_pipeline_misread(
         scale = f32(call.scale)
         with np.errstate(all="ignore"):
             s = np.where(ok, np.matmul(q, np.swapaxes(k, -1, -2)) * scale, -np.inf).astype(f32)
-            tile = stale_tile or s.shape[-1] or 1
-            if stale_tile is not None and not unnormalized:
+            width = tile or s.shape[-1] or 1
+            if tile is not None and not unnormalized:
                 return None
             lift = f32(fq.P_OFFSET if unnormalized else 1.0)
             m = np.full((*s.shape[:-1], 1), -np.inf, f32)  # (B, H, T, 1)
             total = np.zeros_like(m)
             acc = np.zeros((*s.shape[:-1], v.shape[-1]), f32)  # (B, H, T, E)
             top = s.max(axis=-1, keepdims=True, initial=-np.inf)
-            for s0 in range(0, s.shape[-1], tile):
-                x = s[..., s0 : s0 + tile]
-                m_new = np.maximum(m, x.max(axis=-1, keepdims=True)) if stale_tile else top
+            for s0 in range(0, s.shape[-1], width):
+                x = s[..., s0 : s0 + width]
+                m_new = np.maximum(m, x.max(axis=-1, keepdims=True)) if tile else top
                 at = np.where(np.isfinite(m), m, m_new) if stale_tile else m_new
                 at = np.where(np.isfinite(at), at, f32(0))
                 alpha = np.where(np.isfinite(m), np.exp(m - at), f32(0)).astype(f32)
@@ -742,13 +753,15 @@ def p_pipeline_misread(
                 if cast_rule == "saturate":
                     lifted = np.minimum(lifted, f32(fq.LARGEST[p_format]))
                 p8 = lifted.astype(np.dtype(getattr(ml_dtypes, p_format))).astype(f32)
-                pv = _accumulated(p8, v[..., s0 : s0 + tile, :], accumulate)
+                pv = _accumulated(p8, v[..., s0 : s0 + width, :], accumulate)
                 acc = (acc * alpha + pv).astype(f32)
-                m = at if stale_tile else m_new
+                m = at
             if unnormalized:
                 out = acc / lift / np.where(total > 0, total, f32(1))
             else:
                 out = acc
+            if late:  # v_scale (B, K, S, 1): one descale a head, over its query heads
+                out = out * np.repeat(v_scale[:, :, :1], q.shape[1] // v_scale.shape[1], axis=1)
             live = ok.any(axis=-1)[..., None]
             return np.where(live, out, 0.0).astype(np.float64)
 

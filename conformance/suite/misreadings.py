@@ -667,6 +667,7 @@ MERGE: tuple[Misreading, ...] = (
             lse_b=np.where(np.isneginf(c.lse_b), 0.0, c.lse_b),
         ),
         clauses=("22.2", "22.3"),
+        nonfinite=True,
     ),
     Misreading(
         "merge-empty-nan",

@@ -336,3 +336,30 @@ def test_a_stale_row_maximum_fails_the_growing_scores_test(request, stale):
         return
     with pytest.raises(Departure):
         test_growing_row_maxima_stay_finite(request, backend)
+
+
+def _named(o, options, actual):
+    backend = load_backend("numpy-fp8")
+    expected, bound = sq.expected_and_bound(backend, o, **options)
+    with pytest.raises(Departure):
+        assert_within(actual, expected, bound, "the planted function")
+    kwargs = {**{f"{r}_descale": o[f"{r}_descale"] for r in "qkv"}, "block_size": None, **options}
+    calls = [(0, backend, "attention_quantized", (o["q"], o["k"], o["v"]), kwargs)]
+    return diagnose(actual, calls, bound)
+
+
+def test_zeros_are_named_zeros_not_a_descale_applied_twice():
+    """An output of zeros, where v's descale applied twice gives a number near 0: the
+    zeros are named as such (issue 49: it was "v's descale is applied twice")."""
+    o, options = _operands("v-descale-twice")
+    zeros = np.zeros(np.shape(PLANTS["v-descale-twice"](o, options)))
+    assert _named(o, options, zeros) == "returns zeros: no key's value reaches the output"
+
+
+def test_swapped_descales_on_long_rows_are_named_swapped():
+    """q's and v's descales swapped on rows of 4,096 keys, where P normalised before its
+    rounding was named (issue 49): the swap is named."""
+    o = sq.operands(56, B=1, H=2, K=1, T=3, S=4096, q_spread=0.05)
+    options = {"is_causal": True, "causal_alignment": "bottom_right"}
+    actual = np.asarray(PLANTS["q-and-v-descales-swapped"](o, options), dtype=np.float64)
+    assert _named(o, options, actual) == BY_NAME["q-and-v-descales-swapped"].sentence

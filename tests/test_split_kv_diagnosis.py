@@ -100,7 +100,8 @@ PLANTS = {
 
 def _failure(out, q, k, v, options):
     expected = oracle_attention(q, k, v, **options)
-    tol = random_tolerance(q, k, v, "float64", **options)
+    # The tolerance of the inputs with their NaN as numbers (a NaN would make it NaN).
+    tol = random_tolerance(*(np.nan_to_num(x) for x in (q, k, v)), "float64", **options)
     calls = [(0, REFERENCE, "attention", (q, k, v), options)]
     with pytest.raises(Departure) as info:
         assert_within(out, expected, tol, "the test's comparison", behaviour="the test's words")
@@ -141,3 +142,16 @@ def test_an_unexplained_departure_says_where_it_lies():
     named, found = _failure(out, q, k, v, {})
     assert named == "the test's words" and found.sentence is None
     assert found.where.startswith("the error lies in the one batch element, head 1 of 4")
+
+
+def test_a_nan_the_tail_would_not_have_read_is_named_by_the_tail():
+    """A NaN in a key the dropped tail leaves out, and one in a key it reads: the output's
+    NaN rows are the reference's where the NaN is read, and the finding is the dropped
+    tail, not "a NaN in the inputs reaches outputs that do not read it" (issue 49)."""
+    q, k, v = _inputs()
+    k = k.copy()
+    k[0, 0, 3, 0] = np.nan  # read: key/value head 0's rows are NaN, as the reference's
+    v[0, 1, 98, 0] = np.nan  # in the tail: key/value head 1 should be NaN, and is not
+    out = tail_dropped(q, k, v)
+    named, _ = _failure(out, q, k, v, {})
+    assert named == {m.name: m for m in SPLIT_KV}["split-tail-dropped-16"].sentence

@@ -376,8 +376,8 @@ def tail_dropped(block: int) -> Callable[[Call], np.ndarray | None]:
 
     def compute(call: Call) -> np.ndarray | None:
         S = call.k.shape[2]
-        kept = S // block * block
-        if kept == S or kept == 0:
+        kept = S // block * block  # 0 where S < block: no key is read, every row is 0
+        if kept == S:
             return None
         keep = np.arange(S) < kept  # (S,)
         if call.bool_mask:

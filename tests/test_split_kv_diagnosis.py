@@ -20,11 +20,12 @@ from conformance import load_backend
 from conformance.suite.behaviours import behaviour
 from conformance.suite.diagnosis import find
 from conformance.suite.helpers import oracle_attention, random_qkv, random_tolerance
-from conformance.suite.misreadings import SPLIT_KV
+from conformance.suite.misreadings import ATTENTION, SPLIT_KV
 from conformance.suite.tolerance import Departure, assert_within
 
 pytestmark = pytest.mark.clause("22.8")
 REFERENCE = load_backend("numpy")
+BY_NAME_ATTENTION = {m.name: m for m in ATTENTION}
 SPLITS = 4
 #: The decode rows: four queries against 100 keys, two query heads per key/value head,
 #: scores that grow from key to key (each split raises the row's maximum).
@@ -155,3 +156,16 @@ def test_a_nan_the_tail_would_not_have_read_is_named_by_the_tail():
     out = tail_dropped(q, k, v)
     named, _ = _failure(out, q, k, v, {})
     assert named == {m.name: m for m in SPLIT_KV}["split-tail-dropped-16"].sentence
+
+
+def test_an_attention_misreading_is_not_renamed_by_a_split_alike_on_its_case():
+    """Keys read as if S = T at T = 16, S = 20 are the keys a decoder with blocks of 16
+    reads: the failure is named by attention's misreading alone, both are recorded, and
+    the run names it by whichever the most of its failures show."""
+    q, k, v = random_qkv(301, B=1, H=2, T=16, S=20, D=4)
+    out = REFERENCE.attention(q, k[:, :, :16], v[:, :, :16])
+    named, found = _failure(out, q, k, v, {})
+    keys = BY_NAME_ATTENTION["keys-as-if-s-is-t"].sentence
+    tail = {m.name: m for m in SPLIT_KV}["split-tail-dropped-16"].sentence
+    assert named == keys and found.sentence == keys
+    assert keys in found.matches and tail in found.matches

@@ -113,12 +113,12 @@ def find(actual, calls: list, tol: float) -> Found:
     if matches(actual, right, tol):
         return NOTHING
     tol = max(tol, subject.floor)
-    found: list[tuple[Misreading, np.ndarray, float]] = []
+    found: list[tuple[Misreading, np.ndarray, float, str]] = []
     # An output of zeros is named by a misreading only where that misreading's output is
     # zeros too (a normalised P that underflows everywhere), not where it is merely near
     # 0 (a descale applied twice to small descales); else by ``ZEROS``.
     zeros = bool((actual == 0).all())
-    for misreading in (m for area in subject.areas for m in AREAS[area]):
+    for area, misreading in ((a, m) for a in subject.areas for m in AREAS[a]):
         if not misreading.applies(subject.context):
             continue
         planted = misreading.compute(subject.context)
@@ -135,21 +135,26 @@ def find(actual, calls: list, tol: float) -> Found:
             continue
         within = 0.0 if zeros else max(tol, allowed_error) * misreading.slack
         if matches(actual, planted, within):
-            found.append((misreading, planted, within))
+            found.append((misreading, planted, within, area))
     if not found and zeros:
         return Found(ZEROS.sentence, (ZEROS.sentence,), None)
     if not found:
         where = subject.where(actual, right, tol) if actual.shape == right.shape else None
         return Found(None, (), where)
-    sentences = tuple(dict.fromkeys(m.sentence for m, _, _ in found))
+    sentences = tuple(dict.fromkeys(m.sentence for m, _, _, _ in found))
     if zeros:
         # Zeros too, for the run to name by whichever the most failures show.
         sentences = (*sentences, ZEROS.sentence)
-    first, planted, within = found[0]
+    first, planted, within, area = found[0]
     alike = [first.sentence]
     if not first.alone:
-        for other, other_planted, _ in found[1:]:
-            if other.sentence not in alike and matches(other_planted, planted, within):
+        # Within the first's area: another area's misreading that the case cannot tell
+        # apart (a split-KV tail of 16 keys and keys read as if S = T at T = 16) is left to
+        # the run, which names each failure by the one the most failures show.
+        for other, other_planted, _, other_area in found[1:]:
+            if other_area != area or other.sentence in alike:
+                continue
+            if matches(other_planted, planted, within):
                 alike.append(other.sentence)
     if first.alone:
         sentences = (first.sentence, *((ZEROS.sentence,) if zeros else ()))

@@ -22,7 +22,7 @@ from conformance.impls.numpy import quantized as page
 from conformance import load_backend
 from conformance.backends.numpy_backends import NumpyFp8Backend
 from conformance.suite import quantized as sq
-from conformance.suite.diagnosis import diagnose, other_cast_rule
+from conformance.suite.diagnosis import diagnose, find, other_cast_rule
 from conformance.suite.misreadings import QUANTIZED as MISREADINGS
 from conformance.suite.tolerance import Departure, assert_within
 
@@ -363,3 +363,20 @@ def test_swapped_descales_on_long_rows_are_named_swapped():
     options = {"is_causal": True, "causal_alignment": "bottom_right"}
     actual = np.asarray(PLANTS["q-and-v-descales-swapped"](o, options), dtype=np.float64)
     assert _named(o, options, actual) == BY_NAME["q-and-v-descales-swapped"].sentence
+
+
+def test_an_unexplained_departure_says_where_it_lies_and_what_moves_it():
+    """q's descale dropped and then one head's output moved by more than the bound: no
+    misreading explains it, and the finding says which heads and rows hold the error and
+    that the pipeline with q's descale taken as 1 is nearer."""
+    backend = load_backend("numpy-fp8")
+    o, options = _operands("q-descale-dropped")
+    _, bound = sq.expected_and_bound(backend, o, **options)
+    actual = np.asarray(PLANTS["q-descale-dropped"](o, options), dtype=np.float64)
+    actual[1, 2] += 1.5 * bound
+    kwargs = {**{f"{r}_descale": o[f"{r}_descale"] for r in "qkv"}, "block_size": None, **options}
+    calls = [(0, backend, "attention_quantized", (o["q"], o["k"], o["v"]), kwargs)]
+    found = find(actual, calls, bound)
+    assert found.sentence is None
+    assert found.where.startswith("the error lies in every batch element (2), every head (4)")
+    assert found.where.endswith("nearer to the declared pipeline without q's descale taken as 1")

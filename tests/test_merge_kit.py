@@ -4,7 +4,7 @@ A profile names a merge function with its conventions (``conformance/adapters/me
 the suite hands it the spec's pieces and reads its answer back. A correct merge in
 FlashInfer's conventions (o (B, T, H, E), lse (B, T, H) in base 2) passes §22 declared as
 it is, and fails declared in the spec's own conventions. Each misreading of
-``conformance/suite/merge_diagnosis.py`` is planted in a correct merge
+``MERGE`` in ``conformance/suite/misreadings.py`` is planted in a correct merge
 (``tests/merge_functions.py``) and named by the diagnosis; the right merge is named by
 nothing.
 """
@@ -22,10 +22,11 @@ import pytest
 from conformance.adapters.profiles import ProfileError, read_profile
 from conformance.suite.diagnosis import diagnose
 from conformance.suite.helpers import random_qkv
-from conformance.suite.merge_diagnosis import MISREADINGS
+from conformance.suite.misreadings import MERGE as MISREADINGS
 from conformance.suite.pieces import key_parts, oracle_state, pieces_of
 
 pytestmark = pytest.mark.clause("22.10")
+BY_NAME = {m.name: m for m in MISREADINGS}
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = """
@@ -80,7 +81,10 @@ def test_the_base_declared_wrong_fails(tmp_path):
 
 @pytest.mark.parametrize(
     ("function", "sentence"),
-    [("merge_averaged", MISREADINGS[0].sentence), ("merge_unguarded", MISREADINGS[1].sentence)],
+    [
+        ("merge_averaged", BY_NAME["merge-averaged"].sentence),
+        ("merge_unguarded", BY_NAME["merge-empty-nan"].sentence),
+    ],
 )
 def test_a_planted_misreading_is_named_in_the_run(tmp_path, function, sentence):
     """Run through the kit, a planted misreading's failures say its sentence."""
@@ -100,11 +104,21 @@ def test_the_diagnosis_names_each_misreading_and_nothing_else():
     """On pieces with empty rows (causal: early rows see no key of a late piece), each
     planted merge's o or lse is named by its misreading; the right merge's by nothing."""
     a, b, _ = _pieces()
-    empty = (np.zeros_like(a[0]), np.full_like(a[1], -np.inf))
+    # Rows where both pieces are empty, beside rows of lse near 1000, where exp(lse)
+    # without the maximum would overflow: only the unguarded subtraction fails there.
+    lse_a, lse_b = a[1] + 1000.0, b[1] + 1000.0
+    lse_a[..., 0], lse_b[..., 0] = -np.inf, -np.inf
+    empty_rows = ((a[0], lse_a), (b[0], lse_b))
+    large = ((a[0], a[1] + 1000.0), (b[0], b[1] + 1000.0))
     cases = {
         "merge-averaged": (merge_functions.merge_averaged, (a, b), 0),
-        "merge-empty-nan": (merge_functions.merge_unguarded, (empty, empty), 0),
+        "merge-other-pieces-lse": (merge_functions.merge_other_lse, (a, b), 0),
+        "merge-base-2-on-base-e": (merge_functions.merge_base2_on_e, (a, b), 1),
+        "merge-empty-as-zero": (merge_functions.merge_empty_as_zero, (a, b), 0),
+        "merge-empty-nan": (merge_functions.merge_unguarded, empty_rows, 0),
+        "merge-exp-without-maximum": (merge_functions.merge_without_maximum, large, 0),
     }
+    assert set(cases) == set(BY_NAME)
     by_name = {m.name: m.sentence for m in MISREADINGS}
     for name, (merge, (x, y), part) in cases.items():
         args = (x[0], x[1], y[0], y[1])

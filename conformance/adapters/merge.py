@@ -95,6 +95,18 @@ class MergeFunction:
                 natural = np.where(lse == self._lse_bht(theirs), mine, natural)  # (B, H, T)
         return self._o_out(o), natural.astype(lse.dtype)
 
+    def conversion(self, magnitude: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
+        """SPEC §22.12: for an lse of magnitude at most ``magnitude`` held in ``dtype``, the
+        largest change (natural units) of its handing in, ``a``, and of its reading back,
+        ``b``. In base e nothing is converted: (0, 0). In base 2 each is one rounding in
+        ``dtype`` of a float64 product (with a constant rounded once): within one ulp of
+        the value it yields."""
+        magnitude = np.asarray(magnitude, dtype=np.float64)
+        if self.lse_base == "e":
+            return np.zeros_like(magnitude), np.zeros_like(magnitude)
+        ulp = lambda x: np.spacing(np.abs(x).astype(dtype)).astype(np.float64)  # noqa: E731
+        return math.log(2.0) * ulp(magnitude / math.log(2.0)), ulp(magnitude)
+
     def _o_in(self, o: np.ndarray) -> np.ndarray:
         o = np.asarray(o)
         return np.swapaxes(o, -2, -3).copy() if self.layout == "BTHD" else o  # (B, T, H, E)

@@ -8,6 +8,7 @@ from pathlib import Path
 import mpmath
 import numpy as np
 import pytest
+import quantized_functions
 from conformance.fixtures import quantized as fq
 from conformance.impls.numpy import quantized as page
 
@@ -309,3 +310,33 @@ def test_the_leakage_test_fails_a_function_whose_scales_read_the_future(granular
         spec.test_a_self_quantizing_function_leaks_no_future(backend)
     with pytest.raises(pytest.skip.Exception, match="quantizes its own inputs"):
         sq.call(backend, sq.operands_for(backend, 30))
+
+
+@pytest.mark.clause("20.7")
+def test_a_bottom_right_function_runs_the_cases_where_the_alignments_coincide(request):
+    """A correct per-tensor FP8 function whose causality is bottom-right only passes the
+    worked example, causal at T = S = 3, where top-left and bottom-right are the same call;
+    only a causal call with T ≠ S is refused as top-left (the form the run names untested)."""
+    from conformance.adapters.quantized import QuantizedFunctionBackend
+    from conformance.tests import test_quantized as spec
+
+    backend = QuantizedFunctionBackend(
+        quantized_functions.per_tensor_bottom_right,
+        name="per-tensor-bottom-right",
+        framework="numpy",
+        layout="BHTD",
+        caps=["gqa", "causal_bottom_right"],
+        table={
+            "formats": {r: ["float8_e4m3fn"] for r in "qkv"},
+            "granularities": {r: ["tensor"] for r in "qkv"},
+            "pipeline": "float32",
+            "descales": {"q": "q_scale", "k": "k_scale", "v": "v_scale"},
+            "descale_form": "scalar",
+            "options": {"is_causal": "causal", "scale": "sm_scale"},
+            "alignment": "bottom_right",
+        },
+    )
+    spec.test_quantized_fixture(request, backend, "quantized-worked-example")
+    o = sq.operands(44, granularities=("tensor",) * 3)
+    with pytest.raises(NotImplementedError, match="causal bottom_right only"):
+        sq.call(backend, o, is_causal=True)  # T = 7, S = 11: top-left differs

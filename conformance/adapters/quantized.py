@@ -147,7 +147,8 @@ class QuantizedFunctionBackend(Backend):
         """The function on q, k, v in its layout and framework, with ``kwargs`` and the
         spec's ``options`` under its keywords."""
         alignment = options.pop("causal_alignment", "top_left")
-        if options.get("is_causal") and alignment != self.alignment:
+        # At T = S both alignments are the same call: only T ≠ S tells them apart.
+        if options.get("is_causal") and alignment != self.alignment and _differ(q, k):
             raise NotImplementedError(f"{self.name} is causal {self.alignment} only")
         for option, value in options.items():
             if option not in self.keywords:
@@ -185,3 +186,8 @@ class QuantizedFunctionBackend(Backend):
             fmt = str(out.dtype).removeprefix("torch.")
             return out.view(torch.uint8).numpy().view(getattr(ml_dtypes, fmt))
         return out.detach().numpy()
+
+
+def _differ(q, k) -> bool:
+    """Whether q's T and k's S (B, H|K, T|S, ·) differ: where the causal alignments do."""
+    return np.shape(q)[-2] != np.shape(k)[-2]

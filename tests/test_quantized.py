@@ -340,3 +340,97 @@ def test_a_bottom_right_function_runs_the_cases_where_the_alignments_coincide(re
     o = sq.operands(44, granularities=("tensor",) * 3)
     with pytest.raises(NotImplementedError, match="causal bottom_right only"):
         sq.call(backend, o, is_causal=True)  # T = 7, S = 11: top-left differs
+
+
+def _lifted_backend(name: str, table: dict | None = None, **kernel):
+    """``quantized_functions.lifted`` with ``kernel``'s pipeline, declaring ``table``'s
+    parameters (lift, tile, accumulator) in FlashAttention-3's per-head e4m3 form."""
+    import functools
+
+    from conformance.adapters.quantized import QuantizedFunctionBackend
+
+    return QuantizedFunctionBackend(
+        functools.partial(quantized_functions.lifted, **kernel),
+        name=name,
+        framework="numpy",
+        layout="BHTD",
+        caps=["gqa", "causal", "causal_bottom_right"],
+        table={
+            "formats": {r: ["float8_e4m3fn"] for r in "qkv"},
+            "granularities": {r: ["head"] for r in "qkv"},
+            "pipeline": "e4m3_unnormalized",
+            "descales": {"q": "q_descale", "k": "k_descale", "v": "v_descale"},
+            "options": {"is_causal": "causal", "scale": "sm_scale"},
+            "alignment": "bottom_right",
+            **(table or {}),
+        },
+    )
+
+
+@pytest.mark.clause("20.9")
+@pytest.mark.parametrize("S", [129, 4096])
+@pytest.mark.parametrize("lift", [448, 384, 192, 28, 7])
+def test_a_kernel_that_declares_its_lift_conforms_on_rows_of_equal_weights(request, S, lift):
+    """v = c on long diffuse rows, where every weight is nearly the same number and the
+    roundings of P add up instead of cancelling: a correct kernel lifting P by 448
+    (SageAttention), 384, 192, 28 or 7 conforms when it declares its lift, since the bound
+    runs the very pipeline it computes (SPEC §20.9); held to FlashAttention-3's 2⁸, the
+    lifts but 448 and 28 fail at S = 129, by a ratio of 1.2 to 1.3 (3.1 at S = 4,096)."""
+    from conformance.tests import test_quantized as spec
+
+    backend = _lifted_backend(f"lift-{lift}", {"lift": lift}, lift=float(lift))
+    spec.test_constant_v_gives_the_constant_on_long_diffuse_rows(request, backend, S)
+
+
+@pytest.mark.clause("20.9")
+def test_a_tiled_kernel_declares_its_tile(request):
+    """A kernel that rounds P at each tile of 64 keys' running maximum, declaring its tile:
+    the run rounds the same numbers, and its error is the run's (ratio 0.5 at S = 4,096,
+    where undeclared it reaches 0.96 of the bound)."""
+    from conformance.tests import test_quantized as spec
+
+    tiled = _lifted_backend("tiled-448", {"lift": 448, "tile": 64}, lift=448.0, tile=64)
+    spec.test_constant_v_gives_the_constant_on_long_diffuse_rows(request, tiled, 4096)
+    spec.test_growing_row_maxima_stay_finite(request, tiled)
+
+
+@pytest.mark.clause("20.9")
+@pytest.mark.parametrize(
+    ("kernel", "declared"),
+    [
+        ({"p_format": "float8_e5m2"}, {}),
+        ({"accumulator": "bfloat16"}, {}),
+        ({"accumulator": "float16"}, {}),
+        ({"accumulator": "bfloat16"}, {"accumulator": "float16"}),
+    ],
+    ids=["P-in-e5m2", "bfloat16-sums", "float16-sums", "bfloat16-declared-float16"],
+)
+def test_rounding_worse_than_the_declared_pipeline_fails(request, kernel, declared):
+    """A kernel whose rounding is worse than the pipeline it declares fails, its lift
+    declared: P rounded to e5m2 (2 fraction bits) declared as e4m3, P·V summed in bfloat16
+    or float16 declared as float32, bfloat16 sums declared as float16 (SPEC §20.9)."""
+    import ml_dtypes
+
+    from conformance.suite.tolerance import Departure
+    from conformance.tests import test_quantized as spec
+
+    if "accumulator" in kernel:
+        dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[kernel["accumulator"]]
+        kernel = {**kernel, "accumulator": dtype}
+    worse = _lifted_backend("worse", {"lift": 448, **declared}, lift=448.0, **kernel)
+    with pytest.raises(Departure, match="everywhere, S = 129"):
+        spec.test_constant_v_gives_the_constant_on_long_diffuse_rows(request, worse, 129)
+
+
+@pytest.mark.clause("20.9")
+def test_a_kernel_that_declares_its_16_bit_accumulator_conforms(request):
+    """P·V summed in bfloat16, declared: held to the bfloat16 sums of its own pipeline."""
+    import ml_dtypes
+
+    from conformance.tests import test_quantized as spec
+
+    backend = _lifted_backend(
+        "bf16-sums", {"lift": 448, "accumulator": "bfloat16"},
+        lift=448.0, accumulator=ml_dtypes.bfloat16,
+    )  # fmt: skip
+    spec.test_constant_v_gives_the_constant_on_long_diffuse_rows(request, backend, 129)

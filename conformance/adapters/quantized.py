@@ -5,6 +5,9 @@
     formats = { q = ["float8_e4m3fn"], k = ["float8_e4m3fn"], v = ["float8_e4m3fn"] }
     granularities = { q = ["head"], k = ["head"], v = ["head"] }
     pipeline = "e4m3_unnormalized"         # float32 | e4m3_unnormalized | e4m3_normalized
+    lift = 256                             # P · lift rounded (448: SageAttention's)
+    tile = 128                             # keys per tile: P rounded at its running max
+    accumulator = "float32"                # P·V summed in: float32 | float16 | bfloat16
     cast_rule = "saturate"                 # or "overflow"; with out_formats
     out_formats = []                       # ["float8_e4m3fn"]: takes out_descale
     descales = { q = "q_descale", k = "k_descale", v = "v_descale" }
@@ -51,6 +54,9 @@ QUANTIZED_KEYS = {
     "alignment",
     "window_sides",
     "quantizes",
+    "lift",
+    "tile",
+    "accumulator",
 }
 #: The options of ``attention`` a quantized function may take, by the spec's names.
 QUANTIZED_OPTIONS = ("is_causal", "scale", "causal_alignment", "window", "softcap", "sinks")
@@ -74,6 +80,9 @@ class QuantizedFunctionBackend(Backend):
                 pipeline=table.get("pipeline", "e4m3_unnormalized"),
                 out_formats=tuple(table.get("out_formats", ())),
                 cast_rule=table.get("cast_rule", "saturate"),
+                lift=table.get("lift"),
+                tile=table.get("tile"),
+                accumulator=table.get("accumulator", "float32"),
             )
         except KeyError as err:
             raise ValueError(f"{where}: {err.args[0]!r} of q, k and v is required") from err

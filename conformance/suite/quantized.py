@@ -98,21 +98,39 @@ def expected(operands: dict, **options) -> np.ndarray:
 def expected_and_bound(backend, operands: dict, **options) -> tuple[np.ndarray, float]:
     """The oracle on the dequantised operands and §20.6's bound for ``backend``'s pipeline."""
     y = expected(operands, **options)
-    return y, pipeline_bound(operands, y, backend.quantized.pipeline, **options)
+    return y, declared_bound(backend, operands, y, **options)
+
+
+def declared_bound(backend, operands: dict, y: np.ndarray, **options) -> float:
+    """§20.6's bound for ``backend``'s declared pipeline with its parameters (its lift,
+    tile and accumulator, SPEC §20.9), y being the oracle's answer."""
+    form = backend.quantized
+    parameters = {
+        "lift": getattr(form, "lift", None),
+        "tile": getattr(form, "tile", None),
+        "accumulator": getattr(form, "accumulator", "float32"),
+    }
+    return pipeline_bound(operands, y, form.pipeline, **parameters, **options)
 
 
 def pipeline_bound(operands: dict, y: np.ndarray, p_pipeline: str, **options) -> float:
-    """§20.6's bound on ``operands`` under ``p_pipeline``, y being the oracle's answer."""
+    """§20.6's bound on ``operands`` under ``p_pipeline``, y being the oracle's answer;
+    ``options`` may hold the pipeline's parameters (``fq.pipeline``'s lift, tile and
+    accumulator)."""
     run = fq.pipeline(
         *_args(operands), p_pipeline, block_size=operands.get("block_size"), **options
     )
     return bound(run, y)
 
 
-def pipeline_bounds(operands: dict, y: np.ndarray, **options) -> dict[str, float]:
+def pipeline_bounds(operands: dict, y: np.ndarray, backend=None, **options) -> dict[str, float]:
     """§20.6's bound on ``operands`` under every P pipeline: what declaring each costs on
-    this very case, for the report (SPEC §20.6)."""
-    return {p: pipeline_bound(operands, y, p, **options) for p in P_PIPELINES}
+    this very case, for the report (SPEC §20.6); ``backend``'s own pipeline with its
+    declared parameters."""
+    found = {p: pipeline_bound(operands, y, p, **options) for p in P_PIPELINES}
+    if backend is not None:
+        found[backend.quantized.pipeline] = declared_bound(backend, operands, y, **options)
+    return found
 
 
 def _args(o: dict) -> tuple:

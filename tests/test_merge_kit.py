@@ -108,6 +108,34 @@ def test_a_planted_misreading_is_named_in_the_run(tmp_path, function, sentence):
     run = _run(_profile(tmp_path, **plain, base="e"))
     assert run.returncode == 1
     assert sentence in run.stdout, run.stdout[-3000:]
+    # The suite's own reference merges warn of nothing in the user's run (§22.5's huge
+    # lse overflow in them as in the function): only the function's own warnings show.
+    assert "conformance/suite/" not in run.stdout.partition("warnings summary")[2], run.stdout
+
+
+def test_test_ids_carry_their_module_from_outside_the_checkout(tmp_path):
+    """Run as a user runs it, ``--pyargs`` from a folder of their own: the FAILED lines and
+    ``--co`` name each test with its module, never ``::test_...`` alone."""
+    profile = _profile(
+        tmp_path, name="avg", layout="BHTD", function="merge_averaged", lse_layout="BHT", base="e"
+    )
+    tests = Path(__file__).resolve().parent
+    for extra in (["--co"], []):
+        run = subprocess.run(
+            [sys.executable, "-m", "pytest", "--pyargs", "conformance.tests.test_merge",
+             "--impl-profile", str(profile), "-q", "-p", "no:cacheprovider", "-n", "0", *extra],
+            cwd=tmp_path, capture_output=True, text=True, timeout=600,
+            env={**__import__("os").environ, "PYTHONPATH": f"{tests}:{ROOT}"},
+        )  # fmt: skip
+        lines = run.stdout.splitlines()
+        named = [
+            line for line in lines
+            if line.startswith(("FAILED", "conformance", "::"))
+            and "test_merge_does_not_overflow[avg-float32]" in line
+        ]  # fmt: skip
+        assert named, run.stdout[-2000:]
+        assert all("conformance/tests/test_merge.py::test_" in line for line in named), named
+        assert not any(line.startswith(("::", "FAILED ::")) for line in lines), run.stdout
 
 
 def _pieces(dtype: str = "float64"):

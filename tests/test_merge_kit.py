@@ -179,3 +179,50 @@ def test_a_profile_names_merge_and_its_table_together(tmp_path):
     )
     with pytest.raises(ProfileError, match="base should be one of"):
         read_profile(path)
+
+
+def test_a_merge_only_profile_needs_no_attention_target(tmp_path):
+    """A profile with a [merge] table and no target: §22 runs on the merge alone, the
+    other sections are skipped by that name, and the run's summary names no form of
+    attention (a merge takes none)."""
+    path = tmp_path / "merge_only.toml"
+    text = (
+        'name = "merge-only"\nlayout = "BTHD"\ncapabilities = ["merge"]\n'
+        '[merge]\nfunction = "merge_functions:merge_bth_base2"\nlayout = "BTH"\nbase = "2"\n'
+    )
+    path.write_text(text)
+    run = _run(path)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "merge-only — math: conforms" in run.stdout, run.stdout[-2000:]
+    assert "forms it does not take" not in run.stdout and "judged on" not in run.stdout
+    backend = read_profile(path).resolve()
+    with pytest.raises(NotImplementedError, match="merge-only profile"):
+        backend.attention(*random_qkv(1, B=1, H=1, T=2, S=2, D=2))
+    path.write_text(text.replace('["merge"]', '["merge", "gqa"]'))
+    with pytest.raises(ProfileError, match="'merge' alone"):
+        read_profile(path).resolve()
+
+
+def test_the_merge_capability_without_a_merge_function_is_a_usage_error(tmp_path):
+    """``--impl mod:merge --impl-capabilities merge`` has no merge function to judge (a
+    plain --impl names attention): a usage error that says where one is named, its
+    section number as written, before any test runs."""
+    tests = Path(__file__).resolve().parent
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "conformance.tests.test_merge",
+         "--impl", "merge_functions:merge_averaged", "--impl-capabilities", "merge",
+         "-q", "-p", "no:cacheprovider", "-n", "0"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env={**__import__("os").environ, "PYTHONPATH": f"{tests}:{ROOT}"},
+    )  # fmt: skip
+    assert run.returncode == pytest.ExitCode.USAGE_ERROR, run.stdout[-2000:]
+    assert "[merge] table names (SPEC §22.10)" in run.stderr, run.stderr
+
+
+def test_a_section_number_in_a_refusal_is_kept():
+    """A function's message names its section (§22) as written: numbers become N in a
+    behaviour's words (a size, an index), never a section's."""
+    from conformance.suite.behaviours import _first_line
+
+    line = _first_line("f names no merge function (SPEC §22.10), got 3 pieces of 1.5e-3")
+    assert line == "f names no merge function (SPEC §22.10), got N pieces of N"

@@ -19,7 +19,8 @@ def domain_words(backend: Any) -> list[str]:
     """What ``backend`` is judged on, in lines: its dtypes, the forms it does not take,
     its domain (and the interpreter it runs under)."""
     lines = [f"dtypes {', '.join(backend.dtypes)}"]
-    missing = sorted(set(FORMS) - forms_of(backend))
+    # A merge alone (SPEC §22) attends nothing: no form of attention is its to take.
+    missing = sorted(set(FORMS) - forms_of(backend)) if getattr(backend, "attends", True) else []
     if missing:
         lines.append("forms it does not take: " + "; ".join(FORMS[f] for f in missing))
     domain = domain_of(backend)

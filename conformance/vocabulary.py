@@ -150,7 +150,8 @@ class QuantizedForm:
     The pipeline's parameters (SPEC §20.9): lift, the factor P is multiplied by before it
     is rounded (None: 2⁸ unnormalised, FlashAttention-3's; 1 normalised); tile, the keys
     per tile whose running maximum P is rounded at (None: the row's maximum); accumulator,
-    one of ``P_ACCUMULATORS``.
+    one of ``P_ACCUMULATORS``. quantizes: the function quantizes its own float inputs
+    (SPEC §20.4), so q may be per token or per block too.
     """
 
     def __init__(
@@ -164,7 +165,11 @@ class QuantizedForm:
         lift: float | None = None,
         tile: int | None = None,
         accumulator: str = "float32",
+        quantizes: bool = False,
     ) -> None:
+        # q's descale is per tensor or per head when the suite hands it codes; a kernel
+        # that quantizes q itself may do it per token or per block (SageAttention).
+        q_granularities = set(GRANULARITIES) if quantizes else {"tensor", "head"}
         for role in ("q", "k", "v"):
             bad = set(formats[role]) - set(QUANT_FORMATS)
             if bad:
@@ -173,10 +178,10 @@ class QuantizedForm:
                     f"{formats[role]}"
                 )
             bad = set(granularities[role]) - set(GRANULARITIES)
-            if bad or (role == "q" and set(granularities[role]) - {"tensor", "head"}):
+            if bad or (role == "q" and set(granularities[role]) - q_granularities):
                 raise ValueError(
                     f"granularities[{role!r}] should be among {GRANULARITIES} (q: tensor or "
-                    f"head), got {granularities[role]}"
+                    f"head, unless it quantizes itself), got {granularities[role]}"
                 )
         if pipeline not in P_PIPELINES:
             raise ValueError(f"pipeline should be one of {P_PIPELINES}, got {pipeline!r}")

@@ -3,6 +3,7 @@ are declared and checked, and a backend without the capability refuses the entry
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import mpmath
@@ -242,9 +243,11 @@ def test_jax_has_no_float8_attention_on_the_cpu():
             attend(q)
 
 
-def self_quantizing(q, k, v, *, is_causal=False, block_size=None, granularity="tensor"):
+def self_quantizing(
+    q, k, v, *, is_causal=False, block_size=None, granularity="tensor", q_granularity="tensor"
+):
     """A NumPy function that quantizes its own float inputs to e4m3 with scales from the
-    data (amax / 448): q over the whole tensor, k and v at ``granularity``, over the whole
+    data (amax / 448): q at ``q_granularity``, k and v at ``granularity``, over the whole
     tensor (Transformer Engine's tensorwise current scaling), over blocks of
     ``block_size`` tokens (MXFP8's sequence blocks of V) or per token; then it attends in
     float64, causal bottom-right."""
@@ -263,7 +266,7 @@ def self_quantizing(q, k, v, *, is_causal=False, block_size=None, granularity="t
         scale = groups.astype(np.float64) / 448
         return (x / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * scale
 
-    q, k, v = quantized(q, "tensor"), quantized(k), quantized(v)
+    q, k, v = quantized(q, q_granularity), quantized(k), quantized(v)
     G = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
     s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
@@ -272,6 +275,34 @@ def self_quantizing(q, k, v, *, is_causal=False, block_size=None, granularity="t
         s = np.where(np.arange(S)[None, :] <= np.arange(T)[:, None] + S - T, s, -np.inf)
     w = np.exp(s - s.max(-1, keepdims=True))
     return (w / w.sum(-1, keepdims=True) @ v).astype(np.float32)
+
+
+@pytest.mark.clause("20.4")
+def test_a_self_quantizing_function_may_quantize_q_per_token(tmp_path):
+    """``quantizes = true`` with SageAttention's granularities, q per token too: the
+    profile is read, and the function, scales per token, leaks no future. Without
+    ``formats`` and ``granularities`` the profile is refused, naming them."""
+    from conformance.adapters.profiles import ProfileError, read_profile
+    from conformance.tests import test_quantized as spec
+
+    path = tmp_path / "self.toml"
+    table = (
+        'name = "self-token"\ntarget = "test_quantized:self_quantizing"\n'
+        'capabilities = ["gqa", "causal_bottom_right"]\n[quantized]\nquantizes = true\n'
+        'options = { is_causal = "is_causal" }\nalignment = "bottom_right"\n'
+    )
+    forms = (
+        'formats = { q = ["int8"], k = ["float8_e4m3fn"], v = ["float8_e4m3fn"] }\n'
+        'granularities = { q = ["token"], k = ["token"], v = ["token"] }\n'
+    )
+    path.write_text(table + forms)
+    backend = read_profile(path).resolve()
+    assert backend.quantized.granularities["q"] == ("token",)
+    backend.func = functools.partial(self_quantizing, granularity="token", q_granularity="token")
+    spec.test_a_self_quantizing_function_leaks_no_future(backend)
+    path.write_text(table)
+    with pytest.raises(ProfileError, match="'formats' of q, k and v is required"):
+        read_profile(path).resolve()
 
 
 @pytest.mark.clause("20.4")

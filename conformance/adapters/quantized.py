@@ -83,9 +83,13 @@ class QuantizedFunctionBackend(Backend):
                 lift=table.get("lift"),
                 tile=table.get("tile"),
                 accumulator=table.get("accumulator", "float32"),
+                quantizes=table.get("quantizes", False) is True,
             )
         except KeyError as err:
-            raise ValueError(f"{where}: {err.args[0]!r} of q, k and v is required") from err
+            raise ValueError(
+                f"{where}: {err.args[0]!r} of q, k and v is required (with quantizes = true "
+                "too: the formats and granularities it quantizes to)"
+            ) from err
         self.quantizes = table.get("quantizes", False)
         if not isinstance(self.quantizes, bool):
             raise ValueError(f"{where}: quantizes should be true or false, got {self.quantizes!r}")

@@ -82,3 +82,21 @@ def lifted(
             acc = (acc + (p8[..., i : i + 1] * vd[..., j + i : j + i + 1, :])).astype(accumulator)
         m = m_j
     return (acc.astype(f32) / f32(lift) / np.where(total > 0, total, f32(1))).astype(f32)
+
+
+def fp8_output(
+    q, k, v, *, q_scale, k_scale, v_scale, causal=False, sm_scale=None, o_scale,
+    saturates=True, inverted=False,
+):  # fmt: skip
+    """Per-tensor scalar scales in, float8_e4m3fn codes out: attention on the dequantised
+    operands, divided by the output's descale ``o_scale`` (multiplied, ``inverted``: the
+    descale read as a scale) and cast to e4m3, clipped to ±448 first where it
+    ``saturates`` (ml_dtypes' cast alone makes NaN past 448)."""
+    import ml_dtypes
+
+    q, k, v = (x.astype(np.float64) * s for x, s in ((q, q_scale), (k, k_scale), (v, v_scale)))
+    out = _attend(q, k, v, sm_scale, causal)  # (B, H, T, E)
+    y = out * o_scale if inverted else out / o_scale
+    if saturates:
+        y = np.clip(y, -448.0, 448.0)
+    return y.astype(ml_dtypes.float8_e4m3fn)

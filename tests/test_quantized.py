@@ -465,3 +465,71 @@ def test_a_kernel_that_declares_its_16_bit_accumulator_conforms(request):
         lift=448.0, accumulator=ml_dtypes.bfloat16,
     )  # fmt: skip
     spec.test_constant_v_gives_the_constant_on_long_diffuse_rows(request, backend, 129)
+
+
+def _fp8_output_backend(name: str, **kernel):
+    """``quantized_functions.fp8_output`` declared as its profile would: e4m3 output,
+    saturating, its output descale under the keyword ``o_scale``."""
+    from conformance.adapters.quantized import QuantizedFunctionBackend
+
+    return QuantizedFunctionBackend(
+        functools.partial(quantized_functions.fp8_output, **kernel),
+        name=name,
+        framework="numpy",
+        layout="BHTD",
+        caps=["gqa"],
+        table={
+            "formats": {r: ["float8_e4m3fn"] for r in "qkv"},
+            "granularities": {r: ["tensor"] for r in "qkv"},
+            "pipeline": "float32",
+            "descales": {"q": "q_scale", "k": "k_scale", "v": "v_scale"},
+            "descale_form": "scalar",
+            "options": {"scale": "sm_scale", "out_descale": "o_scale"},
+            "out_formats": ["float8_e4m3fn"],
+            "cast_rule": "saturate",
+        },
+    )
+
+
+@pytest.mark.clause("20.5")
+def test_an_fp8_output_declared_in_a_profile_is_tested():
+    """A function declaring an e4m3 output, its cast rule and its output descale's keyword
+    is handed out_descale and judged (SPEC §20.5): the correct one passes, one whose cast
+    does not saturate (NaN past 448) and one that multiplies by the descale fail."""
+    from conformance.suite.tolerance import Departure
+    from conformance.tests import test_quantized as spec
+
+    spec.test_fp8_output_is_the_oracles_output_quantised(
+        _fp8_output_backend("fp8-out"), "float8_e4m3fn"
+    )
+    for name, kernel in (("no-saturation", {"saturates": False}), ("inverted", {"inverted": True})):
+        with pytest.raises(Departure):
+            spec.test_fp8_output_is_the_oracles_output_quantised(
+                _fp8_output_backend(name, **kernel), "float8_e4m3fn"
+            )
+    with pytest.raises(pytest.skip.Exception, match="float8_e5m2 output"):
+        spec.test_fp8_output_is_the_oracles_output_quantised(
+            _fp8_output_backend("fp8-out"), "float8_e5m2"
+        )
+
+
+@pytest.mark.clause("20.5")
+def test_out_formats_need_the_output_descales_keyword():
+    """out_formats without the keyword of out_descale is refused, naming it."""
+    from conformance.adapters.quantized import QuantizedFunctionBackend
+
+    with pytest.raises(ValueError, match="out_formats needs the keyword"):
+        QuantizedFunctionBackend(
+            quantized_functions.fp8_output,
+            name="no-keyword",
+            framework="numpy",
+            layout="BHTD",
+            caps=[],
+            table={
+                "formats": {r: ["float8_e4m3fn"] for r in "qkv"},
+                "granularities": {r: ["tensor"] for r in "qkv"},
+                "descales": {"q": "q_scale", "k": "k_scale", "v": "v_scale"},
+                "options": {"scale": "sm_scale"},
+                "out_formats": ["float8_e4m3fn"],
+            },
+        )

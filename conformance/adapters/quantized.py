@@ -12,7 +12,8 @@
     out_formats = []                       # ["float8_e4m3fn"]: takes out_descale
     descales = { q = "q_descale", k = "k_descale", v = "v_descale" }
     descale_form = "array"                 # "scalar": a Python float (FlashInfer's q_scale)
-    options = { is_causal = "causal", scale = "softmax_scale" }
+    options = { is_causal = "causal", scale = "softmax_scale" }  # out_descale = ..., with
+                                           # out_formats (and out_format = ..., if taken)
     alignment = "bottom_right"             # its causality's alignment (FlashAttention's)
     window_sides = ["left"]                # with a window keyword: the sides it takes
     quantizes = false                      # true: it takes float32 q, k, v and quantizes
@@ -58,8 +59,12 @@ QUANTIZED_KEYS = {
     "tile",
     "accumulator",
 }
-#: The options of ``attention`` a quantized function may take, by the spec's names.
-QUANTIZED_OPTIONS = ("is_causal", "scale", "causal_alignment", "window", "softcap", "sinks")
+#: The options of ``attention`` a quantized function may take, by the spec's names, and
+#: the output's descale and format (SPEC §20.5), with ``out_formats``.
+QUANTIZED_OPTIONS = (
+    "is_causal", "scale", "causal_alignment", "window", "softcap", "sinks",
+    "out_descale", "out_format",
+)  # fmt: skip
 
 
 class QuantizedFunctionBackend(Backend):
@@ -105,6 +110,11 @@ class QuantizedFunctionBackend(Backend):
         bad = sorted(set(self.keywords) - set(QUANTIZED_OPTIONS))
         if bad:
             raise ValueError(f"{where}: options names {bad}; known: {QUANTIZED_OPTIONS}")
+        if self.quantized.out_formats and "out_descale" not in self.keywords:
+            raise ValueError(
+                f"{where}: out_formats needs the keyword that takes the output's descale, "
+                "options = { out_descale = ... } (and out_format's, where it takes one)"
+            )
         if layout not in ("BHTD", "BTHD"):
             raise ValueError(f"{where}: layout should be BHTD or BTHD, got {layout!r}")
         self.alignment = table.get("alignment", "top_left")
@@ -144,7 +154,11 @@ class QuantizedFunctionBackend(Backend):
             kwargs["block_size"] = block_size
         out_descale = options.pop("out_descale", None)
         if out_descale is not None:
-            kwargs.update(out_descale=float(out_descale), out_format=out_format)
+            if "out_descale" not in self.keywords:
+                raise NotImplementedError(f"{self.name} returns no FP8 output (no out_formats)")
+            kwargs[self.keywords["out_descale"]] = float(out_descale)
+            if "out_format" in self.keywords:
+                kwargs[self.keywords["out_format"]] = out_format
         return self._call(q, k, v, kwargs, options)
 
     def attention_self_quantized(self, q, k, v, *, block_size=None, **options) -> np.ndarray:

@@ -100,3 +100,20 @@ def fp8_output(
     if saturates:
         y = np.clip(y, -448.0, 448.0)
     return y.astype(ml_dtypes.float8_e4m3fn)
+
+
+def normalised_p(q, k, v, *, q_descale, k_descale, v_descale, sm_scale=None):
+    """P normalised by the row sum, then rounded to float8_e4m3fn with no lift, before
+    P·V: every weight below 2⁻¹⁰ rounds to 0 (FlashInfer #5020). FlashAttention-3's
+    per-head descales."""
+    import ml_dtypes
+
+    f32 = np.float32
+    qd, kd, vd = _per_head(q, q_descale), _per_head(k, k_descale), _per_head(v, v_descale)
+    G = qd.shape[1] // kd.shape[1]
+    kd, vd = np.repeat(kd, G, axis=1), np.repeat(vd, G, axis=1)  # (B, H, S, D), (B, H, S, E)
+    scale = f32(1 / np.sqrt(qd.shape[-1]) if sm_scale is None else sm_scale)
+    s = (qd @ np.swapaxes(kd, -1, -2)) * scale  # (B, H, T, S)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p8 = (p / p.sum(-1, keepdims=True)).astype(ml_dtypes.float8_e4m3fn).astype(f32)
+    return p8 @ vd  # (B, H, T, E)

@@ -533,3 +533,31 @@ def test_out_formats_need_the_output_descales_keyword():
                 "out_formats": ["float8_e4m3fn"],
             },
         )
+
+
+@pytest.mark.clause("20.4")
+def test_a_normalised_p_fails_on_a_row_with_one_dominant_key(request):
+    """A function that normalises P before rounding it to e4m3 with no lift, declaring
+    FlashAttention-3's pipeline, fails the stored case whose every row has one dominant key
+    and no sink (``quantized-e4m3-head-dominant-key``): its other weights, near e⁻⁸,
+    underflow to 0. Before that case, only a function declaring sinks met such a row."""
+    from conformance.adapters.quantized import QuantizedFunctionBackend
+    from conformance.suite.tolerance import Departure
+    from conformance.tests import test_quantized as spec
+
+    backend = QuantizedFunctionBackend(
+        quantized_functions.normalised_p,
+        name="normalised-p",
+        framework="numpy",
+        layout="BHTD",
+        caps=["gqa"],
+        table={
+            "formats": {r: ["float8_e4m3fn"] for r in "qkv"},
+            "granularities": {r: ["head"] for r in "qkv"},
+            "pipeline": "e4m3_unnormalized",
+            "descales": {"q": "q_descale", "k": "k_descale", "v": "v_descale"},
+            "options": {"scale": "sm_scale"},
+        },
+    )
+    with pytest.raises(Departure, match="dominant-key"):
+        spec.test_quantized_fixture(request, backend, "quantized-e4m3-head-dominant-key")

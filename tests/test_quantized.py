@@ -561,3 +561,38 @@ def test_a_normalised_p_fails_on_a_row_with_one_dominant_key(request):
     )
     with pytest.raises(Departure, match="dominant-key"):
         spec.test_quantized_fixture(request, backend, "quantized-e4m3-head-dominant-key")
+
+
+@pytest.mark.clause("20.7")
+def test_the_summary_names_declared_forms_no_call_exercised(tmp_path):
+    """A profile declaring int8 q and k and e5m2 v beside e4m3, all per tensor: no test of
+    the run hands it those (every case pairs them with a form it does not declare), and the
+    run's "judged on" line says so, operand by operand; what the calls did hand it is not
+    listed."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "multi.toml"
+    path.write_text(
+        'name = "multi"\ntarget = "quantized_functions:per_tensor_bottom_right"\n'
+        'capabilities = ["gqa", "causal_bottom_right"]\n[quantized]\n'
+        'formats = { q = ["float8_e4m3fn", "int8"], k = ["float8_e4m3fn", "int8"], '
+        'v = ["float8_e4m3fn", "float8_e5m2"] }\n'
+        'granularities = { q = ["tensor"], k = ["tensor"], v = ["tensor"] }\n'
+        'pipeline = "float32"\ndescales = { q = "q_scale", k = "k_scale", v = "v_scale" }\n'
+        'descale_form = "scalar"\noptions = { is_causal = "causal", scale = "sm_scale" }\n'
+        'alignment = "bottom_right"\n'
+    )
+    tests = Path(__file__).resolve().parent
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "conformance.tests.test_quantized",
+         "--impl-profile", str(path), "-q", "-p", "no:cacheprovider", "-n", "0"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": f"{tests}:{ROOT}"},
+    )  # fmt: skip
+    line = next((x for x in run.stdout.splitlines() if x.startswith("multi judged on")), "")
+    assert line.endswith(
+        "declared, handed by no call: q in int8 per tensor, k in int8 per tensor, "
+        "v in float8_e5m2 per tensor"
+    ), run.stdout[-3000:]

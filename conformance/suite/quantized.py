@@ -138,6 +138,45 @@ def _args(o: dict) -> tuple:
     return o["q"], o["k"], o["v"], o["q_descale"], o["k_descale"], o["v_descale"]
 
 
+#: What the calls of this process handed each quantized backend, drained into each test's
+#: report (``conformance/tests/conftest.py``) for the run's summary: (backend, [words]).
+EXERCISED: list[tuple[str, list[str]]] = []
+
+
+def exercised(operands: dict, options: dict) -> list[str]:
+    """What a call hands a function, in the words of its declaration: each operand's
+    format and granularity, the options it sets, the output's format."""
+    words = []
+    for role in "qkv":
+        fmt = np.asarray(operands[role]).dtype.name
+        ndim = np.ndim(operands[f"{role}_descale"])
+        gran = {0: "tensor", 2: "head"}.get(ndim)
+        if gran is None:
+            gran = "block" if operands.get("block_size") and role != "q" else "token"
+        words.append(f"{role} in {fmt} per {gran}")
+    words += [f"the option {o}" for o in options if o not in ("out_descale", "out_format")]
+    if options.get("out_format") is not None:
+        words.append(f"an output in {options['out_format']}")
+    return words
+
+
+def unexercised(backend, seen: set[str]) -> list[str]:
+    """What ``backend`` declares (formats and granularities of q, k and v, the options it
+    takes, its output formats) that no call of the run handed it."""
+    form = backend.quantized
+    declared = [
+        f"{r} in {f} per {g}" for r in "qkv" for f in form.formats[r] for g in form.granularities[r]
+    ]
+    takes = getattr(backend, "takes", None) or ()
+    declared += [
+        f"the option {o}"
+        for o in sorted(takes)
+        if o not in ("out_descale", "out_format", "causal_alignment")
+    ]
+    declared += [f"an output in {f}" for f in form.out_formats]
+    return [d for d in declared if d not in seen]
+
+
 def call(backend, operands: dict, **options) -> np.ndarray:
     """``backend.attention_quantized`` on ``operands``, float64 out; a test whose options a
     function's profile does not take (a mask) is skipped, naming it (SPEC §20.7)."""
@@ -152,6 +191,7 @@ def call(backend, operands: dict, **options) -> np.ndarray:
         for option in set(options) - {"out_format"}:
             if option not in takes:
                 pytest.skip(f"{backend.name} takes no {option} (its profile's [quantized] options)")
+    EXERCISED.append((backend.name, exercised(operands, options)))
     return np.asarray(
         backend.attention_quantized(
             operands["q"],

@@ -405,8 +405,8 @@ def test_a_kernel_that_declares_its_lift_conforms_on_rows_of_equal_weights(reque
     """v = c on long diffuse rows, where every weight is nearly the same number and the
     roundings of P add up instead of cancelling: a correct kernel lifting P by 448
     (SageAttention), 384, 192, 28 or 7 conforms when it declares its lift, since the bound
-    runs the very pipeline it computes (SPEC §20.9); held to FlashAttention-3's 2⁸, the
-    lifts but 448 and 28 fail at S = 129, by a ratio of 1.2 to 1.3 (3.1 at S = 4,096)."""
+    runs the very pipeline it computes (SPEC §20.9); held to FlashAttention-3's 2⁸, each
+    fails at S = 129, by 1.2 to 1.3 times the bound (384 and 192 by 3.1 at S = 4,096)."""
     from conformance.tests import test_quantized as spec
 
     backend = _lifted_backend(f"lift-{lift}", {"lift": lift}, lift=float(lift))
@@ -416,8 +416,7 @@ def test_a_kernel_that_declares_its_lift_conforms_on_rows_of_equal_weights(reque
 @pytest.mark.clause("20.9")
 def test_a_tiled_kernel_declares_its_tile(request):
     """A kernel that rounds P at each tile of 64 keys' running maximum, declaring its tile:
-    the run rounds the same numbers, and its error is the run's (ratio 0.5 at S = 4,096,
-    where undeclared it reaches 0.96 of the bound)."""
+    the run rounds the same numbers, and its error is the run's (SPEC §20.9's table)."""
     from conformance.tests import test_quantized as spec
 
     tiled = _lifted_backend("tiled-448", {"lift": 448, "tile": 64}, lift=448.0, tile=64)

@@ -59,6 +59,7 @@ def _run(profile: Path) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.mark.clause("22.10", "22.12")
 def test_a_merge_in_its_own_conventions_passes(tmp_path):
     """FlashInfer's conventions declared: every §22 test it runs passes, §22.5's pieces
     1e4 apart included, where the kit's conversion of each lse to base 2 rounds it in the
@@ -71,6 +72,7 @@ def test_a_merge_in_its_own_conventions_passes(tmp_path):
     assert "bth2 — math: conforms" in run.stdout, run.stdout[-3000:]
 
 
+@pytest.mark.clause("22.12")
 def test_the_conversion_share_is_what_the_rounding_moves():
     """SPEC §22.12's share on §22.5's pieces: at least what the kit's rounding moves the
     50-digit merge of the pieces as a base-2 function reads them (it must not fail a

@@ -15,7 +15,7 @@ oracle on the dequantised operands (50 digits); then, for each P pipeline (a) fl
 
 It prints, per S and pipeline, the largest ratio error / bound over the seeds (≤ 1 passes;
 the margin is its distance from 1) and the pipeline's error itself, the cost of the
-pipeline.
+pipeline. With ``--lifts 448 384 192 28 7 --sizes 129 4096``, SPEC §20.9's table instead.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ PIPELINES = ("float32", "e4m3_unnormalized", "e4m3_normalized")
 BACKENDS = ("numpy-fp8", "torch-fp8", "jax-fp8")
 
 
-def tiled(o: dict, p_pipeline: str, tile: int = 128) -> np.ndarray:
+def tiled(o: dict, p_pipeline: str, tile: int = 128, lift: float = 256.0) -> np.ndarray:
     """FlashAttention-3's forward emulated in float32, causal bottom-right, one key tile at
     a time: the
-    running maximum m_j, P_j = exp(s − m_j) (· 2⁸ rounded to e4m3 for
-    "e4m3_unnormalized"), the accumulator rescaled by exp(m_{j−1} − m_j). For
+    running maximum m_j, P_j = exp(s − m_j) (· ``lift``, 2⁸ by default, rounded to e4m3
+    for "e4m3_unnormalized"), the accumulator rescaled by exp(m_{j−1} − m_j). For
     "e4m3_normalized" P is rounded after a first pass has the row's final sum (the only
     way a normalised P exists in one tile)."""
     f32 = np.float32
@@ -68,7 +68,7 @@ def tiled(o: dict, p_pipeline: str, tile: int = 128) -> np.ndarray:
         p = np.exp(s - safe).astype(f32)
         ell = ell * alpha + p.sum(-1, keepdims=True, dtype=f32)
         if p_pipeline == "e4m3_unnormalized":
-            p = (p * f32(256)).astype(e4m3).astype(f32) / f32(256)
+            p = (p * f32(lift)).astype(e4m3).astype(f32) / f32(lift)
         elif p_pipeline == "e4m3_normalized":
             # exp(s − m_j) / ℓ_final · exp(m_j − m_final) is the normalised weight.
             m_fin = s_all.max(-1, keepdims=True)
@@ -105,11 +105,43 @@ def measure(S: int, seed: int, backends: list[str]) -> list[tuple]:
     return rows
 
 
+def lifts(sizes: list[int], factors: list[float], tile: int) -> None:
+    """SPEC §20.9's table: on v = c over long diffuse rows (every weight nearly the same
+    number; the operands of ``test_constant_v_gives_the_constant_on_long_diffuse_rows``),
+    a kernel lifting P by each factor, in one pass and in tiles of ``tile`` keys
+    (``tiled``), error / bound against the run of FlashAttention-3's 2⁸ and against the
+    run of its own declared lift and tile."""
+    options = {"is_causal": True, "causal_alignment": "bottom_right"}
+    print("| S | lift | tile | error/bound, run at 2⁸ | error/bound, run as declared |")
+    print("|---|---|---|---|---|")
+    for S in sizes:
+        o = sq.operands(34, B=1, H=2, K=1, T=3, S=S, D=8, E=8, q_spread=0.05)
+        o["v"] = np.full(np.shape(o["v"]), 1.5).astype(np.asarray(o["v"]).dtype)
+        o["v_descale"] = np.full(np.shape(o["v_descale"]), 0.37, np.float32)
+        y = sq.expected(o, **options)
+        for lift in factors:
+            for L in (S, tile):
+                err = float(np.abs(tiled(o, "e4m3_unnormalized", L, lift) - y).max())
+                plain = sq.pipeline_bound(o, y, "e4m3_unnormalized", **options)
+                own = sq.pipeline_bound(
+                    o, y, "e4m3_unnormalized", lift=lift, tile=None if L == S else L, **options
+                )
+                words = "one pass" if L == S else str(L)
+                print(f"| {S} | {lift:g} | {words} | {err / plain:.2f} | {err / own:.2f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m conformance.bench.quantized")
     parser.add_argument("--sizes", type=int, nargs="+", default=[128, 4096, 32768])
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument(
+        "--lifts", type=float, nargs="+", help="SPEC §20.9's table on v = c, for these lifts"
+    )
+    parser.add_argument("--tile", type=int, default=64, help="the tile of --lifts' kernel")
     args = parser.parse_args(argv)
+    if args.lifts:
+        lifts(args.sizes, args.lifts, args.tile)
+        return 0
     backends = [b for b in BACKENDS if b in available_backends()]
     print("| S | P pipeline | pipeline error | bound | " + " | ".join(
         f"{n} error/bound" for n in [*backends, "tiled"]) + " |")  # fmt: skip

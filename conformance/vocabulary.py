@@ -136,6 +136,8 @@ GRANULARITIES = ("tensor", "head", "token", "block")
 #: FlashAttention-3's unnormalised P · 2⁸ rounded to float8_e4m3fn with the row sum from
 #: float32 P, (b); the normalised P rounded to float8_e4m3fn, (c).
 P_PIPELINES = ("float32", "e4m3_unnormalized", "e4m3_normalized")
+#: The dtypes P·V may be summed in (SPEC §20.9): float32, or a 16-bit accumulator.
+P_ACCUMULATORS = ("float32", "float16", "bfloat16")
 
 
 class QuantizedForm:
@@ -145,6 +147,11 @@ class QuantizedForm:
     granularities: {"q": ..., "k": ..., "v": ...}, each a tuple of ``GRANULARITIES``.
     pipeline: one of ``P_PIPELINES``. out_formats: the formats it can return its output
     in with an ``out_descale`` (empty: float32 only). cast_rule: one of ``CAST_RULES``.
+    The pipeline's parameters (SPEC §20.9): lift, the factor P is multiplied by before it
+    is rounded (None: 2⁸ unnormalised, FlashAttention-3's; 1 normalised); tile, the keys
+    per tile whose running maximum P is rounded at (None: the row's maximum); accumulator,
+    one of ``P_ACCUMULATORS``. quantizes: the function quantizes its own float inputs
+    (SPEC §20.4), so q may be per token or per block too.
     """
 
     def __init__(
@@ -155,7 +162,14 @@ class QuantizedForm:
         pipeline: str,
         out_formats: tuple[str, ...] = (),
         cast_rule: str = "saturate",
+        lift: float | None = None,
+        tile: int | None = None,
+        accumulator: str = "float32",
+        quantizes: bool = False,
     ) -> None:
+        # q's descale is per tensor or per head when the suite hands it codes; a kernel
+        # that quantizes q itself may do it per token or per block (SageAttention).
+        q_granularities = set(GRANULARITIES) if quantizes else {"tensor", "head"}
         for role in ("q", "k", "v"):
             bad = set(formats[role]) - set(QUANT_FORMATS)
             if bad:
@@ -164,10 +178,10 @@ class QuantizedForm:
                     f"{formats[role]}"
                 )
             bad = set(granularities[role]) - set(GRANULARITIES)
-            if bad or (role == "q" and set(granularities[role]) - {"tensor", "head"}):
+            if bad or (role == "q" and set(granularities[role]) - q_granularities):
                 raise ValueError(
                     f"granularities[{role!r}] should be among {GRANULARITIES} (q: tensor or "
-                    f"head), got {granularities[role]}"
+                    f"head, unless it quantizes itself), got {granularities[role]}"
                 )
         if pipeline not in P_PIPELINES:
             raise ValueError(f"pipeline should be one of {P_PIPELINES}, got {pipeline!r}")
@@ -177,6 +191,19 @@ class QuantizedForm:
             raise ValueError(
                 f"out_formats should be float8_e4m3fn or float8_e5m2, got {out_formats}"
             )
+        if lift is not None and (
+            isinstance(lift, bool)
+            or not isinstance(lift, int | float)
+            or not 0 < lift <= QUANT_FORMATS["float8_e4m3fn"]
+        ):
+            raise ValueError(f"lift should be a number in (0, 448], got {lift!r}")
+        if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
+            raise ValueError(f"tile should be a number of keys (an int ≥ 1), got {tile!r}")
+        if accumulator not in P_ACCUMULATORS:
+            raise ValueError(f"accumulator should be one of {P_ACCUMULATORS}, got {accumulator!r}")
+        self.lift = None if lift is None else float(lift)
+        self.tile = tile
+        self.accumulator = accumulator
         self.formats = {r: tuple(formats[r]) for r in ("q", "k", "v")}
         self.granularities = {r: tuple(granularities[r]) for r in ("q", "k", "v")}
         self.pipeline = pipeline
@@ -187,5 +214,6 @@ class QuantizedForm:
         return (
             f"QuantizedForm(formats={self.formats}, granularities={self.granularities}, "
             f"pipeline={self.pipeline!r}, out_formats={self.out_formats}, "
-            f"cast_rule={self.cast_rule!r})"
+            f"cast_rule={self.cast_rule!r}, lift={self.lift!r}, tile={self.tile!r}, "
+            f"accumulator={self.accumulator!r})"
         )

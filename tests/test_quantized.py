@@ -3,11 +3,13 @@ are declared and checked, and a backend without the capability refuses the entry
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import mpmath
 import numpy as np
 import pytest
+import quantized_functions
 from conformance.fixtures import quantized as fq
 from conformance.impls.numpy import quantized as page
 
@@ -241,9 +243,11 @@ def test_jax_has_no_float8_attention_on_the_cpu():
             attend(q)
 
 
-def self_quantizing(q, k, v, *, is_causal=False, block_size=None, granularity="tensor"):
+def self_quantizing(
+    q, k, v, *, is_causal=False, block_size=None, granularity="tensor", q_granularity="tensor"
+):
     """A NumPy function that quantizes its own float inputs to e4m3 with scales from the
-    data (amax / 448): q over the whole tensor, k and v at ``granularity``, over the whole
+    data (amax / 448): q at ``q_granularity``, k and v at ``granularity``, over the whole
     tensor (Transformer Engine's tensorwise current scaling), over blocks of
     ``block_size`` tokens (MXFP8's sequence blocks of V) or per token; then it attends in
     float64, causal bottom-right."""
@@ -262,7 +266,7 @@ def self_quantizing(q, k, v, *, is_causal=False, block_size=None, granularity="t
         scale = groups.astype(np.float64) / 448
         return (x / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * scale
 
-    q, k, v = quantized(q, "tensor"), quantized(k), quantized(v)
+    q, k, v = quantized(q, q_granularity), quantized(k), quantized(v)
     G = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
     s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
@@ -271,6 +275,34 @@ def self_quantizing(q, k, v, *, is_causal=False, block_size=None, granularity="t
         s = np.where(np.arange(S)[None, :] <= np.arange(T)[:, None] + S - T, s, -np.inf)
     w = np.exp(s - s.max(-1, keepdims=True))
     return (w / w.sum(-1, keepdims=True) @ v).astype(np.float32)
+
+
+@pytest.mark.clause("20.4")
+def test_a_self_quantizing_function_may_quantize_q_per_token(tmp_path):
+    """``quantizes = true`` with SageAttention's granularities, q per token too: the
+    profile is read, and the function, scales per token, leaks no future. Without
+    ``formats`` and ``granularities`` the profile is refused, naming them."""
+    from conformance.adapters.profiles import ProfileError, read_profile
+    from conformance.tests import test_quantized as spec
+
+    path = tmp_path / "self.toml"
+    table = (
+        'name = "self-token"\ntarget = "test_quantized:self_quantizing"\n'
+        'capabilities = ["gqa", "causal_bottom_right"]\n[quantized]\nquantizes = true\n'
+        'options = { is_causal = "is_causal" }\nalignment = "bottom_right"\n'
+    )
+    forms = (
+        'formats = { q = ["int8"], k = ["float8_e4m3fn"], v = ["float8_e4m3fn"] }\n'
+        'granularities = { q = ["token"], k = ["token"], v = ["token"] }\n'
+    )
+    path.write_text(table + forms)
+    backend = read_profile(path).resolve()
+    assert backend.quantized.granularities["q"] == ("token",)
+    backend.func = functools.partial(self_quantizing, granularity="token", q_granularity="token")
+    spec.test_a_self_quantizing_function_leaks_no_future(backend)
+    path.write_text(table)
+    with pytest.raises(ProfileError, match="'formats' of q, k and v is required"):
+        read_profile(path).resolve()
 
 
 @pytest.mark.clause("20.4")
@@ -309,3 +341,257 @@ def test_the_leakage_test_fails_a_function_whose_scales_read_the_future(granular
         spec.test_a_self_quantizing_function_leaks_no_future(backend)
     with pytest.raises(pytest.skip.Exception, match="quantizes its own inputs"):
         sq.call(backend, sq.operands_for(backend, 30))
+
+
+@pytest.mark.clause("20.7")
+def test_a_bottom_right_function_runs_the_cases_where_the_alignments_coincide(request):
+    """A correct per-tensor FP8 function whose causality is bottom-right only passes the
+    worked example, causal at T = S = 3, where top-left and bottom-right are the same call;
+    only a causal call with T ≠ S is refused as top-left (the form the run names untested)."""
+    from conformance.adapters.quantized import QuantizedFunctionBackend
+    from conformance.tests import test_quantized as spec
+
+    backend = QuantizedFunctionBackend(
+        quantized_functions.per_tensor_bottom_right,
+        name="per-tensor-bottom-right",
+        framework="numpy",
+        layout="BHTD",
+        caps=["gqa", "causal_bottom_right"],
+        table={
+            "formats": {r: ["float8_e4m3fn"] for r in "qkv"},
+            "granularities": {r: ["tensor"] for r in "qkv"},
+            "pipeline": "float32",
+            "descales": {"q": "q_scale", "k": "k_scale", "v": "v_scale"},
+            "descale_form": "scalar",
+            "options": {"is_causal": "causal", "scale": "sm_scale"},
+            "alignment": "bottom_right",
+        },
+    )
+    spec.test_quantized_fixture(request, backend, "quantized-worked-example")
+    o = sq.operands(44, granularities=("tensor",) * 3)
+    with pytest.raises(NotImplementedError, match="causal bottom_right only"):
+        sq.call(backend, o, is_causal=True)  # T = 7, S = 11: top-left differs
+
+
+def _lifted_backend(name: str, table: dict | None = None, **kernel):
+    """``quantized_functions.lifted`` with ``kernel``'s pipeline, declaring ``table``'s
+    parameters (lift, tile, accumulator) in FlashAttention-3's per-head e4m3 form."""
+    import functools
+
+    from conformance.adapters.quantized import QuantizedFunctionBackend
+
+    return QuantizedFunctionBackend(
+        functools.partial(quantized_functions.lifted, **kernel),
+        name=name,
+        framework="numpy",
+        layout="BHTD",
+        caps=["gqa", "causal", "causal_bottom_right"],
+        table={
+            "formats": {r: ["float8_e4m3fn"] for r in "qkv"},
+            "granularities": {r: ["head"] for r in "qkv"},
+            "pipeline": "e4m3_unnormalized",
+            "descales": {"q": "q_descale", "k": "k_descale", "v": "v_descale"},
+            "options": {"is_causal": "causal", "scale": "sm_scale"},
+            "alignment": "bottom_right",
+            **(table or {}),
+        },
+    )
+
+
+@pytest.mark.clause("20.9")
+@pytest.mark.parametrize("S", [129, 4096])
+@pytest.mark.parametrize("lift", [448, 384, 192, 28, 7])
+def test_a_kernel_that_declares_its_lift_conforms_on_rows_of_equal_weights(request, S, lift):
+    """v = c on long diffuse rows, where every weight is nearly the same number and the
+    roundings of P add up instead of cancelling: a correct kernel lifting P by 448
+    (SageAttention), 384, 192, 28 or 7 conforms when it declares its lift, since the bound
+    runs the very pipeline it computes (SPEC §20.9); held to FlashAttention-3's 2⁸, each
+    fails at S = 129, by 1.2 to 1.3 times the bound (384 and 192 by 3.1 at S = 4,096)."""
+    from conformance.tests import test_quantized as spec
+
+    backend = _lifted_backend(f"lift-{lift}", {"lift": lift}, lift=float(lift))
+    spec.test_constant_v_gives_the_constant_on_long_diffuse_rows(request, backend, S)
+
+
+@pytest.mark.clause("20.9")
+def test_a_tiled_kernel_declares_its_tile(request):
+    """A kernel that rounds P at each tile of 64 keys' running maximum, declaring its tile:
+    the run rounds the same numbers, and its error is the run's (SPEC §20.9's table)."""
+    from conformance.tests import test_quantized as spec
+
+    tiled = _lifted_backend("tiled-448", {"lift": 448, "tile": 64}, lift=448.0, tile=64)
+    spec.test_constant_v_gives_the_constant_on_long_diffuse_rows(request, tiled, 4096)
+    spec.test_growing_row_maxima_stay_finite(request, tiled)
+
+
+@pytest.mark.clause("20.9")
+@pytest.mark.parametrize(
+    ("kernel", "declared"),
+    [
+        ({"p_format": "float8_e5m2"}, {}),
+        ({"accumulator": "bfloat16"}, {}),
+        ({"accumulator": "float16"}, {}),
+        ({"accumulator": "bfloat16"}, {"accumulator": "float16"}),
+    ],
+    ids=["P-in-e5m2", "bfloat16-sums", "float16-sums", "bfloat16-declared-float16"],
+)
+def test_rounding_worse_than_the_declared_pipeline_fails(request, kernel, declared):
+    """A kernel whose rounding is worse than the pipeline it declares fails, its lift
+    declared: P rounded to e5m2 (2 fraction bits) declared as e4m3, P·V summed in bfloat16
+    or float16 declared as float32, bfloat16 sums declared as float16 (SPEC §20.9)."""
+    import ml_dtypes
+
+    from conformance.suite.tolerance import Departure
+    from conformance.tests import test_quantized as spec
+
+    if "accumulator" in kernel:
+        dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[kernel["accumulator"]]
+        kernel = {**kernel, "accumulator": dtype}
+    worse = _lifted_backend("worse", {"lift": 448, **declared}, lift=448.0, **kernel)
+    with pytest.raises(Departure, match="everywhere, S = 129"):
+        spec.test_constant_v_gives_the_constant_on_long_diffuse_rows(request, worse, 129)
+
+
+@pytest.mark.clause("20.9")
+def test_a_kernel_that_declares_its_16_bit_accumulator_conforms(request):
+    """P·V summed in bfloat16, declared: held to the bfloat16 sums of its own pipeline."""
+    import ml_dtypes
+
+    from conformance.tests import test_quantized as spec
+
+    backend = _lifted_backend(
+        "bf16-sums", {"lift": 448, "accumulator": "bfloat16"},
+        lift=448.0, accumulator=ml_dtypes.bfloat16,
+    )  # fmt: skip
+    spec.test_constant_v_gives_the_constant_on_long_diffuse_rows(request, backend, 129)
+
+
+def _fp8_output_backend(name: str, **kernel):
+    """``quantized_functions.fp8_output`` declared as its profile would: e4m3 output,
+    saturating, its output descale under the keyword ``o_scale``."""
+    from conformance.adapters.quantized import QuantizedFunctionBackend
+
+    return QuantizedFunctionBackend(
+        functools.partial(quantized_functions.fp8_output, **kernel),
+        name=name,
+        framework="numpy",
+        layout="BHTD",
+        caps=["gqa"],
+        table={
+            "formats": {r: ["float8_e4m3fn"] for r in "qkv"},
+            "granularities": {r: ["tensor"] for r in "qkv"},
+            "pipeline": "float32",
+            "descales": {"q": "q_scale", "k": "k_scale", "v": "v_scale"},
+            "descale_form": "scalar",
+            "options": {"scale": "sm_scale", "out_descale": "o_scale"},
+            "out_formats": ["float8_e4m3fn"],
+            "cast_rule": "saturate",
+        },
+    )
+
+
+@pytest.mark.clause("20.5")
+def test_an_fp8_output_declared_in_a_profile_is_tested():
+    """A function declaring an e4m3 output, its cast rule and its output descale's keyword
+    is handed out_descale and judged (SPEC §20.5): the correct one passes, one whose cast
+    does not saturate (NaN past 448) and one that multiplies by the descale fail."""
+    from conformance.suite.tolerance import Departure
+    from conformance.tests import test_quantized as spec
+
+    spec.test_fp8_output_is_the_oracles_output_quantised(
+        _fp8_output_backend("fp8-out"), "float8_e4m3fn"
+    )
+    for name, kernel in (("no-saturation", {"saturates": False}), ("inverted", {"inverted": True})):
+        with pytest.raises(Departure):
+            spec.test_fp8_output_is_the_oracles_output_quantised(
+                _fp8_output_backend(name, **kernel), "float8_e4m3fn"
+            )
+    with pytest.raises(pytest.skip.Exception, match="float8_e5m2 output"):
+        spec.test_fp8_output_is_the_oracles_output_quantised(
+            _fp8_output_backend("fp8-out"), "float8_e5m2"
+        )
+
+
+@pytest.mark.clause("20.5")
+def test_out_formats_need_the_output_descales_keyword():
+    """out_formats without the keyword of out_descale is refused, naming it."""
+    from conformance.adapters.quantized import QuantizedFunctionBackend
+
+    with pytest.raises(ValueError, match="out_formats needs the keyword"):
+        QuantizedFunctionBackend(
+            quantized_functions.fp8_output,
+            name="no-keyword",
+            framework="numpy",
+            layout="BHTD",
+            caps=[],
+            table={
+                "formats": {r: ["float8_e4m3fn"] for r in "qkv"},
+                "granularities": {r: ["tensor"] for r in "qkv"},
+                "descales": {"q": "q_scale", "k": "k_scale", "v": "v_scale"},
+                "options": {"scale": "sm_scale"},
+                "out_formats": ["float8_e4m3fn"],
+            },
+        )
+
+
+@pytest.mark.clause("20.4")
+def test_a_normalised_p_fails_on_a_row_with_one_dominant_key(request):
+    """A function that normalises P before rounding it to e4m3 with no lift, declaring
+    FlashAttention-3's pipeline, fails the stored case whose every row has one dominant key
+    and no sink (``quantized-e4m3-head-dominant-key``): its other weights, near e⁻⁸,
+    underflow to 0. Before that case, only a function declaring sinks met such a row."""
+    from conformance.adapters.quantized import QuantizedFunctionBackend
+    from conformance.suite.tolerance import Departure
+    from conformance.tests import test_quantized as spec
+
+    backend = QuantizedFunctionBackend(
+        quantized_functions.normalised_p,
+        name="normalised-p",
+        framework="numpy",
+        layout="BHTD",
+        caps=["gqa"],
+        table={
+            "formats": {r: ["float8_e4m3fn"] for r in "qkv"},
+            "granularities": {r: ["head"] for r in "qkv"},
+            "pipeline": "e4m3_unnormalized",
+            "descales": {"q": "q_descale", "k": "k_descale", "v": "v_descale"},
+            "options": {"scale": "sm_scale"},
+        },
+    )
+    with pytest.raises(Departure, match="dominant-key"):
+        spec.test_quantized_fixture(request, backend, "quantized-e4m3-head-dominant-key")
+
+
+@pytest.mark.clause("20.7")
+def test_the_summary_names_declared_forms_no_call_exercised(tmp_path):
+    """A profile declaring int8 q and k and e5m2 v beside e4m3, all per tensor: no test of
+    the run hands it those (every case pairs them with a form it does not declare), and the
+    run's "judged on" line says so, operand by operand; what the calls did hand it is not
+    listed."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "multi.toml"
+    path.write_text(
+        'name = "multi"\ntarget = "quantized_functions:per_tensor_bottom_right"\n'
+        'capabilities = ["gqa", "causal_bottom_right"]\n[quantized]\n'
+        'formats = { q = ["float8_e4m3fn", "int8"], k = ["float8_e4m3fn", "int8"], '
+        'v = ["float8_e4m3fn", "float8_e5m2"] }\n'
+        'granularities = { q = ["tensor"], k = ["tensor"], v = ["tensor"] }\n'
+        'pipeline = "float32"\ndescales = { q = "q_scale", k = "k_scale", v = "v_scale" }\n'
+        'descale_form = "scalar"\noptions = { is_causal = "causal", scale = "sm_scale" }\n'
+        'alignment = "bottom_right"\n'
+    )
+    tests = Path(__file__).resolve().parent
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "conformance.tests.test_quantized",
+         "--impl-profile", str(path), "-q", "-p", "no:cacheprovider", "-n", "0"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": f"{tests}:{ROOT}"},
+    )  # fmt: skip
+    line = next((x for x in run.stdout.splitlines() if x.startswith("multi judged on")), "")
+    assert line.endswith(
+        "declared, handed by no call: q in int8 per tensor, k in int8 per tensor, "
+        "v in float8_e5m2 per tensor"
+    ), run.stdout[-3000:]

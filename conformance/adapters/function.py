@@ -151,6 +151,12 @@ class FunctionBackend(Backend):
     #: A profile's merge function (``conformance.adapters.merge.MergeFunction``), or None.
     merge_function = None
 
+    @property
+    def merge_conversion(self):
+        """The merge function's conversion of the lse (SPEC §22.12), None in base e."""
+        form = self.merge_function
+        return None if form is None or form.lse_base == "e" else form.conversion
+
     def _merge_states(self, o_a, lse_a, o_b, lse_b):
         # NumPy in and out: the merge function converts to the library's conventions.
         o_a, lse_a, o_b, lse_b = (self.to_numpy(x) for x in (o_a, lse_a, o_b, lse_b))

@@ -319,6 +319,12 @@ def load_impl(
     """
     if spec is None:
         raise ValueError("load_impl needs a spec ('package.module:function') or a profile")
+    if "merge" in (_split(capabilities) or ()):
+        raise ValueError(
+            "--impl-capabilities: 'merge' needs a merge function, merge(o_a, lse_a, o_b, "
+            "lse_b) -> (o, lse), which a profile's [merge] table names (SPEC §22.10); a plain "
+            f"--impl names one function, attention ({spec!r})"
+        )
     backend = resolve_impl(
         spec,
         name=name,

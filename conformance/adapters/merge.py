@@ -25,6 +25,8 @@ import numpy as np
 
 from conformance.adapters.impl import import_target
 from conformance.adapters.lse import LSE_BASES, LSE_LAYOUTS
+from conformance.backends import Backend
+from conformance.backends.arrays import make_framework
 
 MERGE_KEYS = {"function", "layout", "base"}
 
@@ -95,6 +97,18 @@ class MergeFunction:
                 natural = np.where(lse == self._lse_bht(theirs), mine, natural)  # (B, H, T)
         return self._o_out(o), natural.astype(lse.dtype)
 
+    def conversion(self, magnitude: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
+        """SPEC §22.12: for an lse of magnitude at most ``magnitude`` held in ``dtype``, the
+        largest change (natural units) of its handing in, ``a``, and of its reading back,
+        ``b``. In base e nothing is converted: (0, 0). In base 2 each is one rounding in
+        ``dtype`` of a float64 product (with a constant rounded once): within one ulp of
+        the value it yields."""
+        magnitude = np.asarray(magnitude, dtype=np.float64)
+        if self.lse_base == "e":
+            return np.zeros_like(magnitude), np.zeros_like(magnitude)
+        ulp = lambda x: np.spacing(np.abs(x).astype(dtype)).astype(np.float64)  # noqa: E731
+        return math.log(2.0) * ulp(magnitude / math.log(2.0)), ulp(magnitude)
+
     def _o_in(self, o: np.ndarray) -> np.ndarray:
         o = np.asarray(o)
         return np.swapaxes(o, -2, -3).copy() if self.layout == "BTHD" else o  # (B, T, H, E)
@@ -136,3 +150,53 @@ def with_merge(backend: Any, table: dict | None, layout: str) -> Any:
             lse_layout=table["layout"], lse_base=table["base"],
         )  # fmt: skip
     return backend
+
+
+class MergeOnlyBackend(Backend):
+    """A merge-only profile's function (a ``[merge]`` table and no ``target``): the suite
+    runs SPEC §22 on it alone, and names no form of attention it does not take.
+
+        name = "my-merge"
+        capabilities = ["merge"]
+        [merge]
+        function = "my_package.merge:merge_states"
+    """
+
+    sections = ("22",)
+    #: No attention function: the summary lists no forms of attention for it.
+    attends = False
+
+    def __init__(
+        self, table: dict, *, name: str, framework: str, layout: str, capabilities, dtypes
+    ) -> None:
+        others = sorted(set(capabilities) - {"merge"})
+        if "merge" not in capabilities or others:
+            raise ValueError(
+                f"a merge-only profile (no target) declares the capability 'merge' alone, got "
+                f"{sorted(capabilities)}; the others need an attention function, its target"
+            )
+        self.arrays = make_framework(framework)
+        self.name, self.framework = name, self.arrays.name
+        self.capabilities = frozenset(capabilities)
+        self.dtypes = tuple(dtypes)
+        self.merge_function = with_merge(self, table, layout).merge_function
+
+    @property
+    def merge_conversion(self):
+        """The merge function's conversion of the lse (SPEC §22.12), None in base e."""
+        form = self.merge_function
+        return None if form.lse_base == "e" else form.conversion
+
+    def from_numpy(self, x):
+        return self.arrays.from_numpy(x)
+
+    def to_numpy(self, x):
+        return self.arrays.to_numpy(x)
+
+    def _merge_states(self, o_a, lse_a, o_b, lse_b):
+        o_a, lse_a, o_b, lse_b = (self.to_numpy(x) for x in (o_a, lse_a, o_b, lse_b))
+        o, lse = self.merge_function(o_a, lse_a, o_b, lse_b)
+        return self.from_numpy(o), self.from_numpy(lse)
+
+    def _attention(self, q, k, v, **options):
+        raise NotImplementedError(f"{self.name} is a merge-only profile: it names no attention")

@@ -5,11 +5,15 @@
     formats = { q = ["float8_e4m3fn"], k = ["float8_e4m3fn"], v = ["float8_e4m3fn"] }
     granularities = { q = ["head"], k = ["head"], v = ["head"] }
     pipeline = "e4m3_unnormalized"         # float32 | e4m3_unnormalized | e4m3_normalized
+    lift = 256                             # P · lift rounded (448: SageAttention's)
+    tile = 128                             # keys per tile: P rounded at its running max
+    accumulator = "float32"                # P·V summed in: float32 | float16 | bfloat16
     cast_rule = "saturate"                 # or "overflow"; with out_formats
     out_formats = []                       # ["float8_e4m3fn"]: takes out_descale
     descales = { q = "q_descale", k = "k_descale", v = "v_descale" }
     descale_form = "array"                 # "scalar": a Python float (FlashInfer's q_scale)
-    options = { is_causal = "causal", scale = "softmax_scale" }
+    options = { is_causal = "causal", scale = "softmax_scale" }  # out_descale = ..., with
+                                           # out_formats (and out_format = ..., if taken)
     alignment = "bottom_right"             # its causality's alignment (FlashAttention's)
     window_sides = ["left"]                # with a window keyword: the sides it takes
     quantizes = false                      # true: it takes float32 q, k, v and quantizes
@@ -51,9 +55,16 @@ QUANTIZED_KEYS = {
     "alignment",
     "window_sides",
     "quantizes",
+    "lift",
+    "tile",
+    "accumulator",
 }
-#: The options of ``attention`` a quantized function may take, by the spec's names.
-QUANTIZED_OPTIONS = ("is_causal", "scale", "causal_alignment", "window", "softcap", "sinks")
+#: The options of ``attention`` a quantized function may take, by the spec's names, and
+#: the output's descale and format (SPEC §20.5), with ``out_formats``.
+QUANTIZED_OPTIONS = (
+    "is_causal", "scale", "causal_alignment", "window", "softcap", "sinks",
+    "out_descale", "out_format",
+)  # fmt: skip
 
 
 class QuantizedFunctionBackend(Backend):
@@ -74,9 +85,16 @@ class QuantizedFunctionBackend(Backend):
                 pipeline=table.get("pipeline", "e4m3_unnormalized"),
                 out_formats=tuple(table.get("out_formats", ())),
                 cast_rule=table.get("cast_rule", "saturate"),
+                lift=table.get("lift"),
+                tile=table.get("tile"),
+                accumulator=table.get("accumulator", "float32"),
+                quantizes=table.get("quantizes", False) is True,
             )
         except KeyError as err:
-            raise ValueError(f"{where}: {err.args[0]!r} of q, k and v is required") from err
+            raise ValueError(
+                f"{where}: {err.args[0]!r} of q, k and v is required (with quantizes = true "
+                "too: the formats and granularities it quantizes to)"
+            ) from err
         self.quantizes = table.get("quantizes", False)
         if not isinstance(self.quantizes, bool):
             raise ValueError(f"{where}: quantizes should be true or false, got {self.quantizes!r}")
@@ -92,6 +110,11 @@ class QuantizedFunctionBackend(Backend):
         bad = sorted(set(self.keywords) - set(QUANTIZED_OPTIONS))
         if bad:
             raise ValueError(f"{where}: options names {bad}; known: {QUANTIZED_OPTIONS}")
+        if self.quantized.out_formats and "out_descale" not in self.keywords:
+            raise ValueError(
+                f"{where}: out_formats needs the keyword that takes the output's descale, "
+                "options = { out_descale = ... } (and out_format's, where it takes one)"
+            )
         if layout not in ("BHTD", "BTHD"):
             raise ValueError(f"{where}: layout should be BHTD or BTHD, got {layout!r}")
         self.alignment = table.get("alignment", "top_left")
@@ -131,7 +154,11 @@ class QuantizedFunctionBackend(Backend):
             kwargs["block_size"] = block_size
         out_descale = options.pop("out_descale", None)
         if out_descale is not None:
-            kwargs.update(out_descale=float(out_descale), out_format=out_format)
+            if "out_descale" not in self.keywords:
+                raise NotImplementedError(f"{self.name} returns no FP8 output (no out_formats)")
+            kwargs[self.keywords["out_descale"]] = float(out_descale)
+            if "out_format" in self.keywords:
+                kwargs[self.keywords["out_format"]] = out_format
         return self._call(q, k, v, kwargs, options)
 
     def attention_self_quantized(self, q, k, v, *, block_size=None, **options) -> np.ndarray:
@@ -147,7 +174,8 @@ class QuantizedFunctionBackend(Backend):
         """The function on q, k, v in its layout and framework, with ``kwargs`` and the
         spec's ``options`` under its keywords."""
         alignment = options.pop("causal_alignment", "top_left")
-        if options.get("is_causal") and alignment != self.alignment:
+        # At T = S both alignments are the same call: only T ≠ S tells them apart.
+        if options.get("is_causal") and alignment != self.alignment and _differ(q, k):
             raise NotImplementedError(f"{self.name} is causal {self.alignment} only")
         for option, value in options.items():
             if option not in self.keywords:
@@ -185,3 +213,8 @@ class QuantizedFunctionBackend(Backend):
             fmt = str(out.dtype).removeprefix("torch.")
             return out.view(torch.uint8).numpy().view(getattr(ml_dtypes, fmt))
         return out.detach().numpy()
+
+
+def _differ(q, k) -> bool:
+    """Whether q's T and k's S (B, H|K, T|S, ·) differ: where the causal alignments do."""
+    return np.shape(q)[-2] != np.shape(k)[-2]

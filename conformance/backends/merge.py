@@ -28,5 +28,10 @@ class MergeEntryPoints:
         o, lse = self._merge_states(*(self.from_numpy(x) for x in arrays))
         return self.to_numpy(o), self.to_numpy(lse)
 
+    #: How a function's own conventions move the lse it is handed and returns (SPEC §22.12):
+    #: ``conversion(magnitude, dtype) -> (a, b)``, or None where the backend takes the
+    #: spec's natural lse as it is.
+    merge_conversion = None
+
     def _merge_states(self, o_a: Any, lse_a: Any, o_b: Any, lse_b: Any) -> tuple[Any, Any]:
         raise NotImplementedError(f"{self.name} does not declare the 'merge' capability")

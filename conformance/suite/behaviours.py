@@ -14,7 +14,8 @@ Where the sentence comes from, first match wins:
    interpreter the function runs under, where its probe shows it here and it spoils the
    call's dtype (``conformance.adapters.interpreters``): the interpreter's, not the kernel's.
 2. An exception the function raised where the spec wants an output: its type and the
-   first line of its message, numbers in it replaced by "N".
+   first line of its message, numbers in it replaced by "N" (a section number, §22.10,
+   kept).
 3. A ``Departure`` raised by the suite's assertions (``conformance/suite/tolerance.py``), which
    carries what it saw: rows that should be 0 because they attend nothing, NaN that
    appeared or vanished, an output that equals a known misreading of attention computed
@@ -72,7 +73,8 @@ def _first_line(message: str) -> str:
     line = next((part for part in message.strip().splitlines() if part.strip()), "")
     line = re.sub(r"0x[0-9a-fA-F]+", "0x…", line)
     line = re.sub(r"\bnp\.\w+\(([^()]*)\)", r"\1", line)  # np.float64(0.5) reads as 0.5
-    line = re.sub(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?(?![\w.])", "N", line)
+    # A section number (§22.10) names a clause, not a value: it stays.
+    line = re.sub(r"(?<![\w.§])[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?(?![\w.])", "N", line)
     return line if len(line) <= 120 else line[:119].rstrip() + "…"
 
 

@@ -19,7 +19,8 @@ def domain_words(backend: Any) -> list[str]:
     """What ``backend`` is judged on, in lines: its dtypes, the forms it does not take,
     its domain (and the interpreter it runs under)."""
     lines = [f"dtypes {', '.join(backend.dtypes)}"]
-    missing = sorted(set(FORMS) - forms_of(backend))
+    # A merge alone (SPEC §22) attends nothing: no form of attention is its to take.
+    missing = sorted(set(FORMS) - forms_of(backend)) if getattr(backend, "attends", True) else []
     if missing:
         lines.append("forms it does not take: " + "; ".join(FORMS[f] for f in missing))
     domain = domain_of(backend)
@@ -46,6 +47,9 @@ CLAUSE_PROPERTY = "domain_clause"
 REBUILT_PROPERTY = "domain_rebuilt"
 #: The property of a test whose size was drawn inside the domain: [backend, the move].
 MOVED_PROPERTY = "domain_moved"
+#: The property of a test that handed a quantized backend codes: [backend, [what it
+#: handed, in the words of ``conformance.suite.quantized.exercised``]].
+EXERCISED_PROPERTY = "quantized_exercised"
 
 
 class DomainSummary:
@@ -54,7 +58,13 @@ class DomainSummary:
     suite changed for the run (JAX's float64). A plugin of its own, beside the suite's."""
 
     def __init__(self, backends: list[Any]) -> None:
-        self.backends = {b.name: b for b in backends if restricted(b)}
+        # A quantized function of a profile (it hands its declared forms to nothing else):
+        # the summary says which of them no call exercised.
+        self.backends = {
+            b.name: b for b in backends if restricted(b) or getattr(b, "descales", None)
+        }
+        #: backend name -> what the run's quantized calls handed it
+        self.exercised: dict[str, set[str]] = {}
         #: JAX functions that declare no float64: their calls run with JAX's default x64.
         self.x64_off = [
             b.name
@@ -111,6 +121,9 @@ class DomainSummary:
             elif n == MOVED_PROPERTY:
                 name, text = json.loads(v)
                 self.moved.setdefault(name, set()).add(text)
+            elif n == EXERCISED_PROPERTY:
+                name, words = json.loads(v)
+                self.exercised.setdefault(name, set()).update(words)
         found = [json.loads(v) for n, v in report.user_properties if n == CLAUSE_PROPERTY]
         if not found or (report.when == "setup" and not report.skipped):
             return
@@ -155,7 +168,7 @@ class DomainSummary:
         test was skipped for a form or the domain. The summary's lines and the report's."""
         return {
             name: {
-                "on": domain_words(backend),
+                "on": domain_words(backend) + self._unexercised(name, backend),
                 "moved": sorted(self.moved.get(name, ())),
                 "rebuilt": sorted(self.rebuilt.get(name, ())),
                 "untested": sorted(
@@ -169,6 +182,16 @@ class DomainSummary:
             }
             for name, backend in self.backends.items()
         }
+
+    def _unexercised(self, name: str, backend: Any) -> list[str]:
+        """The line naming what ``backend`` declares and no quantized call handed it (a
+        function that quantizes its own inputs is handed no codes: none)."""
+        from conformance.suite.quantized import unexercised
+
+        if getattr(backend, "quantized", None) is None or getattr(backend, "quantizes", False):
+            return []
+        missing = unexercised(backend, self.exercised.get(name, set()))
+        return ["declared, handed by no call: " + ", ".join(missing)] if missing else []
 
 
 def _domain_skip(report: pytest.TestReport) -> bool:

@@ -526,7 +526,7 @@ def merge_averaged(c: MergeCall) -> np.ndarray:
     both = np.isfinite(c.lse_a) & np.isfinite(c.lse_b)  # (B, H, T)
     one = np.where(np.isfinite(c.lse_a)[..., None], c.o_a, c.o_b)
     o = np.where(both[..., None], (c.o_a + c.o_b) / 2, one)
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):
         return (o, np.logaddexp(c.lse_a, c.lse_b))[c.part]
 
 

@@ -32,7 +32,8 @@ def outside_sections(backend, item: pytest.Item) -> str | None:
     clauses = marker.args if marker else ()
     if any(str(c).split(".")[0] in sections for c in clauses):
         return None
-    return f"{backend.name} runs SPEC §{', §'.join(sections)} only (quantized operands)"
+    what = " (quantized operands)" if "20" in sections else ""
+    return f"{backend.name} runs SPEC §{', §'.join(sections)} only{what}"
 
 
 def quantise(
@@ -98,25 +99,82 @@ def expected(operands: dict, **options) -> np.ndarray:
 def expected_and_bound(backend, operands: dict, **options) -> tuple[np.ndarray, float]:
     """The oracle on the dequantised operands and §20.6's bound for ``backend``'s pipeline."""
     y = expected(operands, **options)
-    return y, pipeline_bound(operands, y, backend.quantized.pipeline, **options)
+    return y, declared_bound(backend, operands, y, **options)
+
+
+def declared_bound(backend, operands: dict, y: np.ndarray, **options) -> float:
+    """§20.6's bound for ``backend``'s declared pipeline with its parameters (its lift,
+    tile and accumulator, SPEC §20.9), y being the oracle's answer."""
+    form = backend.quantized
+    parameters = {
+        "lift": getattr(form, "lift", None),
+        "tile": getattr(form, "tile", None),
+        "accumulator": getattr(form, "accumulator", "float32"),
+    }
+    return pipeline_bound(operands, y, form.pipeline, **parameters, **options)
 
 
 def pipeline_bound(operands: dict, y: np.ndarray, p_pipeline: str, **options) -> float:
-    """§20.6's bound on ``operands`` under ``p_pipeline``, y being the oracle's answer."""
+    """§20.6's bound on ``operands`` under ``p_pipeline``, y being the oracle's answer;
+    ``options`` may hold the pipeline's parameters (``fq.pipeline``'s lift, tile and
+    accumulator)."""
     run = fq.pipeline(
         *_args(operands), p_pipeline, block_size=operands.get("block_size"), **options
     )
     return bound(run, y)
 
 
-def pipeline_bounds(operands: dict, y: np.ndarray, **options) -> dict[str, float]:
+def pipeline_bounds(operands: dict, y: np.ndarray, backend=None, **options) -> dict[str, float]:
     """§20.6's bound on ``operands`` under every P pipeline: what declaring each costs on
-    this very case, for the report (SPEC §20.6)."""
-    return {p: pipeline_bound(operands, y, p, **options) for p in P_PIPELINES}
+    this very case, for the report (SPEC §20.6); ``backend``'s own pipeline with its
+    declared parameters."""
+    found = {p: pipeline_bound(operands, y, p, **options) for p in P_PIPELINES}
+    if backend is not None:
+        found[backend.quantized.pipeline] = declared_bound(backend, operands, y, **options)
+    return found
 
 
 def _args(o: dict) -> tuple:
     return o["q"], o["k"], o["v"], o["q_descale"], o["k_descale"], o["v_descale"]
+
+
+#: What the calls of this process handed each quantized backend, drained into each test's
+#: report (``conformance/tests/conftest.py``) for the run's summary: (backend, [words]).
+EXERCISED: list[tuple[str, list[str]]] = []
+
+
+def exercised(operands: dict, options: dict) -> list[str]:
+    """What a call hands a function, in the words of its declaration: each operand's
+    format and granularity, the options it sets, the output's format."""
+    words = []
+    for role in "qkv":
+        fmt = np.asarray(operands[role]).dtype.name
+        ndim = np.ndim(operands[f"{role}_descale"])
+        gran = {0: "tensor", 2: "head"}.get(ndim)
+        if gran is None:
+            gran = "block" if operands.get("block_size") and role != "q" else "token"
+        words.append(f"{role} in {fmt} per {gran}")
+    words += [f"the option {o}" for o in options if o not in ("out_descale", "out_format")]
+    if options.get("out_format") is not None:
+        words.append(f"an output in {options['out_format']}")
+    return words
+
+
+def unexercised(backend, seen: set[str]) -> list[str]:
+    """What ``backend`` declares (formats and granularities of q, k and v, the options it
+    takes, its output formats) that no call of the run handed it."""
+    form = backend.quantized
+    declared = [
+        f"{r} in {f} per {g}" for r in "qkv" for f in form.formats[r] for g in form.granularities[r]
+    ]
+    takes = getattr(backend, "takes", None) or ()
+    declared += [
+        f"the option {o}"
+        for o in sorted(takes)
+        if o not in ("out_descale", "out_format", "causal_alignment")
+    ]
+    declared += [f"an output in {f}" for f in form.out_formats]
+    return [d for d in declared if d not in seen]
 
 
 def call(backend, operands: dict, **options) -> np.ndarray:
@@ -129,9 +187,11 @@ def call(backend, operands: dict, **options) -> np.ndarray:
         )
     takes = getattr(backend, "takes", None)
     if takes is not None:
-        for option in options:
+        # The output's format goes with its descale: a function of one format takes none.
+        for option in set(options) - {"out_format"}:
             if option not in takes:
                 pytest.skip(f"{backend.name} takes no {option} (its profile's [quantized] options)")
+    EXERCISED.append((backend.name, exercised(operands, options)))
     return np.asarray(
         backend.attention_quantized(
             operands["q"],

@@ -9,12 +9,15 @@ declare into a skip that names it, before the test runs.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conformance import backends
 from conformance.suite import replay
+from conformance.suite.domain_summary import EXERCISED_PROPERTY
 from conformance.suite.plugin import conformance_backend, conformance_backends
-from conformance.suite.quantized import outside_sections
+from conformance.suite.quantized import EXERCISED, outside_sections
 from conformance.suite.requirements import common_dtype, declared_refusal, item_needs, lacking
 
 
@@ -66,6 +69,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 why = f"{' and '.join(names)} declare no dtype in common"
         if why:
             item.add_marker(pytest.mark.skip(reason=why))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """What the test's quantized calls handed each backend, on its report (the run's end
+    may be another process's, under xdist): the summary lists what no call exercised."""
+    outcome = yield
+    if call.when != "call" or not EXERCISED:
+        return
+    report = outcome.get_result()
+    for name, words in EXERCISED:
+        report.user_properties.append((EXERCISED_PROPERTY, json.dumps([name, words])))
+    EXERCISED.clear()
 
 
 @pytest.fixture(autouse=True, scope="module")

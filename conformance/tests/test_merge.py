@@ -71,7 +71,7 @@ def test_merge_is_attention_over_the_union(backend, setup, S, dtype):
         f"{backend.name}: merge_states gave o {got[0].dtype}, lse {got[1].dtype}; "
         f"expected o_a's {a[0].dtype} and lse_a's {a[1].dtype}",
     )
-    tols = merge_tolerances([[a, b]], expected, dtype)
+    tols = merge_tolerances([[a, b]], expected, dtype, backend.merge_conversion)
     _check(
         got, expected, tols, f"{backend.name}: merge of two pieces ({setup}, S={S}, {dtype})",
         "merges two pieces into something other than attention over their union",
@@ -138,7 +138,7 @@ def test_any_order_and_grouping_agree(backend, setup, dtype):
     expected = oracle_state(q, k, v, **options)
     a, b, c, d = pieces
     orders = [[a, b, c, d], [d, c, b, a], [c, a, d, b], [b, a, d, c]]
-    tols = merge_tolerances(orders, expected, dtype)
+    tols = merge_tolerances(orders, expected, dtype, backend.merge_conversion)
     # Another grouping adds at most one more rounding of o per level: k covers it.
     for name, run in ORDERS.items():
         got = run(lambda x, y: _merge(backend, x, y), *pieces)
@@ -173,7 +173,7 @@ def test_merge_does_not_overflow(backend, dtype):
     50-digit merge of the same pieces: finite, within tolerance."""
     a, b = _far_apart(dtype)
     expected = oracle_merge.merge_states([a, b])
-    tols = merge_tolerances([[a, b]], expected, dtype)
+    tols = merge_tolerances([[a, b]], expected, dtype, backend.merge_conversion)
     _check(
         _merge(backend, a, b), expected, tols, f"{backend.name}: lse far apart ({dtype})",
         "overflows when merging pieces whose log-sum-exps are far apart or huge",
@@ -193,7 +193,7 @@ def test_a_sink_is_a_piece_of_its_own(backend, dtype):
     _, union_lse = oracle_state(q, k, v, **options)
     sink_lse = np.where(union_lse > -np.inf, sinks[None, :, None], -np.inf)  # (B, H, T)
     sink = rounded(np.zeros_like(expected[0]), sink_lse, dtype)
-    tols = merge_tolerances([[a, b, sink], [sink, b, a]], expected, dtype)
+    tols = merge_tolerances([[a, b, sink], [sink, b, a]], expected, dtype, backend.merge_conversion)
     # Each merged and checked in turn: a failure's last call is the merge it checks.
     for name, run in (
         ("(a b) sink", lambda: _merge(backend, _merge(backend, a, b), sink)),

@@ -81,7 +81,7 @@ def _check(request, backend, o: dict, what: str, behaviour: str, **options) -> n
     """The backend's output on ``o``, held to §20.6's bound; the bounds of every P pipeline
     on the same operands are published for the report (what the declared one costs)."""
     expected = sq.expected(o, **options)
-    bounds = sq.pipeline_bounds(o, expected, **options)
+    bounds = sq.pipeline_bounds(o, expected, backend, **options)
     bound = bounds[backend.quantized.pipeline]
     out = sq.call(backend, o, **options)
     publish_pipeline_costs(
@@ -447,7 +447,7 @@ def test_quantized_fixture(request, backend, case_id):
     if options.get("window") is not None:
         options["window"] = tuple(options["window"])
     expected = case.arrays["expected"]
-    bounds = sq.pipeline_bounds(o, expected, **options)
+    bounds = sq.pipeline_bounds(o, expected, backend, **options)
     out = sq.call(backend, o, **options)
     publish_pipeline_costs(
         request.node,

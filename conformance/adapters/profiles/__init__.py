@@ -95,7 +95,7 @@ from conformance.adapters.impl import (
     resolve_impl,
 )
 from conformance.adapters.lse import LseForm, parse_lse
-from conformance.adapters.merge import merge_table, with_merge
+from conformance.adapters.merge import MergeOnlyBackend, merge_table, with_merge
 from conformance.adapters.native import BOOL_MEANINGS, SPEC_OPTIONS, OptionMap
 from conformance.adapters.profiles.parse import (  # noqa: F401 - the [forms] names, re-exported
     ALIGNMENTS,
@@ -212,6 +212,8 @@ class Profile:
             raise ProfileError(f"profile {self.name!r} ({self.path}) cannot run here: {why}")
         if self.quantized is not None:
             return self._quantized_backend()
+        if not self.target:
+            return self._merge_backend()
         try:
             return with_merge(resolve_impl(
                 self.target,
@@ -240,6 +242,16 @@ class Profile:
             return QuantizedFunctionBackend(
                 import_target(self.target), name=self.name, framework=self.framework,
                 layout=self.layout, caps=self.capabilities, table=self.quantized,
+            )  # fmt: skip
+        except (ImplUnavailable, ValueError) as err:
+            raise ProfileError(f"profile {self.name!r} ({self.path}): {err}") from err
+
+    def _merge_backend(self) -> Backend:
+        """The merge function of a merge-only profile (``conformance.adapters.merge``)."""
+        try:
+            return MergeOnlyBackend(
+                self.merge, name=self.name, framework=self.framework, layout=self.layout,
+                capabilities=self.capabilities, dtypes=self.dtypes,
             )  # fmt: skip
         except (ImplUnavailable, ValueError) as err:
             raise ProfileError(f"profile {self.name!r} ({self.path}): {err}") from err
@@ -313,9 +325,13 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
     unknown = sorted(set(data) - KEYS)
     if unknown:
         raise ProfileError(f"{where}: unknown keys {unknown}; known: {', '.join(sorted(KEYS))}")
-    for key in ("name", "target"):
+    # A merge-only profile (a [merge] table, no attention function) has no target.
+    for key in ("name",) if "merge" in data and "target" not in data else ("name", "target"):
         if not isinstance(data.get(key), str) or not data[key]:
-            raise ProfileError(f"{where}: {key!r} is required (a string)")
+            raise ProfileError(
+                f"{where}: {key!r} is required (a string)"
+                + (", except in a merge-only profile (a [merge] table)" if key == "target" else "")
+            )
     options = data.get("options", {})
     bad = sorted(set(options) - set(SPEC_OPTIONS))
     if bad:
@@ -366,7 +382,7 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
         )
     return Profile(
         name=data["name"],
-        target=data["target"],
+        target=data.get("target", ""),
         path=path,
         framework=data.get("framework", "numpy"),
         layout=data.get("layout", "BHTD"),

@@ -2,10 +2,12 @@
 
 Each example draws a whole problem: a shape from SPEC §13.21's size pool
 (``conformance.suite.sizes``: B ≤ 2, H ≤ 4, T and S up to 13, D and E up to 5, the shapes
-the other tests use, so that a compiling backend reuses their programs), a mask (none, bool, or float with -inf holes, in a shape that broadcasts), a scale,
-causality, and only the variants the backend declares (K < H for "gqa", E ≠ D for
-"value_dim", bottom-right alignment, a window, a softcap, unbatched inputs, sinks, chunks, ALiBi). The values come from a drawn seed, so
-a failing example shrinks to small sizes and few options, and replays exactly.
+the other tests use, so that a compiling backend reuses their programs), a mask (none,
+bool, or float with -inf holes, in a shape that broadcasts), a scale, causality, and
+only the variants the backend declares (K < H for "gqa", E ≠ D for "value_dim",
+bottom-right alignment, a window, a softcap, unbatched inputs, sinks, chunks, ALiBi). The
+values come from a drawn seed, so a failing example shrinks to the pool's first shapes and
+few options, and replays exactly.
 
 The reference is independent of every implementation (``fixtures/oracle.py``): for
 float64 the 50-digit oracle with SPEC §7.1's rule; for the other dtypes the textbook

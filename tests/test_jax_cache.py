@@ -1,6 +1,6 @@
 """JAX's persistent compilation cache: one per user, shared by every checkout and venv,
-for the shipped backends; a user's own code only when they opt in (issue: a second run
-that starts warm)."""
+for the shipped backends and a user's own code alike, bounded in size (issues: a second
+run that starts warm; a JAX function's second run in seconds)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from conformance.backends.arrays import jax_cache_dir, jax_cache_for_run, jax_cache_mode
+from conformance.backends.arrays import (
+    JAX_CACHE_MAX_BYTES,
+    jax_cache_bound,
+    jax_cache_dir,
+    jax_cache_for_run,
+    jax_cache_mode,
+    trim_jax_cache,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Three programs of the jax backend (float64, three lengths), and the same of an --impl.
@@ -63,10 +70,11 @@ def test_which_runs_use_the_cache():
     home = {"HOME": "/h"}
     shared = Path("/h/.cache/attention-conformance/jax")
     assert jax_cache_for_run("shipped", own_code=False, environ=home) == shared
-    # The cache is the whole process's: a run of the user's code leaves it off unless they
-    # opt in, or set JAX's own variable (which caches all their JAX code anyway).
+    # By default the user's own code is cached with the shipped backends' programs;
+    # "shipped" keeps a run of their code out, unless they set JAX's own variable
+    # (which caches all their JAX code anyway).
+    assert jax_cache_for_run(jax_cache_mode({}), own_code=True, environ=home) == shared
     assert jax_cache_for_run("shipped", own_code=True, environ=home) is None
-    assert jax_cache_for_run("all", own_code=True, environ=home) == shared
     mine = {**home, "JAX_COMPILATION_CACHE_DIR": "/mine"}
     assert jax_cache_for_run("shipped", own_code=True, environ=mine) == Path("/mine")
     # "off" wins over everything, JAX's variable included.
@@ -75,9 +83,11 @@ def test_which_runs_use_the_cache():
 
 
 def test_a_wrong_setting_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"CONFORMANCE_JAX_CACHE.*shipped, all, off.*'of'"):
+    with pytest.raises(ValueError, match=r"CONFORMANCE_JAX_CACHE.*all, shipped, off.*'of'"):
         jax_cache_mode({"CONFORMANCE_JAX_CACHE": "of"})
-    assert jax_cache_mode({}) == "shipped"
+    assert jax_cache_mode({}) == "all"
+    with pytest.raises(ValueError, match=r"JAX_COMPILATION_CACHE_MAX_SIZE.*bytes.*'2G'"):
+        jax_cache_bound({"JAX_COMPILATION_CACHE_MAX_SIZE": "2G"})
     with pytest.raises(ValueError, match="mode"):
         jax_cache_for_run("none", own_code=False, environ={})
 
@@ -88,7 +98,7 @@ def _run(tmp_path: Path, *args: str, **env: str) -> tuple[int, str]:
         for k, v in os.environ.items()
         if not k.startswith("JAX_") and k not in ("CONFORMANCE_JAX_CACHE", "XDG_CACHE_HOME")
     }
-    environ.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), PYTHONPATH=str(tmp_path), **env)
+    environ.update({"XDG_CACHE_HOME": str(tmp_path / "xdg"), "PYTHONPATH": str(tmp_path), **env})
     run = subprocess.run(
         [sys.executable, "-m", "pytest", *SELECTION, "-q", "-p", "no:cacheprovider", *args],
         cwd=ROOT,
@@ -130,21 +140,52 @@ def test_the_off_setting_and_jaxs_variable(tmp_path):
     assert code == 0 and _stored(shared) == 0 and _stored(tmp_path / "j") == 3, out[-2000:]
 
 
-def test_a_users_own_jax_function_is_cached_only_when_they_opt_in(tmp_path):
+def test_a_users_own_jax_function_is_cached_and_read_back(tmp_path):
     pytest.importorskip("jax")
     (tmp_path / "mine.py").write_text(MINE)
     shared = tmp_path / "xdg" / "attention-conformance" / "jax"
-    mine = ["--backend", "jax", "--impl", "mine:attention", "--impl-framework", "jax"]
-    code, out = _run(tmp_path, *mine)
-    # Beside a shipped backend, in the same process: neither's programs are stored.
-    assert code == 0 and "programs compiled (jax)" in out, out[-2000:]
-    assert _stored(shared) == 0, out[-500:]
-    code, out = _run(tmp_path, *mine, "--jax-cache", "all")
+    mine = ["--impl", "mine:attention", "--impl-framework", "jax"]
+    code, cold = _run(tmp_path, *mine)
+    assert code == 0, cold[-2000:]
+    theirs = re.search(r"(\d+) programs compiled \(mine.attention\)", cold)
+    assert theirs and _stored(shared) == int(theirs.group(1)) > 0, cold[-500:]
+    # The second run compiles nothing new: every program is read back from the cache.
+    stored = sorted(shared.iterdir())
+    code, warm = _run(tmp_path, *mine)
+    assert code == 0, warm[-2000:]
+    assert f"{theirs.group(1)} programs compiled (mine.attention)" in warm, warm[-500:]
+    assert sorted(shared.iterdir()) == stored
+    # "shipped" keeps the user's code out of the cache.
+    other = tmp_path / "other"
+    code, out = _run(tmp_path, *mine, "--jax-cache", "shipped", XDG_CACHE_HOME=str(other))
+    assert code == 0 and not other.exists(), out[-2000:]
+
+
+def test_the_cache_is_trimmed_least_recently_used_first(tmp_path):
+    for age, name in enumerate(["newest", "middle", "oldest"]):
+        path = tmp_path / name
+        path.write_bytes(b"x" * 100)
+        os.utime(path, (1_000_000 - age * 1000, 1_000_000 - age * 1000))
+    assert trim_jax_cache(tmp_path, 250) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["middle", "newest"]
+    assert trim_jax_cache(tmp_path, None) == 0 and trim_jax_cache(tmp_path / "none", 0) == 0
+    assert trim_jax_cache(tmp_path, 0) == 2 and not list(tmp_path.iterdir())
+    assert jax_cache_bound({}) == JAX_CACHE_MAX_BYTES
+    assert jax_cache_bound({"JAX_COMPILATION_CACHE_MAX_SIZE": "-1"}) is None
+    assert jax_cache_bound({"JAX_COMPILATION_CACHE_MAX_SIZE": "300"}) == 300
+
+
+def test_a_run_trims_the_cache_to_its_bound(tmp_path):
+    pytest.importorskip("jax")
+    shared = tmp_path / "xdg" / "attention-conformance" / "jax"
+    shared.mkdir(parents=True)
+    (shared / "stale").write_bytes(b"x" * 1000)
+    os.utime(shared / "stale", (0, 0))
+    code, out = _run(
+        tmp_path, "--backend", "jax", "--jax-cache", "shipped", JAX_COMPILATION_CACHE_MAX_SIZE="10"
+    )
     assert code == 0, out[-2000:]
-    shipped = re.search(r"(\d+) programs compiled \(jax\)", out)
-    theirs = re.search(r"(\d+) programs compiled \(mine.attention\)", out)
-    assert shipped and theirs, out[-500:]
-    assert _stored(shared) > int(shipped.group(1)), out[-500:]
+    assert not (shared / "stale").exists()
 
 
 def test_the_users_code_is_what_the_project_does_not_ship(tmp_path):

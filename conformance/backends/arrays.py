@@ -41,15 +41,20 @@ def import_jax(float64: bool = True, *, why: str = "a JAX backend declares float
 
 
 #: The setting that says which JAX programs the suite caches on disk (``--jax-cache``
-#: overrides it for one pytest run): "shipped", the default, the shipped backends' and
-#: profiles'; "all", your own code's too; "off", none.
+#: overrides it for one pytest run): "all", the default, every program of the run, your
+#: own code's included; "shipped", only a run of the shipped backends and profiles
+#: (a run that tests your code caches nothing); "off", none.
 JAX_CACHE_SETTING = "CONFORMANCE_JAX_CACHE"
-JAX_CACHE_MODES = ("shipped", "all", "off")
+JAX_CACHE_MODES = ("all", "shipped", "off")
+#: The cache's bound: before a run compiles anything, the least recently used programs
+#: are deleted until the folder holds at most this many bytes (JAX's own
+#: ``JAX_COMPILATION_CACHE_MAX_SIZE``, in bytes, where set; -1 there: no bound).
+JAX_CACHE_MAX_BYTES = 2 * 1024**3
 
 
 def jax_cache_mode(environ: Mapping[str, str] = os.environ) -> str:
-    """The value of ``CONFORMANCE_JAX_CACHE`` ("shipped" where it is unset or empty)."""
-    mode = environ.get(JAX_CACHE_SETTING) or "shipped"
+    """The value of ``CONFORMANCE_JAX_CACHE`` ("all" where it is unset or empty)."""
+    mode = environ.get(JAX_CACHE_SETTING) or "all"
     if mode not in JAX_CACHE_MODES:
         raise ValueError(
             f"{JAX_CACHE_SETTING}: expected one of {', '.join(JAX_CACHE_MODES)}, got {mode!r}"
@@ -64,7 +69,8 @@ def jax_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
 
     Sharing it is safe: JAX keys each entry by the program, the jax and jaxlib versions,
     the device and the compiler's flags, so a program is only ever read back by a process
-    that would have compiled the very same one.
+    that would have compiled the very same one; a changed function of yours misses only
+    the programs that changed.
     """
     if environ.get("JAX_COMPILATION_CACHE_DIR"):
         return Path(environ["JAX_COMPILATION_CACHE_DIR"])
@@ -81,20 +87,63 @@ def jax_cache_for_run(
 ) -> Path | None:
     """The persistent cache of a run that compiles JAX programs, or None for none.
 
-    JAX's cache is one per process: once on, it holds every program the process compiles.
-    So a run that tests your own code (an ``--impl``, a profile of yours) uses it only
-    under mode "all", for the shipped backends' programs as for yours, or where you set
-    JAX's own ``JAX_COMPILATION_CACHE_DIR`` (JAX then caches all your JAX code anyway).
-    "off" turns it off, JAX's variable or not.
+    JAX's cache is one per process: once on, it holds every program the process compiles,
+    the shipped backends' and your own code's alike (an ``--impl``, a profile of yours),
+    so that your second run reads back what your first compiled. Mode "shipped" keeps a
+    run of your code out of it (unless you set JAX's own ``JAX_COMPILATION_CACHE_DIR``,
+    which caches all your JAX code anyway); "off" turns it off, JAX's variable or not.
     """
     if mode not in JAX_CACHE_MODES:
         raise ValueError(f"mode: expected one of {', '.join(JAX_CACHE_MODES)}, got {mode!r}")
     if mode == "off":
         return None
-    if own_code and mode != "all":
+    if own_code and mode == "shipped":
         chosen = environ.get("JAX_COMPILATION_CACHE_DIR")
         return Path(chosen) if chosen else None
     return jax_cache_dir(environ)
+
+
+def jax_cache_bound(environ: Mapping[str, str] = os.environ) -> int | None:
+    """The most bytes the cache holds at the start of a run (None: no bound):
+    ``JAX_COMPILATION_CACHE_MAX_SIZE`` where set (JAX's own variable, -1 for none), else
+    ``JAX_CACHE_MAX_BYTES``."""
+    setting = environ.get("JAX_COMPILATION_CACHE_MAX_SIZE")
+    if not setting:
+        return JAX_CACHE_MAX_BYTES
+    try:
+        bound = int(setting)
+    except ValueError:
+        raise ValueError(
+            f"JAX_COMPILATION_CACHE_MAX_SIZE: expected a number of bytes (-1: no bound), "
+            f"got {setting!r}"
+        ) from None
+    return None if bound < 0 else bound
+
+
+def trim_jax_cache(directory: Path, bound: int | None) -> int:
+    """Delete the least recently used files of ``directory`` until it holds at most
+    ``bound`` bytes; the number deleted. Used is the later of a file's access and
+    modification times (JAX writes a program once and only reads it after). Another
+    process may delete the same file at the same time: a file already gone is skipped."""
+    if bound is None or not directory.is_dir():
+        return 0
+    entries = []
+    for path in directory.iterdir():
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            continue
+        if path.is_file():
+            entries.append((max(stat.st_atime, stat.st_mtime), stat.st_size, path))
+    held = sum(size for _, size, _ in entries)
+    deleted = 0
+    for _, size, path in sorted(entries):
+        if held <= bound:
+            break
+        path.unlink(missing_ok=True)
+        held -= size
+        deleted += 1
+    return deleted
 
 
 def use_jax_cache(directory: Path | None, environ: Mapping[str, str] = os.environ) -> None:

@@ -8,10 +8,12 @@ shape adds programs.
 **The cache.** ``configure_jax_cache`` points the run's JAX at its persistent compilation
 cache, one per user (``conformance.backends.arrays.jax_cache_dir``), which the plugin
 does in every test process once the backends are loaded, before anything is compiled.
-It holds the shipped backends' and profiles' programs; a run of your own code (an
-``--impl``, a profile of yours) uses it only with ``--jax-cache all``, since JAX's cache
-is the whole process's. ``--jax-cache off`` (or ``CONFORMANCE_JAX_CACHE=off``) turns it
-off.
+It holds every program of the run, the shipped backends' and profiles' and your own
+code's (an ``--impl``, a profile of yours), so that a second run of your function reads
+back what the first compiled; ``--jax-cache shipped`` keeps your code's out, and
+``--jax-cache off`` (or ``CONFORMANCE_JAX_CACHE=off``) turns it off. Before the run
+compiles anything, the controlling process trims the folder to its bound
+(``conformance.backends.arrays.jax_cache_bound``, 2 GiB), least recently used first.
 
 **The count.** The summary line of a run ends with, for example, ``934 programs compiled
 (jax-flash)``: the number of distinct programs the backend's tests asked JAX for. A
@@ -49,7 +51,13 @@ from pathlib import Path
 
 import pytest
 
-from conformance.backends.arrays import jax_cache_for_run, jax_cache_mode, use_jax_cache
+from conformance.backends.arrays import (
+    jax_cache_bound,
+    jax_cache_for_run,
+    jax_cache_mode,
+    trim_jax_cache,
+    use_jax_cache,
+)
 
 try:
     import tomllib
@@ -81,9 +89,14 @@ def configure_jax_cache(config: pytest.Config, backends: list, own_code: bool) -
         return
     try:
         mode = config.getoption("--jax-cache") or jax_cache_mode()
+        bound = jax_cache_bound()
     except ValueError as err:
         raise pytest.UsageError(str(err)) from err
-    use_jax_cache(jax_cache_for_run(mode, own_code))
+    directory = jax_cache_for_run(mode, own_code)
+    # Trimmed once per run, by the controller, before its workers start.
+    if directory is not None and not hasattr(config, "workerinput"):
+        trim_jax_cache(directory, bound)
+    use_jax_cache(directory)
 
 
 class ProgramCounter:

@@ -13,6 +13,7 @@ import pytest
 
 from conformance.adapters.forms import forms_of, forms_used
 from conformance.backends import numpy_dtype
+from conformance.suite import sizes
 from conformance.suite.cases import case_marks
 from conformance.suite.requirements import requires
 from conformance.suite.tolerance import expect, finite_error, tolerance
@@ -71,8 +72,9 @@ def as64(x) -> np.ndarray:
 #: The dtypes every backend declares, as an axis of ``pairwise_params``.
 DTYPE_AXIS = {"float64": "float64", "float32": "float32"}
 
-#: Sizes every invariant runs on: awkward ones find bugs that round ones hide.
-SIZES = {"T7-S13": {"T": 7, "S": 13}, "T13-S7": {"T": 13, "S": 7}, "T8-S8": {"T": 8, "S": 8}}
+#: Sizes every invariant runs on: awkward ones find bugs that round ones hide (SPEC §13.21's
+#: pool, ``conformance.suite.sizes``).
+SIZES = sizes.SIZES
 
 
 def all_pairs(axes: dict[str, dict[str, object]]) -> list[tuple[dict[str, str], tuple]]:

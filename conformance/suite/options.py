@@ -217,11 +217,11 @@ def _add_jax_program_options(group: pytest.OptionGroup) -> None:
     group.addoption(
         "--jax-cache",
         default=None,
-        choices=["shipped", "all", "off"],
+        choices=["all", "shipped", "off"],
         help="which JAX programs are kept in the compilation cache on disk, shared by your "
-        "runs (default: $CONFORMANCE_JAX_CACHE, else shipped): shipped, the shipped "
-        "backends' and profiles', and none in a run of your own code (--impl, a profile "
-        "of yours); all, your code's too; off, none",
+        "runs (default: $CONFORMANCE_JAX_CACHE, else all): all, every program of the run, "
+        "your own code's (--impl, a profile of yours) included; shipped, none in a run of "
+        "your own code; off, none",
     )
     group.addoption(
         "--check-programs",

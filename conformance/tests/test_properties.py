@@ -1,10 +1,13 @@
 """SPEC §1.2, §4.3, §7: properties on problems Hypothesis draws, for every backend.
 
-Each example draws a whole problem: sizes (B ≤ 2, H ≤ 4, T and S up to 17, D and E up
-to 8), a mask (none, bool, or float with -inf holes, in a shape that broadcasts), a scale,
-causality, and only the variants the backend declares (K < H for "gqa", E ≠ D for
-"value_dim", bottom-right alignment, a window, a softcap, unbatched inputs, sinks, chunks, ALiBi). The values come from a drawn seed, so
-a failing example shrinks to small sizes and few options, and replays exactly.
+Each example draws a whole problem: a shape from SPEC §13.21's size pool
+(``conformance.suite.sizes``: B ≤ 2, H ≤ 4, T and S up to 13, D and E up to 5, the shapes
+the other tests use, so that a compiling backend reuses their programs), a mask (none,
+bool, or float with -inf holes, in a shape that broadcasts), a scale, causality, and
+only the variants the backend declares (K < H for "gqa", E ≠ D for "value_dim",
+bottom-right alignment, a window, a softcap, unbatched inputs, sinks, chunks, ALiBi). The
+values come from a drawn seed, so a failing example shrinks to the pool's first shapes and
+few options, and replays exactly.
 
 The reference is independent of every implementation (``fixtures/oracle.py``): for
 float64 the 50-digit oracle with SPEC §7.1's rule; for the other dtypes the textbook
@@ -39,6 +42,7 @@ from conformance.backends import DTYPES, numpy_dtype
 from conformance.fixtures import oracle
 from conformance.suite.helpers import as64, oracle_attention, random_tolerance
 from conformance.suite.requirements import requires
+from conformance.suite.sizes import SHAPES, pooled_shape
 from conformance.suite.tolerance import (
     assert_rows_zero,
     assert_within,
@@ -98,13 +102,12 @@ def problems(draw, backend) -> Problem:
     (SPEC §13.17; a backend taking every form draws what it drew before forms existed)."""
     caps, forms = backend.capabilities, forms_of(backend)
     dtype = draw(st.sampled_from([d for d in DTYPES if d in backend.dtypes]))
-    H = draw(st.integers(1, 4))
-    K = draw(st.sampled_from([K for K in range(1, H + 1) if H % K == 0])) if "gqa" in caps else H
+    # Only the shape is pooled (SPEC §13.21): values, masks and options are drawn freely.
+    shape = draw(st.sampled_from([shape for shape, _ in SHAPES.values()]), label="shape")
     unbatched = "unbatched" in caps and draw(st.booleans())
-    B = 1 if unbatched else draw(st.integers(1, 2))
-    T, S = draw(st.integers(1, 17)), draw(st.integers(1, 17))
-    D = draw(st.integers(1, 8))
-    E = draw(st.integers(1, 8)) if "value_dim" in caps else D
+    B, H, K, T, S, D, E = pooled_shape(
+        shape, gqa="gqa" in caps, value_dim="value_dim" in caps, unbatched=unbatched
+    )
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1), label="seed"))
     dt = numpy_dtype(dtype)
     q = rng.standard_normal((B, H, T, D)).astype(dt)

@@ -355,9 +355,26 @@ def v_from_last_columns(call: Call) -> np.ndarray | None:
 # --- Split-KV: the keys in splits, each a partial state, merged -----------------------------
 
 
+#: What the split-KV misreadings computed for the call being diagnosed (one engine pass
+#: hands every misreading the same ``Call``): the forward once, each tail length once.
+_SHARED: list = [None, {}]
+
+
+def _shared(call: Call, key, compute: Callable[[], object]):
+    if _SHARED[0] is not call:
+        _SHARED[0], _SHARED[1] = call, {}
+    if key not in _SHARED[1]:
+        _SHARED[1][key] = compute()
+    return _SHARED[1][key]
+
+
 def _forward(call: Call):
     """The oracle's float64 forward up to the scores: (scores (B, H, T, S), -inf where
     blocked; v (B, H, S, E), unread slots zeroed; the sink logits (1, H, 1, 1) or None)."""
+    return _shared(call, "forward", lambda: _forward_of(call))
+
+
+def _forward_of(call: Call):
     from conformance.fixtures import oracle
 
     o = call.options
@@ -379,16 +396,22 @@ def tail_dropped(block: int) -> Callable[[Call], np.ndarray | None]:
         kept = S // block * block  # 0 where S < block: no key is read, every row is 0
         if kept == S:
             return None
-        keep = np.arange(S) < kept  # (S,)
-        if call.bool_mask:
-            mask = call.mask & keep
-        elif call.float_mask:
-            mask = np.where(keep, call.mask, -np.inf)
-        else:
-            mask = np.broadcast_to(keep, (1, 1, 1, S))
-        return oracle_run(call, mask=mask)
+        return _shared(call, ("tail", kept), lambda: _keys_kept(call, kept))
 
     return compute
+
+
+def _keys_kept(call: Call, kept: int) -> np.ndarray:
+    """The oracle's run with the keys from ``kept`` on blocked."""
+    S = call.k.shape[2]
+    keep = np.arange(S) < kept  # (S,)
+    if call.bool_mask:
+        mask = call.mask & keep
+    elif call.float_mask:
+        mask = np.where(keep, call.mask, -np.inf)
+    else:
+        mask = np.broadcast_to(keep, (1, 1, 1, S))
+    return oracle_run(call, mask=mask)
 
 
 def sink_per_split(splits: int) -> Callable[[Call], np.ndarray | None]:

@@ -83,6 +83,9 @@ class FunctionBackend(Backend):
         ``TRITON_INTERPRET=1``), in words, or "" for none.
       lse: where ``func``'s result holds its log-sum-exp (``conformance.adapters.lse``);
         needed to declare "lse" (SPEC §21), given only with it.
+      device: where ``func`` runs (SPEC §13.20), in its framework's spelling ("cuda",
+        "cuda:1", "gpu", "tpu", "cpu"): its inputs are placed there and its outputs brought
+        back (``conformance.adapters.native``, step 2); None: the framework's default.
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class FunctionBackend(Backend):
         domain: Domain | None = None,
         interpreter: str = "",
         lse: LseForm | None = None,
+        device: str | None = None,
     ) -> None:
         self.func = func
         self.lse = lse
@@ -111,12 +115,15 @@ class FunctionBackend(Backend):
         # JAX's float64 (a setting of the whole process) only where the function needs it.
         self.arrays = make_framework(
             framework,
+            device=device,
             **(
                 {"float64": "float64" in self.dtypes, "why": f"{self.name} declares float64"}
                 if framework == "jax"
                 else {}
             ),
         )
+        #: Where the function runs, as its profile (or ``--impl-device``) spells it.
+        self.device = device
         self.framework = self.arrays.name
         self.call = call or OptionMap()
         self.libraries = tuple(libraries)

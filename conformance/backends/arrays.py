@@ -110,11 +110,35 @@ def use_jax_cache(directory: Path | None, environ: Mapping[str, str] = os.enviro
 
 
 class Framework:
-    """Arrays of one framework: the only place data crosses between NumPy and it."""
+    """Arrays of one framework: the only place data crosses between NumPy and it.
+
+    ``device`` (SPEC §13.20) is where the function under test runs, in the framework's own
+    spelling: ``from_numpy`` places each array there, ``to_numpy`` brings it back to the
+    host. None leaves the framework's default. NumPy's arrays live on the host only.
+    """
 
     name = "numpy"
     #: The distribution that provides it, for "not installed" messages.
     package = "numpy"
+    #: The device spellings this framework understands, for the messages.
+    DEVICES = "cpu"
+
+    def __init__(self, device: str | None = None) -> None:
+        self.device = self.resolve_device(device)
+
+    def resolve_device(self, device: str | None) -> Any:
+        """The framework's device for ``device``.
+
+        Raises:
+          ValueError: a spelling the framework does not know, naming ``device``.
+          LookupError: a device the framework knows but this machine does not have.
+        """
+        if device not in (None, "cpu"):
+            raise ValueError(
+                f"device should be cpu for a numpy function (NumPy's arrays live on the "
+                f"host), got {device!r}"
+            )
+        return None
 
     def from_numpy(self, x: np.ndarray) -> Any:
         return x
@@ -155,22 +179,41 @@ class Framework:
 class TorchFramework(Framework):
     name = "torch"
     package = "torch"
+    DEVICES = "cpu, cuda, cuda:N, or another torch.device string"
 
-    def __init__(self) -> None:
+    def __init__(self, device: str | None = None) -> None:
         import torch
 
         self.torch = torch
+        super().__init__(device)
+
+    def resolve_device(self, device):
+        if device is None:
+            return None
+        try:
+            found = self.torch.device(device)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(
+                f"device should be a torch device ({self.DEVICES}), got {device!r}"
+            ) from err
+        try:
+            self.torch.empty(0, device=found)
+        except (RuntimeError, AssertionError) as err:
+            raise LookupError(f"device {device!r} is not on this machine: {err}") from err
+        return found
 
     def from_numpy(self, x):
         x = np.asarray(x)
         if x.dtype.name == "bfloat16":
             # torch cannot read ml_dtypes' bfloat16; the bits are the same, so reinterpret.
             bits = self.torch.from_numpy(np.ascontiguousarray(x).view(np.int16))
-            return bits.view(self.torch.bfloat16)
-        return self.torch.from_numpy(np.array(x))
+            found = bits.view(self.torch.bfloat16)
+        else:
+            found = self.torch.from_numpy(np.array(x))
+        return found if self.device is None else found.to(self.device)
 
     def to_numpy(self, x):
-        x = x.detach()
+        x = x.detach().cpu()
         if x.dtype == self.torch.bfloat16:
             return x.view(self.torch.int16).numpy().view(numpy_dtype("bfloat16"))
         return x.numpy()
@@ -204,10 +247,35 @@ class TorchFramework(Framework):
 class JaxFramework(Framework):
     name = "jax"
     package = "jax"
+    DEVICES = "cpu, gpu, cuda, rocm or tpu, each with an optional :N"
+    PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 
-    def __init__(self, float64: bool = True, why: str = "a JAX function declares float64") -> None:
+    def __init__(
+        self,
+        float64: bool = True,
+        why: str = "a JAX function declares float64",
+        device: str | None = None,
+    ) -> None:
         self.jax = import_jax(float64, why=why)
         self.float64 = float64
+        super().__init__(device)
+
+    def resolve_device(self, device):
+        if device is None:
+            return None
+        platform, _, index = str(device).partition(":")
+        if platform not in self.PLATFORMS or (_ and not index.isdigit()):
+            raise ValueError(f"device should be a JAX device ({self.DEVICES}), got {device!r}")
+        try:
+            devices = self.jax.devices(platform)
+        except RuntimeError as err:
+            raise LookupError(f"device {device!r} is not on this machine: {err}") from err
+        if int(index or 0) >= len(devices):
+            raise LookupError(
+                f"device {device!r} is not on this machine: JAX has {len(devices)} "
+                f"{platform} device(s)"
+            )
+        return devices[int(index or 0)]
 
     def scope(self):
         # x64 is a setting of the process: where another backend of the run switched it on,
@@ -215,7 +283,8 @@ class JaxFramework(Framework):
         return contextlib.nullcontext() if self.float64 else self.jax.enable_x64(False)
 
     def from_numpy(self, x):
-        return self.jax.device_put(np.asarray(x))
+        # Committed to the device where one is named: a jitted function then runs there.
+        return self.jax.device_put(np.asarray(x), self.device)
 
     def to_numpy(self, x):
         return np.asarray(x)
@@ -250,8 +319,9 @@ FRAMEWORKS: dict[str, type[Framework]] = {
 
 
 def make_framework(name: str, **settings: Any) -> Framework:
-    """The framework ``name`` (JAX's ``settings``: ``float64``, and ``why`` it is needed); a
-    missing or unknown one is a ``LookupError`` saying what is available."""
+    """The framework ``name`` (JAX's ``settings``: ``float64``, and ``why`` it is needed;
+    every framework's: ``device``, ``Framework.resolve_device``); a missing or unknown one,
+    or a device this machine lacks, is a ``LookupError`` saying what is available."""
     if name not in FRAMEWORKS:
         raise LookupError(f"unknown framework {name!r}; known: {', '.join(FRAMEWORKS)}")
     cls = FRAMEWORKS[name]
@@ -261,4 +331,5 @@ def make_framework(name: str, **settings: Any) -> Framework:
             f"framework {name!r} is not installed (pip install {cls.package}); installed: "
             f"{', '.join(installed)}"
         )
-    return cls(**settings) if name == "jax" else cls()
+    device = settings.pop("device", None)
+    return cls(**settings, device=device) if name == "jax" else cls(device=device)

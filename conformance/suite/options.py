@@ -173,6 +173,14 @@ def _add_impl_options(group: pytest.OptionGroup) -> None:
         "t_multiple=16, min_t=1, min_s=1, square=true, backward.s_multiple=128",
     )
     group.addoption(
+        "--impl-device",
+        default=None,
+        metavar="DEVICE",
+        help="where an --impl function runs (SPEC §13.20), in its framework's spelling: "
+        "torch cpu, cuda, cuda:N; JAX cpu, gpu, tpu, with :N; its inputs are placed there, "
+        "its outputs brought back to compare",
+    )
+    group.addoption(
         "--impl-profile",
         action="append",
         default=[],
@@ -254,4 +262,5 @@ IMPL_FLAGS = (
     "--impl-causal",
     "--impl-mask",
     "--impl-domain",
+    "--impl-device",
 )

@@ -170,6 +170,7 @@ def _load_impl(config: pytest.Config) -> str | None:
             causal=config.getoption("--impl-causal"),
             mask=config.getoption("--impl-mask"),
             domain=domain_flags(config.getoption("--impl-domain") or ()),
+            device=config.getoption("--impl-device"),
         )
     except (BackendUnavailable, ValueError) as err:
         raise pytest.UsageError(str(err)) from err

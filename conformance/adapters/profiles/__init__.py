@@ -21,6 +21,8 @@ conversion itself is ``conformance/adapters/native.py``; a profile only says wha
     needs = []                               # hardware: ["cuda"]; skipped by name without
     probe = ""                               # "module:function": None, or why not (measured)
     interpreter = ""                         # on the CPU: triton, pallas, pallas-tpu or words
+    device = ""                              # where it runs (SPEC §13.20): cuda, cuda:N,
+                                             # gpu, tpu, cpu; missing here -> skipped by name
     # [lse]                                  # with "lse" (SPEC §21): index = 1 or key =
                                              # "lse", out = 0, keyword, layout, base
     capabilities = ["unbatched", "gqa", "dropout", "grad", "grad_mask"]
@@ -96,7 +98,7 @@ from conformance.adapters.impl import (
 )
 from conformance.adapters.lse import LseForm, parse_lse
 from conformance.adapters.merge import merge_table, with_merge
-from conformance.adapters.native import BOOL_MEANINGS, SPEC_OPTIONS, OptionMap
+from conformance.adapters.native import BOOL_MEANINGS, SPEC_OPTIONS, OptionMap, make_framework
 from conformance.adapters.profiles.parse import (  # noqa: F401 - the [forms] names, re-exported
     ALIGNMENTS,
     FORMS_KEYS,
@@ -133,6 +135,7 @@ KEYS = {
     "call",
     "lse",
     "merge",
+    "device",
 }
 MASK_KEYS = {"bool", "bool_true", "float", "blocked"}
 #: What a profile's ``needs`` may name: hardware a function requires beyond its libraries.
@@ -173,6 +176,8 @@ class Profile:
     lse: LseForm | None = None
     #: The [merge] table (``conformance.adapters.merge``): the merge function, SPEC §22.
     merge: dict | None = None
+    #: Where the function runs (SPEC §13.20), in its framework's spelling; "" the default.
+    device: str = ""
 
     def missing(self) -> list[str]:
         """The distributions in ``requires`` that are not installed here."""
@@ -184,7 +189,19 @@ class Profile:
         missing = self.missing()
         if missing:
             return f"{', '.join(missing)} not installed here (pip install {' '.join(missing)})"
-        return self._hardware_missing()
+        return self._hardware_missing() or self._device_missing()
+
+    def _device_missing(self) -> str | None:
+        """Why ``device`` is not here (the framework's own words), or None."""
+        if not self.device:
+            return None
+        try:
+            # No float64 switched on for a look at the devices.
+            make_framework(self.framework, device=self.device,
+                           **({"float64": False} if self.framework == "jax" else {}))  # fmt: skip
+        except LookupError as err:
+            return str(err)
+        return None
 
     def _hardware_missing(self) -> str | None:
         """What the ``probe`` measured, when the hardware ``needs`` names is missing."""
@@ -207,7 +224,7 @@ class Profile:
                 f"installed here (pip install {' '.join(missing)}); profiles whose libraries "
                 f"are installed: {installed_profiles()}"
             )
-        why = self._hardware_missing()
+        why = self._hardware_missing() or self._device_missing()
         if why:
             raise ProfileError(f"profile {self.name!r} ({self.path}) cannot run here: {why}")
         if self.quantized is not None:
@@ -228,6 +245,7 @@ class Profile:
                 domain=self.domain,
                 interpreter=self.interpreter,
                 lse=self.lse,
+                device=self.device or None,
             ), self.merge, self.layout)  # fmt: skip
         except (ImplUnavailable, ValueError) as err:
             raise ProfileError(f"profile {self.name!r} ({self.path}): {err}") from err
@@ -364,6 +382,12 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
             f"{where}: 'interpreter' should be the interpreter it runs under, in words, got "
             f"{interpreter!r}"
         )
+    device = data.get("device", "")
+    if not isinstance(device, str):
+        raise ProfileError(
+            f"{where}: 'device' should be where the function runs, in its framework's "
+            f"spelling (cuda, cuda:1, gpu, tpu, cpu), got {device!r}"
+        )
     return Profile(
         name=data["name"],
         target=data["target"],
@@ -387,6 +411,7 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
         interpreter=interpreter,
         lse=lse,
         merge=merge,
+        device=device,
     )
 
 

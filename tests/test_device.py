@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from conformance.adapters.function import FunctionBackend
 from conformance.adapters.impl import ImplUnavailable, resolve_impl
 from conformance.adapters.native import OptionMap
 from conformance.adapters.profiles import ProfileError, parse_profile
+from conformance.suite import device_summary
 
 pytestmark = pytest.mark.clause("13.20")
 
@@ -163,3 +165,78 @@ def test_a_profile_whose_device_is_missing_says_so():
         profile.resolve()
     with pytest.raises(ProfileError, match=r"'device' should be where the function runs"):
         parse_profile({**data, "device": 7}, ROOT / "bad.toml")
+
+
+def _torch_backend(func):
+    pytest.importorskip("torch")
+    return resolve_impl(f"tests.device_torch_functions:{func}", framework="torch", device="cpu")
+
+
+def test_a_repeated_call_says_whether_it_is_bitwise_reproducible():
+    """A function whose last bit changes from call to call is named not reproducible, with
+    how many calls differed; the same function without the change is reproducible."""
+    found = device_summary.reproducible(_torch_backend("nondeterministic"))
+    assert found.startswith("not bitwise reproducible: 5 of 9 repeated calls"), found
+    found = device_summary.reproducible(_torch_backend("deterministic"))
+    assert found.startswith("bitwise reproducible: 10 calls of attention at B=2"), found
+
+
+def test_the_summary_says_which_reduced_precision_settings_are_on():
+    """The summary names torch's TF32 setting as it is in the process, and what the
+    function declares."""
+    torch = pytest.importorskip("torch")
+    backend = _torch_backend("deterministic")
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for value in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = value
+            words = device_summary.device_words(backend)
+            assert words[0].startswith("runs on cpu with "), words
+            assert f"torch.backends.cuda.matmul.allow_tf32 = {value}" in words[0], words
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert words[1] == "declares float32 matmuls in float32"
+    with pytest.raises(ValueError, match="float32_matmul should be one of float32, tf32"):
+        FunctionBackend(lambda q, k, v: q, "x", float32_matmul="tf16")
+
+
+def test_a_cuda_error_fails_one_test_and_the_next_run_in_a_fresh_process(tmp_path):
+    """A function that fails as CUDA does after an illegal memory access (the error is
+    sticky: every later call of the process raises it too) fails the one test that made
+    it; the next test runs in a new worker process and passes. The run's summary says
+    where the function ran, under which settings, and whether a repeated call is bitwise
+    reproducible."""
+    pytest.importorskip("torch")
+    junit = tmp_path / "junit.xml"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    env.pop("PYTEST_ADDOPTS", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "conformance.tests.test_invariants"]
+        + ["--impl", "device_torch_functions:illegal_access", "--impl-framework", "torch"]
+        + ["--impl-device", "cpu"]
+        + ["-k", "test_convex_hull and causal and float64", "-p", "no:cacheprovider"]
+        + ["-q", f"--junitxml={junit}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    name = "device_torch_functions.illegal_access"
+    crashed = f"test_convex_hull[{name}-causal-float64-T13-S7]"
+    cases = {c.get("name"): c for c in ET.parse(junit).getroot().iter("testcase")}
+    failed = [n for n, c in cases.items() if c.find("failure") is not None]
+    assert failed == [crashed], out
+    passed = [n for n, c in cases.items() if n not in failed and c.find("skipped") is None]
+    assert sorted(passed) == [
+        f"test_convex_hull[{name}-causal-float64-T7-S13]",
+        f"test_convex_hull[{name}-causal-float64-T8-S8]",  # after the error, a new process
+    ], out
+    message = cases[crashed].find("failure").get("message")
+    assert "raises RuntimeError: CUDA error: an illegal memory access" in message, message
+    assert "device state is lost" in message, message
+    assert f"{name}: runs on cpu with torch.backends.cuda.matmul.allow_tf32 = " in out, out
+    assert f"{name}: bitwise reproducible: 10 calls of attention" in out, out

@@ -181,6 +181,7 @@ def resolve_impl(
     interpreter: str = "",
     lse: LseForm | None = None,
     device: str | None = None,
+    float32_matmul: str = "float32",
 ) -> Backend:
     """The backend ``spec`` ('package.module:attr') names, not yet registered.
 
@@ -195,7 +196,8 @@ def resolve_impl(
     (``--impl-causal``, ``--impl-mask``), ``forms`` what it takes and ``domain`` the
     shapes it accepts (a profile's), ``interpreter`` what it runs under, ``lse`` where
     its result holds its log-sum-exp (a profile's [lse], with the capability "lse"),
-    ``device`` where it runs (``--impl-device``, a profile's ``device``; SPEC §13.20). A
+    ``device`` where it runs (``--impl-device``, a profile's ``device``; SPEC §13.20) and
+    ``float32_matmul`` what it computes float32 matmuls in (a profile's). A
     Backend subclass is instantiated, an instance is used as it is; both declare their own
     capabilities and dtypes.
 
@@ -269,6 +271,7 @@ def resolve_impl(
             interpreter=interpreter,
             lse=lse,
             device=device,
+            float32_matmul=float32_matmul,
         )
     except LookupError as err:  # the framework is not installed, or the device not here
         raise ImplUnavailable(f"--impl {spec!r}: {err}") from err

@@ -172,6 +172,12 @@ class Framework:
         """The settings the function's calls run under (JAX's float64); none here."""
         return contextlib.nullcontext()
 
+    def precision_settings(self) -> dict[str, str]:
+        """The framework's settings that let a device compute float32 in less (TF32, a
+        reduced-precision reduction), each with its value in this process (SPEC §13.20);
+        NumPy has none."""
+        return {}
+
     def version(self) -> dict[str, str]:
         return {"numpy": np.__version__}
 
@@ -240,6 +246,20 @@ class TorchFramework(Framework):
         # A leaf the output does not depend on (v with every row masked) has gradient 0.
         return [self.torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
 
+    def precision_settings(self):
+        matmul = self.torch.backends.cuda.matmul
+        return {
+            "torch.backends.cuda.matmul.allow_tf32": str(matmul.allow_tf32),
+            "torch.backends.cudnn.allow_tf32": str(self.torch.backends.cudnn.allow_tf32),
+            "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction": str(
+                matmul.allow_fp16_reduced_precision_reduction
+            ),
+            "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction": str(
+                matmul.allow_bf16_reduced_precision_reduction
+            ),
+            "torch.get_float32_matmul_precision()": self.torch.get_float32_matmul_precision(),
+        }
+
     def version(self):
         return {"torch": self.torch.__version__}
 
@@ -306,6 +326,12 @@ class JaxFramework(Framework):
         # Options (is_causal, scale, a window) are static, as in users' code: the arrays
         # are traced, and each signature compiles once.
         return self.jax.jit(func, static_argnames=static)
+
+    def precision_settings(self):
+        # None is JAX's default: one pass of the device's fastest float32 matmul, TF32 on
+        # NVIDIA GPUs from Ampere on and bfloat16 passes on a TPU; "highest" is float32.
+        chosen = self.jax.config.jax_default_matmul_precision
+        return {"jax_default_matmul_precision": "None (the default)" if chosen is None else chosen}
 
     def version(self):
         return {"jax": self.jax.__version__}

@@ -23,6 +23,7 @@ conversion itself is ``conformance/adapters/native.py``; a profile only says wha
     interpreter = ""                         # on the CPU: triton, pallas, pallas-tpu or words
     device = ""                              # where it runs (SPEC §13.20): cuda, cuda:N,
                                              # gpu, tpu, cpu; missing here -> skipped by name
+    float32_matmul = "float32"               # or "tf32": what its float32 matmuls use
     # [lse]                                  # with "lse" (SPEC §21): index = 1 or key =
                                              # "lse", out = 0, keyword, layout, base
     capabilities = ["unbatched", "gqa", "dropout", "grad", "grad_mask"]
@@ -90,6 +91,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from conformance.adapters.domain import Domain, parse_domain
+from conformance.adapters.function import FLOAT32_MATMULS
 from conformance.adapters.impl import (
     ImplUnavailable,
     import_target,
@@ -136,6 +138,7 @@ KEYS = {
     "lse",
     "merge",
     "device",
+    "float32_matmul",
 }
 MASK_KEYS = {"bool", "bool_true", "float", "blocked"}
 #: What a profile's ``needs`` may name: hardware a function requires beyond its libraries.
@@ -178,6 +181,8 @@ class Profile:
     merge: dict | None = None
     #: Where the function runs (SPEC §13.20), in its framework's spelling; "" the default.
     device: str = ""
+    #: What it computes float32 matmuls in (SPEC §13.20): "float32" or "tf32".
+    float32_matmul: str = "float32"
 
     def missing(self) -> list[str]:
         """The distributions in ``requires`` that are not installed here."""
@@ -246,6 +251,7 @@ class Profile:
                 interpreter=self.interpreter,
                 lse=self.lse,
                 device=self.device or None,
+                float32_matmul=self.float32_matmul,
             ), self.merge, self.layout)  # fmt: skip
         except (ImplUnavailable, ValueError) as err:
             raise ProfileError(f"profile {self.name!r} ({self.path}): {err}") from err
@@ -388,6 +394,11 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
             f"{where}: 'device' should be where the function runs, in its framework's "
             f"spelling (cuda, cuda:1, gpu, tpu, cpu), got {device!r}"
         )
+    if data.get("float32_matmul", "float32") not in FLOAT32_MATMULS:
+        raise ProfileError(
+            f"{where}: 'float32_matmul' should be one of {', '.join(FLOAT32_MATMULS)} (what "
+            f"its float32 matmuls compute in), got {data['float32_matmul']!r}"
+        )
     return Profile(
         name=data["name"],
         target=data["target"],
@@ -412,6 +423,7 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
         lse=lse,
         merge=merge,
         device=device,
+        float32_matmul=data.get("float32_matmul", "float32"),
     )
 
 

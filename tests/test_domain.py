@@ -65,6 +65,13 @@ def tiled_masked(q, k, v, mask=None, is_causal=False, scale=None):
     return reference(q, k, v, mask=bias, is_causal=is_causal, scale=scale)
 
 
+def decode(q, k, v, scale=None):
+    """One query (T = 1), no mask, no causality: a decode kernel."""
+    _log(q=list(q.shape), k=list(k.shape), v=list(v.shape), causal=False)
+    assert q.shape[-2] == 1, q.shape
+    return reference(q, k, v, scale=scale)
+
+
 def causal_only(q, k, v, scale=None):
     """Causal (top-left) and nothing else: no is_causal keyword, no mask."""
     _log(q=list(q.shape), k=list(k.shape), v=list(v.shape), causal=True)
@@ -106,6 +113,22 @@ float = false
 head_dims = [16]
 t_multiple = 4
 s_multiple = 16
+"""
+
+DECODE = """
+name = "kern.decode"
+target = "kern:decode"
+dtypes = ["float64", "float32"]
+
+[options]
+scale = "scale"
+
+[mask]
+bool = false
+float = false
+
+[domain]
+max_t = 1
 """
 
 CAUSAL_ONLY = """
@@ -338,6 +361,41 @@ def test_sizes_move_inside_the_domain_keeping_their_order():
     assert carrying.inside(domain, 8, 8) == (16, 16)
     assert carrying.inside(domain, 0, 6) == (0, 6)
     assert carrying.inside(Domain(s_multiple=16, t_multiple=16, square=True), 7, 13) == (16, 16)
+
+
+def test_a_decode_kernel_takes_one_query_and_is_never_handed_more():
+    """``max_t = 1`` (a decode kernel): a size at T = 1 moves only along S, a size with more
+    queries stays as it is (its tests are skipped by name), and a carried call with more
+    queries is skipped by name, never split or moved to T = 32."""
+    domain = parse_domain({"max_t": 1, "s_multiple": 32}, "d")
+    assert domain.why_not(2, 32, 8, 8) == "T = 2 is above its most 1"
+    assert domain.why_not(1, 32, 8, 8) is None
+    assert "T <= 1" in domain.words()
+    assert carrying.inside(domain, 1, 1) == (1, 1)  # not T32-S32: T = S has no room here
+    assert carrying.inside(domain, 1, 9) == (1, 32)
+    assert carrying.inside(domain, 7, 13) == (7, 13)
+    kernel = _Kernel(domain, ALL)
+    q, k, v = random_qkv(5, B=1, H=1, T=3, S=5, D=3)
+    with pytest.raises(pytest.skip.Exception, match="T = 3 is above its most 1"):
+        carrying.carry(kernel, "attention", (q, k, v), {})
+    q1 = q[..., :1, :]  # (B, H, 1, D)
+    (carried, *_), options, back = carrying.carry(kernel, "attention", (q1, k, v), {})
+    assert carried.shape[-2] == 1 and options["mask"].shape[-2:] == (1, 32)
+    with pytest.raises(ValueError, match="max_t should be a positive integer"):
+        parse_domain({"max_t": 0}, "d")
+
+
+def test_a_decode_kernel_is_judged_at_one_query(tmp_path):
+    """A run of the fixtures on a decode kernel: the T = 1 fixtures run at T = 1, those
+    with more queries are skipped by name, and the kernel (which asserts T = 1) never
+    sees another T."""
+    code, out, calls = _run(
+        tmp_path, _kernel(tmp_path, DECODE), "test_fixtures.py", args=["-k", "T1-S or T7-S7"]
+    )
+    assert code == 0, out[-3000:]
+    assert calls and {c["q"][-2] for c in calls} == {1}, calls
+    assert "T = 7 is above its most 1" in out, out[-3000:]
+    assert " passed" in out and " skipped" in out, out[-3000:]
 
 
 def test_a_profile_declares_its_domain(tmp_path):

@@ -11,6 +11,7 @@ says so, and the suite judges the function on calls inside that domain and only 
     s_multiple = 16                        # S a multiple of 16
     min_t = 16                             # T >= 16 (default 0)
     min_s = 16                             # S >= 16
+    max_t = 1                              # T <= 1: a decode kernel (default: no limit)
     square = true                          # T = S only
 
     [domain.backward]                      # where the backward's limits differ
@@ -33,7 +34,16 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 #: The keys of ``[domain]`` (and of ``[domain.backward]``, less ``backward``).
-DOMAIN_KEYS = {"head_dims", "t_multiple", "s_multiple", "min_t", "min_s", "square", "backward"}
+DOMAIN_KEYS = {
+    "head_dims",
+    "t_multiple",
+    "s_multiple",
+    "min_t",
+    "min_s",
+    "max_t",
+    "square",
+    "backward",
+}
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,8 @@ class Domain:
       head_range: (min, max, multiple) of a range of head dims, or None.
       t_multiple, s_multiple: T and S must be multiples of these.
       min_t, min_s: the least T and S it takes.
+      max_t: the most T it takes (a decode kernel's 1), or None (no limit). A call with
+        more queries is never split into several: its test is skipped by name.
       square: T = S only.
       backward: the backward's domain where it differs, or None (the same).
     """
@@ -55,6 +67,7 @@ class Domain:
     s_multiple: int = 1
     min_t: int = 0
     min_s: int = 0
+    max_t: int | None = None
     square: bool = False
     backward: Domain | None = field(default=None, compare=False)
 
@@ -101,6 +114,8 @@ class Domain:
         for letter, d in (("D", D), ("E", E)):
             if not self.head_dim_ok(d):
                 return f"{letter} = {d} is not a head dim of {self.head_words()}"
+        if self.max_t is not None and T > self.max_t:
+            return f"T = {T} is above its most {self.max_t}"
         for letter, n, step, least in (
             ("T", T, self.t_multiple, self.min_t),
             ("S", S, self.s_multiple, self.min_s),
@@ -134,6 +149,8 @@ class Domain:
                 parts.append(f"{letter} a multiple of {step}")
             if least > 0:
                 parts.append(f"{letter} >= {least}")
+        if self.max_t is not None:
+            parts.append(f"T <= {self.max_t}")
         if self.square:
             parts.append("T = S")
         text = "; ".join(parts) or "every shape"
@@ -189,6 +206,10 @@ def parse_domain(table: Mapping[str, Any], where: str, *, inherit: Domain | None
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{where}: {key} should be an integer >= 0, got {value!r}")
             fields[key] = value
+    if "max_t" in table:
+        if not _positive_int(table["max_t"]):
+            raise ValueError(f"{where}: max_t should be a positive integer, got {table['max_t']!r}")
+        fields["max_t"] = table["max_t"]
     if "square" in table:
         if not isinstance(table["square"], bool):
             raise ValueError(f"{where}: square should be true or false, got {table['square']!r}")

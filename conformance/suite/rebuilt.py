@@ -106,6 +106,8 @@ def _why_not_rebuilt(backend: Any, domain: Domain, case: Case) -> str | None:
     if D is None:
         return f"no head dim of the domain is at least {max(shape['D'], shape['E'])}"
     T, S = inside(domain, shape["T"], shape["S"])
+    if domain.max_t is not None and T > domain.max_t:
+        return f"T = {T} is above its most {domain.max_t}, and a fixture's queries are not split"
     if _causal_top_left(case.meta) and S - shape["S"] < T - shape["T"]:
         return f"at T = {T}, S = {S} its keys after every query would not stay after them"
     return None

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from conformance.fixtures import oracle
 
+from conformance.adapters import profiles
 from conformance.adapters.function import FunctionBackend
 from conformance.adapters.impl import ImplUnavailable, resolve_impl
 from conformance.adapters.native import OptionMap
@@ -240,3 +241,35 @@ def test_a_cuda_error_fails_one_test_and_the_next_run_in_a_fresh_process(tmp_pat
     assert "device state is lost" in message, message
     assert f"{name}: runs on cpu with torch.backends.cuda.matmul.allow_tf32 = " in out, out
     assert f"{name}: bitwise reproducible: 10 calls of attention" in out, out
+
+
+def test_every_device_profile_is_skipped_by_name_without_its_device(monkeypatch):
+    """The shipped device profiles (``--impl-profile gpu``) and the Triton tutorial's on
+    CUDA parse, and, where their device or package is absent, are registered unavailable
+    with the reason in words, never left out in silence."""
+    pytest.importorskip("torch")
+    names = profiles.gpu_profiles()
+    assert {n.split("/", 1)[1] for n in names} == {
+        "torch.sdpa.cuda.flash",
+        "torch.sdpa.cuda.efficient",
+        "torch.sdpa.cuda.cudnn",
+        "torch.sdpa.cuda.math",
+        "pallas.gpu.mha.compiled",
+        "flashinfer.single_prefill",
+        "flashinfer.single_decode",
+    }
+    every = [profiles.read_profile(n) for n in names]
+    every.append(profiles.read_profile(ROOT / "examples" / "triton_fused_attention.cuda.toml"))
+    assert all(p.device for p in every)
+    here = [p for p in every if p.unavailable() is None]
+    if here:
+        pytest.skip(f"this machine runs {[p.name for p in here]}: the skips are not seen here")
+    for profile in every:
+        why = profiles.skip_reason(profile)
+        assert why.startswith(f"profile {profile.name}: "), why
+        assert any(w in why for w in ("not installed here", "not on this machine", "CUDA")), why
+    registered = {}  # kept out of this process's registry
+    monkeypatch.setattr(profiles, "register_backend", lambda n, f, **_: registered.setdefault(n, f))
+    loaded, unavailable = profiles.load_profiles(["gpu"])
+    assert set(registered) == {p.name for p in unavailable}
+    assert loaded == [] and {p.name for p in unavailable} == {p.name for p in every[:-1]}

@@ -186,7 +186,8 @@ def _add_impl_options(group: pytest.OptionGroup) -> None:
         default=[],
         metavar="NAME|PATH",
         help="a library function described by a profile (SPEC §13.10): a shipped one "
-        "(conformance/adapters/profiles/NAME.toml), 'all' of them, or a TOML file (repeatable)",
+        "(conformance/adapters/profiles/NAME.toml), 'all' of them, 'gpu' (every device "
+        "profile, gpu/*.toml, SPEC §13.20), or a TOML file (repeatable)",
     )
     group.addoption(
         "--impl-name",

@@ -150,6 +150,16 @@ def shipped_profiles() -> list[str]:
     return sorted(path.stem for path in HERE.glob("*.toml"))
 
 
+#: The device profiles (SPEC §13.20), in ``gpu/``: apart from ``all``, whose table is the
+#: CPU's, and run by ``--impl-profile gpu``; each is skipped by name without its device.
+GPU = HERE / "gpu"
+
+
+def gpu_profiles() -> list[str]:
+    """The names of the shipped device profiles, as ``read_profile`` takes them."""
+    return sorted(f"gpu/{path.stem}" for path in GPU.glob("*.toml"))
+
+
 @dataclass(frozen=True)
 class Profile:
     """A library function as a profile describes it (the TOML's keys, checked)."""
@@ -428,9 +438,11 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
 
 
 def load_profiles(names: Iterable[str]) -> tuple[list[Profile], list[Profile]]:
-    """Register the profiles ``names`` (``all``: every shipped one) as backends.
+    """Register the profiles ``names`` (``all``: every shipped one; ``gpu``: every shipped
+    device profile) as backends.
 
-    Returns (loaded, unavailable). A profile named explicitly must load; under ``all``,
+    Returns (loaded, unavailable). A profile named explicitly must load; under ``all`` or
+    ``gpu``,
     one whose library is not installed here is registered as ``MissingLibrary`` (its
     tests are skipped by name, ``skip_reason``), never left out in silence.
 
@@ -439,8 +451,9 @@ def load_profiles(names: Iterable[str]) -> tuple[list[Profile], list[Profile]]:
     """
     loaded, unavailable = [], []
     for value in names:
-        every = value == "all"
-        for name in shipped_profiles() if every else [value]:
+        every = value in ("all", "gpu")
+        chosen = {"all": shipped_profiles, "gpu": gpu_profiles}.get(value)
+        for name in chosen() if chosen else [value]:
             profile = read_profile(name)
             if every and profile.unavailable():
                 register_backend(profile.name, lambda p=profile: MissingLibrary(p), replace=True)

@@ -454,7 +454,7 @@ def test_the_pallas_profiles_declare_their_domains():
 
 
 def test_the_triton_tutorial_example_declares_its_domain():
-    """examples/triton_fused_attention.toml (not run in CI: docs/gpu-kernels-on-cpu.md)
+    """examples/triton_fused_attention.toml (not run in CI: docs/test-a-gpu-kernel.md)
     parses to the tutorial's domain: no mask, both causal forms, float16, its head dims and
     tiles, under Triton's interpreter."""
     tutorial = profiles.read_profile(ROOT / "examples" / "triton_fused_attention.toml")

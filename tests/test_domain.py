@@ -26,6 +26,7 @@ from conformance.adapters.native import OptionMap
 from conformance.backends import load_backend
 from conformance.suite import domain as carrying
 from conformance.suite.helpers import oracle_attention, random_qkv
+from conformance.vocabulary import numpy_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -396,6 +397,43 @@ def test_a_decode_kernel_is_judged_at_one_query(tmp_path):
     assert calls and {c["q"][-2] for c in calls} == {1}, calls
     assert "T = 7 is above its most 1" in out, out[-3000:]
     assert " passed" in out and " skipped" in out, out[-3000:]
+
+
+def test_head_dims_can_be_a_list_of_ranges():
+    """ "D <= 128, or a multiple of 128" (a TPU kernel's): a list of ranges."""
+    domain = parse_domain(
+        {"head_dims": [{"max": 128}, {"min": 128, "max": 512, "multiple": 128}]}, "d"
+    )
+    assert all(domain.head_dim_ok(d) for d in (1, 5, 64, 128, 256, 512))
+    assert not any(domain.head_dim_ok(d) for d in (129, 200, 640))
+    assert domain.next_head_dim(129) == 256 and domain.next_head_dim(600) is None
+    assert (
+        domain.why_not(8, 8, 200, 200)
+        == "D = 200 is not a head dim of 1..128 or 128..512 in steps of 128"
+    )
+    mixed = parse_domain({"head_dims": [16, {"min": 64, "max": 256, "multiple": 64}]}, "d")
+    assert mixed.next_head_dim(17) == 64 and mixed.head_dim_ok(16) and not mixed.head_dim_ok(32)
+    with pytest.raises(ValueError, match="or a list of both"):
+        parse_domain({"head_dims": [16, "x"]}, "d")
+
+
+def test_a_query_tile_that_depends_on_the_dtype():
+    """``t_multiple = {float32 = 8, bfloat16 = 16}``: a float32 call at T = 8 is inside the
+    domain as it is; the same call in bfloat16 is carried to T = 16."""
+    domain = parse_domain({"t_multiple": {"float32": 8, "bfloat16": 16}}, "d")
+    assert domain.for_dtype("float32").t_multiple == 8
+    assert domain.for_dtype("bfloat16").t_multiple == 16
+    assert domain.t_multiple == 16  # where the dtype is not known: the larger tile
+    assert "T a multiple of 16 in bfloat16, 8 in float32" in domain.words()
+    kernel = _Kernel(domain, ALL)
+    q, k, v = random_qkv(5, B=1, H=1, T=8, S=8, D=4)
+    (q32, *_), _, _ = carrying.carry(kernel, "attention", (q.astype(np.float32), k, v), {})
+    assert q32.shape[-2] == 8
+    bf16 = numpy_dtype("bfloat16")
+    (q16, *_), _, _ = carrying.carry(kernel, "attention", (q.astype(bf16), k, v), {})
+    assert q16.shape[-2] == 16
+    with pytest.raises(ValueError, match="t_multiple per dtype"):
+        parse_domain({"t_multiple": {"float32": 0}}, "d")
 
 
 def test_a_profile_declares_its_domain(tmp_path):

@@ -99,7 +99,8 @@ def carry(
         return args, kwargs, _same
     if method not in CARRIED:
         pytest.skip(f"{OUTSIDE} {backend.name}: only attention and attention_vjp are carried")
-    return _carry(backend, domain.of(method), method, args, kwargs)
+    dtype = getattr(getattr(args[0], "dtype", None), "name", "") if args else ""
+    return _carry(backend, domain.of(method).for_dtype(dtype), method, args, kwargs)
 
 
 def _same(result: Any) -> Any:

@@ -59,7 +59,7 @@ def case_inside(backend: Any, case: Case, node: pytest.Item | None = None) -> Ca
     options = {"mask": case.mask(), **case.options()}
     grad = case.meta["kind"] == "attention_grad"
     method = "attention_vjp" if grad else "attention"
-    domain = domain_of(backend).of(method)
+    domain = domain_of(backend).of(method).for_dtype(case.meta["dtype"])
     try:
         carry(backend, method, (*case.inputs(), *([case.d_out()] if grad else [])), options)
         return case

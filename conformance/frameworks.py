@@ -59,7 +59,8 @@ def run(
     profiles), through the report: (exit code, report data)."""
     from conformance.report import command as report
 
-    argv = ["--impl-profile", profiles, "--out", str(out), "--workers", workers]
+    chosen = "all-gpu" if profiles == "gpu" else "all"
+    argv = ["--impl-profile", chosen, "--out", str(out), "--workers", workers]
     argv += ["-m", "not pairwise", "--timeout", "120", *extra]
     if remeasure:
         argv.append("--ignore-known-failures")

@@ -244,7 +244,7 @@ def test_a_cuda_error_fails_one_test_and_the_next_run_in_a_fresh_process(tmp_pat
 
 
 def test_every_device_profile_is_skipped_by_name_without_its_device(monkeypatch):
-    """The shipped device profiles (``--impl-profile gpu``) and the Triton tutorial's on
+    """The shipped device profiles (``--impl-profile all-gpu``) and the Triton tutorial's on
     CUDA parse, and, where their device or package is absent, are registered unavailable
     with the reason in words, never left out in silence."""
     pytest.importorskip("torch")
@@ -270,6 +270,6 @@ def test_every_device_profile_is_skipped_by_name_without_its_device(monkeypatch)
         assert any(w in why for w in ("not installed here", "not on this machine", "CUDA")), why
     registered = {}  # kept out of this process's registry
     monkeypatch.setattr(profiles, "register_backend", lambda n, f, **_: registered.setdefault(n, f))
-    loaded, unavailable = profiles.load_profiles(["gpu"])
+    loaded, unavailable = profiles.load_profiles(["all-gpu"])
     assert set(registered) == {p.name for p in unavailable}
     assert loaded == [] and {p.name for p in unavailable} == {p.name for p in every[:-1]}

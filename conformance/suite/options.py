@@ -186,7 +186,7 @@ def _add_impl_options(group: pytest.OptionGroup) -> None:
         default=[],
         metavar="NAME|PATH",
         help="a library function described by a profile (SPEC §13.10): a shipped one "
-        "(conformance/adapters/profiles/NAME.toml), 'all' of them, 'gpu' (every device "
+        "(conformance/adapters/profiles/NAME.toml), 'all' of them, 'all-gpu' (every device "
         "profile, gpu/*.toml, SPEC §13.20), or a TOML file (repeatable)",
     )
     group.addoption(

@@ -108,7 +108,9 @@ def _why_not_rebuilt(backend: Any, domain: Domain, case: Case) -> str | None:
     T, S = inside(domain, shape["T"], shape["S"])
     if domain.max_t is not None and T > domain.max_t:
         return f"T = {T} is above its most {domain.max_t}, and a fixture's queries are not split"
-    if _causal_top_left(case.meta) and S - shape["S"] < T - shape["T"]:
+    # Keys after every query exist only where S > T; with T > S there are none to keep.
+    after_every_query = shape["S"] > shape["T"]
+    if _causal_top_left(case.meta) and after_every_query and S - shape["S"] < T - shape["T"]:
         return f"at T = {T}, S = {S} its keys after every query would not stay after them"
     return None
 

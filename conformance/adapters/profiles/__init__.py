@@ -151,7 +151,7 @@ def shipped_profiles() -> list[str]:
 
 
 #: The device profiles (SPEC §13.20), in ``gpu/``: apart from ``all``, whose table is the
-#: CPU's, and run by ``--impl-profile gpu``; each is skipped by name without its device.
+#: CPU's, and run by ``--impl-profile all-gpu``; each is skipped by name without its device.
 GPU = HERE / "gpu"
 
 
@@ -438,11 +438,11 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
 
 
 def load_profiles(names: Iterable[str]) -> tuple[list[Profile], list[Profile]]:
-    """Register the profiles ``names`` (``all``: every shipped one; ``gpu``: every shipped
-    device profile) as backends.
+    """Register the profiles ``names`` (``all``: every shipped one; ``all-gpu``: every
+    shipped device profile) as backends.
 
     Returns (loaded, unavailable). A profile named explicitly must load; under ``all`` or
-    ``gpu``,
+    ``all-gpu``,
     one whose library is not installed here is registered as ``MissingLibrary`` (its
     tests are skipped by name, ``skip_reason``), never left out in silence.
 
@@ -451,8 +451,8 @@ def load_profiles(names: Iterable[str]) -> tuple[list[Profile], list[Profile]]:
     """
     loaded, unavailable = [], []
     for value in names:
-        every = value in ("all", "gpu")
-        chosen = {"all": shipped_profiles, "gpu": gpu_profiles}.get(value)
+        every = value in ("all", "all-gpu")
+        chosen = {"all": shipped_profiles, "all-gpu": gpu_profiles}.get(value)
         for name in chosen() if chosen else [value]:
             profile = read_profile(name)
             if every and profile.unavailable():

@@ -8,6 +8,8 @@ by it.
     python -m conformance frameworks --check docs/other-libraries.md  # fail if the page's is not this
     python -m conformance frameworks --update-profiles              # re-measure the known failures
                                                                     # (then --page, in a run of its own)
+    python -m conformance frameworks --profiles gpu --page docs/other-libraries-gpu.md
+                                                                    # the device profiles, on a GPU
 
 The run is ``python -m conformance report --impl-profile all -m "not pairwise"``: the
 report (``--out``) holds every test, the clause × function matrix, the versions and the
@@ -50,11 +52,15 @@ VARIES = "On some processors only (not in the table): "
 PASS, FAIL, NONE = "✅", "❌", "—"
 
 
-def run(out: Path, workers: str, remeasure: bool, extra: list[str]) -> tuple[int, dict]:
-    """The suite on every shipped profile, through the report: (exit code, report data)."""
+def run(
+    out: Path, workers: str, remeasure: bool, extra: list[str], profiles: str = "all"
+) -> tuple[int, dict]:
+    """The suite on every shipped profile (``profiles``: "all", or "gpu", the device
+    profiles), through the report: (exit code, report data)."""
     from conformance.report import command as report
 
-    argv = ["--impl-profile", "all", "--out", str(out), "--workers", workers]
+    chosen = "all-gpu" if profiles == "gpu" else "all"
+    argv = ["--impl-profile", chosen, "--out", str(out), "--workers", workers]
     argv += ["-m", "not pairwise", "--timeout", "120", *extra]
     if remeasure:
         argv.append("--ignore-known-failures")
@@ -339,6 +345,13 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--check", type=Path, help="fail if this file's table has other marks")
     parser.add_argument(
+        "--profiles",
+        choices=["all", "gpu"],
+        default="all",
+        help="which shipped profiles: all (the CPU's table, docs/other-libraries.md) or gpu "
+        "(the device profiles, docs/other-libraries-gpu.md, SPEC §13.20)",
+    )
+    parser.add_argument(
         "--update-profiles",
         action="store_true",
         help="run without the profiles' known failures and rewrite them from what fails",
@@ -352,7 +365,7 @@ def main(argv: list[str]) -> int:
             "rewrite or check the page in a run of its own afterwards "
             "(--page docs/other-libraries.md)"
         )
-    code, data = run(args.out, args.workers, args.update_profiles, extra)
+    code, data = run(args.out, args.workers, args.update_profiles, extra, args.profiles)
     found = matrix(data)
     (args.out / "frameworks.json").write_text(json.dumps(found, indent=1, ensure_ascii=False))
     (args.out / "frameworks.md").write_text(block(found), encoding="utf-8")

@@ -17,7 +17,7 @@ the tutorial's numbers and drops what decides its speed:
 Dropped: autotuning (one configuration here, the tutorial's smallest), the tensor
 descriptors (TMA) and warp specialisation of Hopper and Blackwell, FP8, the log-sum-exp
 it stores for its backward, and the backward. Run it on the CPU with ``TRITON_INTERPRET=1``
-set before ``triton`` is imported (docs/gpu-kernels-on-cpu.md).
+set before ``triton`` is imported (docs/test-a-gpu-kernel.md).
 """
 
 from __future__ import annotations

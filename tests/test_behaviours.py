@@ -60,6 +60,24 @@ def test_float64_at_float32_precision_is_one_behaviour():
     assert behaviour(err, _calls(q, k, v), "6.5", "Permutations") == "the test's words"
 
 
+class _OnDevice(_Backend):
+    device = "cuda"
+
+
+def test_float32_in_tf32_is_one_behaviour_on_a_device():
+    """SPEC §13.20: float32 inputs with an error of TF32's size, from a function that runs
+    on a device, are "computes float32 in TF32"; on the host the test's words stand."""
+    q, k, v = (x.astype(np.float32) for x in _inputs())
+    expected = np.linspace(-1, 1, 12).reshape(1, 2, 3, 2)
+    err = _departure(expected + 2e-3, expected, 1e-6)
+    on_device = [(next(_CLOCK), _OnDevice(), "attention", (q, k, v), {})]
+    assert behaviour(err, on_device, "6.5", "Permutations") == "computes float32 in TF32"
+    assert behaviour(err, _calls(q, k, v), "6.5", "Permutations") == "the test's words"
+    # A large error is a wrong answer, on a device too.
+    err = _departure(expected + 0.3, expected, 1e-6)
+    assert behaviour(err, on_device, "6.5", "Permutations") == "the test's words"
+
+
 def test_rows_with_no_key_are_named_by_what_they_hold():
     q, k, v = _inputs()
     expected = np.ones((1, 2, 3, 2))

@@ -26,6 +26,7 @@ from conformance.adapters.native import OptionMap
 from conformance.backends import load_backend
 from conformance.suite import domain as carrying
 from conformance.suite.helpers import oracle_attention, random_qkv
+from conformance.vocabulary import numpy_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,6 +64,13 @@ def tiled_masked(q, k, v, mask=None, is_causal=False, scale=None):
         return reference(q, k, v, mask=mask, is_causal=is_causal, scale=scale)
     bias = np.where(mask, 0.0, -1e9).astype(q.dtype)
     return reference(q, k, v, mask=bias, is_causal=is_causal, scale=scale)
+
+
+def decode(q, k, v, scale=None):
+    """One query (T = 1), no mask, no causality: a decode kernel."""
+    _log(q=list(q.shape), k=list(k.shape), v=list(v.shape), causal=False)
+    assert q.shape[-2] == 1, q.shape
+    return reference(q, k, v, scale=scale)
 
 
 def causal_only(q, k, v, scale=None):
@@ -106,6 +114,22 @@ float = false
 head_dims = [16]
 t_multiple = 4
 s_multiple = 16
+"""
+
+DECODE = """
+name = "kern.decode"
+target = "kern:decode"
+dtypes = ["float64", "float32"]
+
+[options]
+scale = "scale"
+
+[mask]
+bool = false
+float = false
+
+[domain]
+max_t = 1
 """
 
 CAUSAL_ONLY = """
@@ -340,6 +364,78 @@ def test_sizes_move_inside_the_domain_keeping_their_order():
     assert carrying.inside(Domain(s_multiple=16, t_multiple=16, square=True), 7, 13) == (16, 16)
 
 
+def test_a_decode_kernel_takes_one_query_and_is_never_handed_more():
+    """``max_t = 1`` (a decode kernel): a size at T = 1 moves only along S, a size with more
+    queries stays as it is (its tests are skipped by name), and a carried call with more
+    queries is skipped by name, never split or moved to T = 32."""
+    domain = parse_domain({"max_t": 1, "s_multiple": 32}, "d")
+    assert domain.why_not(2, 32, 8, 8) == "T = 2 is above its most 1"
+    assert domain.why_not(1, 32, 8, 8) is None
+    assert "T <= 1" in domain.words()
+    assert carrying.inside(domain, 1, 1) == (1, 1)  # not T32-S32: T = S has no room here
+    assert carrying.inside(domain, 1, 9) == (1, 32)
+    assert carrying.inside(domain, 7, 13) == (7, 13)
+    kernel = _Kernel(domain, ALL)
+    q, k, v = random_qkv(5, B=1, H=1, T=3, S=5, D=3)
+    with pytest.raises(pytest.skip.Exception, match="T = 3 is above its most 1"):
+        carrying.carry(kernel, "attention", (q, k, v), {})
+    q1 = q[..., :1, :]  # (B, H, 1, D)
+    (carried, *_), options, back = carrying.carry(kernel, "attention", (q1, k, v), {})
+    assert carried.shape[-2] == 1 and options["mask"].shape[-2:] == (1, 32)
+    with pytest.raises(ValueError, match="max_t should be a positive integer"):
+        parse_domain({"max_t": 0}, "d")
+
+
+def test_a_decode_kernel_is_judged_at_one_query(tmp_path):
+    """A run of the fixtures on a decode kernel: the T = 1 fixtures run at T = 1, those
+    with more queries are skipped by name, and the kernel (which asserts T = 1) never
+    sees another T."""
+    code, out, calls = _run(
+        tmp_path, _kernel(tmp_path, DECODE), "test_fixtures.py", args=["-k", "T1-S or T7-S7"]
+    )
+    assert code == 0, out[-3000:]
+    assert calls and {c["q"][-2] for c in calls} == {1}, calls
+    assert "T = 7 is above its most 1" in out, out[-3000:]
+    assert " passed" in out and " skipped" in out, out[-3000:]
+
+
+def test_head_dims_can_be_a_list_of_ranges():
+    """ "D <= 128, or a multiple of 128" (a TPU kernel's): a list of ranges."""
+    domain = parse_domain(
+        {"head_dims": [{"max": 128}, {"min": 128, "max": 512, "multiple": 128}]}, "d"
+    )
+    assert all(domain.head_dim_ok(d) for d in (1, 5, 64, 128, 256, 512))
+    assert not any(domain.head_dim_ok(d) for d in (129, 200, 640))
+    assert domain.next_head_dim(129) == 256 and domain.next_head_dim(600) is None
+    assert (
+        domain.why_not(8, 8, 200, 200)
+        == "D = 200 is not a head dim of 1..128 or 128..512 in steps of 128"
+    )
+    mixed = parse_domain({"head_dims": [16, {"min": 64, "max": 256, "multiple": 64}]}, "d")
+    assert mixed.next_head_dim(17) == 64 and mixed.head_dim_ok(16) and not mixed.head_dim_ok(32)
+    with pytest.raises(ValueError, match="or a list of both"):
+        parse_domain({"head_dims": [16, "x"]}, "d")
+
+
+def test_a_query_tile_that_depends_on_the_dtype():
+    """``t_multiple = {float32 = 8, bfloat16 = 16}``: a float32 call at T = 8 is inside the
+    domain as it is; the same call in bfloat16 is carried to T = 16."""
+    domain = parse_domain({"t_multiple": {"float32": 8, "bfloat16": 16}}, "d")
+    assert domain.for_dtype("float32").t_multiple == 8
+    assert domain.for_dtype("bfloat16").t_multiple == 16
+    assert domain.t_multiple == 16  # where the dtype is not known: the larger tile
+    assert "T a multiple of 16 in bfloat16, 8 in float32" in domain.words()
+    kernel = _Kernel(domain, ALL)
+    q, k, v = random_qkv(5, B=1, H=1, T=8, S=8, D=4)
+    (q32, *_), _, _ = carrying.carry(kernel, "attention", (q.astype(np.float32), k, v), {})
+    assert q32.shape[-2] == 8
+    bf16 = numpy_dtype("bfloat16")
+    (q16, *_), _, _ = carrying.carry(kernel, "attention", (q.astype(bf16), k, v), {})
+    assert q16.shape[-2] == 16
+    with pytest.raises(ValueError, match="t_multiple per dtype"):
+        parse_domain({"t_multiple": {"float32": 0}}, "d")
+
+
 def test_a_profile_declares_its_domain(tmp_path):
     table = {"head_dims": {"min": 16, "max": 256, "multiple": 16}, "s_multiple": 16}
     domain = parse_domain({**table, "backward": {"s_multiple": 128}}, "d")
@@ -396,7 +492,7 @@ def test_the_pallas_profiles_declare_their_domains():
 
 
 def test_the_triton_tutorial_example_declares_its_domain():
-    """examples/triton_fused_attention.toml (not run in CI: docs/gpu-kernels-on-cpu.md)
+    """examples/triton_fused_attention.toml (not run in CI: docs/test-a-gpu-kernel.md)
     parses to the tutorial's domain: no mask, both causal forms, float16, its head dims and
     tiles, under Triton's interpreter."""
     tutorial = profiles.read_profile(ROOT / "examples" / "triton_fused_attention.toml")

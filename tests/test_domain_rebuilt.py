@@ -167,3 +167,37 @@ def test_a_gradient_fixture_is_built_again_with_the_oracles_gradients():
         tol = tolerance(case.dtype, case.grad_naive_error(name), want)
         assert np.abs(got - want).max() <= tol, name
         assert np.abs(bad - want).max() > tol, name
+
+
+#: The tiled kernel of test_domain (D in {16, 32}, S % 16 = 0, no mask), which under
+#: causality with more queries than keys reads key slots past S as a square problem would
+#: (what they hold there is no number): a blockwise kernel's bug.
+PAST_S = """
+
+def past_s(q, k, v, is_causal=False, scale=None):
+    assert q.shape[-1] in (16, 32) and k.shape[-2] % 16 == 0, (q.shape, k.shape)
+    T, S = q.shape[-2], k.shape[-2]
+    if is_causal and T > S:
+        nan = np.full((*k.shape[:-2], T - S, k.shape[-1]), np.nan, dtype=k.dtype)
+        k, v = np.concatenate([k, nan], -2), np.concatenate([v, nan], -2)  # (B, H, T, D)
+    return reference(q, k, v, is_causal=is_causal, scale=scale)
+"""
+
+
+@pytest.mark.clause("3.4", "13.19")
+def test_causal_with_more_queries_than_keys_is_built_again_inside_the_domain(tmp_path):
+    """causal-T13-S7 (float32) reaches a kernel with S % 16 = 0 built again at T = 32,
+    S = 16 (more queries than keys still): a kernel that reads keys past S fails it with
+    that cause named by the oracle's diagnosis, and the correct kernel passes."""
+    kernel = _no_mask_kernel(head_dims=(16,), t_multiple=16, s_multiple=16)
+    case = case_inside(kernel, load_case("causal-T13-S7-float32"))
+    assert [case.meta["shape"][x] for x in "TS"] == [32, 16]
+    path = _kernel(tmp_path, TILED)
+    selection = ["-k", "test_fixture_case and causal-T13-S7-float32"]
+    code, out, _ = _run(tmp_path, path, "test_fixtures.py", args=selection)
+    assert code == 0 and "1 passed" in out, out[-3000:]
+    (tmp_path / "kern.py").write_text((tmp_path / "kern.py").read_text() + PAST_S)
+    path.write_text(TILED.replace('"kern:tiled"', '"kern:past_s"'))
+    code, out, _ = _run(tmp_path, path, "test_fixtures.py", args=selection)
+    assert code == 1 and "1 failed" in out, out[-3000:]
+    assert "keys are read past S" in out, out[-3000:]

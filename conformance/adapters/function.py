@@ -23,6 +23,9 @@ from conformance.adapters.native import OptionMap, make_framework
 from conformance.backends import ALL_CAPABILITIES, Backend
 from conformance.vocabulary import OPTION_CAPABILITIES, VARIANT_CAPABILITIES, option_is_set
 
+#: What a function may declare it computes float32 matmuls in (SPEC §13.20).
+FLOAT32_MATMULS = ("float32", "tf32")
+
 #: What a plain function can declare: everything but the module layers, which a single
 #: attention function does not provide ("all" on the command line means these).
 FUNCTION_CAPABILITIES = ALL_CAPABILITIES - {"module"}
@@ -83,6 +86,12 @@ class FunctionBackend(Backend):
         ``TRITON_INTERPRET=1``), in words, or "" for none.
       lse: where ``func``'s result holds its log-sum-exp (``conformance.adapters.lse``);
         needed to declare "lse" (SPEC §21), given only with it.
+      device: where ``func`` runs (SPEC §13.20), in its framework's spelling ("cuda",
+        "cuda:1", "gpu", "tpu", "cpu"): its inputs are placed there and its outputs brought
+        back (``conformance.adapters.native``, step 2); None: the framework's default.
+      float32_matmul: what the function computes float32 matmuls in, as its profile
+        declares (SPEC §13.20): "float32", the spec's, or "tf32" (a 10-bit mantissa); the
+        run's summary shows it beside the framework's settings.
     """
 
     def __init__(
@@ -101,6 +110,8 @@ class FunctionBackend(Backend):
         domain: Domain | None = None,
         interpreter: str = "",
         lse: LseForm | None = None,
+        device: str | None = None,
+        float32_matmul: str = "float32",
     ) -> None:
         self.func = func
         self.lse = lse
@@ -111,12 +122,21 @@ class FunctionBackend(Backend):
         # JAX's float64 (a setting of the whole process) only where the function needs it.
         self.arrays = make_framework(
             framework,
+            device=device,
             **(
                 {"float64": "float64" in self.dtypes, "why": f"{self.name} declares float64"}
                 if framework == "jax"
                 else {}
             ),
         )
+        #: Where the function runs, as its profile (or ``--impl-device``) spells it.
+        self.device = device
+        if float32_matmul not in FLOAT32_MATMULS:
+            raise ValueError(
+                f"float32_matmul should be one of {', '.join(FLOAT32_MATMULS)}, got "
+                f"{float32_matmul!r}"
+            )
+        self.float32_matmul = float32_matmul
         self.framework = self.arrays.name
         self.call = call or OptionMap()
         self.libraries = tuple(libraries)

@@ -152,8 +152,8 @@ def _backend_as_given(spec: str, backend: Backend, name: str | None, options: bo
         raise ValueError(
             f"--impl {spec!r} is a Backend, which declares its own capabilities and "
             "dtypes and converts its own arrays; --impl-capabilities, --impl-dtypes, "
-            "--impl-framework, --impl-layout, --impl-causal, --impl-mask, --impl-domain "
-            "and profiles are for plain functions"
+            "--impl-framework, --impl-layout, --impl-causal, --impl-mask, --impl-domain, "
+            "--impl-device and profiles are for plain functions"
         )
     if name:
         backend.name = name
@@ -180,6 +180,8 @@ def resolve_impl(
     domain: Domain | None = None,
     interpreter: str = "",
     lse: LseForm | None = None,
+    device: str | None = None,
+    float32_matmul: str = "float32",
 ) -> Backend:
     """The backend ``spec`` ('package.module:attr') names, not yet registered.
 
@@ -193,7 +195,9 @@ def resolve_impl(
     "additive-min", "bool" or "none") say how causality and masks reach a function without a profile
     (``--impl-causal``, ``--impl-mask``), ``forms`` what it takes and ``domain`` the
     shapes it accepts (a profile's), ``interpreter`` what it runs under, ``lse`` where
-    its result holds its log-sum-exp (a profile's [lse], with the capability "lse"). A
+    its result holds its log-sum-exp (a profile's [lse], with the capability "lse"),
+    ``device`` where it runs (``--impl-device``, a profile's ``device``; SPEC §13.20) and
+    ``float32_matmul`` what it computes float32 matmuls in (a profile's). A
     Backend subclass is instantiated, an instance is used as it is; both declare their own
     capabilities and dtypes.
 
@@ -208,7 +212,7 @@ def resolve_impl(
         target = target()
     if isinstance(target, Backend):
         plain = (framework != "numpy", layout != "BHTD", caps, dts)
-        given = (call, packed, causal, mask, domain, lse)
+        given = (call, packed, causal, mask, domain, lse, device)
         return _backend_as_given(
             spec, target, name, any(plain) or any(x is not None for x in given)
         )
@@ -266,9 +270,15 @@ def resolve_impl(
             domain=domain,
             interpreter=interpreter,
             lse=lse,
+            device=device,
+            float32_matmul=float32_matmul,
         )
-    except LookupError as err:  # the framework is not installed
+    except LookupError as err:  # the framework is not installed, or the device not here
         raise ImplUnavailable(f"--impl {spec!r}: {err}") from err
+    except ValueError as err:
+        if str(err).startswith("device "):
+            raise ValueError(f"--impl-device: {err}") from err
+        raise
 
 
 #: ``--impl-mask``: the mask keywords of a function without a profile, and what an additive
@@ -308,6 +318,7 @@ def load_impl(
     causal: str | None = None,
     mask: str | None = None,
     domain: Mapping[str, Any] | None = None,
+    device: str | None = None,
 ) -> Backend:
     """Import the implementation ``spec`` names, register it and return it loaded (a
     profile is loaded by ``conformance.adapters.profiles.load_profile``).
@@ -335,6 +346,7 @@ def load_impl(
         causal=causal,
         mask=mask,
         domain=parse_domain(domain, "--impl-domain") if domain else None,
+        device=device,
     )
     plain = isinstance(backend, FunctionBackend)
     loader = {
@@ -346,6 +358,7 @@ def load_impl(
         "layout": backend.call.layout if plain else "BHTD",
         **({"causal": causal, "mask": mask} if plain and (causal or mask) else {}),
         **({"domain": dict(domain)} if domain else {}),
+        **({"device": device} if device else {}),
     }
     return register_loaded(backend, loader)
 

@@ -14,7 +14,12 @@ library's call and the result comes back, in four visible steps:
    (``conformance.adapters.forms``). Any other mask (an integer one, which the spec refuses) is passed
    on as it is, to the bool keyword if there is one: refusing it is the library's job.
 2. **arrays** (``Framework.from_numpy``): NumPy to the framework's arrays, dtype kept
-   (float16 and bfloat16 stay what they are).
+   (float16 and bfloat16 stay what they are), on the device the function runs on
+   (``--impl-device``, a profile's ``device``; SPEC §13.20): torch's ``.to(device)``,
+   ``jax.device_put(x, device)``, committed there, so that a jitted function and its
+   gradient run there too. The output comes back the same way (``to_numpy``: torch's
+   ``.cpu()``, JAX's ``np.asarray``); the oracle, the fixtures and the tolerance never
+   see a device.
 3. **layout** (in the framework, so that gradients flow through it): ``BTHD`` swaps the
    H and T axes of q, k, v (axes -3 and -2; T stands for S in k and v) and swaps them back
    in the output. The mask keeps the spec's (B, H, T, S) broadcasting. Arrays of rank

@@ -159,11 +159,35 @@ def use_jax_cache(directory: Path | None, environ: Mapping[str, str] = os.enviro
 
 
 class Framework:
-    """Arrays of one framework: the only place data crosses between NumPy and it."""
+    """Arrays of one framework: the only place data crosses between NumPy and it.
+
+    ``device`` (SPEC §13.20) is where the function under test runs, in the framework's own
+    spelling: ``from_numpy`` places each array there, ``to_numpy`` brings it back to the
+    host. None leaves the framework's default. NumPy's arrays live on the host only.
+    """
 
     name = "numpy"
     #: The distribution that provides it, for "not installed" messages.
     package = "numpy"
+    #: The device spellings this framework understands, for the messages.
+    DEVICES = "cpu"
+
+    def __init__(self, device: str | None = None) -> None:
+        self.device = self.resolve_device(device)
+
+    def resolve_device(self, device: str | None) -> Any:
+        """The framework's device for ``device``.
+
+        Raises:
+          ValueError: a spelling the framework does not know, naming ``device``.
+          LookupError: a device the framework knows but this machine does not have.
+        """
+        if device not in (None, "cpu"):
+            raise ValueError(
+                f"device should be cpu for a numpy function (NumPy's arrays live on the "
+                f"host), got {device!r}"
+            )
+        return None
 
     def from_numpy(self, x: np.ndarray) -> Any:
         return x
@@ -197,6 +221,12 @@ class Framework:
         """The settings the function's calls run under (JAX's float64); none here."""
         return contextlib.nullcontext()
 
+    def precision_settings(self) -> dict[str, str]:
+        """The framework's settings that let a device compute float32 in less (TF32, a
+        reduced-precision reduction), each with its value in this process (SPEC §13.20);
+        NumPy has none."""
+        return {}
+
     def version(self) -> dict[str, str]:
         return {"numpy": np.__version__}
 
@@ -204,22 +234,41 @@ class Framework:
 class TorchFramework(Framework):
     name = "torch"
     package = "torch"
+    DEVICES = "cpu, cuda, cuda:N, or another torch.device string"
 
-    def __init__(self) -> None:
+    def __init__(self, device: str | None = None) -> None:
         import torch
 
         self.torch = torch
+        super().__init__(device)
+
+    def resolve_device(self, device):
+        if device is None:
+            return None
+        try:
+            found = self.torch.device(device)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(
+                f"device should be a torch device ({self.DEVICES}), got {device!r}"
+            ) from err
+        try:
+            self.torch.empty(0, device=found)
+        except (RuntimeError, AssertionError) as err:
+            raise LookupError(f"device {device!r} is not on this machine: {err}") from err
+        return found
 
     def from_numpy(self, x):
         x = np.asarray(x)
         if x.dtype.name == "bfloat16":
             # torch cannot read ml_dtypes' bfloat16; the bits are the same, so reinterpret.
             bits = self.torch.from_numpy(np.ascontiguousarray(x).view(np.int16))
-            return bits.view(self.torch.bfloat16)
-        return self.torch.from_numpy(np.array(x))
+            found = bits.view(self.torch.bfloat16)
+        else:
+            found = self.torch.from_numpy(np.array(x))
+        return found if self.device is None else found.to(self.device)
 
     def to_numpy(self, x):
-        x = x.detach()
+        x = x.detach().cpu()
         if x.dtype == self.torch.bfloat16:
             return x.view(self.torch.int16).numpy().view(numpy_dtype("bfloat16"))
         return x.numpy()
@@ -246,6 +295,20 @@ class TorchFramework(Framework):
         # A leaf the output does not depend on (v with every row masked) has gradient 0.
         return [self.torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
 
+    def precision_settings(self):
+        matmul = self.torch.backends.cuda.matmul
+        return {
+            "torch.backends.cuda.matmul.allow_tf32": str(matmul.allow_tf32),
+            "torch.backends.cudnn.allow_tf32": str(self.torch.backends.cudnn.allow_tf32),
+            "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction": str(
+                matmul.allow_fp16_reduced_precision_reduction
+            ),
+            "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction": str(
+                matmul.allow_bf16_reduced_precision_reduction
+            ),
+            "torch.get_float32_matmul_precision()": self.torch.get_float32_matmul_precision(),
+        }
+
     def version(self):
         return {"torch": self.torch.__version__}
 
@@ -253,10 +316,35 @@ class TorchFramework(Framework):
 class JaxFramework(Framework):
     name = "jax"
     package = "jax"
+    DEVICES = "cpu, gpu, cuda, rocm or tpu, each with an optional :N"
+    PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 
-    def __init__(self, float64: bool = True, why: str = "a JAX function declares float64") -> None:
+    def __init__(
+        self,
+        float64: bool = True,
+        why: str = "a JAX function declares float64",
+        device: str | None = None,
+    ) -> None:
         self.jax = import_jax(float64, why=why)
         self.float64 = float64
+        super().__init__(device)
+
+    def resolve_device(self, device):
+        if device is None:
+            return None
+        platform, _, index = str(device).partition(":")
+        if platform not in self.PLATFORMS or (_ and not index.isdigit()):
+            raise ValueError(f"device should be a JAX device ({self.DEVICES}), got {device!r}")
+        try:
+            devices = self.jax.devices(platform)
+        except RuntimeError as err:
+            raise LookupError(f"device {device!r} is not on this machine: {err}") from err
+        if int(index or 0) >= len(devices):
+            raise LookupError(
+                f"device {device!r} is not on this machine: JAX has {len(devices)} "
+                f"{platform} device(s)"
+            )
+        return devices[int(index or 0)]
 
     def scope(self):
         # x64 is a setting of the process: where another backend of the run switched it on,
@@ -264,7 +352,8 @@ class JaxFramework(Framework):
         return contextlib.nullcontext() if self.float64 else self.jax.enable_x64(False)
 
     def from_numpy(self, x):
-        return self.jax.device_put(np.asarray(x))
+        # Committed to the device where one is named: a jitted function then runs there.
+        return self.jax.device_put(np.asarray(x), self.device)
 
     def to_numpy(self, x):
         return np.asarray(x)
@@ -287,6 +376,12 @@ class JaxFramework(Framework):
         # are traced, and each signature compiles once.
         return self.jax.jit(func, static_argnames=static)
 
+    def precision_settings(self):
+        # None is JAX's default: one pass of the device's fastest float32 matmul, TF32 on
+        # NVIDIA GPUs from Ampere on and bfloat16 passes on a TPU; "highest" is float32.
+        chosen = self.jax.config.jax_default_matmul_precision
+        return {"jax_default_matmul_precision": "None (the default)" if chosen is None else chosen}
+
     def version(self):
         return {"jax": self.jax.__version__}
 
@@ -299,8 +394,9 @@ FRAMEWORKS: dict[str, type[Framework]] = {
 
 
 def make_framework(name: str, **settings: Any) -> Framework:
-    """The framework ``name`` (JAX's ``settings``: ``float64``, and ``why`` it is needed); a
-    missing or unknown one is a ``LookupError`` saying what is available."""
+    """The framework ``name`` (JAX's ``settings``: ``float64``, and ``why`` it is needed;
+    every framework's: ``device``, ``Framework.resolve_device``); a missing or unknown one,
+    or a device this machine lacks, is a ``LookupError`` saying what is available."""
     if name not in FRAMEWORKS:
         raise LookupError(f"unknown framework {name!r}; known: {', '.join(FRAMEWORKS)}")
     cls = FRAMEWORKS[name]
@@ -310,4 +406,5 @@ def make_framework(name: str, **settings: Any) -> Framework:
             f"framework {name!r} is not installed (pip install {cls.package}); installed: "
             f"{', '.join(installed)}"
         )
-    return cls(**settings) if name == "jax" else cls()
+    device = settings.pop("device", None)
+    return cls(**settings, device=device) if name == "jax" else cls(device=device)

@@ -151,6 +151,11 @@ def _impl_form_arguments(parser: argparse.ArgumentParser) -> None:
         help="the shapes an --impl function accepts (repeatable), e.g. 'head_dims=[16, 32]', "
         "s_multiple=16, square=true",
     )
+    parser.add_argument(
+        "--impl-device",
+        metavar="DEVICE",
+        help="where an --impl function runs, in its framework's spelling (cuda, cuda:1, gpu)",
+    )
 
 
 def _load_impl(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
@@ -175,6 +180,7 @@ def _load_impl(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str
             causal=args.impl_causal,
             mask=args.impl_mask,
             domain=domain_flags(args.impl_domain or ()),
+            device=args.impl_device,
         )
     except (BackendUnavailable, ValueError) as err:
         parser.error(str(err))

@@ -53,6 +53,11 @@ WHERE = "conformance-where"
 #: within ``PRECISION_SLACK`` eps of one (scaled by max(1, |expected|)) is that precision.
 LOWER_PRECISIONS = {"float64": ("float32",)}
 PRECISION_SLACK = 64.0
+#: TF32's eps: float32's exponent with a 10-bit mantissa, what a GPU's tensor cores compute
+#: a float32 matmul in where allowed. A float32 result within ``PRECISION_SLACK`` of it is
+#: "computes float32 in TF32", for a function that runs on a device or declares TF32
+#: (SPEC §13.20): on the host, the same error has other causes.
+TF32_EPS = 2.0**-10
 #: How close to the mean of V a row with no key must be to be called that.
 MEAN_OF_V_RTOL = 1e-2
 
@@ -132,7 +137,18 @@ def _precision(seen: Seen, calls) -> str | None:
         bound = PRECISION_SLACK * EPS[lower] * max(1.0, seen.scale)
         if seen.tolerance < seen.error <= bound:
             return f"computes {name} at {lower} precision"
+    if name == "float32" and _may_compute_in_tf32(calls[-1][1]):
+        bound = PRECISION_SLACK * TF32_EPS * max(1.0, seen.scale)
+        if seen.tolerance < seen.error <= bound:
+            return "computes float32 in TF32"
     return None
+
+
+def _may_compute_in_tf32(backend) -> bool:
+    """Whether ``backend`` runs on a device other than the host's CPU, or declares TF32."""
+    device = getattr(backend, "device", None)
+    declared = getattr(backend, "float32_matmul", "float32") == "tf32"
+    return declared or (bool(device) and str(device).partition(":")[0] != "cpu")
 
 
 def of_seen(seen: Seen, calls, found: diagnosis.Found | None = None) -> str | None:

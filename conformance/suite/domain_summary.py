@@ -92,7 +92,8 @@ class DomainSummary:
             size = params.get("size")
             if backend is None or not isinstance(size, dict) or not {"T", "S"} <= set(size):
                 continue
-            domain = domain_of(backend)
+            dtype = params.get("dtype")
+            domain = domain_of(backend).for_dtype(dtype if isinstance(dtype, str) else "")
             moved = inside(domain, size["T"], size["S"])
             if moved != (size["T"], size["S"]):
                 item.callspec.params["size"] = {**size, "T": moved[0], "S": moved[1]}

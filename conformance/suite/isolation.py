@@ -48,6 +48,11 @@ SIGNALS = {
     "Bus error": "SIGBUS",
     "Illegal instruction": "SIGILL",
 }
+#: The words of an error that leaves a device's state lost for the rest of the process
+#: (CUDA's errors are sticky: after an illegal memory access every later call fails).
+DEVICE_ERROR = re.compile(r"CUDA error|CUDA_ERROR_|cudaError")
+#: The exit status of a worker that ended itself after a device error (SPEC §13.20).
+DEVICE_LOST_STATUS = 3
 _CRASH_DIR = "conformance_crash_dir"
 _CRASH = pytest.StashKey[Path]()
 _HANDLER_FILE = pytest.StashKey[object]()
@@ -174,6 +179,24 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem) -> None:
         started.write(f"{time.time()!r}\t{item.nodeid}\t{json.dumps(verdicts.label(item))}")
 
 
+def end_after_device_error(item: pytest.Item, call: pytest.CallInfo) -> None:
+    """In a worker of an isolated run: a test whose function raised a device error (CUDA's,
+    SPEC §13.20) ends the worker before the test's report is sent, so that the controller
+    counts it as this test's crash and the next tests run in a fresh process on a device
+    whose state is whole; the error's behaviour is left in a file for the crash's words."""
+    workerinput = getattr(item.config, "workerinput", {})
+    if call.excinfo is None or _CRASH_DIR not in workerinput:
+        return
+    from conformance.suite import behaviours
+
+    inner = behaviours._innermost(call.excinfo.value)
+    if not DEVICE_ERROR.search(str(inner)):
+        return
+    path = _crash_file(workerinput[_CRASH_DIR], workerinput["workerid"], "device-error")
+    path.write_text(json.dumps({"nodeid": item.nodeid, "found": behaviours.raised(inner)}))
+    os._exit(DEVICE_LOST_STATUS)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtestloop(session: pytest.Session):
     """An isolated run stopped by ``-x`` or ``--maxfail`` exits as pytest's own does, 1
@@ -248,7 +271,14 @@ def pytest_handlecrashitem(crashitem: str, report, sched) -> None:
     on = f" on a call with {' and '.join(shape)}" if shape else ""
     hung = bool(not signal and limit and nodeid == crashitem)
     hung = hung and time.time() - float(when) >= float(limit)
-    if signal:
+    device = _device_error(folder, worker, crashitem)
+    if device:
+        found = device
+        said = (
+            f"the function under test {device}, a device error after which the process's "
+            "device state is lost; its worker process was ended"
+        )
+    elif signal:
         found = f"kills its process with {signal}{on}"
         said = f"the function under test killed its process with {signal}" + (
             f" in {where}" if where else ""
@@ -279,6 +309,19 @@ def pytest_handlecrashitem(crashitem: str, report, sched) -> None:
     if reason is not None:
         report.outcome = "skipped"
         report.wasxfail = reason
+
+
+def _device_error(folder: Path | None, worker: str, crashitem: str) -> str:
+    """The behaviour of the device error that ended ``worker`` on ``crashitem``, or ""."""
+    if folder is None or not worker:
+        return ""
+    path = _crash_file(folder, worker, "device-error")
+    try:
+        note = json.loads(path.read_text()) if path.exists() else {}
+    except ValueError:
+        return ""
+    path.unlink(missing_ok=True)
+    return note.get("found", "") if note.get("nodeid") == crashitem else ""
 
 
 def _longrepr(lines: list[str], path: str, found: str):

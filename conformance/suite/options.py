@@ -173,12 +173,21 @@ def _add_impl_options(group: pytest.OptionGroup) -> None:
         "t_multiple=16, min_t=1, min_s=1, square=true, backward.s_multiple=128",
     )
     group.addoption(
+        "--impl-device",
+        default=None,
+        metavar="DEVICE",
+        help="where an --impl function runs (SPEC §13.20), in its framework's spelling: "
+        "torch cpu, cuda, cuda:N; JAX cpu, gpu, tpu, with :N; its inputs are placed there, "
+        "its outputs brought back to compare",
+    )
+    group.addoption(
         "--impl-profile",
         action="append",
         default=[],
         metavar="NAME|PATH",
         help="a library function described by a profile (SPEC §13.10): a shipped one "
-        "(conformance/adapters/profiles/NAME.toml), 'all' of them, or a TOML file (repeatable)",
+        "(conformance/adapters/profiles/NAME.toml), 'all' of them, 'all-gpu' (every device "
+        "profile, gpu/*.toml, SPEC §13.20), or a TOML file (repeatable)",
     )
     group.addoption(
         "--impl-name",
@@ -254,4 +263,5 @@ IMPL_FLAGS = (
     "--impl-causal",
     "--impl-mask",
     "--impl-domain",
+    "--impl-device",
 )

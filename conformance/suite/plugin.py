@@ -53,6 +53,7 @@ from conformance.backends import (
 from conformance.suite import (
     behaviours,
     compiles,
+    device_summary,
     domain_summary,
     known_failures,
     replay,
@@ -65,6 +66,7 @@ from conformance.suite.clauses import clause_titles
 # A user's function that kills its process fails one test (SPEC §13.13): these hooks
 # belong to this plugin, so they live wherever it is loaded.
 from conformance.suite.isolation import (  # noqa: F401
+    end_after_device_error,
     pytest_cmdline_main,
     pytest_configure_node,
     pytest_handlecrashitem,
@@ -170,6 +172,7 @@ def _load_impl(config: pytest.Config) -> str | None:
             causal=config.getoption("--impl-causal"),
             mask=config.getoption("--impl-mask"),
             domain=domain_flags(config.getoption("--impl-domain") or ()),
+            device=config.getoption("--impl-device"),
         )
     except (BackendUnavailable, ValueError) as err:
         raise pytest.UsageError(str(err)) from err
@@ -257,6 +260,9 @@ def pytest_configure(config: pytest.Config) -> None:
         summary = verdicts.Summary(config, names, config.stash[LAYER_CHOICE])
         config.pluginmanager.register(summary, "conformance-verdicts")
     config.pluginmanager.register(domain_summary.DomainSummary(loaded), "conformance-domain")
+    if not hasattr(config, "workerinput"):
+        devices = device_summary.DeviceSummary(loaded)
+        config.pluginmanager.register(devices, "conformance-device")
     path = config.getoption("--known-failures")
     try:
         config.stash[KNOWN_FAILURES] = known_failures.read_known_failures(path) if path else {}
@@ -397,6 +403,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     a known failure became an xfail: an expected failure writes no replay."""
     outcome = yield
     rep = outcome.get_result()
+    end_after_device_error(item, call)  # SPEC §13.20: the next test in a fresh process
     if _ours(item) and (rep.when == "call" or not rep.passed):
         departs = rep.failed or hasattr(rep, "wasxfail")
         rep.user_properties.append((verdicts.LABEL, json.dumps(verdicts.label(item, departs))))

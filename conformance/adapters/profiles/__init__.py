@@ -21,6 +21,9 @@ conversion itself is ``conformance/adapters/native.py``; a profile only says wha
     needs = []                               # hardware: ["cuda"]; skipped by name without
     probe = ""                               # "module:function": None, or why not (measured)
     interpreter = ""                         # on the CPU: triton, pallas, pallas-tpu or words
+    device = ""                              # where it runs (SPEC §13.20): cuda, cuda:N,
+                                             # gpu, tpu, cpu; missing here -> skipped by name
+    float32_matmul = "float32"               # or "tf32": what its float32 matmuls use
     # [lse]                                  # with "lse" (SPEC §21): index = 1 or key =
                                              # "lse", out = 0, keyword, layout, base
     capabilities = ["unbatched", "gqa", "dropout", "grad", "grad_mask"]
@@ -88,6 +91,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from conformance.adapters.domain import Domain, parse_domain
+from conformance.adapters.function import FLOAT32_MATMULS
 from conformance.adapters.impl import (
     ImplUnavailable,
     import_target,
@@ -96,7 +100,7 @@ from conformance.adapters.impl import (
 )
 from conformance.adapters.lse import LseForm, parse_lse
 from conformance.adapters.merge import MergeOnlyBackend, merge_table, with_merge
-from conformance.adapters.native import BOOL_MEANINGS, SPEC_OPTIONS, OptionMap
+from conformance.adapters.native import BOOL_MEANINGS, SPEC_OPTIONS, OptionMap, make_framework
 from conformance.adapters.profiles.parse import (  # noqa: F401 - the [forms] names, re-exported
     ALIGNMENTS,
     FORMS_KEYS,
@@ -133,6 +137,8 @@ KEYS = {
     "call",
     "lse",
     "merge",
+    "device",
+    "float32_matmul",
 }
 MASK_KEYS = {"bool", "bool_true", "float", "blocked"}
 #: What a profile's ``needs`` may name: hardware a function requires beyond its libraries.
@@ -142,6 +148,16 @@ HARDWARE = {"cuda"}
 def shipped_profiles() -> list[str]:
     """The names of the profiles shipped in this folder."""
     return sorted(path.stem for path in HERE.glob("*.toml"))
+
+
+#: The device profiles (SPEC §13.20), in ``gpu/``: apart from ``all``, whose table is the
+#: CPU's, and run by ``--impl-profile all-gpu``; each is skipped by name without its device.
+GPU = HERE / "gpu"
+
+
+def gpu_profiles() -> list[str]:
+    """The names of the shipped device profiles, as ``read_profile`` takes them."""
+    return sorted(f"gpu/{path.stem}" for path in GPU.glob("*.toml"))
 
 
 @dataclass(frozen=True)
@@ -173,6 +189,10 @@ class Profile:
     lse: LseForm | None = None
     #: The [merge] table (``conformance.adapters.merge``): the merge function, SPEC §22.
     merge: dict | None = None
+    #: Where the function runs (SPEC §13.20), in its framework's spelling; "" the default.
+    device: str = ""
+    #: What it computes float32 matmuls in (SPEC §13.20): "float32" or "tf32".
+    float32_matmul: str = "float32"
 
     def missing(self) -> list[str]:
         """The distributions in ``requires`` that are not installed here."""
@@ -184,7 +204,19 @@ class Profile:
         missing = self.missing()
         if missing:
             return f"{', '.join(missing)} not installed here (pip install {' '.join(missing)})"
-        return self._hardware_missing()
+        return self._hardware_missing() or self._device_missing()
+
+    def _device_missing(self) -> str | None:
+        """Why ``device`` is not here (the framework's own words), or None."""
+        if not self.device:
+            return None
+        try:
+            # No float64 switched on for a look at the devices.
+            make_framework(self.framework, device=self.device,
+                           **({"float64": False} if self.framework == "jax" else {}))  # fmt: skip
+        except LookupError as err:
+            return str(err)
+        return None
 
     def _hardware_missing(self) -> str | None:
         """What the ``probe`` measured, when the hardware ``needs`` names is missing."""
@@ -207,7 +239,7 @@ class Profile:
                 f"installed here (pip install {' '.join(missing)}); profiles whose libraries "
                 f"are installed: {installed_profiles()}"
             )
-        why = self._hardware_missing()
+        why = self._hardware_missing() or self._device_missing()
         if why:
             raise ProfileError(f"profile {self.name!r} ({self.path}) cannot run here: {why}")
         if self.quantized is not None:
@@ -230,6 +262,8 @@ class Profile:
                 domain=self.domain,
                 interpreter=self.interpreter,
                 lse=self.lse,
+                device=self.device or None,
+                float32_matmul=self.float32_matmul,
             ), self.merge, self.layout)  # fmt: skip
         except (ImplUnavailable, ValueError) as err:
             raise ProfileError(f"profile {self.name!r} ({self.path}): {err}") from err
@@ -380,6 +414,17 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
             f"{where}: 'interpreter' should be the interpreter it runs under, in words, got "
             f"{interpreter!r}"
         )
+    device = data.get("device", "")
+    if not isinstance(device, str):
+        raise ProfileError(
+            f"{where}: 'device' should be where the function runs, in its framework's "
+            f"spelling (cuda, cuda:1, gpu, tpu, cpu), got {device!r}"
+        )
+    if data.get("float32_matmul", "float32") not in FLOAT32_MATMULS:
+        raise ProfileError(
+            f"{where}: 'float32_matmul' should be one of {', '.join(FLOAT32_MATMULS)} (what "
+            f"its float32 matmuls compute in), got {data['float32_matmul']!r}"
+        )
     return Profile(
         name=data["name"],
         target=data.get("target", ""),
@@ -403,13 +448,17 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
         interpreter=interpreter,
         lse=lse,
         merge=merge,
+        device=device,
+        float32_matmul=data.get("float32_matmul", "float32"),
     )
 
 
 def load_profiles(names: Iterable[str]) -> tuple[list[Profile], list[Profile]]:
-    """Register the profiles ``names`` (``all``: every shipped one) as backends.
+    """Register the profiles ``names`` (``all``: every shipped one; ``all-gpu``: every
+    shipped device profile) as backends.
 
-    Returns (loaded, unavailable). A profile named explicitly must load; under ``all``,
+    Returns (loaded, unavailable). A profile named explicitly must load; under ``all`` or
+    ``all-gpu``,
     one whose library is not installed here is registered as ``MissingLibrary`` (its
     tests are skipped by name, ``skip_reason``), never left out in silence.
 
@@ -418,8 +467,9 @@ def load_profiles(names: Iterable[str]) -> tuple[list[Profile], list[Profile]]:
     """
     loaded, unavailable = [], []
     for value in names:
-        every = value == "all"
-        for name in shipped_profiles() if every else [value]:
+        every = value in ("all", "all-gpu")
+        chosen = {"all": shipped_profiles, "all-gpu": gpu_profiles}.get(value)
+        for name in chosen() if chosen else [value]:
             profile = read_profile(name)
             if every and profile.unavailable():
                 register_backend(profile.name, lambda p=profile: MissingLibrary(p), replace=True)

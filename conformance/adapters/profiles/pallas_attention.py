@@ -74,6 +74,22 @@ def gpu_mha(q, k, v, *, scale: float, is_causal: bool = False):
     )
 
 
+def gpu_mha_compiled(q, k, v, *, scale: float, is_causal: bool = False):
+    """``pallas.ops.gpu.attention.mha`` as ``gpu_mha``, compiled for the GPU
+    (``interpret=False``): the ``gpu/pallas.gpu.mha.compiled`` profile, where it fails rather
+    than fall back to the interpreter on a machine without one."""
+    return gpu_attention.mha(
+        q,
+        k,
+        v,
+        None,  # segment_ids
+        sm_scale=scale,
+        causal=is_causal,
+        block_sizes=_GPU_BLOCKS,
+        interpret=False,
+    )
+
+
 def tpu_flash_attention(q, k, v, *, scale: float, ab=None, is_causal: bool = False):
     """out (B, H, T, E) of ``pallas.ops.tpu.flash_attention.flash_attention`` for q
     (B, H, T, D), k and v (B, H, S, D), an additive mask ``ab`` broadcast to (B, H, T, S):

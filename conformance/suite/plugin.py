@@ -75,6 +75,7 @@ from conformance.suite.isolation import (  # noqa: F401
     pytest_sessionfinish,
     pytest_sessionstart,
 )
+from conformance.suite.nodeids import ids_carry_their_module
 
 # The plugin's command-line options live on a page of their own; the hook is this plugin's.
 from conformance.suite.options import (
@@ -335,34 +336,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             ),
             stacklevel=1,
         )
-
-
-def ids_carry_their_module(items: list[pytest.Item]) -> None:
-    """Give a test collected by ``--pyargs`` from outside the rootdir its module's path.
-
-    pytest writes such a test's id relative to the argument it came from, which is the
-    module itself: ``::test_lse_of_rows_whose_output_is_nan[...]``, with no module, in
-    the FAILED lines and under ``--co``. The id becomes the module's path inside the
-    installed package (``conformance/tests/test_lse.py::...``), as in a checkout."""
-    root = Path(__file__).resolve().parents[2]  # the folder holding the package
-    for item in items:
-        if not item.nodeid.startswith("::"):
-            continue
-        try:
-            module = Path(item.path).resolve().relative_to(root).as_posix()
-        except ValueError:  # a module outside the package keeps pytest's id
-            continue
-        _set_nodeid(item, module + item.nodeid)
-
-
-def _set_nodeid(item: pytest.Item, nodeid: str) -> None:
-    """pytest 9 keeps a node's id as a ``NodeId`` (``_id``), earlier ones as a string."""
-    try:
-        from _pytest.nodeid import NodeId
-    except ImportError:
-        item._nodeid = nodeid
-    else:
-        item._id = NodeId.parse(nodeid)
 
 
 def _mark_profile_items(config: pytest.Config, items: list[pytest.Item], known=True) -> None:

@@ -248,7 +248,7 @@ def misreadings(err: BaseException | None, calls: list) -> list[str]:
 def where(err: BaseException | None, calls: list) -> str | None:
     """For a failing comparison that no misreading explains: which batch elements, heads,
     rows and channels hold the error, and which options, left out, bring the output
-    nearer (``diagnosis.where_it_departs``); None otherwise."""
+    nearer (``diagnosis_readers.where_it_departs``); None otherwise."""
     inner = _innermost(err) if err is not None else None
     if not isinstance(inner, Departure):
         return None

@@ -1,4 +1,5 @@
-"""Arrays of each framework: the one place data crosses between NumPy and torch or JAX.
+"""Arrays of each framework: the one place data crosses between NumPy and torch, JAX, MLX,
+tinygrad or Paddle.
 
 The backends convert with these classes, and so do the native calls of other libraries'
 functions (``conformance.adapters.native``). Frameworks are imported inside their class,
@@ -242,10 +243,148 @@ class JaxFramework(Framework):
         return {"jax": self.jax.__version__}
 
 
+class MlxFramework(Framework):
+    """MLX arrays, on the CPU stream where MLX has no GPU. ``mx.array`` reads NumPy's
+    float16 and float32 as they are; float64 it turns into float32 and bfloat16 (ml_dtypes)
+    it cannot read, so bfloat16 crosses as float32 (exact: every bfloat16 is a float32)
+    and is cast back in MLX."""
+
+    name = "mlx"
+    package = "mlx"
+
+    def __init__(self) -> None:
+        import mlx.core as mx
+
+        self.mx = mx
+
+    def from_numpy(self, x):
+        x = np.asarray(x)
+        if x.dtype.name == "bfloat16":
+            return self.mx.array(x.astype(np.float32)).astype(self.mx.bfloat16)
+        return self.mx.array(x)
+
+    def to_numpy(self, x):
+        if x.dtype == self.mx.bfloat16:
+            return np.array(x.astype(self.mx.float32)).astype(numpy_dtype("bfloat16"))
+        return np.array(x)
+
+    def is_array(self, x):
+        return isinstance(x, self.mx.array)
+
+    def swap_heads_and_time(self, x):
+        return self.mx.swapaxes(x, -3, -2)
+
+    def seed(self, seed):
+        self.mx.random.seed(seed)
+
+    def vjp(self, call, primals, d_out):
+        _, grads = self.mx.vjp(lambda *xs: call(*xs), primals, [d_out])
+        return list(grads)
+
+    def version(self):
+        import mlx
+
+        return {"mlx": mlx.__version__}
+
+
+class TinygradFramework(Framework):
+    """tinygrad Tensors on its default device (here the CPU, whose kernels tinygrad compiles
+    with clang). bfloat16 crosses as float32 and is cast in tinygrad, as for MLX."""
+
+    name = "tinygrad"
+    package = "tinygrad"
+
+    def __init__(self) -> None:
+        import tinygrad
+
+        self.tinygrad = tinygrad
+
+    def from_numpy(self, x):
+        x = np.asarray(x)
+        if x.dtype.name == "bfloat16":
+            wide = self.tinygrad.Tensor(x.astype(np.float32))
+            return wide.cast(self.tinygrad.dtypes.bfloat16)
+        return self.tinygrad.Tensor(np.ascontiguousarray(x))
+
+    def to_numpy(self, x):
+        if x.dtype == self.tinygrad.dtypes.bfloat16:
+            wide = x.cast(self.tinygrad.dtypes.float32).numpy()
+            return wide.astype(numpy_dtype("bfloat16"))
+        return x.numpy()
+
+    def is_array(self, x):
+        return isinstance(x, self.tinygrad.Tensor)
+
+    def swap_heads_and_time(self, x):
+        return x.transpose(-3, -2)
+
+    def seed(self, seed):
+        self.tinygrad.Tensor.manual_seed(seed)
+
+    def vjp(self, call, primals, d_out):
+        leaves = [x.detach().requires_grad_(True) for x in primals]
+        out = call(*leaves)
+        return list(out.gradient(*leaves, gradient=d_out))
+
+    def version(self):
+        from importlib.metadata import version
+
+        return {"tinygrad": version("tinygrad")}
+
+
+class PaddleFramework(Framework):
+    """PaddlePaddle tensors on the CPU. bfloat16 crosses as float32 and is cast in Paddle."""
+
+    name = "paddle"
+    package = "paddle"
+
+    def __init__(self) -> None:
+        import paddle
+
+        self.paddle = paddle
+
+    def from_numpy(self, x):
+        x = np.asarray(x)
+        if x.dtype.name == "bfloat16":
+            return self.paddle.to_tensor(x.astype(np.float32)).astype("bfloat16")
+        return self.paddle.to_tensor(np.ascontiguousarray(x))
+
+    def to_numpy(self, x):
+        if x.dtype == self.paddle.bfloat16:
+            return x.astype("float32").numpy().astype(numpy_dtype("bfloat16"))
+        return x.numpy()
+
+    def is_array(self, x):
+        return isinstance(x, self.paddle.Tensor)
+
+    def swap_heads_and_time(self, x):
+        perm = list(range(x.ndim))
+        perm[-3], perm[-2] = perm[-2], perm[-3]
+        return self.paddle.transpose(x, perm)
+
+    def seed(self, seed):
+        self.paddle.seed(seed)
+
+    def vjp(self, call, primals, d_out):
+        leaves = [x.detach() for x in primals]
+        for leaf in leaves:
+            leaf.stop_gradient = False
+        out = call(*leaves)
+        grads = self.paddle.grad(out, leaves, grad_outputs=d_out, allow_unused=True)
+        # A leaf the output does not depend on has gradient 0, as in torch.
+        return [self.paddle.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
+
+    def version(self):
+        return {"paddlepaddle": self.paddle.__version__}
+
+
 FRAMEWORKS: dict[str, type[Framework]] = {
     "numpy": Framework,
     "torch": TorchFramework,
     "jax": JaxFramework,
+    "mlx": MlxFramework,
+    "tinygrad": TinygradFramework,
+    "paddle": PaddleFramework,
 }
 
 

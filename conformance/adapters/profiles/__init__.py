@@ -59,6 +59,10 @@ conversion itself is ``conformance/adapters/native.py``; a profile only says wha
     [domain.backward]                        # where the backward's limits differ
     s_multiple = 128
 
+    [run]                                    # a function compiled per shape: the test
+    tests = ["test_fixture_case"]            # functions its default run has (every test:
+                                             # --every-test)
+
     [processor_dependent]                    # fails on some processors, not others
     "test_nan_propagates[torch.sdpa-float64-plain-q]" = "a NaN in the inputs becomes ..."
 
@@ -133,6 +137,7 @@ KEYS = {
     "call",
     "lse",
     "merge",
+    "run",
 }
 MASK_KEYS = {"bool", "bool_true", "float", "blocked"}
 #: What a profile's ``needs`` may name: hardware a function requires beyond its libraries.
@@ -173,6 +178,9 @@ class Profile:
     lse: LseForm | None = None
     #: The [merge] table (``conformance.adapters.merge``): the merge function, SPEC §22.
     merge: dict | None = None
+    #: [run] tests: the test functions of its default run (none: every test); a function
+    #: that compiles each signature would take hours on the whole spec.
+    tests: tuple[str, ...] = ()
 
     def missing(self) -> list[str]:
         """The distributions in ``requires`` that are not installed here."""
@@ -245,9 +253,13 @@ class Profile:
             raise ProfileError(f"profile {self.name!r} ({self.path}): {err}") from err
 
 
+#: Distributions whose import name is not their own name.
+IMPORT_NAMES = {"paddlepaddle": "paddle"}
+
+
 def _module_of(distribution: str) -> str:
     """The import name of a distribution in ``requires`` (onnxruntime, torch, ...)."""
-    return distribution.replace("-", "_")
+    return IMPORT_NAMES.get(distribution, distribution.replace("-", "_"))
 
 
 def installed_profiles() -> list[str]:
@@ -364,6 +376,17 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
             f"{where}: 'interpreter' should be the interpreter it runs under, in words, got "
             f"{interpreter!r}"
         )
+    run = data.get("run", {})
+    tests = run.get("tests", [])
+    if (
+        set(run) - {"tests"}
+        or not isinstance(tests, list)
+        or not all(isinstance(t, str) and t.startswith("test_") for t in tests)
+    ):
+        raise ProfileError(
+            f"{where}: [run] takes tests, a list of the suite's test functions "
+            f"(test_...), got {run!r}"
+        )
     return Profile(
         name=data["name"],
         target=data["target"],
@@ -387,6 +410,7 @@ def parse_profile(data: dict[str, Any], path: Path) -> Profile:
         interpreter=interpreter,
         lse=lse,
         merge=merge,
+        tests=tuple(tests),
     )
 
 

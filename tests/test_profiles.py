@@ -49,6 +49,15 @@ FRAMEWORKS = [
     "numpy",
     pytest.param("torch", marks=needs_torch),
     pytest.param("jax", marks=pytest.mark.skipif(not HAS_JAX, reason="jax not installed")),
+    *(
+        pytest.param(
+            name,
+            marks=pytest.mark.skipif(
+                not importlib.util.find_spec(package), reason=f"{package} not installed"
+            ),
+        )
+        for name, package in (("mlx", "mlx"), ("tinygrad", "tinygrad"), ("paddle", "paddle"))
+    ),
 ]
 
 
@@ -480,6 +489,9 @@ def _write_profile(tmp_path: Path, text: str) -> Path:
             'name = "x"\ntarget = "numpy:add"\ncapabilities = ["packed"]\npacked = "add"\n',
             "'module:function' of attention_packed",
         ),
+        ('name = "x"\ntarget = "numpy:add"\n[run]\ntests = "test_a"\n', "[run] takes tests"),
+        ('name = "x"\ntarget = "numpy:add"\n[run]\ntests = ["fixture"]\n', "(test_...)"),
+        ('name = "x"\ntarget = "numpy:add"\n[run]\nlayers = ["math"]\n', "[run] takes tests"),
     ],
 )
 def test_a_broken_profile_says_what_is_missing(tmp_path, body, message):
@@ -503,6 +515,38 @@ def test_unavailable_library_is_skipped_by_name_under_all(tmp_path, monkeypatch)
             profiles.load_profiles(["ghost"])  # named explicitly: an error, not a skip
     finally:
         unregister_backend("ghost")
+
+
+@pytest.mark.clause("13.12")
+@pytest.mark.parametrize("every_test", [False, True])
+def test_a_profiles_default_run_skips_the_other_tests_by_name(tmp_path, every_test):
+    """A profile's [run] tests are its default run: its other tests are skipped, naming the
+    option that runs them (every test, with ``every_test``); other backends' tests run."""
+    from conformance.suite import known_failures
+
+    path = _write_profile(
+        tmp_path, 'name = "compiled"\ntarget = "numpy:add"\n[run]\ntests = ["test_chosen"]\n'
+    )
+    profile = profiles.read_profile(path)
+    assert profile.tests == ("test_chosen",)
+
+    class Item:
+        def __init__(self, name, backend):
+            self.originalname, self.marks = name, []
+            self.nodeid = f"conformance/tests/test_x.py::{name}[{backend}]"
+            self.callspec = type("Callspec", (), {"params": {"backend": backend}})()
+
+        def add_marker(self, mark):
+            self.marks.append(mark)
+
+    items = [Item("test_chosen", "compiled"), Item("test_other", "compiled"),
+             Item("test_other", "numpy")]  # fmt: skip
+    known_failures.mark_profiles(items, [profile], [], every_test=every_test)
+    skipped = [(i.originalname, i.callspec.params["backend"]) for i in items if i.marks]
+    assert skipped == ([] if every_test else [("test_other", "compiled")])
+    if not every_test:
+        reason = items[1].marks[0].kwargs["reason"]
+        assert reason.startswith(known_failures.NOT_IN_DEFAULT_RUN) and "--every-test" in reason
 
 
 @pytest.mark.clause("13.12")

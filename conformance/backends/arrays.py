@@ -245,9 +245,9 @@ class JaxFramework(Framework):
 
 class MlxFramework(Framework):
     """MLX arrays, on the CPU stream where MLX has no GPU. ``mx.array`` reads NumPy's
-    float16 and float32 as they are; float64 it turns into float32 and bfloat16 (ml_dtypes)
-    it cannot read, so bfloat16 crosses as float32 (exact: every bfloat16 is a float32)
-    and is cast back in MLX."""
+    float16 and float32 as they are, float64 only when asked (else it narrows it to
+    float32); bfloat16 (ml_dtypes) it cannot read, so bfloat16 crosses as float32 (exact:
+    every bfloat16 is a float32) and is cast back in MLX."""
 
     name = "mlx"
     package = "mlx"
@@ -261,6 +261,8 @@ class MlxFramework(Framework):
         x = np.asarray(x)
         if x.dtype.name == "bfloat16":
             return self.mx.array(x.astype(np.float32)).astype(self.mx.bfloat16)
+        if x.dtype == np.float64:
+            return self.mx.array(x, dtype=self.mx.float64)
         return self.mx.array(x)
 
     def to_numpy(self, x):
@@ -282,9 +284,7 @@ class MlxFramework(Framework):
         return list(grads)
 
     def version(self):
-        import mlx
-
-        return {"mlx": mlx.__version__}
+        return {"mlx": self.mx.__version__}
 
 
 class TinygradFramework(Framework):

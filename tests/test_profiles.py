@@ -490,7 +490,7 @@ def _write_profile(tmp_path: Path, text: str) -> Path:
             "'module:function' of attention_packed",
         ),
         ('name = "x"\ntarget = "numpy:add"\n[run]\ntests = "test_a"\n', "[run] takes tests"),
-        ('name = "x"\ntarget = "numpy:add"\n[run]\ntests = ["fixture"]\n', "(test_...)"),
+        ('name = "x"\ntarget = "numpy:add"\n[run]\ntests = ["fixture"]\n', "ids (test_..."),
         ('name = "x"\ntarget = "numpy:add"\n[run]\nlayers = ["math"]\n', "[run] takes tests"),
     ],
 )
@@ -525,27 +525,28 @@ def test_a_profiles_default_run_skips_the_other_tests_by_name(tmp_path, every_te
     from conformance.suite import known_failures
 
     path = _write_profile(
-        tmp_path, 'name = "compiled"\ntarget = "numpy:add"\n[run]\ntests = ["test_chosen"]\n'
+        tmp_path, 'name = "compiled"\ntarget = "numpy:add"\n[run]\ntests = ["test_chosen[*-f32]"]\n'
     )
     profile = profiles.read_profile(path)
-    assert profile.tests == ("test_chosen",)
+    assert profile.tests == ("test_chosen[*-f32]",)
 
     class Item:
-        def __init__(self, name, backend):
+        def __init__(self, name, backend, dtype="f32"):
             self.originalname, self.marks = name, []
-            self.nodeid = f"conformance/tests/test_x.py::{name}[{backend}]"
+            self.nodeid = f"conformance/tests/test_x.py::{name}[{backend}-{dtype}]"
             self.callspec = type("Callspec", (), {"params": {"backend": backend}})()
 
         def add_marker(self, mark):
             self.marks.append(mark)
 
-    items = [Item("test_chosen", "compiled"), Item("test_other", "compiled"),
-             Item("test_other", "numpy")]  # fmt: skip
+    items = [Item("test_chosen", "compiled"), Item("test_chosen", "compiled", "f64"),
+             Item("test_other", "compiled"), Item("test_other", "numpy")]  # fmt: skip
     known_failures.mark_profiles(items, [profile], [], every_test=every_test)
-    skipped = [(i.originalname, i.callspec.params["backend"]) for i in items if i.marks]
-    assert skipped == ([] if every_test else [("test_other", "compiled")])
+    skipped = [i.nodeid.rpartition("::")[2] for i in items if i.marks]
+    expected = ["test_chosen[compiled-f64]", "test_other[compiled-f32]"]
+    assert skipped == ([] if every_test else expected)
     if not every_test:
-        reason = items[1].marks[0].kwargs["reason"]
+        reason = items[2].marks[0].kwargs["reason"]
         assert reason.startswith(known_failures.NOT_IN_DEFAULT_RUN) and "--every-test" in reason
 
 

@@ -128,11 +128,12 @@ def mark_profiles(
     test, "profile: pattern"."""
     skipped = {p.name: skip_reason(p) for p in unavailable}
     chosen = {p.name: p.tests for p in loaded if p.tests and not every_test}
+    runs = {name: [pattern(text) for text in tests] for name, tests in chosen.items()}
     for item in items:
         for name in item_backends(item):
             if name in skipped:
                 item.add_marker(pytest.mark.skip(reason=skipped[name]))
-            elif name in chosen and item.originalname not in chosen[name]:
+            elif name in runs and not _chosen(item, runs[name]):
                 reason = (
                     f"{NOT_IN_DEFAULT_RUN} {name}, which compiles per shape: its [run] tests "
                     f"are {', '.join(chosen[name])}; every test: --every-test"
@@ -150,6 +151,11 @@ def mark_profiles(
         used = mark_known_failures(items, rules, strict=strict)
         stale += [f"{name}: {text}" for (name, text), _, _ in rules if (name, text) not in used]
     return stale
+
+
+def _chosen(item: Any, regexes: list[re.Pattern]) -> bool:
+    keys = known_failure_keys(item.nodeid, getattr(item, "originalname", None))
+    return any(regex.match(key) for regex in regexes for key in keys)
 
 
 def _profile_rule(name: str, regex: re.Pattern) -> Callable[[Any, set[str]], bool]:

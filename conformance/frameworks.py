@@ -8,6 +8,8 @@ by it.
     python -m conformance frameworks --check docs/other-libraries.md  # fail if the page's is not this
     python -m conformance frameworks --update-profiles              # re-measure the known failures
                                                                     # (then --page, in a run of its own)
+    python -m conformance frameworks --every-test                   # the whole spec on the profiles
+                                                                    # whose [run] tests are fewer
 
 The run is ``python -m conformance report --impl-profile all -m "not pairwise"``: the
 report (``--out``) holds every test, the clause × function matrix, the versions and the

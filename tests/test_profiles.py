@@ -85,6 +85,20 @@ def test_layout_swap_is_heads_and_time(framework):
 
 
 @pytest.mark.clause("13.10")
+@pytest.mark.parametrize("framework", FRAMEWORKS[1:])
+def test_vjp_is_the_frameworks_own_differentiation(framework):
+    """Each framework's ``vjp`` differentiates the call in the framework: for x · y + x,
+    the gradients d · (y + 1) and d · x."""
+    arrays = native.make_framework(framework)
+    rng = np.random.default_rng(2)
+    x, y, d = (rng.standard_normal((2, 3)).astype(np.float32) for _ in range(3))
+    grads = arrays.vjp(lambda a, b: a * b + a, [arrays.from_numpy(v) for v in (x, y)],
+                       arrays.from_numpy(d))  # fmt: skip
+    dx, dy = (arrays.to_numpy(g) for g in grads)
+    assert np.allclose(dx, d * (y + 1), rtol=1e-6) and np.allclose(dy, d * x, rtol=1e-6)
+
+
+@pytest.mark.clause("13.10")
 def test_auto_framework_from_the_module():
     assert native.framework_of(reference) == "numpy"
     if HAS_TORCH:

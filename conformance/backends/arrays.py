@@ -322,7 +322,9 @@ class TinygradFramework(Framework):
         self.tinygrad.Tensor.manual_seed(seed)
 
     def vjp(self, call, primals, d_out):
-        leaves = [x.detach().requires_grad_(True) for x in primals]
+        leaves = [x.detach() for x in primals]
+        for leaf in leaves:
+            leaf.requires_grad = True
         out = call(*leaves)
         return list(out.gradient(*leaves, gradient=d_out))
 

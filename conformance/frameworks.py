@@ -10,6 +10,8 @@ by it.
                                                                     # (then --page, in a run of its own)
     python -m conformance frameworks --profiles gpu --page docs/other-libraries-gpu.md
                                                                     # the device profiles, on a GPU
+    python -m conformance frameworks --every-test                   # the whole spec on the profiles
+                                                                    # whose [run] tests are fewer
 
 The run is ``python -m conformance report --impl-profile all -m "not pairwise"``: the
 report (``--out``) holds every test, the clause × function matrix, the versions and the
@@ -43,7 +45,7 @@ from conformance.report.markdown import departure_line
 from conformance.suite.behaviours import SUITE_BUG, as_text
 from conformance.suite.clauses import clause_key, clause_titles
 from conformance.suite.domain import OUTSIDE
-from conformance.suite.known_failures import ON_SOME_PROCESSORS, pattern
+from conformance.suite.known_failures import NOT_IN_DEFAULT_RUN, ON_SOME_PROCESSORS, pattern
 
 START = "<!-- frameworks-table:start -->"
 END = "<!-- frameworks-table:end -->"
@@ -137,6 +139,8 @@ def _cell(rows: list[dict], listed: list[dict]) -> tuple[str, str]:
     if not ran:
         if any(OUTSIDE in r["reason"] for r in rows):
             return NONE, "untested: no call of it fits the domain"
+        if any(r["reason"].startswith(NOT_IN_DEFAULT_RUN) for r in rows):
+            return NONE, "not in its default run"
         return NONE, "not declared" if rows else "not run"
     bad = [r for r in ran if r["outcome"] in ("failed", "xfailed")]
     if not bad:

@@ -11,7 +11,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "clause(number): the SPEC.md clause a test checks")
     # The project's tests that compile JAX programs themselves (the pages, the flash tiles)
     # keep them in the user's shared cache too; JAX reads these when it is imported.
-    from conformance.backends.arrays import jax_cache_for_run, jax_cache_mode
+    from conformance.backends.jax_cache import jax_cache_for_run, jax_cache_mode
 
     directory = jax_cache_for_run(jax_cache_mode(), own_code=False)
     if directory is not None:

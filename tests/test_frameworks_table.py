@@ -93,6 +93,25 @@ def test_a_clause_outside_a_kernels_domain_reads_untested_not_undeclared():
     }
 
 
+def test_a_clause_outside_a_profiles_default_run_says_so():
+    """A compiled-per-shape profile's tests outside its [run] tests are skipped: the cell
+    says they were not in its default run, not that the clause is undeclared."""
+    from conformance.suite.known_failures import NOT_IN_DEFAULT_RUN
+
+    skipped = f"{NOT_IN_DEFAULT_RUN} torch.compile.sdpa, which compiles per shape: ..."
+    rows = [
+        {**_row("torch.compile.sdpa", "test_a[torch.compile.sdpa-1]", "4.3", "skipped"),
+         "reason": skipped},
+        _row("torch.compile.sdpa", "test_fixture_case[torch.compile.sdpa-1]", "2.5", "passed"),
+    ]  # fmt: skip
+    found = frameworks.matrix(_data(rows))
+    cells = {c: by_name["torch.compile.sdpa"] for c, by_name in found["clauses"].items()}
+    assert cells == {
+        "4.3": (frameworks.NONE, "not in its default run"),
+        "2.5": (frameworks.PASS, ""),
+    }
+
+
 def test_departures_are_numbered_by_how_many_tests_show_them():
     rows = [
         _row("torch.sdpa", "test_a[torch.sdpa-1]", "4.3", "failed", ACCEPTS),

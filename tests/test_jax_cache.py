@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.backends.arrays import (
+from conformance.backends.jax_cache import (
     JAX_CACHE_MAX_BYTES,
     jax_cache_bound,
     jax_cache_dir,

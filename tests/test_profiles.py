@@ -49,6 +49,15 @@ FRAMEWORKS = [
     "numpy",
     pytest.param("torch", marks=needs_torch),
     pytest.param("jax", marks=pytest.mark.skipif(not HAS_JAX, reason="jax not installed")),
+    *(
+        pytest.param(
+            name,
+            marks=pytest.mark.skipif(
+                not importlib.util.find_spec(package), reason=f"{package} not installed"
+            ),
+        )
+        for name, package in (("mlx", "mlx"), ("tinygrad", "tinygrad"), ("paddle", "paddle"))
+    ),
 ]
 
 
@@ -73,6 +82,20 @@ def test_layout_swap_is_heads_and_time(framework):
     assert np.array_equal(swapped, x.transpose(0, 2, 1, 3))
     unbatched = arrays.to_numpy(arrays.swap_heads_and_time(arrays.from_numpy(x[0])))
     assert np.array_equal(unbatched, x[0].transpose(1, 0, 2))
+
+
+@pytest.mark.clause("13.10")
+@pytest.mark.parametrize("framework", FRAMEWORKS[1:])
+def test_vjp_is_the_frameworks_own_differentiation(framework):
+    """Each framework's ``vjp`` differentiates the call in the framework: for x · y + x,
+    the gradients d · (y + 1) and d · x."""
+    arrays = native.make_framework(framework)
+    rng = np.random.default_rng(2)
+    x, y, d = (rng.standard_normal((2, 3)).astype(np.float32) for _ in range(3))
+    grads = arrays.vjp(lambda a, b: a * b + a, [arrays.from_numpy(v) for v in (x, y)],
+                       arrays.from_numpy(d))  # fmt: skip
+    dx, dy = (arrays.to_numpy(g) for g in grads)
+    assert np.allclose(dx, d * (y + 1), rtol=1e-6) and np.allclose(dy, d * x, rtol=1e-6)
 
 
 @pytest.mark.clause("13.10")
@@ -480,6 +503,9 @@ def _write_profile(tmp_path: Path, text: str) -> Path:
             'name = "x"\ntarget = "numpy:add"\ncapabilities = ["packed"]\npacked = "add"\n',
             "'module:function' of attention_packed",
         ),
+        ('name = "x"\ntarget = "numpy:add"\n[run]\ntests = "test_a"\n', "[run] takes tests"),
+        ('name = "x"\ntarget = "numpy:add"\n[run]\ntests = ["fixture"]\n', "ids (test_..."),
+        ('name = "x"\ntarget = "numpy:add"\n[run]\nlayers = ["math"]\n', "[run] takes tests"),
     ],
 )
 def test_a_broken_profile_says_what_is_missing(tmp_path, body, message):
@@ -503,6 +529,39 @@ def test_unavailable_library_is_skipped_by_name_under_all(tmp_path, monkeypatch)
             profiles.load_profiles(["ghost"])  # named explicitly: an error, not a skip
     finally:
         unregister_backend("ghost")
+
+
+@pytest.mark.clause("13.12")
+@pytest.mark.parametrize("every_test", [False, True])
+def test_a_profiles_default_run_skips_the_other_tests_by_name(tmp_path, every_test):
+    """A profile's [run] tests are its default run: its other tests are skipped, naming the
+    option that runs them (every test, with ``every_test``); other backends' tests run."""
+    from conformance.suite import known_failures
+
+    path = _write_profile(
+        tmp_path, 'name = "compiled"\ntarget = "numpy:add"\n[run]\ntests = ["test_chosen[*-f32]"]\n'
+    )
+    profile = profiles.read_profile(path)
+    assert profile.tests == ("test_chosen[*-f32]",)
+
+    class Item:
+        def __init__(self, name, backend, dtype="f32"):
+            self.originalname, self.marks = name, []
+            self.nodeid = f"conformance/tests/test_x.py::{name}[{backend}-{dtype}]"
+            self.callspec = type("Callspec", (), {"params": {"backend": backend}})()
+
+        def add_marker(self, mark):
+            self.marks.append(mark)
+
+    items = [Item("test_chosen", "compiled"), Item("test_chosen", "compiled", "f64"),
+             Item("test_other", "compiled"), Item("test_other", "numpy")]  # fmt: skip
+    known_failures.mark_profiles(items, [profile], [], every_test=every_test)
+    skipped = [i.nodeid.rpartition("::")[2] for i in items if i.marks]
+    expected = ["test_chosen[compiled-f64]", "test_other[compiled-f32]"]
+    assert skipped == ([] if every_test else expected)
+    if not every_test:
+        reason = items[2].marks[0].kwargs["reason"]
+        assert reason.startswith(known_failures.NOT_IN_DEFAULT_RUN) and "--every-test" in reason
 
 
 @pytest.mark.clause("13.12")

@@ -6,14 +6,14 @@ options it meets, and compiling is most of a cold JAX run's time; every test tha
 shape adds programs.
 
 **The cache.** ``configure_jax_cache`` points the run's JAX at its persistent compilation
-cache, one per user (``conformance.backends.arrays.jax_cache_dir``), which the plugin
+cache, one per user (``conformance.backends.jax_cache.jax_cache_dir``), which the plugin
 does in every test process once the backends are loaded, before anything is compiled.
 It holds every program of the run, the shipped backends' and profiles' and your own
 code's (an ``--impl``, a profile of yours), so that a second run of your function reads
 back what the first compiled; ``--jax-cache shipped`` keeps your code's out, and
 ``--jax-cache off`` (or ``CONFORMANCE_JAX_CACHE=off``) turns it off. Before the run
 compiles anything, the controlling process trims the folder to its bound
-(``conformance.backends.arrays.jax_cache_bound``, 2 GiB), least recently used first.
+(``conformance.backends.jax_cache.jax_cache_bound``, 2 GiB), least recently used first.
 
 **The count.** The summary line of a run ends with, for example, ``934 programs compiled
 (jax-flash)``: the number of distinct programs the backend's tests asked JAX for. A
@@ -51,7 +51,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.backends.arrays import (
+from conformance.backends.jax_cache import (
     jax_cache_bound,
     jax_cache_for_run,
     jax_cache_mode,

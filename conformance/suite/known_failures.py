@@ -112,17 +112,33 @@ def item_backends(item: Any) -> tuple:
     return tuple(pair) if isinstance(pair, tuple) else (single,)
 
 
-def mark_profiles(items: list, loaded: list, unavailable: list, known: bool = True) -> list[str]:
+#: How the skip of a test outside a profile's default run ([run] tests) begins.
+NOT_IN_DEFAULT_RUN = "not in the default run of"
+
+
+def mark_profiles(
+    items: list, loaded: list, unavailable: list, known: bool = True, every_test: bool = False
+) -> list[str]:
     """Mark the tests of the profiles' backends: every test of an unavailable profile as
-    skipped (naming what is missing), the loaded profiles' known failures as strict
+    skipped (naming what is missing), a loaded profile's tests outside its default run
+    (its [run] tests, unless ``every_test``) as skipped, naming the option that runs
+    them, the loaded profiles' known failures as strict
     xfails and their processor-dependent entries as non-strict ones (neither when
     ``known`` is False). Returns the known-failure entries that match no
     test, "profile: pattern"."""
     skipped = {p.name: skip_reason(p) for p in unavailable}
+    chosen = {p.name: p.tests for p in loaded if p.tests and not every_test}
+    runs = {name: [pattern(text) for text in tests] for name, tests in chosen.items()}
     for item in items:
         for name in item_backends(item):
             if name in skipped:
                 item.add_marker(pytest.mark.skip(reason=skipped[name]))
+            elif name in runs and not _chosen(item, runs[name]):
+                reason = (
+                    f"{NOT_IN_DEFAULT_RUN} {name}, which compiles per shape: its [run] tests "
+                    f"are {', '.join(chosen[name])}; every test: --every-test"
+                )
+                item.add_marker(pytest.mark.skip(reason=reason))
     if not known:
         return []
     stale = []
@@ -135,6 +151,11 @@ def mark_profiles(items: list, loaded: list, unavailable: list, known: bool = Tr
         used = mark_known_failures(items, rules, strict=strict)
         stale += [f"{name}: {text}" for (name, text), _, _ in rules if (name, text) not in used]
     return stale
+
+
+def _chosen(item: Any, regexes: list[re.Pattern]) -> bool:
+    keys = known_failure_keys(item.nodeid, getattr(item, "originalname", None))
+    return any(regex.match(key) for regex in regexes for key in keys)
 
 
 def _profile_rule(name: str, regex: re.Pattern) -> Callable[[Any, set[str]], bool]:

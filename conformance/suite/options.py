@@ -211,6 +211,12 @@ def _add_run_options(group: pytest.OptionGroup) -> None:
         "so each fails with today's message: how they are measured afresh",
     )
     group.addoption(
+        "--every-test",
+        action="store_true",
+        help="run every test on a profile whose [run] tests choose its default run (a "
+        "function that compiles per shape), not only those",
+    )
+    group.addoption(
         "--layer",
         action="append",
         default=[],

@@ -345,7 +345,9 @@ def _mark_profile_items(config: pytest.Config, items: list[pytest.Item], known=T
     loaded, unavailable = config.stash.get(PROFILES, ([], []))
     if not loaded and not unavailable:
         return
-    stale = known_failures.mark_profiles(items, loaded, unavailable, known=known)
+    stale = known_failures.mark_profiles(
+        items, loaded, unavailable, known=known, every_test=config.getoption("--every-test")
+    )
     if stale:
         warnings.warn(
             known_failures.StaleKnownFailure(

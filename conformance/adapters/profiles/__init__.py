@@ -62,6 +62,10 @@ conversion itself is ``conformance/adapters/native.py``; a profile only says wha
     [domain.backward]                        # where the backward's limits differ
     s_multiple = 128
 
+    [run]                                    # a function compiled per shape: the tests
+    tests = ["test_fixture_case[*-float32]"] # of its default run, ids as known failures
+                                             # write them (every test: --every-test)
+
     [processor_dependent]                    # fails on some processors, not others
     "test_nan_propagates[torch.sdpa-float64-plain-q]" = "a NaN in the inputs becomes ..."
 
@@ -90,59 +94,29 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from conformance.adapters.domain import Domain, parse_domain
-from conformance.adapters.function import FLOAT32_MATMULS
+from conformance.adapters.domain import Domain
 from conformance.adapters.impl import (
     ImplUnavailable,
     import_target,
     register_loaded,
     resolve_impl,
 )
-from conformance.adapters.lse import LseForm, parse_lse
-from conformance.adapters.merge import MergeOnlyBackend, merge_table, with_merge
-from conformance.adapters.native import BOOL_MEANINGS, SPEC_OPTIONS, OptionMap, make_framework
+from conformance.adapters.lse import LseForm
+from conformance.adapters.merge import MergeOnlyBackend, with_merge
+from conformance.adapters.native import OptionMap, make_framework
 from conformance.adapters.profiles.parse import (  # noqa: F401 - the [forms] names, re-exported
     ALIGNMENTS,
     FORMS_KEYS,
+    KEYS,
     WINDOW_SIDES,
     ProfileError,
     call_and_forms,
+    profile_fields,
 )
 from conformance.backends import Backend, register_backend
 
 #: Where the shipped profiles live: ``<name>.toml``, adapters beside them.
 HERE = Path(__file__).resolve().parent
-KEYS = {
-    "name",
-    "description",
-    "target",
-    "framework",
-    "layout",
-    "requires",
-    "capabilities",
-    "dtypes",
-    "options",
-    "mask",
-    "fixed",
-    "known_failures",
-    "processor_dependent",
-    "jit",
-    "needs",
-    "probe",
-    "packed",
-    "forms",
-    "quantized",
-    "domain",
-    "interpreter",
-    "call",
-    "lse",
-    "merge",
-    "device",
-    "float32_matmul",
-}
-MASK_KEYS = {"bool", "bool_true", "float", "blocked"}
-#: What a profile's ``needs`` may name: hardware a function requires beyond its libraries.
-HARDWARE = {"cuda"}
 
 
 def shipped_profiles() -> list[str]:
@@ -193,6 +167,10 @@ class Profile:
     device: str = ""
     #: What it computes float32 matmuls in (SPEC §13.20): "float32" or "tf32".
     float32_matmul: str = "float32"
+    #: [run] tests: the tests of its default run, as known-failure ids (``*`` matches
+    #: anything; none: every test); a function that compiles each signature would take
+    #: hours on the whole spec.
+    tests: tuple[str, ...] = ()
 
     def missing(self) -> list[str]:
         """The distributions in ``requires`` that are not installed here."""
@@ -291,9 +269,13 @@ class Profile:
             raise ProfileError(f"profile {self.name!r} ({self.path}): {err}") from err
 
 
+#: Distributions whose import name is not their own name.
+IMPORT_NAMES = {"paddlepaddle": "paddle"}
+
+
 def _module_of(distribution: str) -> str:
     """The import name of a distribution in ``requires`` (onnxruntime, torch, ...)."""
-    return distribution.replace("-", "_")
+    return IMPORT_NAMES.get(distribution, distribution.replace("-", "_"))
 
 
 def installed_profiles() -> list[str]:
@@ -323,134 +305,9 @@ def read_profile(name_or_path: str | Path) -> Profile:
     return parse_profile(data, path)
 
 
-def _entry_points(data: dict[str, Any], where: str) -> tuple:
-    """A profile's second functions and result forms: (packed, domain, lse, merge), each
-    checked with the capability it goes with."""
-    packed = data.get("packed")
-    if packed is not None and (not isinstance(packed, str) or ":" not in packed):
-        raise ProfileError(
-            f"{where}: 'packed' should be the 'module:function' of attention_packed, got {packed!r}"
-        )
-    if (packed is not None) != ("packed" in data.get("capabilities", ())):
-        raise ProfileError(
-            f"{where}: the capability 'packed' and the key 'packed' (the function for "
-            "attention_packed) go together"
-        )
-    try:
-        domain = parse_domain(data.get("domain", {}), f"{where}: [domain]")
-        lse = parse_lse(data["lse"], where) if "lse" in data else None
-    except ValueError as err:
-        raise ProfileError(str(err)) from err
-    if (lse is not None) != ("lse" in data.get("capabilities", ())):
-        raise ProfileError(
-            f"{where}: the capability 'lse' and the table [lse] (where the result holds it) "
-            "go together"
-        )
-    try:
-        merge = merge_table(data, where)
-    except ValueError as err:
-        raise ProfileError(str(err)) from err
-    return packed, domain, lse, merge
-
-
 def parse_profile(data: dict[str, Any], path: Path) -> Profile:
-    """Check a profile's keys and build the ``Profile``."""
-    where = str(path)
-    unknown = sorted(set(data) - KEYS)
-    if unknown:
-        raise ProfileError(f"{where}: unknown keys {unknown}; known: {', '.join(sorted(KEYS))}")
-    # A merge-only profile (a [merge] table, no attention function) has no target.
-    for key in ("name",) if "merge" in data and "target" not in data else ("name", "target"):
-        if not isinstance(data.get(key), str) or not data[key]:
-            raise ProfileError(
-                f"{where}: {key!r} is required (a string)"
-                + (", except in a merge-only profile (a [merge] table)" if key == "target" else "")
-            )
-    options = data.get("options", {})
-    bad = sorted(set(options) - set(SPEC_OPTIONS))
-    if bad:
-        raise ProfileError(
-            f"{where}: [options] names unknown spec options {bad}; known: {', '.join(SPEC_OPTIONS)}"
-        )
-    mask = data.get("mask", {})
-    bad = sorted(set(mask) - MASK_KEYS)
-    if bad:
-        raise ProfileError(
-            f"{where}: [mask] has unknown keys {bad}; known: {', '.join(sorted(MASK_KEYS))}"
-        )
-    bool_true = mask.get("bool_true", "attend")
-    if bool_true not in BOOL_MEANINGS:
-        raise ProfileError(
-            f"{where}: [mask] bool_true should be one of {', '.join(BOOL_MEANINGS)}, got {bool_true!r}"
-        )
-    call, takes = call_and_forms(data, where, options, mask, bool_true)
-    needs = data.get("needs", [])
-    if not isinstance(needs, list) or not all(n in HARDWARE for n in needs):
-        raise ProfileError(
-            f"{where}: 'needs' should be a list of {sorted(HARDWARE)}, got {needs!r}"
-        )
-    probe = data.get("probe", "")
-    if needs and (not isinstance(probe, str) or ":" not in probe):
-        raise ProfileError(
-            f"{where}: 'needs' requires 'probe', the 'module:function' that says whether the "
-            f"function runs here (None) or what it raised"
-        )
-    known = data.get("known_failures", {})
-    varies = data.get("processor_dependent", {})
-    for table, entries in (("known failure", known), ("processor-dependent entry", varies)):
-        for pattern, reason in entries.items():
-            if not isinstance(reason, str) or not reason.strip():
-                raise ProfileError(f"{where}: {table} {pattern!r} needs a reason (a string)")
-    both = sorted(set(known) & set(varies))
-    if both:
-        raise ProfileError(
-            f"{where}: {both} listed both as known failures and as processor-dependent: "
-            "a test is one or the other"
-        )
-    packed, domain, lse, merge = _entry_points(data, where)
-    interpreter = data.get("interpreter", "")
-    if not isinstance(interpreter, str):
-        raise ProfileError(
-            f"{where}: 'interpreter' should be the interpreter it runs under, in words, got "
-            f"{interpreter!r}"
-        )
-    device = data.get("device", "")
-    if not isinstance(device, str):
-        raise ProfileError(
-            f"{where}: 'device' should be where the function runs, in its framework's "
-            f"spelling (cuda, cuda:1, gpu, tpu, cpu), got {device!r}"
-        )
-    if data.get("float32_matmul", "float32") not in FLOAT32_MATMULS:
-        raise ProfileError(
-            f"{where}: 'float32_matmul' should be one of {', '.join(FLOAT32_MATMULS)} (what "
-            f"its float32 matmuls compute in), got {data['float32_matmul']!r}"
-        )
-    return Profile(
-        name=data["name"],
-        target=data.get("target", ""),
-        path=path,
-        framework=data.get("framework", "numpy"),
-        layout=data.get("layout", "BHTD"),
-        description=data.get("description", ""),
-        requires=tuple(data.get("requires", ())),
-        capabilities=tuple(data.get("capabilities", ())),
-        dtypes=tuple(data.get("dtypes", ("float64", "float32"))),
-        call=call,
-        known_failures=dict(known),
-        processor_dependent=dict(varies),
-        jit=bool(data.get("jit", False)),
-        needs=tuple(needs),
-        probe=probe,
-        packed=packed,
-        forms=takes,
-        quantized=data.get("quantized"),
-        domain=domain,
-        interpreter=interpreter,
-        lse=lse,
-        merge=merge,
-        device=device,
-        float32_matmul=data.get("float32_matmul", "float32"),
-    )
+    """Check a profile's keys and build the ``Profile`` (``parse.profile_fields``)."""
+    return Profile(**profile_fields(data, path))
 
 
 def load_profiles(names: Iterable[str]) -> tuple[list[Profile], list[Profile]]:

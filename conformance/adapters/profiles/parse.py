@@ -1,12 +1,18 @@
 """A profile's ``[forms]`` table and the ``OptionMap`` its ``[options]`` and ``[mask]``
-tables make (SPEC §13.17), checked; ``parse_profile`` in the package builds the rest."""
+tables make (SPEC §13.17), and the rest of its keys, checked: ``profile_fields``, of which
+``parse_profile`` in the package builds the ``Profile``."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from conformance.adapters.domain import parse_domain
 from conformance.adapters.forms import BLOCKED, CAUSALITY, MASK_FORMS, declared_forms
-from conformance.adapters.native import SCALE_PASSING, OptionMap
+from conformance.adapters.function import FLOAT32_MATMULS
+from conformance.adapters.lse import parse_lse
+from conformance.adapters.merge import merge_table
+from conformance.adapters.native import BOOL_MEANINGS, SCALE_PASSING, SPEC_OPTIONS, OptionMap
 
 FORMS_KEYS = {"causal", "alignments", "window_sides", "scale", "masks"}
 #: The keys of ``[call]``: how the adapter calls the function beyond its keywords.
@@ -125,3 +131,180 @@ def _check_call(data: dict[str, Any], where: str) -> str:
             f"call without a scale passes 1/sqrt(D)), got {passing!r}"
         )
     return passing
+
+
+#: The keys a profile may have.
+KEYS = {
+    "name",
+    "description",
+    "target",
+    "framework",
+    "layout",
+    "requires",
+    "capabilities",
+    "dtypes",
+    "options",
+    "mask",
+    "fixed",
+    "known_failures",
+    "processor_dependent",
+    "jit",
+    "needs",
+    "probe",
+    "packed",
+    "forms",
+    "quantized",
+    "domain",
+    "interpreter",
+    "call",
+    "lse",
+    "merge",
+    "device",
+    "float32_matmul",
+    "run",
+}
+MASK_KEYS = {"bool", "bool_true", "float", "blocked"}
+#: What a profile's ``needs`` may name: hardware a function requires beyond its libraries.
+HARDWARE = {"cuda"}
+
+
+def _entry_points(data: dict[str, Any], where: str) -> tuple:
+    """A profile's second functions and result forms: (packed, domain, lse, merge), each
+    checked with the capability it goes with."""
+    packed = data.get("packed")
+    if packed is not None and (not isinstance(packed, str) or ":" not in packed):
+        raise ProfileError(
+            f"{where}: 'packed' should be the 'module:function' of attention_packed, got {packed!r}"
+        )
+    if (packed is not None) != ("packed" in data.get("capabilities", ())):
+        raise ProfileError(
+            f"{where}: the capability 'packed' and the key 'packed' (the function for "
+            "attention_packed) go together"
+        )
+    try:
+        domain = parse_domain(data.get("domain", {}), f"{where}: [domain]")
+        lse = parse_lse(data["lse"], where) if "lse" in data else None
+    except ValueError as err:
+        raise ProfileError(str(err)) from err
+    if (lse is not None) != ("lse" in data.get("capabilities", ())):
+        raise ProfileError(
+            f"{where}: the capability 'lse' and the table [lse] (where the result holds it) "
+            "go together"
+        )
+    try:
+        merge = merge_table(data, where)
+    except ValueError as err:
+        raise ProfileError(str(err)) from err
+    return packed, domain, lse, merge
+
+
+def profile_fields(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Check a profile's keys: the fields of its ``Profile``."""
+    where = str(path)
+    unknown = sorted(set(data) - KEYS)
+    if unknown:
+        raise ProfileError(f"{where}: unknown keys {unknown}; known: {', '.join(sorted(KEYS))}")
+    # A merge-only profile (a [merge] table, no attention function) has no target.
+    for key in ("name",) if "merge" in data and "target" not in data else ("name", "target"):
+        if not isinstance(data.get(key), str) or not data[key]:
+            raise ProfileError(
+                f"{where}: {key!r} is required (a string)"
+                + (", except in a merge-only profile (a [merge] table)" if key == "target" else "")
+            )
+    options = data.get("options", {})
+    bad = sorted(set(options) - set(SPEC_OPTIONS))
+    if bad:
+        raise ProfileError(
+            f"{where}: [options] names unknown spec options {bad}; known: {', '.join(SPEC_OPTIONS)}"
+        )
+    mask = data.get("mask", {})
+    bad = sorted(set(mask) - MASK_KEYS)
+    if bad:
+        raise ProfileError(
+            f"{where}: [mask] has unknown keys {bad}; known: {', '.join(sorted(MASK_KEYS))}"
+        )
+    bool_true = mask.get("bool_true", "attend")
+    if bool_true not in BOOL_MEANINGS:
+        raise ProfileError(
+            f"{where}: [mask] bool_true should be one of {', '.join(BOOL_MEANINGS)}, got {bool_true!r}"
+        )
+    call, takes = call_and_forms(data, where, options, mask, bool_true)
+    needs = data.get("needs", [])
+    if not isinstance(needs, list) or not all(n in HARDWARE for n in needs):
+        raise ProfileError(
+            f"{where}: 'needs' should be a list of {sorted(HARDWARE)}, got {needs!r}"
+        )
+    probe = data.get("probe", "")
+    if needs and (not isinstance(probe, str) or ":" not in probe):
+        raise ProfileError(
+            f"{where}: 'needs' requires 'probe', the 'module:function' that says whether the "
+            f"function runs here (None) or what it raised"
+        )
+    known = data.get("known_failures", {})
+    varies = data.get("processor_dependent", {})
+    for table, entries in (("known failure", known), ("processor-dependent entry", varies)):
+        for pattern, reason in entries.items():
+            if not isinstance(reason, str) or not reason.strip():
+                raise ProfileError(f"{where}: {table} {pattern!r} needs a reason (a string)")
+    both = sorted(set(known) & set(varies))
+    if both:
+        raise ProfileError(
+            f"{where}: {both} listed both as known failures and as processor-dependent: "
+            "a test is one or the other"
+        )
+    packed, domain, lse, merge = _entry_points(data, where)
+    interpreter = data.get("interpreter", "")
+    if not isinstance(interpreter, str):
+        raise ProfileError(
+            f"{where}: 'interpreter' should be the interpreter it runs under, in words, got "
+            f"{interpreter!r}"
+        )
+    device = data.get("device", "")
+    if not isinstance(device, str):
+        raise ProfileError(
+            f"{where}: 'device' should be where the function runs, in its framework's "
+            f"spelling (cuda, cuda:1, gpu, tpu, cpu), got {device!r}"
+        )
+    if data.get("float32_matmul", "float32") not in FLOAT32_MATMULS:
+        raise ProfileError(
+            f"{where}: 'float32_matmul' should be one of {', '.join(FLOAT32_MATMULS)} (what "
+            f"its float32 matmuls compute in), got {data['float32_matmul']!r}"
+        )
+    run = data.get("run", {})
+    tests = run.get("tests", [])
+    if (
+        set(run) - {"tests"}
+        or not isinstance(tests, list)
+        or not all(isinstance(t, str) and t.startswith("test_") for t in tests)
+    ):
+        raise ProfileError(
+            f"{where}: [run] takes tests, a list of the suite's test ids (test_..., * for "
+            f"anything), got {run!r}"
+        )
+    return dict(
+        name=data["name"],
+        target=data.get("target", ""),
+        path=path,
+        framework=data.get("framework", "numpy"),
+        layout=data.get("layout", "BHTD"),
+        description=data.get("description", ""),
+        requires=tuple(data.get("requires", ())),
+        capabilities=tuple(data.get("capabilities", ())),
+        dtypes=tuple(data.get("dtypes", ("float64", "float32"))),
+        call=call,
+        known_failures=dict(known),
+        processor_dependent=dict(varies),
+        jit=bool(data.get("jit", False)),
+        needs=tuple(needs),
+        probe=probe,
+        packed=packed,
+        forms=takes,
+        quantized=data.get("quantized"),
+        domain=domain,
+        interpreter=interpreter,
+        lse=lse,
+        merge=merge,
+        device=device,
+        float32_matmul=data.get("float32_matmul", "float32"),
+        tests=tuple(tests),
+    )

@@ -253,6 +253,39 @@ def profile_fields(data: dict[str, Any], path: Path) -> dict[str, Any]:
             "a test is one or the other"
         )
     packed, domain, lse, merge = _entry_points(data, where)
+    interpreter, device, tests = _how_it_runs(data, where)
+    return dict(
+        name=data["name"],
+        target=data.get("target", ""),
+        path=path,
+        framework=data.get("framework", "numpy"),
+        layout=data.get("layout", "BHTD"),
+        description=data.get("description", ""),
+        requires=tuple(data.get("requires", ())),
+        capabilities=tuple(data.get("capabilities", ())),
+        dtypes=tuple(data.get("dtypes", ("float64", "float32"))),
+        call=call,
+        known_failures=dict(known),
+        processor_dependent=dict(varies),
+        jit=bool(data.get("jit", False)),
+        needs=tuple(needs),
+        probe=probe,
+        packed=packed,
+        forms=takes,
+        quantized=data.get("quantized"),
+        domain=domain,
+        interpreter=interpreter,
+        lse=lse,
+        merge=merge,
+        device=device,
+        float32_matmul=data.get("float32_matmul", "float32"),
+        tests=tuple(tests),
+    )
+
+
+def _how_it_runs(data: dict[str, Any], where: str) -> tuple[str, str, list[str]]:
+    """A profile's interpreter, device and default run (``[run] tests``), checked, and its
+    ``float32_matmul``."""
     interpreter = data.get("interpreter", "")
     if not isinstance(interpreter, str):
         raise ProfileError(
@@ -281,30 +314,4 @@ def profile_fields(data: dict[str, Any], path: Path) -> dict[str, Any]:
             f"{where}: [run] takes tests, a list of the suite's test ids (test_..., * for "
             f"anything), got {run!r}"
         )
-    return dict(
-        name=data["name"],
-        target=data.get("target", ""),
-        path=path,
-        framework=data.get("framework", "numpy"),
-        layout=data.get("layout", "BHTD"),
-        description=data.get("description", ""),
-        requires=tuple(data.get("requires", ())),
-        capabilities=tuple(data.get("capabilities", ())),
-        dtypes=tuple(data.get("dtypes", ("float64", "float32"))),
-        call=call,
-        known_failures=dict(known),
-        processor_dependent=dict(varies),
-        jit=bool(data.get("jit", False)),
-        needs=tuple(needs),
-        probe=probe,
-        packed=packed,
-        forms=takes,
-        quantized=data.get("quantized"),
-        domain=domain,
-        interpreter=interpreter,
-        lse=lse,
-        merge=merge,
-        device=device,
-        float32_matmul=data.get("float32_matmul", "float32"),
-        tests=tuple(tests),
-    )
+    return interpreter, device, tests

@@ -18,7 +18,7 @@ Interleaving keeps the backends' conditions alike (the machine's load drifts bet
 runs); the price is that one framework's worker threads, still spinning after its call,
 slow the next backend's call on the same cores: OpenBLAS's threads (NumPy's matmul) poll
 for 2^28 cycles (about 0.1 s) after their last task. ``--settle`` sleeps before each call
-so that they have stopped (docs/performance.md: what leaving it out cost, measured).
+so that they have stopped; ``--settle 0`` shows what they cost.
 
 The table is a measurement, not a test: no CI run fails on a ratio.
 """

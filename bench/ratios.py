@@ -16,10 +16,9 @@ backend's time is the minimum over its rounds. Ratio = torch-sdpa's time / the b
 
 Interleaving keeps the backends' conditions alike (the machine's load drifts between
 runs); the price is that one framework's worker threads, still spinning after its call,
-slow the next backend's call on the same cores. OpenBLAS's threads (NumPy's matmul) spin
-about 0.1-0.2 s after each call on the 2-core machine this was written on. ``--settle``
-sleeps between two calls so that they stop first (see its help for the measured cost of
-leaving it out).
+slow the next backend's call on the same cores: OpenBLAS's threads (NumPy's matmul) poll
+for 2^28 cycles (about 0.1 s) after their last task. ``--settle`` sleeps before each call
+so that they have stopped; ``--settle 0`` shows what they cost.
 
 The table is a measurement, not a test: no CI run fails on a ratio.
 """
@@ -28,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -84,10 +84,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=0.25,
         help="seconds to sleep before each timed call, so that the previous call's thread "
-        "pools (OpenBLAS spins about 0.1-0.2 s after a NumPy matmul) stop first. Measured "
-        "at T = 4096 on 2 cores, without it jax-flash's forward after numpy-flash's took "
-        "about 25 %% longer and torch-sdpa's 60 %%; 0.25 s removed that (NOTES in "
-        "docs/performance.md)",
+        "pools have gone idle: OpenBLAS's threads (NumPy's matmul) keep polling for 2^28 "
+        "cycles after their last task (its THREAD_TIMEOUT default: about 0.1 s at 2.5 GHz, "
+        "0.27 s at 1 GHz), and on a 2-core machine they take the cores from the next "
+        "backend's call; 0 measures the calls back to back",
     )
     p.add_argument(
         "--goals",
@@ -139,6 +139,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
                      "min_s": best, "ratio": ref / best}
                 )  # fmt: skip
             del calls
+            print(f"{pass_}, causal={causal}: done", file=sys.stderr, flush=True)
     return rows
 
 

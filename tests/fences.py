@@ -191,6 +191,8 @@ def check_command(words: list[str]) -> None:
     elif program == "python":
         assert words[1] == "-m", words
         module = ["-m", "conformance", words[3]] if words[2] == "conformance" else ["-m", words[2]]
+        # ``bench --ratios`` is a mode with options of its own, listed by its own --help.
+        module += ["--ratios"] if "--ratios" in words else []
         for option in _options(words):
             assert _offers(_help(*module), option), option
     elif program == "mkdocs":

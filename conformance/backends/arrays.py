@@ -44,7 +44,8 @@ class Framework:
 
     ``device`` (SPEC §13.20) is where the function under test runs, in the framework's own
     spelling: ``from_numpy`` places each array there, ``to_numpy`` brings it back to the
-    host. None leaves the framework's default. NumPy's arrays live on the host only.
+    host. None leaves the framework's default. NumPy's arrays live on the host only, and
+    the suite places MLX's, tinygrad's and Paddle's there too: ``cpu`` is all they take.
     """
 
     name = "numpy"
@@ -65,8 +66,8 @@ class Framework:
         """
         if device not in (None, "cpu"):
             raise ValueError(
-                f"device should be cpu for a numpy function (NumPy's arrays live on the "
-                f"host), got {device!r}"
+                f"device should be cpu for a {self.name} function (the suite hands it "
+                f"arrays on the host only), got {device!r}"
             )
         return None
 
@@ -276,7 +277,8 @@ class MlxFramework(Framework):
     name = "mlx"
     package = "mlx"
 
-    def __init__(self) -> None:
+    def __init__(self, device: str | None = None) -> None:
+        super().__init__(device)
         import mlx.core as mx
 
         self.mx = mx
@@ -318,7 +320,8 @@ class TinygradFramework(Framework):
     name = "tinygrad"
     package = "tinygrad"
 
-    def __init__(self) -> None:
+    def __init__(self, device: str | None = None) -> None:
+        super().__init__(device)
         import tinygrad
 
         self.tinygrad = tinygrad
@@ -364,7 +367,8 @@ class PaddleFramework(Framework):
     name = "paddle"
     package = "paddle"
 
-    def __init__(self) -> None:
+    def __init__(self, device: str | None = None) -> None:
+        super().__init__(device)
         import paddle
 
         self.paddle = paddle

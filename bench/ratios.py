@@ -12,7 +12,11 @@ timing, on q, k, v (B, H, T, D) float32 standard normal, causal and not. For eac
 and mask the backends take turns: one warm-up round (compilation, for JAX), then
 ``--repeats`` rounds, each backend called once per round, in the order given; a
 backend's time is the minimum over its rounds. Ratio = torch-sdpa's time / the backend's
-(above 1: faster than torch-sdpa).
+(above 1: faster than torch-sdpa). "cores busy" is that call's process CPU time over its
+wall time: how many of the machine's cores the backend kept working (2.0 on a 2-core
+machine is all of them; near 1.0, one core did the work while the other waited). The
+first line of the output names the machine, the libraries and the tree: a ratio is
+comparable only with one measured on the same machine.
 
 Interleaving keeps the backends' conditions alike (the machine's load drifts between
 runs); the price is that one framework's worker threads, still spinning after its call,
@@ -27,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -124,19 +130,22 @@ def measure(args: argparse.Namespace) -> list[dict]:
         for causal in causals:
             calls = _calls(names, pass_, q, k, v, causal)
             times: dict[str, list[float]] = {n: [] for n in names}
+            cores: dict[str, list[float]] = {n: [] for n in names}
             for round_ in range(1 + args.repeats):
                 for name in names:
                     time.sleep(args.settle)
-                    t0 = time.perf_counter()
+                    c0, t0 = time.process_time(), time.perf_counter()
                     calls[name]()
                     if round_:  # round 0 warms up
                         times[name].append(time.perf_counter() - t0)
+                        cores[name].append((time.process_time() - c0) / times[name][-1])
             ref = min(times[REFERENCE])
             for name in names:
                 best = min(times[name])
                 rows.append(
                     {"backend": name, "pass": pass_, "causal": causal, "times_s": times[name],
-                     "min_s": best, "ratio": ref / best}
+                     "min_s": best, "ratio": ref / best,
+                     "cores": cores[name][times[name].index(best)]}
                 )  # fmt: skip
             del calls
             print(f"{pass_}, causal={causal}: done", file=sys.stderr, flush=True)
@@ -145,8 +154,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
 
 def table(rows: list[dict], goals: bool = False) -> str:
     """The rows as a Markdown table, the reference's own rows last."""
-    head = "| backend | pass | causal | min ms | torch-sdpa ms | ratio |"
-    rule = "|---|---|---|---|---|---|"
+    head = "| backend | pass | causal | min ms | torch-sdpa ms | ratio | cores busy |"
+    rule = "|---|---|---|---|---|---|---|"
     if goals:
         head += " fd4b5cd's | met |"
         rule += "---|---|"
@@ -156,7 +165,7 @@ def table(rows: list[dict], goals: bool = False) -> str:
         line = (
             f"| {r['backend']} | {r['pass']} | {'yes' if r['causal'] else 'no'} "
             f"| {r['min_s'] * 1e3:.0f} | {ref[(r['pass'], r['causal'])] * 1e3:.0f} "
-            f"| {r['ratio']:.2f} |"
+            f"| {r['ratio']:.2f} | {r['cores']:.1f} |"
         )
         if goals:
             goal = PREVIOUS.get((r["backend"], r["pass"]))
@@ -167,6 +176,40 @@ def table(rows: list[dict], goals: bool = False) -> str:
             )
         lines.append(line)
     return "\n".join(lines)
+
+
+def machine() -> str:
+    """The machine and the libraries a ratio was measured on: ratios from two machines are
+    not comparable (torch-sdpa's CPU kernel uses AVX-512 where the processor has it, and
+    took 148 ms on one machine where it took 240 ms on another, at the same call)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = dict(
+                line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line
+            )
+        model = info.get("model name\t", model).strip()
+        flags = set(info.get("flags\t\t", "").split())
+    except OSError:
+        pass
+    simd = [f for f in ("avx2", "avx512f", "amx_tile") if f in flags]
+    versions = []
+    for lib in ("numpy", "jax", "torch"):
+        try:
+            versions.append(f"{lib} {__import__(lib).__version__}")
+        except ImportError:
+            pass
+    try:
+        tree = subprocess.run(
+            ["git", "-C", os.path.dirname(conformance.__file__), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, timeout=10,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        tree = ""
+    return (
+        f"machine: {model}, {os.cpu_count()} cores, {' '.join(simd) or 'no AVX2'}; "
+        f"{', '.join(versions)}; tree {tree or 'not a git checkout'}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         f"after a warm-up, interleaved, settle {args.settle:g} s; load average (1 min) "
         f"{load:.2f} before, {os.getloadavg()[0]:.2f} after; {time.perf_counter() - t0:.0f} s"
     )
+    print(machine())
     print(table(rows, args.goals))
     return 0
 

@@ -5,6 +5,7 @@ asserted (speed is what the benchmark measures, not what the tests check)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -130,9 +131,12 @@ def test_ratios_table_from_any_directory(tmp_path):
     run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "T=S=32" in run.stdout and "min of 2 after a warm-up, interleaved" in run.stdout
+    machine = next(line for line in run.stdout.splitlines() if line.startswith("machine: "))
+    assert f"{os.cpu_count()} cores" in machine and "numpy " in machine and "tree " in machine
     rows = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith("| ")]
     assert [c.strip() for c in rows[0]] == [
-        "backend", "pass", "causal", "min ms", "torch-sdpa ms", "ratio", "fd4b5cd's", "met"
+        "backend", "pass", "causal", "min ms", "torch-sdpa ms", "ratio", "cores busy",
+        "fd4b5cd's", "met",
     ]  # fmt: skip
     cells = [[c.strip() for c in r] for r in rows[1:]]
     assert [(c[0], c[1], c[2]) for c in cells] == [
@@ -141,8 +145,9 @@ def test_ratios_table_from_any_directory(tmp_path):
         for pass_ in ("forward", "vjp")
         for causal in ("no", "yes")
     ]
-    assert [c[6] for c in cells[:4]] == ["0.86", "0.86", "0.75", "0.75"]
-    assert all(c[5] == "1.00" and c[6] == "-" for c in cells[4:])
+    assert [c[7] for c in cells[:4]] == ["0.86", "0.86", "0.75", "0.75"]
+    assert all(c[5] == "1.00" and c[7] == "-" for c in cells[4:])
+    assert all(0 < float(c[6]) <= os.cpu_count() + 0.5 for c in cells)
 
 
 def test_ratios_interleave_the_backends(monkeypatch):
@@ -154,6 +159,9 @@ def test_ratios_interleave_the_backends(monkeypatch):
     clock = iter(range(1000))
     # Each call takes one tick of this clock, except numpy-flash's second timed call.
     monkeypatch.setattr(ratios.time, "perf_counter", lambda: float(next(clock)))
+    # Two CPU seconds pass per call, whatever its wall time: two cores busy on a 1-tick call.
+    cpu = iter(range(0, 2000, 2))
+    monkeypatch.setattr(ratios.time, "process_time", lambda: float(next(cpu)))
 
     def fake_calls(names, pass_, q, k, v, causal):
         def make(name):
@@ -174,3 +182,4 @@ def test_ratios_interleave_the_backends(monkeypatch):
     flash, torch_ = rows
     assert flash["times_s"] == [1.0, 3.0, 1.0] and torch_["times_s"] == [1.0, 1.0, 1.0]
     assert flash["min_s"] == 1.0 and torch_["ratio"] == 1.0
+    assert flash["cores"] == 2.0 and torch_["cores"] == 2.0

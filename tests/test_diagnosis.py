@@ -179,12 +179,7 @@ def _problem(name: str, seed: int = 5):
         "causal-added": ({"mask": blocked_inf, "is_causal": True}, _causal_added),
     }
     if name == "causal-penalty-finite":
-        # Row 1's blocked key 2 scores 20000, 9998 above its allowed key 1 after the
-        # penalty: weight e^-2 of key 1's, where -inf gives it none and no causality all.
-        q = np.ones((1, 1, 3, 1))  # (B, H, T, D)
-        k = np.array([0.0, 10002.0, 20000.0])[None, None, :, None]  # (B, K, S, D)
-        v = np.arange(1.0, 7.0).reshape(1, 1, 3, 2)  # (B, K, S, E)
-        return q, k, v, {"is_causal": True, "scale": 1.0}, _reference(change=_penalised)
+        return _penalty_problem()
     if name == "scale-before-product":
         # Scores up to 1.36e308 are finite; q · scale = 2.72e308 is not (SPEC §4.1).
         q = np.array([2.72, 2.0, 1.0])[None, None, :, None]  # (B, H, T, D)
@@ -240,6 +235,15 @@ def _causal_added(q, k, v, o):
     with np.errstate(invalid="ignore"):
         mask = o["mask"] + np.where(np.tri(T, S, 0, dtype=bool), 0.0, -np.inf)  # (B, 1, T, S)
     return q, k, v, {**_without(o, "is_causal"), "mask": mask}
+
+
+def _penalty_problem():
+    """Row 1's blocked key 2 scores 20000, 9998 above its allowed key 1 after the penalty:
+    weight e^-2 of key 1's, where -inf gives it none and no causality all of it."""
+    q = np.ones((1, 1, 3, 1))  # (B, H, T, D)
+    k = np.array([0.0, 10002.0, 20000.0])[None, None, :, None]  # (B, K, S, D)
+    v = np.arange(1.0, 7.0).reshape(1, 1, 3, 2)  # (B, K, S, E)
+    return q, k, v, {"is_causal": True, "scale": 1.0}, _reference(change=_penalised)
 
 
 def _penalised(q, k, v, o):

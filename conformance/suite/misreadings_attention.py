@@ -372,7 +372,7 @@ _ATTENTION_CLAUSES = {
     "blocked-slot": ("4.7", "4.8"),
     "causal-added": ("3.8", "3.7"),
     "causal-ignored": ("3.4", "3.5", "3.7"),
-    "causal-penalty": ("3.4", "3.5"),
+    "causal-penalty": ("3.4", "3.5", "4.1"),
     "mask-ignored": ("3.1", "3.2", "3.7"),
     "window": ("3.6",),
     "bottom-right": ("3.4",),

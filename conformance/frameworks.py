@@ -28,8 +28,9 @@ text between ``START`` and ``END`` of the file it names; ``--check`` compares th
 ``[known_failures]`` from what failed, each test's reason its behaviour: a test function
 whose every run fails with one behaviour gets one ``name[profile-*]`` entry, the others
 one entry per test. A profile's ``[processor_dependent]`` tests (they fail on some
-processors, pass on others) are in no cell and no entry: a line of their own under the
-function's departures says which, the same whatever they did here."""
+processors, pass on others) and ``[varies_between_runs]`` ones (they vary from run to run)
+are in no cell and no entry: a line of their own under the function's departures says
+which, the same whatever they did here."""
 
 from __future__ import annotations
 
@@ -45,12 +46,23 @@ from conformance.report.markdown import departure_line
 from conformance.suite.behaviours import SUITE_BUG, as_text
 from conformance.suite.clauses import clause_key, clause_titles
 from conformance.suite.domain import OUTSIDE
-from conformance.suite.known_failures import NOT_IN_DEFAULT_RUN, ON_SOME_PROCESSORS, pattern
+from conformance.suite.known_failures import (
+    FROM_RUN_TO_RUN,
+    NOT_IN_DEFAULT_RUN,
+    ON_SOME_PROCESSORS,
+    pattern,
+)
 
 START = "<!-- frameworks-table:start -->"
 END = "<!-- frameworks-table:end -->"
-#: The line under a function's departures for what fails on some processors only.
+#: The lines under a function's departures for what fails on some processors only and
+#: for what fails in some runs only; their profile tables, (line, the tests' reason).
 VARIES = "On some processors only (not in the table): "
+BY_RUN = "From run to run (not in the table): "
+VARYING = {
+    "processor_dependent": (VARIES, ON_SOME_PROCESSORS),
+    "varies_between_runs": (BY_RUN, FROM_RUN_TO_RUN),
+}
 PASS, FAIL, NONE = "✅", "❌", "—"
 
 
@@ -90,8 +102,8 @@ def matrix(data: dict) -> dict:
         version = data["versions"].get(library)
         functions[name] = f"`{name}` ({library} {version})" if version else f"`{name}`"
     rows = [r for r in data["tests"] if r["backend"] in functions]
-    # A processor-dependent test fails here and passes there: it is listed on its own,
-    # from the profile, so that the table reads the same on every processor.
+    # A processor-dependent or run-to-run test fails here and passes there: it is listed
+    # on its own, from the profile, so that the table reads the same in every run.
     varies = [r for r in rows if _varies(r)]
     rows = [r for r in rows if not _varies(r)]
     found = departures(rows)
@@ -108,22 +120,26 @@ def matrix(data: dict) -> dict:
         "functions": functions,
         "clauses": clauses,
         "departures": {name: found.get(name, []) for name in functions},
-        "processor_dependent": {name: _varying(varies, name) for name in functions},
+        **{
+            key: {name: _varying(varies, name, prefix) for name in functions}
+            for key, (_, prefix) in VARYING.items()
+        },
         "elsewhere": elsewhere,
     }
 
 
 def _varies(row: dict) -> bool:
-    return row["reason"].startswith(ON_SOME_PROCESSORS)
+    return row["reason"].startswith((ON_SOME_PROCESSORS, FROM_RUN_TO_RUN))
 
 
-def _varying(rows: list[dict], name: str) -> list[dict]:
-    """``name``'s processor-dependent tests, one entry per behaviour: its clauses and how
-    many tests (whether they failed or passed on this processor)."""
+def _varying(rows: list[dict], name: str, prefix: str) -> list[dict]:
+    """``name``'s tests whose reason starts with ``prefix`` (``VARYING``), one entry per
+    behaviour: its clauses and how many tests (whether they failed or passed here)."""
     by_reason: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
         if row["backend"] == name and row["outcome"] != "skipped":
-            by_reason[row["reason"].removeprefix(ON_SOME_PROCESSORS)].append(row)
+            if row["reason"].startswith(prefix):
+                by_reason[row["reason"].removeprefix(prefix)].append(row)
     return [
         {
             "behaviour": reason,
@@ -167,9 +183,10 @@ def table(found: dict) -> str:
         lines += [f"{i}. {departure_line(e)}" for i, e in enumerate(entries, start=1)]
         if entries:
             lines.append("")
-        for entry in found.get("processor_dependent", {}).get(name, []):
-            clauses = ", ".join(f"§{c}" for c in entry["clauses"])
-            lines += [f"{VARIES}{entry['behaviour']}: {clauses} ({entry['tests']} tests)", ""]
+        for key, (label, _) in VARYING.items():
+            for entry in found.get(key, {}).get(name, []):
+                clauses = ", ".join(f"§{c}" for c in entry["clauses"])
+                lines += [f"{label}{_said(entry, label)}: {clauses} ({entry['tests']} tests)", ""]
     lines += [
         "| clause | " + " | ".join(found["functions"][n] for n in names) + " |",
         "|---|" + "---|" * len(names),
@@ -196,6 +213,11 @@ def table(found: dict) -> str:
         lines.append("")
         lines.append(f"Not run here: `{name}`, {why}")
     return "\n".join(lines) + "\n"
+
+
+def _said(entry: dict, label: str) -> str:
+    cause, _, shown = entry["behaviour"].partition("; ")  # a run-to-run one: cause; seen
+    return f"{cause} (seen: {shown})" if label == BY_RUN and shown else entry["behaviour"]
 
 
 def block(found: dict) -> str:
@@ -226,9 +248,10 @@ def departure_lines(text: str) -> set[tuple[str, str]]:
         item = re.match(r"^\d+\. (.*): §", line)
         if item and function:
             found.add((function, item.group(1)))
-        varies = re.match(rf"^{re.escape(VARIES)}(.*): §", line)
-        if varies and function:
-            found.add((function, ON_SOME_PROCESSORS + varies.group(1)))
+        for label, prefix in VARYING.values():
+            varies = re.match(rf"^{re.escape(label)}(.*): §", line)
+            if varies and function:
+                found.add((function, prefix + varies.group(1)))
     return found
 
 
@@ -278,7 +301,7 @@ def known_failures(data: dict, profile: str, varies: Iterable[str] = ()) -> dict
     """What failed on ``profile`` in a run without known failures, as profile entries:
     {test id: the behaviour it shows}. A test function whose every run fails with one
     behaviour is one ``name[profile-*]`` entry. Tests the patterns ``varies`` match (the
-    profile's processor-dependent entries, kept by hand) are left out."""
+    profile's ``VARYING`` entries, kept by hand) are left out."""
     apart = [pattern(text) for text in varies]
     runs: dict[str, list[dict]] = defaultdict(list)
     for row in data["tests"]:
@@ -315,7 +338,8 @@ def stale_reasons(data: dict) -> list[str]:
     stale = []
     for row in data["tests"]:
         if row["outcome"] == "xfailed" and row.get("behaviour"):
-            listed = row["reason"].removeprefix("known failure: ").removeprefix(ON_SOME_PROCESSORS)
+            listed = row["reason"].removeprefix("known failure: ")
+            listed = listed.removeprefix(ON_SOME_PROCESSORS).removeprefix(FROM_RUN_TO_RUN)
             if row["behaviour"] not in listed.split("; "):
                 stale.append(f"{row['test']}: listed {listed!r}, shows {row['behaviour']!r}")
     return stale
@@ -380,7 +404,8 @@ def main(argv: list[str]) -> int:
         for name in found["functions"]:
             if any(r["backend"] == name and r["outcome"] != "skipped" for r in data["tests"]):
                 profile = read_profile(name)
-                entries = known_failures(data, name, profile.processor_dependent)
+                kept = {**profile.processor_dependent, **profile.varies_between_runs}
+                entries = known_failures(data, name, kept)
                 write_known_failures(profile.path, entries)
                 print(f"rewrote the known failures of {profile.path}")
         # Without its known failures the run fails by design; what counts is what it wrote.

@@ -178,6 +178,8 @@ def _problem(name: str, seed: int = 5):
         "keys-past-s": ({"is_causal": True}, _keys_past_s),
         "causal-added": ({"mask": blocked_inf, "is_causal": True}, _causal_added),
     }
+    if name == "causal-penalty-finite":
+        return _penalty_problem()
     if name == "scale-before-product":
         # Scores up to 1.36e308 are finite; q · scale = 2.72e308 is not (SPEC §4.1).
         q = np.array([2.72, 2.0, 1.0])[None, None, :, None]  # (B, H, T, D)
@@ -232,6 +234,23 @@ def _causal_added(q, k, v, o):
     T, S = q.shape[2], k.shape[2]
     with np.errstate(invalid="ignore"):
         mask = o["mask"] + np.where(np.tri(T, S, 0, dtype=bool), 0.0, -np.inf)  # (B, 1, T, S)
+    return q, k, v, {**_without(o, "is_causal"), "mask": mask}
+
+
+def _penalty_problem():
+    """Row 1's blocked key 2 scores 20000, 9998 above its allowed key 1 after the penalty:
+    weight e^-2 of key 1's, where -inf gives it none and no causality all of it."""
+    q = np.ones((1, 1, 3, 1))  # (B, H, T, D)
+    k = np.array([0.0, 10002.0, 20000.0])[None, None, :, None]  # (B, K, S, D)
+    v = np.arange(1.0, 7.0).reshape(1, 1, 3, 2)  # (B, K, S, E)
+    return q, k, v, {"is_causal": True, "scale": 1.0}, _reference(change=_penalised)
+
+
+def _penalised(q, k, v, o):
+    """Causality as an additive bias of -10000 above the diagonal (PaddlePaddle's CPU
+    path), not -inf."""
+    T, S = q.shape[2], k.shape[2]
+    mask = np.where(np.tri(T, S, 0, dtype=bool), 0.0, -1e4)  # (T, S)
     return q, k, v, {**_without(o, "is_causal"), "mask": mask}
 
 

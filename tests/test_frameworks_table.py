@@ -279,6 +279,37 @@ def test_processor_dependent_tests_read_the_same_failed_or_passed():
     assert entries == {f"test_nan[{p}-float32]": ACCEPTS}
 
 
+def test_tests_that_vary_from_run_to_run_are_named_by_their_cause_apart():
+    """A ``[varies_between_runs]`` test (OpenVINO's S = 0: an output buffer returned
+    unwritten) is no ✅/❌ either, but a line under its own label, not "on some
+    processors": its cause, then what the runs showed. ``--check`` reads it back, and a run
+    that shows a behaviour the entry does not list is stale."""
+    p = "openvino.ScaledDotProductAttention"
+    cause = "with no keys (S = 0) it returns its output buffer unwritten"
+    shown = "a query with no key to attend returns NaN, not 0"
+    varies = frameworks.FROM_RUN_TO_RUN + f"{cause}; {shown}"
+
+    def run(outcome, behaviour=shown):
+        rows = [
+            {**_row(p, f"test_empty[{p}-S0-a]", "2.5", outcome, behaviour), "reason": varies},
+            _row(p, f"test_ok[{p}]", "2.5", "passed"),
+        ]
+        return rows, frameworks.matrix(_data(rows))
+
+    (_, failed), (_, passed) = run("xfailed"), run("passed")
+    assert frameworks.block(failed) == frameworks.block(passed)
+    assert failed["clauses"]["2.5"][p] == (frameworks.PASS, "")
+    assert failed["departures"][p] == [] and failed["processor_dependent"][p] == []
+    line = f"{frameworks.BY_RUN}{cause} (seen: {shown}): §2.5 (1 tests)"
+    assert line in frameworks.table(failed).splitlines()
+    assert frameworks.VARIES not in frameworks.table(failed)
+    read = frameworks.FROM_RUN_TO_RUN + f"{cause} (seen: {shown})"
+    assert (p, read) in frameworks.departure_lines(frameworks.block(failed))
+    assert frameworks.stale_reasons(_data(run("xfailed")[0])) == []
+    other = "a query with no key to attend returns a row that is not 0"
+    assert len(frameworks.stale_reasons(_data(run("xfailed", other)[0]))) == 1
+
+
 def test_update_profiles_does_not_rewrite_or_check_the_page(capsys):
     """A run that re-measures the known failures ignores them, so its table (counts, the
     processor-dependent lines) is not the page's: the command refuses before running."""

@@ -481,6 +481,12 @@ def _write_profile(tmp_path: Path, text: str) -> Path:
             "listed both as known failures and as processor-dependent",
         ),
         ('name = "x"\ntarget = "numpy:add"\n[processor_dependent]\n"t" = ""\n', "needs a reason"),
+        (
+            'name = "x"\ntarget = "numpy:add"\n[processor_dependent]\n"t" = "r"\n'
+            '[varies_between_runs]\n"t" = "r"\n',
+            "listed both as processor-dependent and as varying between runs",
+        ),
+        ('name = "x"\ntarget = "numpy:add"\n[varies_between_runs]\n"t" = " "\n', "needs a reason"),
         ('name = "x"\ntarget = "numpy:add"\ncapabilities = ["packed"]\n', "go together"),
         ('name = "x"\ntarget = "numpy:add"\n[forms]\ncausality = "mask"\n', "[forms] has unknown"),
         ('name = "x"\ntarget = "numpy:add"\n[forms]\ncausal = "sometimes"\n', "keyword, mask"),

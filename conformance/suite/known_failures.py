@@ -74,15 +74,20 @@ Rule = tuple[Any, Callable[[Any, set[str]], bool], str]
 
 #: The reason prefix of a test that fails on some processors and passes on others.
 ON_SOME_PROCESSORS = "on some processors: "
+#: The reason prefix of a test whose outcome varies from run to run on one processor.
+FROM_RUN_TO_RUN = "varies from run to run: "
 
 
-def mark_known_failures(items: list, rules: list[Rule], strict: bool = True) -> set:
+def mark_known_failures(
+    items: list, rules: list[Rule], strict: bool = True, prefix: str = ON_SOME_PROCESSORS
+) -> set:
     """The one known-failure marker: every test a rule matches becomes a strict xfail,
     with the reasons of all its rules (in the rules' order); with ``strict`` False, a
-    non-strict one whose reason starts with ``ON_SOME_PROCESSORS`` (it may fail or pass).
-    Returns the ids of the rules that matched a test."""
+    non-strict one whose reason starts with ``prefix`` (it may fail or pass:
+    ``ON_SOME_PROCESSORS`` or ``FROM_RUN_TO_RUN``). Returns the ids of the rules that
+    matched a test."""
     used = set()
-    prefix = "known failure: " if strict else ON_SOME_PROCESSORS
+    prefix = "known failure: " if strict else prefix
     for item in items:
         keys = known_failure_keys(item.nodeid, getattr(item, "originalname", None))
         hits = [(rule_id, reason) for rule_id, matches, reason in rules if matches(item, keys)]
@@ -122,10 +127,10 @@ def mark_profiles(
     """Mark the tests of the profiles' backends: every test of an unavailable profile as
     skipped (naming what is missing), a loaded profile's tests outside its default run
     (its [run] tests, unless ``every_test``) as skipped, naming the option that runs
-    them, the loaded profiles' known failures as strict
-    xfails and their processor-dependent entries as non-strict ones (neither when
-    ``known`` is False). Returns the known-failure entries that match no
-    test, "profile: pattern"."""
+    them, the loaded profiles' known failures as strict xfails and their
+    processor-dependent and varies-between-runs entries as non-strict ones (neither when
+    ``known`` is False). Returns the known-failure entries that match no test,
+    "profile: pattern"."""
     skipped = {p.name: skip_reason(p) for p in unavailable}
     chosen = {p.name: p.tests for p in loaded if p.tests and not every_test}
     runs = {name: [pattern(text) for text in tests] for name, tests in chosen.items()}
@@ -142,13 +147,18 @@ def mark_profiles(
     if not known:
         return []
     stale = []
-    for table, strict in (("known_failures", True), ("processor_dependent", False)):
+    tables = (
+        ("known_failures", True, ""),
+        ("processor_dependent", False, ON_SOME_PROCESSORS),
+        ("varies_between_runs", False, FROM_RUN_TO_RUN),
+    )
+    for table, strict, prefix in tables:
         rules = [
             ((p.name, text), _profile_rule(p.name, pattern(text)), reason)
             for p in loaded
             for text, reason in getattr(p, table).items()
         ]
-        used = mark_known_failures(items, rules, strict=strict)
+        used = mark_known_failures(items, rules, strict=strict, prefix=prefix)
         stale += [f"{name}: {text}" for (name, text), _, _ in rules if (name, text) not in used]
     return stale
 

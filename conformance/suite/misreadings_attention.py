@@ -16,11 +16,13 @@ import numpy as np
 
 from conformance.suite.misreading import Misreading
 from conformance.suite.planted import (
+    CAUSAL_PENALTY,
     Call,
     allowed,
     batch_repeated,
     blockwise,
     causal_added,
+    causal_penalty,
     diagonal_shifted,
     empty_rows,
     expanded,
@@ -122,6 +124,15 @@ _ATTENTION: tuple[Misreading, ...] = (
         "is_causal is ignored when a mask is given: the output equals attention with the mask alone",
         lambda c: c.is_causal and c.mask is not None,
         lambda c: oracle_run(c, is_causal=None),
+    ),
+    # Before "causal-ignored": where the scores are so large that the penalty is nothing
+    # (a huge scale), the two give the same output, and the penalty is the cause.
+    Misreading(
+        "causal-penalty-finite",
+        f"causality is a finite penalty: {-CAUSAL_PENALTY:g} is added to a blocked key's score, "
+        "not -inf, so a blocked key whose score is far above the row's allowed ones is attended",
+        lambda c: c.is_causal and not _has_window(c) and c.options.get("chunk_size") is None,
+        causal_penalty,
     ),
     Misreading(
         "causal-ignored",
@@ -361,6 +372,7 @@ _ATTENTION_CLAUSES = {
     "blocked-slot": ("4.7", "4.8"),
     "causal-added": ("3.8", "3.7"),
     "causal-ignored": ("3.4", "3.5", "3.7"),
+    "causal-penalty": ("3.4", "3.5", "4.1"),
     "mask-ignored": ("3.1", "3.2", "3.7"),
     "window": ("3.6",),
     "bottom-right": ("3.4",),

@@ -4,7 +4,8 @@ oracle's float64 textbook run on it with changed inputs or options (``oracle_run
 keys each row attends (``allowed``), a float64 textbook for the misreadings no input
 can express (``textbook``), and the outputs with one input or option misread that
 ``conformance/suite/misreadings_attention.py`` names (``rows_as``, ``window_shifted``,
-``keys_past_s``, ...). The other areas' computations build on these, one module an area:
+``keys_past_s``, ``causal_penalty``, ...). The other areas' computations build on these,
+one module an area:
 ``planted_split_kv.py``, ``planted_lse_merge.py``, ``planted_quantized.py``.
 """
 
@@ -341,6 +342,25 @@ def causal_added(call: Call) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         mask = call.mask + np.where(band, 0.0, -np.inf)  # (B, H, T, S)
     return oracle_run(call, mask=mask, is_causal=None, window=None, chunk_size=None)
+
+
+#: The finite penalty a causal mask built as an additive bias adds to a blocked key's
+#: score: PaddlePaddle's CPU path (``paddle.nn.functional.flash_attention.
+#: get_triangle_upper_mask``: ``paddle.triu(paddle.full_like(scores, -1e4), 1)``).
+CAUSAL_PENALTY = 1e4
+
+
+def causal_penalty(call: Call) -> np.ndarray:
+    """Causality as a finite penalty: ``CAUSAL_PENALTY`` subtracted from a blocked key's
+    score, not -inf, the mask (if any) still applied; a blocked key whose score is more
+    than the penalty above the row's allowed ones takes the weight."""
+    band = allowed(call._replace(mask=None))  # (B, H, T, S)
+    bias = np.where(band, 0.0, -CAUSAL_PENALTY)  # (B, H, T, S)
+    if call.bool_mask:
+        bias = bias + np.where(np.broadcast_to(call.mask, band.shape), 0.0, -np.inf)
+    elif call.float_mask:
+        bias = bias + np.broadcast_to(call.mask, band.shape)
+    return oracle_run(call, mask=bias, is_causal=None)
 
 
 def v_from_last_columns(call: Call) -> np.ndarray | None:

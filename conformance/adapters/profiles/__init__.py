@@ -69,6 +69,9 @@ conversion itself is ``conformance/adapters/native.py``; a profile only says wha
     [processor_dependent]                    # fails on some processors, not others
     "test_nan_propagates[torch.sdpa-float64-plain-q]" = "a NaN in the inputs becomes ..."
 
+    [varies_between_runs]                    # fails one run, not another: the cause,
+    "test_empty_sequences[*-S0-*]" = "returns its output buffer unwritten; ..."  # then what it shows
+
     [known_failures]                         # test id (* matches anything) = reason
     "test_bad_input[torch.sdpa-integer-mask]" = "SPEC §3.3: ... raises RuntimeError"
 
@@ -77,7 +80,10 @@ Known failures are strict expected failures: a library that fixes one shows up a
 Processor-dependent entries are for behaviour measured to differ between processors
 (with the measurement in a comment): such a test may fail or pass (a non-strict xfail,
 reason "on some processors: ..."), and ``python -m conformance frameworks`` lists it
-apart from the ✅/❌ table, the same wherever it runs.
+apart from the ✅/❌ table, the same wherever it runs. Entries that vary between runs on
+one processor (an output read from memory the function never wrote) are the same, under
+their own label (reason "varies from run to run: ..."): the cause first, then, after
+"; ", each behaviour a run showed, so that a run showing another one fails ``--check``.
 """
 
 from __future__ import annotations
@@ -150,6 +156,7 @@ class Profile:
     call: OptionMap = field(default_factory=OptionMap)
     known_failures: dict[str, str] = field(default_factory=dict)
     processor_dependent: dict[str, str] = field(default_factory=dict)
+    varies_between_runs: dict[str, str] = field(default_factory=dict)
     jit: bool = False
     needs: tuple[str, ...] = ()
     probe: str = ""

@@ -4,6 +4,7 @@ tables make (SPEC §13.17), and the rest of its keys, checked: ``profile_fields`
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,7 @@ KEYS = {
     "fixed",
     "known_failures",
     "processor_dependent",
+    "varies_between_runs",
     "jit",
     "needs",
     "probe",
@@ -242,16 +244,22 @@ def profile_fields(data: dict[str, Any], path: Path) -> dict[str, Any]:
         )
     known = data.get("known_failures", {})
     varies = data.get("processor_dependent", {})
-    for table, entries in (("known failure", known), ("processor-dependent entry", varies)):
+    by_run = data.get("varies_between_runs", {})
+    tables = (
+        ("known failure", "known failures", known),
+        ("processor-dependent entry", "processor-dependent", varies),
+        ("varies-between-runs entry", "varying between runs", by_run),
+    )
+    for table, _, entries in tables:
         for pattern, reason in entries.items():
             if not isinstance(reason, str) or not reason.strip():
                 raise ProfileError(f"{where}: {table} {pattern!r} needs a reason (a string)")
-    both = sorted(set(known) & set(varies))
-    if both:
-        raise ProfileError(
-            f"{where}: {both} listed both as known failures and as processor-dependent: "
-            "a test is one or the other"
-        )
+    for (_, one, first), (_, other, second) in itertools.combinations(tables, 2):
+        both = sorted(set(first) & set(second))
+        if both:
+            raise ProfileError(
+                f"{where}: {both} listed both as {one} and as {other}: a test is one or the other"
+            )
     packed, domain, lse, merge = _entry_points(data, where)
     interpreter, device, tests = _how_it_runs(data, where)
     return dict(
@@ -267,6 +275,7 @@ def profile_fields(data: dict[str, Any], path: Path) -> dict[str, Any]:
         call=call,
         known_failures=dict(known),
         processor_dependent=dict(varies),
+        varies_between_runs=dict(by_run),
         jit=bool(data.get("jit", False)),
         needs=tuple(needs),
         probe=probe,

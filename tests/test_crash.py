@@ -27,8 +27,8 @@ ABORTING = """
 
 
     def attention(q, k, v, *, mask=None, is_causal=False, scale=None):
-        if q.shape[-2] == 0 and k.shape[-2] == 6 and mask is None and not is_causal:
-            os.abort()  # T = 0, S = 6, no mask: one case of test_empty_sequences per dtype
+        if q.shape[-2] == 0 and k.shape[-2] == 5 and mask is None and not is_causal:
+            os.abort()  # T = 0, S = 5, no mask: one case of test_empty_sequences per dtype
         return _REFERENCE.attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale)
 """
 

@@ -693,10 +693,10 @@ def test_the_replay_shows_the_call_as_the_function_received_it(tmp_path):
     out = run.stdout + run.stderr
     assert run.returncode == 1, out[-3000:]
     assert (
-        "attention(float64[2, 3, 7, 5], float64[2, 3, 5, 5], float64[2, 3, 5, 5], mask=bool[7, 5])"
+        "attention(float64[2, 3, 13, 5], float64[2, 3, 7, 5], float64[2, 3, 7, 5], mask=bool[13, 7])"
         in out
     )
-    received = "as the function received it: attention(float64[2, 3, 7, 5], float64[2, 3, 5, 5], float64[2, 3, 5, 5], mask=float64[7, 5])"
+    received = "as the function received it: attention(float64[2, 3, 13, 5], float64[2, 3, 7, 5], float64[2, 3, 7, 5], mask=float64[13, 7])"
     assert received in out, out[-3000:]
 
 

@@ -29,7 +29,7 @@ KIT = [
 ]
 #: The tests that ran (passed or failed) on the example when the pool came in: a pool that
 #: made tests skip would lower it.
-EXAMPLE_TESTS_RAN = 414
+EXAMPLE_TESTS_RAN = 415
 
 
 @pytest.mark.clause("13.21")
@@ -56,6 +56,19 @@ def test_the_pool_keeps_the_cases_that_tell_bugs_apart():
     assert pooled_shape(Shape(2, 4, 2, 5, 9, 4, 3), gqa=False, value_dim=False, unbatched=True) == (
         Shape(1, 4, 4, 5, 9, 4, 4)
     )
+
+
+def test_a_clause_s_own_lengths_are_its_fixtures():
+    """§2.5's empty sequences run at the stored fixtures' empty-T0 and empty-S0 shapes, so a
+    framework that compiles per shape meets those calls once."""
+    from conformance.suite.cases import case_entries
+    from conformance.tests import test_edges
+
+    shapes = {e["id"]: e["shape"] for e in case_entries()}
+    T0, S0 = shapes["empty-T0-float64"], shapes["empty-S0-float64"]
+    assert test_edges.EMPTY_LENGTHS == [(0, T0["S"]), (S0["T"], 0), (0, 0)]
+    assert (T0["B"], T0["H"], T0["D"], T0["E"]) == (S0["B"], S0["H"], S0["D"], S0["E"])
+    assert (T0["B"], T0["H"], T0["D"], T0["E"]) == (2, 2, 4, 3)
 
 
 def test_the_properties_draw_every_shape_of_the_pool_and_no_other():

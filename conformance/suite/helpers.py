@@ -42,6 +42,16 @@ def random_qkv(
     return q, k, v
 
 
+def pool_qkv(seed: int, name: str, backend, dtype: str = "float64") -> tuple[np.ndarray, ...]:
+    """``random_qkv`` at the size pool's shape ``name`` (SPEC §13.21), as ``backend`` can
+    take it (``sizes.pooled_shape``)."""
+    caps = backend.capabilities
+    shape = sizes.pooled_shape(
+        sizes.SHAPES[name][0], gqa="gqa" in caps, value_dim="value_dim" in caps, unbatched=False
+    )
+    return random_qkv(seed, **shape._asdict(), dtype=dtype)
+
+
 def worked_qkv(example: dict, backend, dtype: str, lead: int) -> tuple[np.ndarray, ...]:
     """q, k, v of a hand-checked example (fixtures/worked_example.json) in ``dtype``, with
     ``lead`` leading axes of 1. The variants' examples have q and k of head size D = 1 and

@@ -9,6 +9,7 @@ from conformance.suite.helpers import (
     SIZES,
     as64,
     causal_where_taken,
+    pool_qkv,
     random_qkv,
     random_tolerance,
 )
@@ -74,7 +75,7 @@ def test_bottom_right_equals_top_left_when_square(backend, dtype):
 @requires("causal_bottom_right", "causal")
 def test_bottom_right_single_query_sees_every_key(backend, dtype):
     """A decode step (T = 1) under bottom-right causal attends every key."""
-    q, k, v = random_qkv(22, T=1, S=9, dtype=dtype)
+    q, k, v = pool_qkv(22, "T1-S9", backend, dtype)
     full = backend.attention(q, k, v)
     tol = 2 * random_tolerance(q, k, v, dtype)
     assert_within(
@@ -92,7 +93,7 @@ def test_bottom_right_single_query_sees_every_key(backend, dtype):
 def test_top_left_single_query_sees_key_zero(backend, dtype):
     """A single query (T = 1, S > 1) under top-left causal sees key 0 only: its output is
     v's first row, for every backend that takes is_causal, whatever alignments it has."""
-    q, k, v = random_qkv(22, T=1, S=9, dtype=dtype)
+    q, k, v = pool_qkv(22, "T1-S9", backend, dtype)
     tol = 2 * random_tolerance(q, k, v, dtype)
     assert_within(
         backend.attention(q, k, v, is_causal=True),

@@ -109,6 +109,7 @@ def attention(
         q, k, v, mask=mask, is_causal=is_causal, scale=scale, causal_alignment=causal_alignment,
         window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size,
         alibi_slopes=alibi_slopes, random=random_source(key),
+        flags={"return_lse": return_lse},
     )  # fmt: skip
     static = dataclasses.replace(call, scale=None)  # the rest compiled (see Notes: jit)
     arrays = (q, k, v, mask, sinks, alibi_slopes, key, call.scale)

@@ -172,6 +172,9 @@ def attention(
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
     options.update(chunk_size=chunk_size, alibi_slopes=alibi_slopes)
+    # The switches are bools: fast="yes" is refused by name, not read as a condition.
+    fast = contract.check_bool("fast", fast)
+    return_lse = contract.check_bool("return_lse", return_lse)
     if not fast:
         out, lse = _textbook(q, k, v, mask, options, block_q, block_k)
         return (out, lse) if return_lse else out

@@ -82,6 +82,7 @@ def attention(
         dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size, alibi_slopes=alibi_slopes,
         unsupported={"dropout_p": "split-KV decoding has no dropout"},
         tiles={} if num_splits is None else {"num_splits": num_splits},
+        flags={"return_lse": return_lse},
     )  # fmt: skip
     o, lse = compiled(q, k, v, mask, sinks, alibi_slopes, call=call, num_splits=num_splits)
     return (o, lse) if return_lse else o

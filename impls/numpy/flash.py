@@ -94,6 +94,9 @@ def attention(
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
     options.update(chunk_size=chunk_size, alibi_slopes=alibi_slopes)
+    # The switches are bools: fast="yes" is refused by name, not read as a condition.
+    fast = contract.check_bool("fast", fast)
+    return_lse = contract.check_bool("return_lse", return_lse)
     if fast:
         return flash_tiles.attention(q, k, v, mask, options, block_q, block_k, return_lse)
     # 0. Validate with the input contract every impl shares; add the batch axis.

@@ -80,6 +80,7 @@ def attention(
         q, k, v, mask, num_splits, is_causal=is_causal, scale=scale,
         causal_alignment=causal_alignment, window=window, softcap=softcap,
         dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size, alibi_slopes=alibi_slopes,
+        flags={"return_lse": return_lse},
     )  # fmt: skip
 
     # 1. The empty state: a row that has seen no key yet, (0, -inf).

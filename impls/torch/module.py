@@ -82,6 +82,7 @@ def attention(
         q, k, v, mask=mask, is_causal=is_causal, scale=scale, causal_alignment=causal_alignment,
         window=window, softcap=softcap, dropout_p=dropout_p_of(dropout_p, dropout), sinks=sinks,
         chunk_size=chunk_size, alibi_slopes=alibi_slopes, random=random_source(dropout),
+        flags={"return_lse": return_lse},
     )  # fmt: skip
 
     # Prepare the batch axis: unbatched inputs get one, and the mask takes the scores' rank.

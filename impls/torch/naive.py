@@ -109,6 +109,7 @@ def attention(
         q, k, v, mask=mask, is_causal=is_causal, scale=scale, causal_alignment=causal_alignment,
         window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size,
         alibi_slopes=alibi_slopes, random=random_source(generator),
+        flags={"return_weights": return_weights, "return_lse": return_lse},
     )  # fmt: skip
     if return_weights and return_lse:
         raise ValueError("return_weights and return_lse: set one of the two, got both True")

@@ -124,7 +124,8 @@ def _call(page: str, options: dict):
         import torch
 
         torch.manual_seed(0)  # the global generator, for the pages that draw from it
-    out = importlib.import_module({**PAGES, **JAX_PAGES}[page]).attention(to(q), to(k), to(v), **given)
+    page_module = importlib.import_module({**PAGES, **JAX_PAGES}[page])
+    out = page_module.attention(to(q), to(k), to(v), **given)
     return tuple(back(x) for x in out) if isinstance(out, tuple) else (back(out),)
 
 

@@ -4,7 +4,8 @@
 its sizes, and does a tile's work: which key blocks a query block visits (``walk``), steps
 1, 3 and 4 on one (query block, key block) tile (``scores``), and the online softmax of
 one query block over its key blocks (``online_softmax``). ``backward_tile`` is one tile of
-FlashAttention-2's backward; ``log_sum_exp`` and ``add_sink`` finish a query block's rows.
+FlashAttention-2's backward; ``add_sink`` and ``running_lse`` finish a query block's rows,
+and ``backward_lse`` gives the backward what it forms the weights against.
 The packed and paged pages (``flash_packed.py``, ``flash_paged.py``) walk the same tiles.
 
 The grouped layout. Query head h = k·G + g shares key/value head k (PyTorch's
@@ -347,11 +348,13 @@ def running_lse(m: jax.Array, l: jax.Array) -> jax.Array:
     return jnp.where(l == jnp.inf, jnp.nan, lse)
 
 
-def log_sum_exp(m: jax.Array, l: jax.Array) -> jax.Array:
-    """Each row's log-sum-exp m + log l from its running maximum and sum, what the backward
-    needs of the forward: +inf for a row with no key (l = 0), so that its weights
-    exp(Z − lse) are all 0; NaN for a row that read a +inf score (l = +inf), so that every
-    weight of it is NaN, as its output is (SPEC §4.1), not only its +inf ones."""
+def backward_lse(m: jax.Array, l: jax.Array) -> jax.Array:
+    """What the backward forms each row's weights exp(Z − lse) against: the row's
+    log-sum-exp m + log l (``running_lse``), except for a row with no key (l = 0), whose
+    log-sum-exp is log 0 = −inf (SPEC §21.2) and which gets +inf here, so that its weights
+    are all 0, not exp(−inf + inf) = NaN; NaN for a row that read a +inf score (l = +inf),
+    so that every weight of it is NaN, as its output is (SPEC §4.1), not only its +inf
+    ones. Not a log-sum-exp to return: ``running_lse`` is."""
     some = l > 0
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     lse = jnp.where(some, m_safe + jnp.log(jnp.where(some, l, 1.0)), jnp.inf)

@@ -40,7 +40,7 @@ import numpy as np
 
 from .. import contract
 from . import flash_tiles
-from .flash_tiles import KeyTiles, fast_online_softmax, log_sum_exp, normalise, running_lse
+from .flash_tiles import KeyTiles, backward_lse, fast_online_softmax, normalise, running_lse
 
 
 def online_softmax_row(x: np.ndarray, v: np.ndarray, block: int) -> np.ndarray:
@@ -365,8 +365,8 @@ def attention_vjp(
     lse, turns any tile's recomputed scores into its exact weights: no max, no sum, no
     rescaling in the backward. A row with no key has l = 0, and its true lse, log 0 =
     −inf (what ``return_lse`` gives), would make exp(Z − lse) = exp(−inf + inf) NaN: the
-    backward takes +inf in its place (``flash_tiles.log_sum_exp``, unlike
-    ``running_lse``), so its weights are exp(−inf) = 0 and its gradients exactly 0. (A backward kept
+    backward takes +inf in its place (``flash_tiles.backward_lse``; ``running_lse`` gives
+    the −inf), so its weights are exp(−inf) = 0 and its gradients exactly 0. (A backward kept
     separate from its forward stores lse, T numbers per head; here each query block's
     forward runs just before its backward, so lse and Δ live only as long as the
     block.)
@@ -441,7 +441,7 @@ def attention_vjp(
             acc, l, m = flash_tiles.add_sink(acc, l, m, sink)
         o = normalise(acc, l)  # (B·K, G·Tb, E)
         some = l > 0  # (B·K, G·Tb, 1)
-        lse = log_sum_exp(m, l)  # (B·K, G·Tb, 1)
+        lse = backward_lse(m, l)  # (B·K, G·Tb, 1)
 
         # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O): one dot product per row.
         do = d_out[:, :, t0:t1].astype(work).reshape(B * K, G * Tb, E)  # (B·K, G·Tb, E)

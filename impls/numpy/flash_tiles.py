@@ -581,11 +581,12 @@ def running_lse(m: np.ndarray, l: np.ndarray) -> np.ndarray:
     return np.where(l == np.inf, np.nan, lse)[..., 0]  # (...)
 
 
-def log_sum_exp(m: np.ndarray, l: np.ndarray) -> np.ndarray:
-    """Each row's log-sum-exp m + log l as the backward uses it: for a row with no key
-    (l = 0), +inf in place of its true lse, log 0 = −inf (``running_lse``'s), so that its
-    weights exp(Z − lse) are all 0, not exp(−inf + inf) = NaN; NaN for a row that read a
-    +inf score (l = +inf; see backward_block)."""
+def backward_lse(m: np.ndarray, l: np.ndarray) -> np.ndarray:
+    """What the backward forms each row's weights exp(Z − lse) against: the row's
+    log-sum-exp m + log l (``running_lse``), except for a row with no key (l = 0), whose
+    log-sum-exp is log 0 = −inf (SPEC §21.2) and which gets +inf here, so that its weights
+    are all 0, not exp(−inf + inf) = NaN; NaN for a row that read a +inf score (l = +inf;
+    see backward_block). Not a log-sum-exp to return: ``running_lse`` is."""
     some = l > 0
     lse = np.where(some, m + np.log(np.where(some, l, 1.0)), np.inf)
     return np.where(l == np.inf, np.nan, lse)

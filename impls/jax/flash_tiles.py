@@ -53,6 +53,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .attention import visible
+
 HIGHEST = lax.Precision.HIGHEST
 
 
@@ -114,6 +116,7 @@ class Tiles:
         # where t' = t + offset is its aligned diagonal (offset = S - T for bottom-right);
         # None is an unbounded side.
         left, right = window if window is not None else (None, None)
+        self.window = window
         self.lo = None if left is None else -left
         self.hi = right
         self.banded = self.lo is not None or self.hi is not None
@@ -228,20 +231,13 @@ class Tiles:
                 allowed = m != -jnp.inf  # (B|1, K|1, G|1, Tb|1, Sb|1)
         if banded_tile:
             s = j * Sb + jnp.arange(Sb, dtype=jnp.int32)[None, :]  # (1, Sb)
-            if self.banded:
+            if self.banded or self.chunk is not None:
                 t = i * Tb + jnp.arange(Tb, dtype=jnp.int32)[:, None]  # (Tb, 1)
-                distance = s - (t + self.offset)  # (Tb, Sb)
+                t = t + self.offset  # (Tb, 1): each query's diagonal
+                # The core page's ``visible``; causality is already the window's right side.
                 band = jnp.ones((Tb, Sb), dtype=bool)  # (Tb, Sb)
-                if self.lo is not None:
-                    band &= distance >= self.lo
-                if self.hi is not None:
-                    band &= distance <= self.hi
+                band = visible(band, t, s, False, self.window, self.chunk)  # (Tb, Sb)
                 allowed = band if allowed is None else allowed & band
-            if self.chunk is not None:
-                t = i * Tb + jnp.arange(Tb, dtype=jnp.int32)[:, None]  # (Tb, 1)
-                # Same chunk only; floor division puts a negative position in a chunk of no key.
-                same = (t + self.offset) // self.chunk == s // self.chunk  # (Tb, Sb)
-                allowed = same if allowed is None else allowed & same
             if rows is not None:
                 # Packed documents: each row sees the keys [lo, hi) of its own document
                 # that its causality and window leave; a row outside the document walked

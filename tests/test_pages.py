@@ -363,7 +363,8 @@ DIFFERENCES = {
         "-      out: (B, H, T, E), or (H, T, E) for unbatched input; q's dtype.",
         "+      out: (B, H, T, E), or (H, T, E) for unbatched input; q's dtype. Or (out, weights).",
         # return_weights and return_lse both ask for the second output: refused together
-        # (return_lse's bool is checked by the contract, as on every page; this one's here).
+        # (the contract checks that return_lse is a bool, as on every page; this line,
+        # return_weights).
         '+    if contract.check_bool("return_weights", return_weights) and return_lse:',
         '+        raise ValueError("return_weights and return_lse: set one of the two, got both True")',
         # PyTorch makes its tensors on q's device (Notes: framework spelling).

@@ -122,9 +122,9 @@ def steps(q: np.ndarray, k: np.ndarray, v: np.ndarray, is_causal: bool) -> dict[
 
 
 def visibility(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> dict[str, np.ndarray]:
-    """The causal triangle as ``allowed_keys`` builds it for one head: each key's distance
-    right of its query's diagonal, s - t, and the keys it allows, distance <= 0; by hand,
-    the lower triangle ``tril`` that every course draws."""
+    """The causal triangle as ``allowed_keys`` builds it for one head (through ``visible``):
+    each key's distance right of its query's diagonal, s - t, and the keys it allows,
+    s <= t; by hand, the lower triangle ``tril`` that every course draws."""
     T, S = q.shape[0], k.shape[0]
     distance = np.arange(S)[None, :] - np.arange(T)[:, None]  # (T, S)
     call = contract.check(q[None], k[None], v[None], is_causal=True)

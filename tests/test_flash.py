@@ -628,3 +628,26 @@ def test_the_numpy_page_reads_the_recurrence_first():
     for name in ("m_new", "alpha", "l = alpha * l", "a = alpha * a"):
         assert name in ast.get_source_segment(source, row), name
         assert name in ast.get_source_segment(source, first), name
+
+
+@pytest.mark.parametrize("page", [numpy_flash_tiles, jax_flash_tiles], ids=["numpy", "jax"])
+def test_a_row_with_no_key_has_lse_minus_inf_and_the_backward_alone_takes_plus_inf(page):
+    """SPEC §21.2: a row with no key (l = 0) has lse = log 0 = −inf, and ``running_lse``,
+    what ``return_lse`` gives, says so; the backward forms its weights against +inf there
+    (exp(Z − inf) = 0, not exp(−inf + inf) = NaN) under a name of its own, ``backward_lse``,
+    so that no function called a log-sum-exp gives +inf. Rows: no key, two keys of scores
+    1 and 2 (m = 2, l = 1 + e⁻¹), a +inf score (l = +inf). JAX's: one program."""
+    m = np.array([[-np.inf], [2.0], [np.inf]])  # (rows, 1)
+    l = np.array([[0.0], [1.0 + np.exp(-1.0)], [np.inf]])  # (rows, 1)
+
+    def both(m, l):
+        return page.running_lse(m, l), page.backward_lse(m, l)
+
+    if page is jax_flash_tiles:
+        jax.config.update("jax_enable_x64", True)
+        both = jax.jit(both)
+    lse, shift = (np.ravel(np.asarray(x)) for x in both(m, l))
+    true = np.log(np.exp(1.0) + np.exp(2.0))
+    np.testing.assert_allclose(lse, [-np.inf, true, np.nan], rtol=1e-15)
+    np.testing.assert_allclose(shift, [np.inf, true, np.nan], rtol=1e-15)
+    assert not hasattr(page, "log_sum_exp"), "flash_tiles' log_sum_exp: one name, one sign"

@@ -6,7 +6,8 @@ called that way, one keyword at a time: given a value other than its default, th
 changes the output, or the call is refused with an error that names it. The schedule
 keywords (tile sizes, splits, the fast path) change how, not what: a bad value is refused
 and a good one gives the same rows. JAX's pages are left to the suite, whose backends call
-them with these keywords too, so that no test here compiles a program of its own.
+them with these keywords too, so that no test here compiles a program of its own; only
+their switches are called here, with a value that is refused before anything compiles.
 
 And the PyTorch module page's ``dropout_p``, which once was accepted and never used: it
 draws as SDPA's math backend does, so after the same ``torch.manual_seed`` both drop the
@@ -31,17 +32,28 @@ PAGES = {
     "torch-sdpa": "conformance.impls.torch.sdpa",
     "torch-split-kv": "conformance.impls.torch.split_kv",
 }
+#: The JAX pages, called here only with a switch that is not a bool (refused before compiling).
+JAX_PAGES = {
+    "jax": "conformance.impls.jax.attention",
+    "jax-flash": "conformance.impls.jax.flash",
+    "jax-split-kv": "conformance.impls.jax.split_kv",
+}
 #: The random sources of dropout, by the keyword's name on the pages that take one.
 RANDOM = ("rng", "generator", "dropout")
 #: Keywords that choose how the rows are computed, not which: a good other value, a bad one
-#: (none for a flag, read as Python reads a condition).
-SCHEDULE = {"block_q": (1, 0), "block_k": (1, 0), "num_splits": (2, 0), "fast": (True, None)}
+#: (a switch takes a bool and nothing else).
+SCHEDULE = {"block_q": (1, 0), "block_k": (1, 0), "num_splits": (2, 0), "fast": (True, "yes")}
 B, H, T, S, D = 1, 2, 3, 5, 4
 
 
 def _framework(page: str):
     if page.startswith("numpy"):
         return np.asarray, np.asarray
+    if page.startswith("jax"):
+        import jax
+
+        # device_put moves the bytes as they are: no program is compiled to make the input.
+        return lambda x: jax.device_put(np.asarray(x, np.float32)), np.asarray
     import torch
 
     return torch.as_tensor, lambda x: x.detach().numpy()
@@ -112,7 +124,8 @@ def _call(page: str, options: dict):
         import torch
 
         torch.manual_seed(0)  # the global generator, for the pages that draw from it
-    out = importlib.import_module(PAGES[page]).attention(to(q), to(k), to(v), **given)
+    page_module = importlib.import_module({**PAGES, **JAX_PAGES}[page])
+    out = page_module.attention(to(q), to(k), to(v), **given)
     return tuple(back(x) for x in out) if isinstance(out, tuple) else (back(out),)
 
 
@@ -131,8 +144,7 @@ def test_each_keyword_is_honoured_or_refused(page, name):
     parameters = inspect.signature(importlib.import_module(PAGES[page]).attention).parameters
     if name in SCHEDULE:
         other, bad = SCHEDULE[name]
-        refused = bad is None or _refused_by_name(page, {name: bad}, name)
-        assert refused, f"{page}: {name}={bad!r} is accepted"
+        assert _refused_by_name(page, {name: bad}, name), f"{page}: {name}={bad!r} is accepted"
         np.testing.assert_allclose(
             _call(page, {name: other})[0], _call(page, {})[0], rtol=1e-12, atol=1e-12,
             err_msg=f"{page}: {name}={other!r} changes the rows",
@@ -148,6 +160,23 @@ def test_each_keyword_is_honoured_or_refused(page, name):
         a.shape == b.shape and np.array_equal(a, b, equal_nan=True) for a, b in zip(before, after)
     )
     assert not same, f"{page}: attention(..., {name}=...) returns what it returns without it"
+
+
+def _switches():
+    for page, module in {**PAGES, **JAX_PAGES}.items():
+        parameters = inspect.signature(importlib.import_module(module).attention).parameters
+        for name, parameter in parameters.items():
+            if parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.default is False:
+                yield pytest.param(page, name, id=f"{page}-{name}")
+
+
+@pytest.mark.parametrize("page, name", list(_switches()))
+def test_a_switch_takes_a_bool_and_nothing_else(page, name):
+    """``fast="yes"`` once ran the fast path, and ``return_lse="no"`` returned the lse: a
+    switch given anything but a bool is refused with a TypeError that names it, what it
+    expects and what it got (SPEC §8.1)."""
+    with pytest.raises(TypeError, match=rf"^{name} should be a bool, got 'yes'$"):
+        _call(page, {name: "yes"})
 
 
 def test_the_module_pages_dropout_p_draws_as_sdpa_does():

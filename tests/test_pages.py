@@ -362,8 +362,10 @@ DIFFERENCES = {
         "+        with return_lse, each asks for the second output.",
         "-      out: (B, H, T, E), or (H, T, E) for unbatched input; q's dtype.",
         "+      out: (B, H, T, E), or (H, T, E) for unbatched input; q's dtype. Or (out, weights).",
-        # return_weights and return_lse both ask for the second output: refused together.
-        "+    if return_weights and return_lse:",
+        # return_weights and return_lse both ask for the second output: refused together
+        # (the contract checks that return_lse is a bool, as on every page; this line,
+        # return_weights).
+        '+    if contract.check_bool("return_weights", return_weights) and return_lse:',
         '+        raise ValueError("return_weights and return_lse: set one of the two, got both True")',
         # PyTorch makes its tensors on q's device (Notes: framework spelling).
         "-    allowed = allowed_keys(mask, call)  # (B|1, H|1, T, S)",
@@ -378,9 +380,9 @@ DIFFERENCES = {
         '+    return ("random", random, ok, "a xp.Generator or None")',
         "-def allowed_keys(mask: Array | None, call: contract.Checked) -> Array:",
         "+def allowed_keys(mask: Array | None, call: contract.Checked, device) -> Array:",
-        "-    t = xp.arange(T)[:, None]  # (T, 1)",
+        "-    t = xp.arange(T)[:, None] + offset  # (T, 1): each query's diagonal",
         "-    s = xp.arange(S)[None, :]  # (1, S)",
-        "+    t = xp.arange(T, device=device)[:, None]  # (T, 1)",
+        "+    t = xp.arange(T, device=device)[:, None] + offset  # (T, 1): each query's diagonal",
         "+    s = xp.arange(S, device=device)[None, :]  # (1, S)",
         "-    allowed = xp.ones((1, 1, T, S), dtype=bool)  # (1, 1, T, S)",
         "+    allowed = xp.ones((1, 1, T, S), dtype=bool, device=device)  # (1, 1, T, S)",

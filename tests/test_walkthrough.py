@@ -178,13 +178,13 @@ def test_every_section_is_included_once_and_exists():
 
 def test_the_core_pages_steps_are_included_by_their_numbers():
     """The worked example shows the page's textbook core, the visibility that builds the
-    causal triangle, attention()'s steps 1, 2, 4, 5 and 7 (3 and 6 are off in it) and step
+    causal triangle (and the helper that spells it), attention()'s steps 1, 2, 4, 5 and 7 (3 and 6 are off in it) and step
     5's helpers, from the comment line to the blank line that ends each."""
     assert code_includes("walkthrough") == [
         "impls/numpy/attention.py def textbook_attention",
         "impls/numpy/attention.py step 1",
         "impls/numpy/attention.py step 2",
-        "impls/numpy/attention.py def allowed_keys",
+        "impls/numpy/attention.py def allowed_keys visible",
         "impls/numpy/attention.py step 4",
         "impls/numpy/attention.py step 5",
         "impls/numpy/attention.py def softmax softmax_with_sinks sink_logits",
@@ -255,7 +255,7 @@ def test_a_section_of_numbers_is_stored_as_it_stands(tmp_path):
 def test_the_pages_show_the_impls_lines():
     walkthrough = assembled("walkthrough")
     assert 'scores = np.einsum("bhtd,bhsd->bhts", q, k)  # (B, H, T, S)' in walkthrough
-    assert "allowed = allowed & (distance <= 0)  # (1, 1, T, S)" in walkthrough
+    assert "allowed = allowed & (s <= t)  # (..., T, S)" in walkthrough
     sinks = assembled("sinks")
     assert "def sink_logits" in sinks
     assert "p.sum(axis=-1, keepdims=True) + np.exp(sink - highest)" in sinks

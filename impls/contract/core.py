@@ -75,6 +75,7 @@ def check(
     chunk_size: Any = None,
     alibi_slopes: Any = None,
     d_lse: Any = None,
+    flags: dict[str, Any] | None = None,
 ) -> Checked:
     """Check one attention call; return its sizes and normalised options.
 
@@ -93,6 +94,9 @@ def check(
       alibi_slopes: ALiBi's slopes (H,) or (B, H) in float32 or q's dtype, or None (§17).
       d_lse: for a backward pass, the log-sum-exp's cotangent, shaped like the lse
         (B, H, T) and in its dtype, the working precision (SPEC §21.4, §21.7), or None.
+      flags: {name: value} of the impl's own switches (``return_lse``,
+        ``return_weights``), each of which must be a bool: a string such as "yes" is
+        refused, not read as Python reads a condition.
 
     Raises:
       ValueError, TypeError: bad input, with a message naming the argument, the expected
@@ -120,6 +124,8 @@ def check(
             raise TypeError(f"{name} should be {expected}, got {value!r}")
         if not acceptable and dropout_p > 0:
             raise ValueError(f"{name} should be {expected} when dropout_p > 0, got {value!r}")
+    for name, flag in (flags or {}).items():
+        check_bool(name, flag)
     for name, size in (tiles or {}).items():
         if integer(name, size) <= 0:
             raise ValueError(f"{name} should be a positive int, got {size!r}")

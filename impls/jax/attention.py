@@ -109,6 +109,7 @@ def attention(
         q, k, v, mask=mask, is_causal=is_causal, scale=scale, causal_alignment=causal_alignment,
         window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size,
         alibi_slopes=alibi_slopes, random=random_source(key),
+        flags={"return_lse": return_lse},
     )  # fmt: skip
     static = dataclasses.replace(call, scale=None)  # the rest compiled (see Notes: jit)
     arrays = (q, k, v, mask, sinks, alibi_slopes, key, call.scale)
@@ -202,28 +203,44 @@ def repeat_heads(x: jax.Array, G: int) -> jax.Array:
 def allowed_keys(mask: jax.Array | None, call: contract.Checked) -> jax.Array:
     """Which keys each query may see, (B|1, H|1, T, S) bool: those that a bool mask, the
     causal triangle, the window and the chunk allow and a float mask does not set to -inf."""
-    T, S, window, chunk = call.T, call.S, call.window, call.chunk_size
+    T, S = call.T, call.S
     # Query t's diagonal is key t (top-left) or key t + S - T (bottom-right, so that the
     # last query lines up with the last key).
     offset = 0 if call.causal_alignment == "top_left" else S - T
-    t = jnp.arange(T)[:, None]  # (T, 1)
+    t = jnp.arange(T)[:, None] + offset  # (T, 1): each query's diagonal
     s = jnp.arange(S)[None, :]  # (1, S)
-    distance = s - (t + offset)  # (T, S): how far key s lies right of query t's diagonal
     allowed = jnp.ones((1, 1, T, S), dtype=bool)  # (1, 1, T, S)
-    if call.is_causal:
-        # The causal triangle: no key right of the diagonal, none from the future.
-        allowed = allowed & (distance <= 0)  # (1, 1, T, S)
-    if window is not None and window[0] is not None:
-        allowed = allowed & (distance >= -window[0])  # (1, 1, T, S)
-    if window is not None and window[1] is not None:
-        allowed = allowed & (distance <= window[1])  # (1, 1, T, S)
-    if chunk is not None:
-        # Same chunk only; floor division puts a negative position in a chunk of no key.
-        allowed = allowed & ((t + offset) // chunk == s // chunk)  # (1, 1, T, S)
+    allowed = visible(allowed, t, s, call.is_causal, call.window, call.chunk_size)  # (1, 1, T, S)
     if mask is not None and call.mask_is_bool:
         allowed = allowed & mask  # (B|1, H|1, T, S)
     elif mask is not None:
         allowed = allowed & (mask != -jnp.inf)  # (B|1, H|1, T, S)
+    return allowed
+
+
+def visible(
+    allowed: jax.Array,
+    t: jax.Array,
+    s: jax.Array,
+    is_causal: bool,
+    window: tuple[int | None, int | None] | None,
+    chunk_size: int | None,
+) -> jax.Array:
+    """``allowed`` (..., T, S) narrowed to the keys each query may see by position: t (T, 1)
+    holds each query's diagonal, s (1, S) the keys' positions. The package's one spelling
+    of the causal triangle, the window and the chunks: the pages that walk the keys tile
+    by tile or chunk by chunk ask it for each one's positions."""
+    if is_causal:
+        # The causal triangle: no key right of the diagonal, none from the future.
+        allowed = allowed & (s <= t)  # (..., T, S)
+    left, right = window if window is not None else (None, None)
+    if left is not None:
+        allowed = allowed & (s >= t - left)  # (..., T, S)
+    if right is not None:
+        allowed = allowed & (s <= t + right)  # (..., T, S)
+    if chunk_size is not None:
+        # Same chunk only; floor division puts a negative position in a chunk of no key.
+        allowed = allowed & (t // chunk_size == s // chunk_size)  # (..., T, S)
     return allowed
 
 

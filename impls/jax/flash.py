@@ -91,6 +91,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import contract
+from .attention import visible
 from .flash_fast import _flash, _flash_vjp, _host_array, _prepare, _result
 from .flash_tiles import HIGHEST, running_lse
 
@@ -172,7 +173,8 @@ def attention(
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
     options.update(chunk_size=chunk_size, alibi_slopes=alibi_slopes)
-    if not fast:
+    return_lse = contract.check_bool("return_lse", return_lse)
+    if not contract.check_bool("fast", fast):
         out, lse = _textbook(q, k, v, mask, options, block_q, block_k)
         return (out, lse) if return_lse else out
     # 0. Validate: the input contract every impl shares (the contract package) checks shapes,
@@ -307,7 +309,11 @@ def _tile(q, k, v, mask, alibi, call, span, work):
     t0, Tb, s0, Sb = span
     t = np.arange(t0, t0 + Tb)[:, None]  # (Tb, 1)
     s = np.arange(s0, s0 + Sb)[None, :]  # (1, Sb)
-    allowed = (t < call.T) & (s < call.S) & _visible(call, t, s)  # (Tb, Sb)
+    allowed = (t < call.T) & (s < call.S)  # (Tb, Sb): the padding sees no key
+    # The core page's ``visible``, on NumPy positions (the tiles are cut on the host).
+    offset = 0 if call.causal_alignment == "top_left" else call.S - call.T
+    t = t + offset  # (Tb, 1): each query's diagonal
+    allowed = visible(allowed, t, s, call.is_causal, call.window, call.chunk_size)  # (Tb, Sb)
     if not allowed.any():
         return None
     B, H, T, S, G = call.B, call.H, call.T, call.S, call.G
@@ -354,23 +360,6 @@ def _padded(x: np.ndarray, *sizes: int) -> np.ndarray:
     """x zero-padded (False for bool) at the end of its first axes up to ``sizes``."""
     widths = [(0, n - m) for n, m in zip(sizes, x.shape)] + [(0, 0)] * (x.ndim - len(sizes))
     return np.pad(x, widths)
-
-
-def _visible(call, t: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """Which keys s each query t may see by position (NumPy's ``flash.visible``): the
-    causal triangle, the window's sides and the chunks, from t's aligned diagonal."""
-    t = t + (0 if call.causal_alignment == "top_left" else call.S - call.T)  # (Tb, 1)
-    allowed = np.ones(np.broadcast_shapes(t.shape, s.shape), dtype=bool)  # (Tb, Sb)
-    if call.is_causal:
-        allowed &= s <= t
-    left, right = call.window if call.window is not None else (None, None)
-    if left is not None:
-        allowed &= s >= t - left
-    if right is not None:
-        allowed &= s <= t + right
-    if call.chunk_size is not None:
-        allowed &= t // call.chunk_size == s // call.chunk_size
-    return allowed
 
 
 def attention_vjp(

@@ -77,9 +77,9 @@ from .. import contract
 from .flash_tiles import (
     Tiles,
     add_sink,
+    backward_lse,
     backward_tile,
     bucket_count,
-    log_sum_exp,
     running_lse,
     scale_split,
 )
@@ -336,7 +336,7 @@ def _flash_vjp(
             m, l, acc = add_sink(m, l, acc, sink)
         some = l > 0  # (B, K, G·Tb)
         o = acc / jnp.where(some, l, 1.0)[..., None]  # (B, K, G·Tb, E)
-        lse = log_sum_exp(m, l)  # (B, K, G·Tb)
+        lse = backward_lse(m, l)  # (B, K, G·Tb)
 
         # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O): one dot product per row.
         do = lax.dynamic_slice_in_dim(d_out, i * Tb, Tb, axis=2).astype(work)

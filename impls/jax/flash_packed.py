@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import contract
-from .flash_tiles import Tiles, backward_tile, log_sum_exp
+from .flash_tiles import Tiles, backward_lse, backward_tile
 
 
 def attention_packed(
@@ -214,7 +214,7 @@ def _flash_packed_vjp(
         m, l, acc = docs.online_softmax(qi, i)
         some = l > 0  # (B, K, G·Tb)
         o = acc / jnp.where(some, l, 1.0)[..., None]  # (B, K, G·Tb, E)
-        lse = log_sum_exp(m, l)  # (B, K, G·Tb)
+        lse = backward_lse(m, l)  # (B, K, G·Tb)
 
         # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O).
         do = lax.dynamic_slice_in_dim(d_out, i * Tb, Tb, axis=2).astype(work)

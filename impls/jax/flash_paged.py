@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import contract
-from .flash_tiles import HIGHEST, log_sum_exp, scale_split, score_product
+from .flash_tiles import HIGHEST, backward_lse, scale_split, score_product
 
 
 def attention_paged(
@@ -182,7 +182,7 @@ def _query_block(walk: _PageWalk, d_out: jax.Array | None, carry: tuple) -> tupl
 
     # The backward of this block (``flash.attention_vjp``): P = exp(Z − lse) and
     # Δ = rowsum(dO ⊙ O), then page by page dV, dK into the pages, dQ here.
-    lse = log_sum_exp(m, l)  # (K, G·Tb)
+    lse = backward_lse(m, l)  # (K, G·Tb)
     do = d_out[b, :, t0:t1].astype(work).reshape(K, R, walk.E)  # (K, G·Tb, E)
     delta = (do * o).sum(axis=-1)  # (K, G·Tb)
     backward = functools.partial(walk.backward, lse, do, delta)

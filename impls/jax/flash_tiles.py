@@ -4,7 +4,8 @@
 its sizes, and does a tile's work: which key blocks a query block visits (``walk``), steps
 1, 3 and 4 on one (query block, key block) tile (``scores``), and the online softmax of
 one query block over its key blocks (``online_softmax``). ``backward_tile`` is one tile of
-FlashAttention-2's backward; ``log_sum_exp`` and ``add_sink`` finish a query block's rows.
+FlashAttention-2's backward; ``add_sink`` and ``running_lse`` finish a query block's rows,
+and ``backward_lse`` gives the backward what it forms the weights against.
 The packed and paged pages (``flash_packed.py``, ``flash_paged.py``) walk the same tiles.
 
 The grouped layout. Query head h = k·G + g shares key/value head k (PyTorch's
@@ -51,6 +52,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from .attention import visible
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -113,6 +116,7 @@ class Tiles:
         # where t' = t + offset is its aligned diagonal (offset = S - T for bottom-right);
         # None is an unbounded side.
         left, right = window if window is not None else (None, None)
+        self.window = window
         self.lo = None if left is None else -left
         self.hi = right
         self.banded = self.lo is not None or self.hi is not None
@@ -227,20 +231,13 @@ class Tiles:
                 allowed = m != -jnp.inf  # (B|1, K|1, G|1, Tb|1, Sb|1)
         if banded_tile:
             s = j * Sb + jnp.arange(Sb, dtype=jnp.int32)[None, :]  # (1, Sb)
-            if self.banded:
+            if self.banded or self.chunk is not None:
                 t = i * Tb + jnp.arange(Tb, dtype=jnp.int32)[:, None]  # (Tb, 1)
-                distance = s - (t + self.offset)  # (Tb, Sb)
+                t = t + self.offset  # (Tb, 1): each query's diagonal
+                # The core page's ``visible``; causality is already the window's right side.
                 band = jnp.ones((Tb, Sb), dtype=bool)  # (Tb, Sb)
-                if self.lo is not None:
-                    band &= distance >= self.lo
-                if self.hi is not None:
-                    band &= distance <= self.hi
+                band = visible(band, t, s, False, self.window, self.chunk)  # (Tb, Sb)
                 allowed = band if allowed is None else allowed & band
-            if self.chunk is not None:
-                t = i * Tb + jnp.arange(Tb, dtype=jnp.int32)[:, None]  # (Tb, 1)
-                # Same chunk only; floor division puts a negative position in a chunk of no key.
-                same = (t + self.offset) // self.chunk == s // self.chunk  # (Tb, Sb)
-                allowed = same if allowed is None else allowed & same
             if rows is not None:
                 # Packed documents: each row sees the keys [lo, hi) of its own document
                 # that its causality and window leave; a row outside the document walked
@@ -347,11 +344,13 @@ def running_lse(m: jax.Array, l: jax.Array) -> jax.Array:
     return jnp.where(l == jnp.inf, jnp.nan, lse)
 
 
-def log_sum_exp(m: jax.Array, l: jax.Array) -> jax.Array:
-    """Each row's log-sum-exp m + log l from its running maximum and sum, what the backward
-    needs of the forward: +inf for a row with no key (l = 0), so that its weights
-    exp(Z − lse) are all 0; NaN for a row that read a +inf score (l = +inf), so that every
-    weight of it is NaN, as its output is (SPEC §4.1), not only its +inf ones."""
+def backward_lse(m: jax.Array, l: jax.Array) -> jax.Array:
+    """What the backward forms each row's weights exp(Z − lse) against: the row's
+    log-sum-exp m + log l (``running_lse``), except for a row with no key (l = 0), whose
+    log-sum-exp is log 0 = −inf (SPEC §21.2) and which gets +inf here, so that its weights
+    are all 0, not exp(−inf + inf) = NaN; NaN for a row that read a +inf score (l = +inf),
+    so that every weight of it is NaN, as its output is (SPEC §4.1), not only its +inf
+    ones. Not a log-sum-exp to return: ``running_lse`` is."""
     some = l > 0
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     lse = jnp.where(some, m_safe + jnp.log(jnp.where(some, l, 1.0)), jnp.inf)

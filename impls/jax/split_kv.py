@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import contract
+from .attention import visible
 from .merge import merged as merge_states
 
 #: Keys per chunk when ``num_splits`` is left out: chunks of at most this many keys.
@@ -82,6 +83,7 @@ def attention(
         dropout_p=dropout_p, sinks=sinks, chunk_size=chunk_size, alibi_slopes=alibi_slopes,
         unsupported={"dropout_p": "split-KV decoding has no dropout"},
         tiles={} if num_splits is None else {"num_splits": num_splits},
+        flags={"return_lse": return_lse},
     )  # fmt: skip
     o, lse = compiled(q, k, v, mask, sinks, alibi_slopes, call=call, num_splits=num_splits)
     return (o, lse) if return_lse else o
@@ -132,7 +134,7 @@ def attend_chunk(q, k, v, mask, slopes, call: contract.Checked, s0: int, s1: int
         x = call.softcap * jnp.tanh(x / call.softcap)  # (B, H, T, Sc)
     if slopes is not None:
         x = x + alibi_bias(slopes, call, s0, s1)  # (B, H, T, Sc)
-    allowed = visible(call, s0, s1)  # (T, Sc)
+    allowed = visible_in_chunk(call, s0, s1)  # (T, Sc)
     if mask is not None and mask.dtype == jnp.bool_:
         allowed = allowed & mask[..., s0:s1]  # (B|1, H|1, T, Sc)
     elif mask is not None:
@@ -153,24 +155,15 @@ def attend_chunk(q, k, v, mask, slopes, call: contract.Checked, s0: int, s1: int
     return o_c, lse_c
 
 
-def visible(call: contract.Checked, s0: int, s1: int) -> jax.Array:
-    """Which keys s0:s1 each query may see by position, (T, Sc): the causal triangle, the
-    window and the chunks of chunked attention, from the queries' diagonals (key t, or
+def visible_in_chunk(call: contract.Checked, s0: int, s1: int) -> jax.Array:
+    """Which keys s0:s1 each query may see by position, (T, Sc): the core page's
+    ``visible`` on the chunk's positions, from the queries' diagonals (key t, or
     t + S - T bottom-right)."""
     offset = 0 if call.causal_alignment == "top_left" else call.S - call.T
     t = jnp.arange(call.T)[:, None] + offset  # (T, 1): each query's diagonal
     s = jnp.arange(s0, s1)[None, :]  # (1, Sc)
     allowed = jnp.ones((call.T, s1 - s0), dtype=bool)  # (T, Sc)
-    if call.is_causal:
-        allowed = allowed & (s <= t)  # (T, Sc)
-    left, right = call.window if call.window is not None else (None, None)
-    if left is not None:
-        allowed = allowed & (s >= t - left)  # (T, Sc)
-    if right is not None:
-        allowed = allowed & (s <= t + right)  # (T, Sc)
-    if call.chunk_size is not None:
-        allowed = allowed & (t // call.chunk_size == s // call.chunk_size)  # (T, Sc)
-    return allowed
+    return visible(allowed, t, s, call.is_causal, call.window, call.chunk_size)  # (T, Sc)
 
 
 def alibi_bias(slopes: jax.Array, call: contract.Checked, s0: int, s1: int) -> jax.Array:

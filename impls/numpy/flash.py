@@ -40,7 +40,8 @@ import numpy as np
 
 from .. import contract
 from . import flash_tiles
-from .flash_tiles import KeyTiles, fast_online_softmax, log_sum_exp, normalise, running_lse
+from .attention import visible
+from .flash_tiles import KeyTiles, backward_lse, fast_online_softmax, normalise, running_lse
 
 
 def online_softmax_row(x: np.ndarray, v: np.ndarray, block: int) -> np.ndarray:
@@ -94,7 +95,8 @@ def attention(
     options = dict(is_causal=is_causal, scale=scale, causal_alignment=causal_alignment)
     options.update(window=window, softcap=softcap, dropout_p=dropout_p, sinks=sinks)
     options.update(chunk_size=chunk_size, alibi_slopes=alibi_slopes)
-    if fast:
+    return_lse = contract.check_bool("return_lse", return_lse)
+    if contract.check_bool("fast", fast):
         return flash_tiles.attention(q, k, v, mask, options, block_q, block_k, return_lse)
     # 0. Validate with the input contract every impl shares; add the batch axis.
     call, q, k, v, mask, slopes = batched(q, k, v, mask, options, block_q, block_k)
@@ -157,7 +159,7 @@ def tile(
     window or the chunks let no query of the block see any key of the tile (skipped: the
     fused kernels' 2× causal speed-up)."""
     t0, t1, s0, s1 = span
-    allowed = visible(call, t0, t1, s0, s1)  # (Tb, Sb)
+    allowed = visible_in_tile(call, t0, t1, s0, s1)  # (Tb, Sb)
     if not allowed.any():
         return None, None
     # Grouped-query attention: query head h reads key/value head h // G.
@@ -190,26 +192,15 @@ def tile(
     return x, v_b
 
 
-def visible(call: contract.Checked, t0: int, t1: int, s0: int, s1: int) -> np.ndarray:
-    """Which keys each query of the tile may see by position: (Tb, Sb) bool. Query t's
-    diagonal is key t (top-left) or t + S − T (bottom-right: the last query sees the last
-    key); causality keeps the keys up to it, the window those within its sides, and
-    chunked attention those in the diagonal's chunk."""
+def visible_in_tile(call: contract.Checked, t0: int, t1: int, s0: int, s1: int) -> np.ndarray:
+    """Which keys each query of the tile may see by position: (Tb, Sb) bool, the core page's
+    ``visible`` on the tile's positions. Query t's diagonal is key t (top-left) or
+    t + S − T (bottom-right: the last query sees the last key)."""
     offset = 0 if call.causal_alignment == "top_left" else call.S - call.T
     t = np.arange(t0, t1)[:, None] + offset  # (Tb, 1): each query's diagonal
     s = np.arange(s0, s1)[None, :]  # (1, Sb)
     allowed = np.ones((t1 - t0, s1 - s0), dtype=bool)  # (Tb, Sb)
-    if call.is_causal:
-        allowed &= s <= t
-    left, right = call.window if call.window is not None else (None, None)
-    if left is not None:
-        allowed &= s >= t - left
-    if right is not None:
-        allowed &= s <= t + right
-    if call.chunk_size is not None:
-        # Floor division puts a negative position in a chunk of no key.
-        allowed &= t // call.chunk_size == s // call.chunk_size
-    return allowed
+    return visible(allowed, t, s, call.is_causal, call.window, call.chunk_size)  # (Tb, Sb)
 
 
 def alibi_bias(
@@ -362,8 +353,8 @@ def attention_vjp(
     lse, turns any tile's recomputed scores into its exact weights: no max, no sum, no
     rescaling in the backward. A row with no key has l = 0, and its true lse, log 0 =
     −inf (what ``return_lse`` gives), would make exp(Z − lse) = exp(−inf + inf) NaN: the
-    backward takes +inf in its place (``flash_tiles.log_sum_exp``, unlike
-    ``running_lse``), so its weights are exp(−inf) = 0 and its gradients exactly 0. (A backward kept
+    backward takes +inf in its place (``flash_tiles.backward_lse``; ``running_lse`` gives
+    the −inf), so its weights are exp(−inf) = 0 and its gradients exactly 0. (A backward kept
     separate from its forward stores lse, T numbers per head; here each query block's
     forward runs just before its backward, so lse and Δ live only as long as the
     block.)
@@ -438,7 +429,7 @@ def attention_vjp(
             acc, l, m = flash_tiles.add_sink(acc, l, m, sink)
         o = normalise(acc, l)  # (B·K, G·Tb, E)
         some = l > 0  # (B·K, G·Tb, 1)
-        lse = log_sum_exp(m, l)  # (B·K, G·Tb, 1)
+        lse = backward_lse(m, l)  # (B·K, G·Tb, 1)
 
         # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O): one dot product per row.
         do = d_out[:, :, t0:t1].astype(work).reshape(B * K, G * Tb, E)  # (B·K, G·Tb, E)

@@ -43,6 +43,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from .. import contract
+from .attention import visible
 
 
 def prepare(
@@ -324,7 +325,7 @@ class Band:
         if is_causal:
             self.hi = min(self.hi, 0)
         self.active = is_causal or window is not None
-        self.chunk = chunk
+        self.is_causal, self.window, self.chunk = is_causal, window, chunk
 
     def ranges(self, t0: int, t1: int, S: int) -> list[tuple[int, int, bool]]:
         """Key ranges (s0, s1, whole) that query rows [t0, t1) can see, in key order.
@@ -356,15 +357,12 @@ class Band:
         return [(int(a), int(b), whole) for a, b, whole in clipped if a < b]
 
     def allowed(self, t0: int, t1: int, s0: int, s1: int) -> np.ndarray:
-        """Which keys each query of the tile may see: (Tb, Sb) bool."""
-        t = np.arange(t0, t1)[:, None]  # (Tb, 1)
+        """Which keys each query of the tile may see: (Tb, Sb) bool, the core page's
+        ``visible`` on the tile's positions."""
+        t = np.arange(t0, t1)[:, None] + self.offset  # (Tb, 1): each query's diagonal
         s = np.arange(s0, s1)[None, :]  # (1, Sb)
-        distance = s - (t + self.offset)  # (Tb, Sb)
-        allowed = (distance >= self.lo) & (distance <= self.hi)  # (Tb, Sb)
-        if self.chunk is not None:
-            # Same chunk only; floor division puts a negative position in a chunk of no key.
-            allowed &= (t + self.offset) // self.chunk == s // self.chunk  # (Tb, Sb)
-        return allowed
+        allowed = np.ones((t1 - t0, s1 - s0), dtype=bool)  # (Tb, Sb)
+        return visible(allowed, t, s, self.is_causal, self.window, self.chunk)  # (Tb, Sb)
 
 
 def grouped(x: np.ndarray, K: int, G: int) -> np.ndarray:
@@ -581,11 +579,12 @@ def running_lse(m: np.ndarray, l: np.ndarray) -> np.ndarray:
     return np.where(l == np.inf, np.nan, lse)[..., 0]  # (...)
 
 
-def log_sum_exp(m: np.ndarray, l: np.ndarray) -> np.ndarray:
-    """Each row's log-sum-exp m + log l as the backward uses it: for a row with no key
-    (l = 0), +inf in place of its true lse, log 0 = −inf (``running_lse``'s), so that its
-    weights exp(Z − lse) are all 0, not exp(−inf + inf) = NaN; NaN for a row that read a
-    +inf score (l = +inf; see backward_block)."""
+def backward_lse(m: np.ndarray, l: np.ndarray) -> np.ndarray:
+    """What the backward forms each row's weights exp(Z − lse) against: the row's
+    log-sum-exp m + log l (``running_lse``), except for a row with no key (l = 0), whose
+    log-sum-exp is log 0 = −inf (SPEC §21.2) and which gets +inf here, so that its weights
+    are all 0, not exp(−inf + inf) = NaN; NaN for a row that read a +inf score (l = +inf;
+    see backward_block). Not a log-sum-exp to return: ``running_lse`` is."""
     some = l > 0
     lse = np.where(some, m + np.log(np.where(some, l, 1.0)), np.inf)
     return np.where(l == np.inf, np.nan, lse)

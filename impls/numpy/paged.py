@@ -32,7 +32,7 @@ import numpy as np
 from .. import contract
 from .attention import attention
 from .backward import attention_backward
-from .flash import backward_block, fast_online_softmax, log_sum_exp, normalise
+from .flash import backward_block, backward_lse, fast_online_softmax, normalise
 from .flash_tiles import Band, KeyTiles, may_overflow, query_tile
 
 
@@ -319,7 +319,7 @@ def attention_paged_flash_vjp(
             qs = query_tile(q[b], t0, t1, call.scale, work)  # (K, G·Tb, D)
             acc, l, m = fast_online_softmax(qs, t0, t1, tiles)
             o = normalise(acc, l)  # (K, G·Tb, E)
-            lse = log_sum_exp(m, l)  # (K, G·Tb, 1)
+            lse = backward_lse(m, l)  # (K, G·Tb, 1)
 
             # 5'. The softmax's row term, Δ = rowsum(dO ⊙ O).
             do = d_out[b, :, :, t0:t1].astype(work).reshape(K, G * Tb, E)  # (K, G·Tb, E)

@@ -84,7 +84,7 @@ def attention(
     call = contract.check(
         q, k, v, mask=mask, is_causal=is_causal, scale=scale, causal_alignment=causal_alignment,
         window=window, softcap=softcap, dropout_p=dropout_p, chunk_size=chunk_size,
-        alibi_slopes=alibi_slopes,
+        alibi_slopes=alibi_slopes, flags={"return_lse": return_lse},
     )  # fmt: skip
 
     # Prepare the batch axis: unbatched inputs get one, and the mask takes attn_mask's shape.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mutants import MUTANTS, MutantBackend, cast_output
+from mutants import MUTANTS, MutantBackend, Steps, block_by_adding, cast_output, hide_unused_never
 from mutants import _mutant as mutant_class
 
 import conformance
@@ -45,12 +45,12 @@ class _Behaviours:
             )
 
 
-def _run(registry, cls, tmp_path, *selection) -> list[dict]:
+def _run(registry, cls, tmp_path, *selection, args=()) -> list[dict]:
     registry.register(cls.name, cls)
     seen = _Behaviours()
     pytest.main(
         [*(str(SUITE / s) for s in selection), "--backend", cls.name, "-q", "--tb=no"]
-        + ["-p", "no:cacheprovider", "--repro-dir", str(tmp_path)],
+        + ["-p", "no:cacheprovider", "--repro-dir", str(tmp_path), *args],
         plugins=[seen],
     )
     assert seen.failed, f"{cls.name} fails none of {selection}"
@@ -135,6 +135,63 @@ def test_a_nan_weight_is_not_called_negative(registry, tmp_path):
     failed = _run(registry, _KeysPastS, tmp_path, "test_invariants.py::test_weight_rows_sum_to_one")
     past = BY_NAME["keys-past-s"].sentence
     assert {f["behaviour"] for f in failed} == {past}, failed
+
+
+class _BlockedSlotsAdded(MutantBackend):
+    """Blocks a key by adding -inf to a score computed from every slot: a NaN or inf in a
+    blocked slot's key reaches the scores (NaN + -inf), one in its value the product with
+    V (0 · NaN)."""
+
+    name = "planted-blocked-slots-added"
+    steps = type(
+        "Steps_added",
+        (Steps,),
+        {"hide_unused": staticmethod(hide_unused_never), "block": staticmethod(block_by_adding)},
+    )
+
+
+@pytest.mark.parametrize(
+    "cls, mechanism",
+    [
+        (MUTANTS["mutant-unused-slots-read"][0], "blocked-slot-multiplied"),
+        (_BlockedSlotsAdded, "blocked-slot-read"),
+    ],
+    ids=["selected", "added"],
+)
+def test_a_blocked_slot_is_named_by_how_it_is_read(registry, tmp_path, cls, mechanism):
+    """§4.7's fixtures hold garbage in some heads' keys and other heads' values: a function
+    that selects -inf for a blocked key (its value still multiplied by weight 0) and one
+    that adds -inf to the key's score are each named by their own mechanism, the other
+    never, in every dtype."""
+    failed = _run(
+        registry, cls, tmp_path, "test_fixtures.py::test_fixture_case", args=["-k", "inert"]
+    )
+    named = _named(failed)
+    slots = {BY_NAME[n].sentence for n in ("blocked-slot-read", "blocked-slot-multiplied")}
+    assert set(named) & slots == {BY_NAME[mechanism].sentence}, failed
+    for case in ("inert-causal-T4-S9", "inert-float-mask-column"):
+        for dtype in ("float64", "float32", "float16", "bfloat16"):
+            ours = [n for f, n in zip(failed, named) if f"-{case}-{dtype}]" in f["test"]]
+            assert ours == [BY_NAME[mechanism].sentence], (case, dtype, failed)
+
+
+def test_a_slot_with_garbage_in_its_key_and_its_value_names_both():
+    """Garbage in both the key and the value of every blocked slot: reading the key into the
+    scores and multiplying the value by 0 give the same NaN rows, and both are named; the
+    run's other cases tell which (``explaining_causes``)."""
+    q, k, v = random_qkv(12, B=1, H=2, T=3, S=6, D=4)
+    k[..., 3:, :] = np.nan  # (B, K, S, D): keys 3-5 come after every query
+    v[..., 3:, :] = np.nan
+    calls = [(0, None, "attention", (q, k, v), {"is_causal": True})]
+    nan_rows = np.full((1, 2, 3, 4), np.nan)
+    found = find(nan_rows, calls, 1e-9)
+    read, multiplied = (
+        BY_NAME[n].sentence for n in ("blocked-slot-read", "blocked-slot-multiplied")
+    )
+    assert found.matches == (read, multiplied), found
+    assert found.sentence == f"{read}; or, alike on this case, {multiplied}"
+    failures = [(found.sentence, found.matches), ("x", [multiplied])]
+    assert explaining_causes(failures) == [multiplied, multiplied]
 
 
 def _float32_for_16_bit(out, dtype):

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mutants import MUTANTS, MutantBackend, Steps, block_by_adding, cast_output, hide_unused_never
-from mutants import _mutant as mutant_class
 
 import conformance
-from conformance.suite import behaviours
+from conformance.adapters.domain import Domain
+from conformance.suite import behaviours, verdicts
 from conformance.suite.diagnosis import explaining_causes, find
 from conformance.suite.helpers import oracle_attention, random_qkv
 from conformance.suite.misreadings import BY_NAME
@@ -41,6 +41,7 @@ class _Behaviours:
                     "behaviour": props.get(behaviours.PROPERTY),
                     "misreadings": json.loads(props.get(behaviours.MISREADINGS, "[]")),
                     "where": props.get(behaviours.WHERE),
+                    "clause": json.loads(props.get(verdicts.LABEL, "{}")).get("clause"),
                 }
             )
 
@@ -199,12 +200,54 @@ def _float32_for_16_bit(out, dtype):
     return out.astype(np.float32) if np.dtype(dtype).itemsize == 2 else cast_output(out, dtype)
 
 
-def test_float32_for_16_bit_inputs_is_named(registry, tmp_path):
-    cls = mutant_class("planted-float32-out", "cast_output", _float32_for_16_bit)
-    failed = _run(registry, cls, tmp_path, "test_fixtures.py::test_fixture_case")
-    assert {f["behaviour"] for f in failed} == {"returns float32 for float16 or bfloat16 inputs"}, (
-        failed
-    )
+class _Decode32(MutantBackend):
+    """A decode kernel (T = 1 only) whose output for 16-bit inputs is the float32 it
+    computed in."""
+
+    name = "planted-decode-float32-out"
+    domain = Domain(max_t=1)
+    steps = type("Steps_float32", (Steps,), {"cast_output": staticmethod(_float32_for_16_bit)})
+
+
+class _Decode32OneOverD(_Decode32):
+    """The same kernel, whose 16-bit path also scales by 1/D by default."""
+
+    name = "planted-decode-float32-out-1-over-d"
+
+    def _attention(self, q, k, v, *, scale=None, **options):
+        if np.dtype(q.dtype).itemsize == 2 and scale is None:
+            scale = 1.0 / q.shape[-1]
+        return super()._attention(q, k, v, scale=scale, **options)
+
+
+#: The tests that look at a forward output's dtype or values at T = 1.
+_OUTPUT_TESTS = (
+    "test_fixtures.py::test_fixture_case",
+    "test_invariants.py",
+    "test_properties.py::test_matches_the_reference",
+    "test_edges.py::test_empty_sequences",
+)
+
+
+def test_an_output_dtype_is_one_finding(registry, tmp_path):
+    """float32 for 16-bit inputs fails §2.4's test once per dtype, and nothing else: every
+    other test judged the values (right here) in the dtype they came in."""
+    failed = _run(registry, _Decode32, tmp_path, *_OUTPUT_TESTS)
+    dtype = "returns float32 for float16 or bfloat16 inputs"
+    assert {(f["test"].rpartition("::")[2], f["behaviour"], f["clause"]) for f in failed} == {
+        (f"test_output_dtype[{_Decode32.name}-{d}]", dtype, "2.4") for d in ("float16", "bfloat16")
+    }, failed
+
+
+def test_values_in_another_dtype_are_judged(registry, tmp_path):
+    """The same kernel with its 16-bit values scaled by 1/D: the 16-bit fixtures fail,
+    named by the scale, not by the dtype, which §2.4's test names alone."""
+    failed = _run(registry, _Decode32OneOverD, tmp_path, *_OUTPUT_TESTS)
+    dtype = "returns float32 for float16 or bfloat16 inputs"
+    fixtures = [f for f in failed if "test_fixture_case" in f["test"]]
+    assert fixtures and all(f["behaviour"].startswith("the default scale is 1/D") for f in fixtures)
+    assert {f["test"].split("-")[-1] for f in fixtures} == {"float16]", "bfloat16]"}, fixtures
+    assert [f["clause"] for f in failed if f["behaviour"] == dtype] == ["2.4", "2.4"], failed
 
 
 def test_an_unexplained_departure_says_where_it_lies():

@@ -8,11 +8,20 @@ all. A comparison no misreading explains says where its error lies.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
-from mutants import MUTANTS, MutantBackend, Steps, block_by_adding, cast_output, hide_unused_never
+from mutants import (
+    MUTANTS,
+    GradientMutantBackend,
+    MutantBackend,
+    Steps,
+    block_by_adding,
+    cast_output,
+    hide_unused_never,
+)
 
 import conformance
 from conformance.adapters.domain import Domain
@@ -193,6 +202,50 @@ def test_a_slot_with_garbage_in_its_key_and_its_value_names_both():
     assert found.sentence == f"{read}; or, alike on this case, {multiplied}"
     failures = [(found.sentence, found.matches), ("x", [multiplied])]
     assert explaining_causes(failures) == [multiplied, multiplied]
+
+
+class _MaskScaledWithScores(GradientMutantBackend):
+    """Adds the float mask to the scores before the scale, ((q·k) + mask) · scale, forward
+    and backward, as Pallas' TPU flash attention does with its bias: dmask comes back as
+    the scale times dZ."""
+
+    name = "planted-mask-scaled-with-scores"
+
+    @staticmethod
+    def _scaled(q, options):
+        mask, scale = options.get("mask"), options.get("scale")
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        if mask is None or mask.dtype == np.bool_:
+            return options, 1.0
+        return {**options, "mask": (mask * scale).astype(mask.dtype)}, scale
+
+    def _attention(self, q, k, v, **options):
+        return super()._attention(q, k, v, **self._scaled(q, options)[0])
+
+    def _attention_vjp(self, q, k, v, d_out, **options):
+        options, scale = self._scaled(q, options)
+        grads = super()._attention_vjp(q, k, v, d_out, **options)
+        if scale == 1.0:
+            return grads
+        return (*grads[:3], (grads[3] * scale).astype(grads[3].dtype), *grads[4:])
+
+
+def test_a_gradient_is_named_by_the_forwards_cause(registry, tmp_path):
+    """The float mask's gradient fixtures (§12.3, §12.4) of a function that scales the mask
+    with the scores: every gradient that departs, dmask too, is named by the forward's
+    misreading, one finding with the forward fixtures'."""
+    failed = _run(
+        registry,
+        _MaskScaledWithScores,
+        tmp_path,
+        "test_gradients.py::test_gradient_fixture",
+        "test_fixtures.py::test_fixture_case",
+        args=["-k", "float-mask and not inert and not nan"],
+    )
+    scaled = BY_NAME["float-mask-scaled"].sentence
+    gradients = [f for f in failed if "test_gradient_fixture" in f["test"]]
+    assert "12.3" in {f["clause"] for f in gradients}, failed
+    assert {f["behaviour"] for f in failed} == {scaled}, failed
 
 
 def _float32_for_16_bit(out, dtype):

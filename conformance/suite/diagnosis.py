@@ -7,7 +7,8 @@ with one known misreading planted: ``is_causal`` ignored, the lse in base 2, a m
 weighted with the other piece's lse, v's descale dropped, and so on. The departing call
 is read by its area's reader (``READERS`` in ``diagnosis_readers.py``: attention whole
 and split-KV for ``attention``, the lse for ``attention(..., return_lse=True)``, merges
-for ``merge_states``, quantized attention for ``attention_quantized``), which gives the
+for ``merge_states``, quantized attention for ``attention_quantized``, the gradients for
+``attention_vjp``), which gives the
 context the area's misreadings are computed from, the right answer and the output
 compared; then one loop (``find``) tries every misreading of those areas. A misreading
 counts only where it changes the answer: the right output must depart from it beyond the

@@ -116,6 +116,11 @@ def hide_unused(k, v, allowed):
     return np.where(used, k, 0.0), np.where(used, v, 0.0)
 
 
+def block(scores, allowed):
+    """A blocked key's score is set to -inf by selection: whatever its key held is gone."""
+    return np.where(allowed, scores, -np.inf)
+
+
 def dropout(weights, p, rng):
     """Zero each weight with probability p; scale the survivors by 1 / (1 - p)."""
     keep = rng.random(weights.shape) >= p
@@ -282,6 +287,13 @@ def merge_heads_wrong_order(context):
 def hide_unused_never(k, v, allowed):
     """BUG: unused slots are multiplied by weight 0, and 0 · NaN = NaN leaks out."""
     return k, v
+
+
+def block_by_adding(scores, allowed):
+    """BUG: -inf is added to a blocked key's score, not selected: a NaN or inf its key
+    put in the score stays NaN (NaN + -inf, inf + -inf)."""
+    with np.errstate(invalid="ignore"):
+        return scores + np.where(allowed, 0.0, -np.inf)
 
 
 def softmax_nan_as_empty(scores, dtype):
@@ -484,6 +496,7 @@ class Steps:
     alibi = staticmethod(alibi)
     page_of = staticmethod(page_of)
     hide_unused = staticmethod(hide_unused)
+    block = staticmethod(block)
     softmax = staticmethod(softmax)
     sink_softmax = staticmethod(sink_softmax)
     dropout = staticmethod(dropout)
@@ -560,7 +573,7 @@ class Steps:
             scores = scores + self.alibi(np.asarray(alibi_slopes).astype(work), T, S, H)
         if mask is not None and mask.dtype != np.bool_:
             scores = self.apply_float_mask(scores, mask.astype(work))
-        scores = np.where(allowed, scores, -np.inf)  # (B, H, T, S)
+        scores = self.block(scores, allowed)  # (B, H, T, S)
 
         if sinks is None:
             weights = self.softmax(scores, dtype)  # (B, H, T, S)

@@ -7,7 +7,8 @@ with one known misreading planted: ``is_causal`` ignored, the lse in base 2, a m
 weighted with the other piece's lse, v's descale dropped, and so on. The departing call
 is read by its area's reader (``READERS`` in ``diagnosis_readers.py``: attention whole
 and split-KV for ``attention``, the lse for ``attention(..., return_lse=True)``, merges
-for ``merge_states``, quantized attention for ``attention_quantized``), which gives the
+for ``merge_states``, quantized attention for ``attention_quantized``, the gradients for
+``attention_vjp``), which gives the
 context the area's misreadings are computed from, the right answer and the output
 compared; then one loop (``find``) tries every misreading of those areas. A misreading
 counts only where it changes the answer: the right output must depart from it beyond the
@@ -57,7 +58,8 @@ def find(actual, calls: list, tol: float) -> Found:
     """Every misreading whose output ``actual`` (the last call's output) equals within
     ``tol``, and the sentence that names it: the first one's, joined with the sentences of
     the later ones whose outputs equal it on this call, since the case cannot tell them
-    apart (a misreading marked ``alone`` names alone). ``NOTHING`` where no reader takes
+    apart (a misreading marked ``alone`` names without the others, joined only by another
+    marked ``alone``). ``NOTHING`` where no reader takes
     the last call or ``actual`` is right for it; where no misreading fits, ``where`` says
     where the error lies."""
     subject = read(actual, calls) if calls else None
@@ -101,17 +103,19 @@ def find(actual, calls: list, tol: float) -> Found:
         sentences = (*sentences, ZEROS.sentence)
     first, planted, within, area = found[0]
     alike = [first.sentence]
-    if not first.alone:
-        # Within the first's area: another area's misreading that the case cannot tell
-        # apart (a split-KV tail of 16 keys and keys read as if S = T at T = 16) is left to
-        # the run, which names each failure by the one the most failures show.
-        for other, other_planted, _, other_area in found[1:]:
-            if other_area != area or other.sentence in alike:
-                continue
-            if matches(other_planted, planted, within):
-                alike.append(other.sentence)
+    # Within the first's area: another area's misreading that the case cannot tell apart
+    # (a split-KV tail of 16 keys and keys read as if S = T at T = 16) is left to the run,
+    # which names each failure by the one the most failures show. A misreading marked
+    # ``alone`` is joined only by another marked so: garbage in both the key and the value
+    # of a blocked slot reads the same whether the key reached the scores or the value the
+    # product, and the run's other cases, with garbage in one of the two, tell which.
+    for other, other_planted, _, other_area in found[1:]:
+        if other_area != area or other.sentence in alike or other.alone != first.alone:
+            continue
+        if matches(other_planted, planted, within):
+            alike.append(other.sentence)
     if first.alone:
-        sentences = (first.sentence, *((ZEROS.sentence,) if zeros else ()))
+        sentences = (*alike, *((ZEROS.sentence,) if zeros else ()))
     if len(alike) == 1:
         return Found(first.sentence, sentences, None)
     return Found("; or, alike on this case, ".join(alike), sentences, None)

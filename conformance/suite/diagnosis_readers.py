@@ -14,6 +14,7 @@ import numpy as np
 
 from conformance.suite.domain import CARRIED_BACK
 from conformance.suite.planted import Call, call_of, oracle_run
+from conformance.suite.planted_gradients import VjpCall, vjp_of
 from conformance.suite.planted_lse_merge import LseCall, MergeCall, lse_of
 from conformance.suite.planted_quantized import QuantizedCall, quantized_run
 from conformance.suite.tolerance import nonfinite_mismatch
@@ -149,10 +150,36 @@ def _quantized(actual, calls: list) -> Subject | None:
     return Subject(("quantized",), context, actual, right, _same, where)
 
 
+def _vjp(actual, calls: list) -> Subject | None:
+    """A gradient of an ``attention_vjp`` call: the one of its gradients (dq, dk, dv,
+    dmask, dsinks) of ``actual``'s shape whose right answer it is nearest to (dk and dv
+    share a shape where D = E)."""
+    _, _, _, args, kwargs = calls[-1]
+    call = call_of(args[:3], kwargs) if len(args) >= 4 else None
+    if call is None:
+        return None
+    d_out = np.asarray(args[3], dtype=np.float64)
+    d_out = d_out[None] if d_out.ndim == 3 else d_out  # (B, H, T, E)
+    if d_out.shape != (*call.q.shape[:3], call.v.shape[-1]):
+        return None
+    back = CARRIED_BACK.get(calls[-1][0], _same)
+    right = vjp_of(call, d_out, back)
+    actual = np.asarray(actual, dtype=np.float64)
+    if np.ndim(args[0]) == 3 and actual.ndim == 3:
+        actual = actual[None]  # dq, dk or dv of an unbatched call
+    names = [n for n, g in right.items() if g.shape == actual.shape]
+    if not names:
+        return None
+    name = min(names, key=lambda n: float(np.nanmax(_error(actual, right[n]), initial=0.0)))
+    context = VjpCall(call, d_out, name, back)
+    return Subject(("gradients",), context, actual, right[name], _same, lambda *_: None)
+
+
 #: The reader of each entry point's calls, and, for ``attention``, of its lse.
 READERS: dict[str, Callable[[Any, list], Subject | None]] = {
     "attention": _attention,
     "attention_lse": _lse,
+    "attention_vjp": _vjp,
     "merge_states": _merge,
     "attention_quantized": _quantized,
 }

@@ -32,7 +32,8 @@ class Misreading:
     #: entries (else a planted output must depart from the right one where both are
     #: finite, or an output that overflowed for another reason would match it).
     nonfinite: bool = False
-    #: Named alone even where another gives the same output on the case.
+    #: Named without the misreadings not so marked even where they give the same output
+    #: on the case (a slot read, not the mask ignored); joined by another so marked.
     alone: bool = False
 
 

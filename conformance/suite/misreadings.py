@@ -5,20 +5,24 @@ failures it explains, when it applies to a departing call and how to compute wha
 function with it planted returns. They are grouped by area (``AREAS``), one module of
 data an area: attention whole (``misreadings_attention.py``), split-KV decoding
 (``misreadings_split_kv.py``), the log-sum-exp and merges of partial states
-(``misreadings_lse_merge.py``), quantized attention (``misreadings_quantized.py``). This
+(``misreadings_lse_merge.py``), quantized attention (``misreadings_quantized.py``), the
+backward pass (``misreadings_gradients.py``). This
 module assembles them: look misreadings up and iterate them here (``AREAS``,
 ``MISREADINGS``, ``BY_NAME``). A new frontier adds an area's module of data, its entry
 in ``AREAS`` and a reader of its calls in ``diagnosis_readers.py``.
 
 Each is computed from the departing call's inputs (``planted.py`` and, an area a module,
-``planted_split_kv.py``, ``planted_lse_merge.py``, ``planted_quantized.py``): for
+``planted_split_kv.py``, ``planted_lse_merge.py``, ``planted_quantized.py``,
+``planted_gradients.py``): for
 attention, the oracle's float64 textbook run (``naive_same_precision`` in float64, the
 fast path; the 50-digit ``attention`` costs milliseconds a row) on the inputs with the
 misreading planted in them, or, for what no input can express (a slot that is read
 though blocked, a softcap after the mask, a sink in the numerator, splits of the keys), a
 float64 textbook on the oracle's scores; for the lse, the textbook lse; for a merge, the
 formula on the call's own pieces; for quantized attention, the declared P pipeline
-(``conformance.fixtures.quantized.pipeline``) on misread codes or descales. The order
+(``conformance.fixtures.quantized.pipeline``) on misread codes or descales; for a
+gradient, the textbook backward (``naive_vjp_same_precision`` in float64) on the misread
+inputs, by the chain rule where the misreading scales one. The order
 within an area is the order in which ``diagnosis.find`` tries them: where two explain a
 failure alike, the first names it.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 from conformance.suite.misreading import Misreading, always
 from conformance.suite.misreadings_attention import ATTENTION, TILES
+from conformance.suite.misreadings_gradients import GRADIENTS
 from conformance.suite.misreadings_lse_merge import LSE, MERGE
 from conformance.suite.misreadings_quantized import P_TILES, QUANTIZED
 from conformance.suite.misreadings_split_kv import BLOCKS, SPLIT_KV, SPLITS
@@ -36,6 +41,7 @@ __all__ = [
     "ATTENTION",
     "BLOCKS",
     "BY_NAME",
+    "GRADIENTS",
     "LSE",
     "MERGE",
     "MISREADINGS",
@@ -67,6 +73,7 @@ AREAS: dict[str, tuple[Misreading, ...]] = {
     "lse": LSE,
     "merge": MERGE,
     "quantized": QUANTIZED,
+    "gradients": GRADIENTS,
 }
 MISREADINGS: tuple[Misreading, ...] = tuple(m for area in AREAS.values() for m in area)
 #: The misreadings by name.

@@ -97,7 +97,12 @@ def _tiled(which: str, tile: int) -> Misreading:
 
 _ATTENTION: tuple[Misreading, ...] = (
     # First: with garbage in the blocked slots, ignoring the mask gives the same NaN rows,
-    # and the slots read are the finding a slot-garbage test is after.
+    # and the slots read are the finding a slot-garbage test is after. The two ways a slot
+    # is read differ where a slot's garbage is in its key alone (NaN + -inf in the scores
+    # makes the row NaN; a key never multiplied by its weight 0 leaves it) or in its value
+    # alone (both multiply it by 0): where a case has garbage in both, both are named, and
+    # the run names the failure by the one its other cases show (§4.7's fixtures keep the
+    # keys' garbage and the values' in other heads).
     Misreading(
         "blocked-slot-read",
         "a key slot the row may not attend is still read: the NaN or inf it holds reaches "

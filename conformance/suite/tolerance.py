@@ -274,3 +274,14 @@ def _holds_mean_of_v(out: np.ndarray, rows: np.ndarray, v: np.ndarray) -> bool:
     mean = np.repeat(v.mean(axis=2), G, axis=1)[:, :, None, :]  # (B, H, 1, E)
     mean = np.broadcast_to(mean, out.shape)
     return bool(np.allclose(out[rows], mean[rows], rtol=1e-2, atol=1e-2))
+
+
+def dtype_note(out, dtype) -> str:
+    """What a value comparison's message says where ``out`` is not in ``dtype`` (SPEC §2.4),
+    else "". The comparison goes on: the values are judged whatever their dtype, and the
+    dtype is judged once, by §2.4's own test (``test_output_dtype``), so that one cause
+    is one finding, not a failure of every clause whose test looks at the output."""
+    got, want = np.asarray(out).dtype, np.dtype(dtype)
+    if got == want:
+        return ""
+    return f" (its output is {got.name} for {want.name} inputs: §2.4's departure, judged by its own test)"

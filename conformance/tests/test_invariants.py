@@ -12,7 +12,7 @@ import pytest
 
 from conformance.backends import numpy_dtype
 from conformance.suite.diagnosis import output_dtype
-from conformance.suite.domain import positions
+from conformance.suite.domain import domain_of, positions
 from conformance.suite.helpers import (
     SIZES,
     as64,
@@ -23,10 +23,12 @@ from conformance.suite.helpers import (
     random_tolerance,
 )
 from conformance.suite.requirements import requires, value_dims
+from conformance.suite.sizes import SHAPES
 from conformance.suite.tolerance import (
     assert_identical,
     assert_rows_zero,
     assert_within,
+    dtype_note,
     expect,
     expect_seen,
 )
@@ -36,23 +38,39 @@ sizes = pytest.mark.parametrize("size", list(SIZES.values()), ids=list(SIZES))
 dtypes = pytest.mark.parametrize("dtype", DTYPES)
 
 
-@pytest.mark.clause("6.1", "2.3", "2.4")
+@pytest.mark.clause("6.1", "2.3")
 @sizes
 @pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
 def test_shapes_and_dtypes(backend, size, dtype):
-    """out is (B, H, T, E) in q's dtype, also with T != S (and E != D where declared)."""
+    """out is (B, H, T, E), also with T != S (and E != D where declared), in every dtype
+    (its dtype is ``test_output_dtype``'s)."""
     D, E = value_dims(backend, 5, 3)
     q, k, v = random_qkv(1, **size, D=D, E=E, dtype=dtype)
     out = backend.attention(q, k, v)
     expect(
         out.shape == (2, 3, size["T"], E),
         "returns an output of the wrong shape",
-        f"{backend.name}: shape {out.shape}, expected (B, H, T, E) = (2, 3, {size['T']}, {E})",
+        f"{backend.name}: shape {out.shape}, expected (B, H, T, E) = (2, 3, {size['T']}, {E})"
+        + dtype_note(out, q.dtype),
     )
+
+
+@pytest.mark.clause("2.4", "6.1")
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+def test_output_dtype(backend, dtype):
+    """The output has the inputs' dtype: judged here, once per dtype, and only here (every
+    other test judges the values in whatever dtype they come, SPEC §2.4), at T7-S13, or
+    the pool's decode row T1-S9 for a kernel that takes fewer queries."""
+    D, E = value_dims(backend, 5, 3)
+    max_t = domain_of(backend).of("attention").max_t
+    decode = SHAPES["T1-S9"][0]
+    size = SIZES["T7-S13"] if max_t is None or max_t >= 7 else {"T": decode.T, "S": decode.S}
+    q, k, v = random_qkv(1, **size, D=D, E=E, dtype=dtype)
+    out = backend.attention(q, k, v)
     expect(
-        out.dtype == numpy_dtype(dtype),
-        output_dtype(numpy_dtype(dtype), out.dtype),
-        f"{backend.name}: dtype {out.dtype}, expected {dtype}",
+        np.asarray(out).dtype == numpy_dtype(dtype),
+        output_dtype(numpy_dtype(dtype), np.asarray(out).dtype),
+        f"{backend.name}: dtype {np.asarray(out).dtype}, expected {dtype}",
     )
 
 

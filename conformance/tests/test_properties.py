@@ -46,6 +46,7 @@ from conformance.suite.sizes import SHAPES, pooled_shape
 from conformance.suite.tolerance import (
     assert_rows_zero,
     assert_within,
+    dtype_note,
     expect,
     finite_error,
     tolerance,
@@ -176,7 +177,7 @@ def _align_as_taken(options: dict, caps, forms: frozenset, T: int, S: int) -> No
                 options.pop(name, None)
 
 
-@pytest.mark.clause("1.2", "7.1", "2.4")
+@pytest.mark.clause("1.2", "7.1")
 @given(data=st.data())
 def test_matches_the_reference(backend, data):
     """On any drawn problem the output is within SPEC §7's tolerance of the reference."""
@@ -188,11 +189,7 @@ def test_matches_the_reference(backend, data):
         "returns an output of the wrong shape",
         f"{backend.name}: shape {out.shape}, expected (B, H, T, E) = {want}",
     )
-    expect(
-        out.dtype == p.q.dtype,
-        "returns an output in another dtype than its inputs",
-        f"{backend.name}: dtype {out.dtype}, expected {p.dtype}",
-    )
+    # The values are judged in whatever dtype they come: the dtype is §2.4's, judged once.
     if p.dtype == "float64":
         expected = oracle_attention(p.q, p.k, p.v, **p.options)
         naive = oracle.naive_same_precision(p.q, p.k, p.v, np.float64, **p.options)
@@ -206,7 +203,7 @@ def test_matches_the_reference(backend, data):
         out,
         expected,
         tol,
-        f"{backend.name} vs {reference} on the drawn problem",
+        f"{backend.name} vs {reference} on the drawn problem{dtype_note(out, p.q.dtype)}",
         behaviour="differs from the reference on problems Hypothesis draws",
     )
 

@@ -63,3 +63,14 @@ def jax_on_device(q, k, v):
     if not any(isinstance(x, jax.core.Tracer) for x in (q, k, v)):  # the forward alone
         _check("call", q, k, v)
     return _attention(q, k, v)
+
+
+def quantized_on_device(q, k, v, *, q_scale, k_scale, v_scale, sm_scale=None):
+    """A JAX quantized function with one descale array per tensor (SPEC §20.7) that asserts
+    its codes and descales are on the device it was told, then attends in float32."""
+    _check("quantized", q, k, v, q_scale, k_scale, v_scale)
+    q, k, v = (x.astype(jnp.float32) * s for x, s in ((q, q_scale), (k, k_scale), (v, v_scale)))
+    G = q.shape[1] // k.shape[1]
+    k, v = jnp.repeat(k, G, axis=1), jnp.repeat(v, G, axis=1)  # (B, H, S, D), (B, H, S, E)
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    return _forward(q, k, v, scale)[0]  # (B, H, T, E)

@@ -66,23 +66,28 @@ JAX_RUN = textwrap.dedent(
 )
 
 
+def _two_device_env() -> dict:
+    """The environment of a process whose JAX has two host devices, importing the planted
+    functions of tests/."""
+    return {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+
+
 def test_jax_inputs_are_placed_on_the_device_named():
     """On JAX's second host device the planted function (which asserts where its inputs,
     and in the backward d_out, are) returns the oracle's output and gradients; without the
     device, its inputs stay on device 0 and it fails, forward and backward."""
     pytest.importorskip("jax")
     q, k, v, d_out = _inputs()
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-        "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
     run = subprocess.run(
         [sys.executable, "-c", JAX_RUN],
         input=json.dumps([x.tolist() for x in (q, k, v, d_out)]),
         capture_output=True,
         text=True,
-        env=env,
+        env=_two_device_env(),
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
@@ -95,6 +100,82 @@ def test_jax_inputs_are_placed_on_the_device_named():
         np.testing.assert_allclose(np.array(got), expected, atol=1e-5)
     assert found["None-attention"] == "AssertionError: call: an array on ['cpu:0'], not cpu:1"
     assert found["None-attention_vjp"].startswith("AssertionError: forward: an array on ['cpu:0']")
+
+
+#: A [quantized] profile's function (SPEC §20.7) in the same two-device process: its codes
+#: and descales placed on device 1 ("cpu:1"), then left on device 0.
+JAX_QUANTIZED_RUN = textwrap.dedent(
+    """
+    import json
+    import numpy as np
+    from conformance.adapters.quantized import QuantizedFunctionBackend
+    from conformance.suite import quantized as sq
+    import device_functions
+
+    table = {
+        "formats": {r: ["float8_e4m3fn"] for r in "qkv"},
+        "granularities": {r: ["tensor"] for r in "qkv"},
+        "pipeline": "float32",
+        "descales": {"q": "q_scale", "k": "k_scale", "v": "v_scale"},
+        "options": {"scale": "sm_scale"},
+    }
+    found = {}
+    for device in ("cpu:1", None):
+        backend = QuantizedFunctionBackend(
+            device_functions.quantized_on_device, name="planted-fp8", framework="jax",
+            layout="BHTD", caps=["gqa"], table=table, device=device,
+        )
+        o = sq.operands_for(backend, 41)
+        try:
+            expected, bound = sq.expected_and_bound(backend, o)
+            error = float(np.abs(sq.call(backend, o) - expected).max())
+            found[str(device)] = {"error": error, "bound": float(bound)}
+        except AssertionError as err:
+            found[str(device)] = f"AssertionError: {err}"
+    print(json.dumps(found))
+    """
+)
+
+
+def test_a_quantized_functions_inputs_are_placed_on_the_device_named():
+    """A [quantized] profile's ``device`` places its codes and descales there too (float8
+    codes included): on JAX's second host device the planted function, which asserts
+    where they are, is within §20.6's bound; without the device they stay on device 0 and
+    it fails."""
+    pytest.importorskip("jax")
+    run = subprocess.run(
+        [sys.executable, "-c", JAX_QUANTIZED_RUN],
+        capture_output=True,
+        text=True,
+        env=_two_device_env(),
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert found["cpu:1"]["error"] <= found["cpu:1"]["bound"], found
+    assert found["None"] == "AssertionError: quantized: an array on ['cpu:0'], not cpu:1"
+
+
+def test_a_quantized_profiles_device_is_checked_by_name(tmp_path):
+    """A [quantized] profile whose ``device`` this machine lacks cannot run, naming the
+    device; a spelling the framework does not know is a ValueError naming it."""
+    from conformance.adapters.profiles import ProfileError, read_profile
+
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    text = (ROOT / "examples" / "fp8_attention.toml").read_text()
+    text = text.replace('target = "examples.fp8_attention:fp8_attention"', (
+        'target = "examples.fp8_attention:fp8_attention"\ndevice = "{device}"'
+    ))  # fmt: skip
+    for device, words in (
+        ("cuda:7", r"cannot run here: device 'cuda:7' is not on this machine"),
+        ("gpu-0", r"device should be"),
+    ):
+        path = tmp_path / f"{device}.toml"
+        path.write_text(text.replace("{device}", device))
+        with pytest.raises(ProfileError if device == "cuda:7" else ValueError, match=words):
+            read_profile(path).resolve()
 
 
 def _torch_on_cpu(q, k, v):

@@ -73,7 +73,10 @@ class QuantizedFunctionBackend(Backend):
     dtypes = ("float32",)
     sections = ("20",)
 
-    def __init__(self, func, *, name: str, framework: str, layout: str, caps, table: dict):
+    def __init__(
+        self, func, *, name: str, framework: str, layout: str, caps, table: dict,
+        device: str | None = None,
+    ) -> None:  # fmt: skip
         where = f"profile {name!r} [quantized]"
         unknown = sorted(set(table) - QUANTIZED_KEYS)
         if unknown:
@@ -121,6 +124,9 @@ class QuantizedFunctionBackend(Backend):
         if self.alignment not in ("top_left", "bottom_right"):
             raise ValueError(f"{where}: alignment should be top_left or bottom_right")
         self.func, self.name, self.framework, self.layout = func, name, framework, layout
+        #: Where the function runs (SPEC §13.20): the framework's device, or None for its
+        #: default; its inputs are placed there and its output read back to the host.
+        self.device = _device(framework, device)
         self.capabilities = frozenset({"quantized", *caps})
         #: What the function takes (the suite skips a test needing anything else, by name);
         #: causality in its one alignment, which is then not passed on.
@@ -194,12 +200,15 @@ class QuantizedFunctionBackend(Backend):
             import torch
 
             if x.dtype.name.startswith("float8"):
-                return torch.from_numpy(x.view(np.uint8)).view(getattr(torch, x.dtype.name))
-            return torch.from_numpy(x)
+                t = torch.from_numpy(x.view(np.uint8)).view(getattr(torch, x.dtype.name))
+            else:
+                t = torch.from_numpy(x)
+            return t if self.device is None else t.to(self.device)
         if self.framework == "jax":
             import jax
 
-            return jax.device_put(x)
+            # Committed to the device where one is named: a jitted function runs there.
+            return jax.device_put(x, self.device)
         return x
 
     def _numpy(self, out) -> np.ndarray:
@@ -207,14 +216,30 @@ class QuantizedFunctionBackend(Backend):
             return np.asarray(out)
         import torch
 
+        out = out.detach().cpu()
         if out.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             import ml_dtypes
 
             fmt = str(out.dtype).removeprefix("torch.")
             return out.view(torch.uint8).numpy().view(getattr(ml_dtypes, fmt))
-        return out.detach().numpy()
+        return out.numpy()
 
 
 def _differ(q, k) -> bool:
     """Whether q's T and k's S (B, H|K, T|S, ·) differ: where the causal alignments do."""
     return np.shape(q)[-2] != np.shape(k)[-2]
+
+
+def _device(framework: str, device: str | None) -> Any:
+    """``device`` in ``framework``'s own terms (SPEC §13.20), or None where none is named:
+    a spelling the framework does not know is a ValueError, a device this machine lacks a
+    LookupError, each naming it."""
+    if not device:
+        return None
+    if framework not in ("torch", "jax"):
+        raise ValueError(f"device is for torch and jax functions, got {device!r} for {framework}")
+    from conformance.backends.arrays import make_framework
+
+    # No float64 switched on for a look at the devices.
+    settings = {"float64": False} if framework == "jax" else {}
+    return make_framework(framework, device=device, **settings).device

@@ -66,14 +66,20 @@ JAX_RUN = textwrap.dedent(
 )
 
 
-def _two_device_env() -> dict:
-    """The environment of a process whose JAX has two host devices, importing the planted
-    functions of tests/."""
-    return {
+def _on_two_devices(script: str, stdin: str = "") -> dict:
+    """What ``script`` prints last, as JSON, run in a process whose JAX has two host
+    devices and which imports the planted functions of tests/."""
+    env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
         "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
+    run = subprocess.run(
+        [sys.executable, "-c", script], input=stdin, capture_output=True, text=True, env=env,
+        timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def test_jax_inputs_are_placed_on_the_device_named():
@@ -82,16 +88,7 @@ def test_jax_inputs_are_placed_on_the_device_named():
     device, its inputs stay on device 0 and it fails, forward and backward."""
     pytest.importorskip("jax")
     q, k, v, d_out = _inputs()
-    run = subprocess.run(
-        [sys.executable, "-c", JAX_RUN],
-        input=json.dumps([x.tolist() for x in (q, k, v, d_out)]),
-        capture_output=True,
-        text=True,
-        env=_two_device_env(),
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    found = json.loads(run.stdout.strip().splitlines()[-1])
+    found = _on_two_devices(JAX_RUN, json.dumps([x.tolist() for x in (q, k, v, d_out)]))
     q64, k64, v64, d64 = (x.astype(np.float64) for x in (q, k, v, d_out))
     want = oracle.naive_same_precision(q64, k64, v64, np.float64)
     np.testing.assert_allclose(np.array(found["cpu:1-attention"][0]), want, atol=1e-5)
@@ -143,15 +140,7 @@ def test_a_quantized_functions_inputs_are_placed_on_the_device_named():
     where they are, is within §20.6's bound; without the device they stay on device 0 and
     it fails."""
     pytest.importorskip("jax")
-    run = subprocess.run(
-        [sys.executable, "-c", JAX_QUANTIZED_RUN],
-        capture_output=True,
-        text=True,
-        env=_two_device_env(),
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    found = json.loads(run.stdout.strip().splitlines()[-1])
+    found = _on_two_devices(JAX_QUANTIZED_RUN)
     assert found["cpu:1"]["error"] <= found["cpu:1"]["bound"], found
     assert found["None"] == "AssertionError: quantized: an array on ['cpu:0'], not cpu:1"
 

@@ -265,10 +265,6 @@ class Profile:
             )  # fmt: skip
         except (ImplUnavailable, ValueError) as err:
             raise ProfileError(f"profile {self.name!r} ({self.path}): {err}") from err
-        except LookupError as err:  # the device is not on this machine
-            raise ProfileError(
-                f"profile {self.name!r} ({self.path}): cannot run here: {err}"
-            ) from err
 
     def _merge_backend(self) -> Backend:
         """The merge function of a merge-only profile (``conformance.adapters.merge``)."""

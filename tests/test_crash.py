@@ -13,8 +13,11 @@ import subprocess
 import sys
 import textwrap
 import xml.etree.ElementTree as ET
+from types import SimpleNamespace
 
 import pytest
+
+from conformance.suite import isolation
 
 pytestmark = pytest.mark.clause("13.13")
 
@@ -36,7 +39,9 @@ ABORTING = """
 def test_an_abort_fails_one_test_and_the_run_goes_on(tmp_path):
     (tmp_path / "aborting.py").write_text(textwrap.dedent(ABORTING))
     junit = tmp_path / "junit.xml"
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "TMPDIR": str(scratch)}
     env.pop("PYTEST_XDIST_WORKER", None)
     env.pop("PYTEST_ADDOPTS", None)
     done = subprocess.run(
@@ -67,5 +72,34 @@ def test_an_abort_fails_one_test_and_the_run_goes_on(tmp_path):
     text = failed[crashed].find("failure").text
     assert re.search(r"-+ behaviour -+\n" + re.escape(found), text), text
     assert found in out and "verdict aborting.attention — " in out, out[-3000:]
+    # The crashing test's parametrizations share its worker's unit (scheduling.py): the
+    # others of its unit still ran, and the crashing one only once.
     passed = [n for n, c in cases.items() if n not in failed and c.find("skipped") is None]
     assert len(passed) >= 3, out
+    assert out.count("node down") == 1, out
+    # The workers' crash files are removed when the run ends.
+    assert not list(scratch.glob("attention-conformance-crash-*")), list(scratch.iterdir())
+
+
+@pytest.mark.parametrize(
+    "profile, device",
+    [
+        ("device = 'cuda'\n", True),
+        ("device = 'cuda:1'\n", True),
+        ("device = 'gpu'\n", True),
+        ("device = 'cpu'\n", False),
+        ("", False),
+        ("[quantized]\ndevice = 'cuda'\n", True),
+    ],
+)
+def test_a_run_on_a_device_keeps_one_worker(tmp_path, profile, device):
+    """An isolated run starts a worker per core, up to MAX_WORKERS, but one where a
+    profile puts the function on a device (JAX's process takes most of its memory)."""
+    path = tmp_path / "mine.toml"
+    path.write_text("call = 'mine:attention'\n" + profile)
+    config = SimpleNamespace(option=SimpleNamespace(impl_device=None, impl_profile=[str(path)]))
+    assert isolation.names_a_device(config) is device
+    config.option.impl_profile = []
+    config.option.impl_device = "cuda" if device else None
+    assert isolation.names_a_device(config) is device
+    assert 1 <= isolation.workers() <= isolation.MAX_WORKERS

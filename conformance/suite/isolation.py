@@ -1,9 +1,10 @@
 """A function under test that kills its process fails one test, and the run goes on (SPEC §13.13).
 
 A user's function (``--impl``, ``--impl-profile``) may abort, segfault, raise SIGFPE or hang
-in compiled code, where no Python exception can catch it. Such a run is given to one
-pytest-xdist worker process (``-n 1``), unless the user chose ``-n`` themselves: xdist
-reports a test whose worker died as failed and starts a new worker for the rest. Here that
+in compiled code, where no Python exception can catch it. Such a run is given to
+pytest-xdist worker processes, one per core up to ``MAX_WORKERS`` (one where the function
+runs on a device), unless the user chose ``-n`` themselves: xdist reports a test whose
+worker died as failed and starts a new worker for the rest. Here that
 failure gets its words: the signal, read from the worker's ``faulthandler`` output, and
 the case (the test's id), as its message and its behaviour; a known failure that lists
 the test makes it an expected failure, as in the worker. A hang is stopped by
@@ -23,6 +24,7 @@ import faulthandler
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -30,8 +32,17 @@ from pathlib import Path
 
 import pytest
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
 #: The per-test time limit of an isolated run, in seconds, where none is set.
 DEFAULT_TIMEOUT = 300.0
+#: The most worker processes an isolated run starts, one per core up to this: each holds
+#: its own framework (about 1.7 GB for JAX), and past a few, more of the programs one
+#: process compiled are compiled again in another.
+MAX_WORKERS = 4
 #: Worker restarts allowed: one per crashing test, for a function that crashes often.
 MAX_RESTARTS = "100000"
 #: How much of faulthandler's traceback a crash's message keeps.
@@ -85,7 +96,15 @@ def pytest_cmdline_main(config: pytest.Config):
     """Before xdist reads its options: one worker, restarted after each crash, and a
     per-test time limit, for an isolated run."""
     if wanted(config):
-        config.option.numprocesses = 1
+        # The cores compile and run at once: on 2 cores, the kit's run of
+        # examples/jax_attention.py took 54 s cold and 32 s warm in one worker, 32 s and
+        # 18 s in two (SPEC §13.13). A device is left to one process: JAX's takes most of
+        # its memory when it starts.
+        config.option.numprocesses = 1 if names_a_device(config) else workers()
+        if getattr(config.option, "dist", "no") == "no":
+            # Our scope (scheduling.py): a test function's parametrizations, which share
+            # their programs, stay in one worker.
+            config.option.dist = "loadscope"
         if config.option.maxworkerrestart is None:
             config.option.maxworkerrestart = MAX_RESTARTS
         timeout_set = (
@@ -99,6 +118,28 @@ def pytest_cmdline_main(config: pytest.Config):
                 config.option.timeout_method = "thread"
         config.stash[_CRASH] = Path(tempfile.mkdtemp(prefix="attention-conformance-crash-"))
     return (yield)
+
+
+def workers() -> int:
+    """The worker processes of an isolated run: one per core this process may use, up to
+    ``MAX_WORKERS``."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, MAX_WORKERS))
+
+
+def names_a_device(config: pytest.Config) -> bool:
+    """Whether the run puts a function on a device other than the CPU: ``--impl-device``,
+    or a ``device`` key of one of its profiles (SPEC §13.20)."""
+    named = [getattr(config.option, "impl_device", None)]
+    for path in getattr(config.option, "impl_profile", None) or []:
+        try:
+            with open(path, "rb") as handle:
+                profile = tomllib.load(handle)
+        except (OSError, tomllib.TOMLDecodeError):
+            continue  # the profile's own loading reports it, with its words
+        tables = [profile, *(t for t in profile.values() if isinstance(t, dict))]
+        named += [t.get("device") for t in tables]
+    return any(isinstance(d, str) and d.split(":")[0] != "cpu" for d in named)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -224,6 +265,13 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     started = session.config.stash.get(_STARTED, None)
     if started is not None:
         started.handle.close()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The controller of an isolated run removes its workers' crash files, read by now."""
+    folder = config.stash.get(_CRASH, None)
+    if folder is not None and not hasattr(config, "workerinput"):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def what_killed(text: str) -> tuple[str, str]:

@@ -74,6 +74,7 @@ from conformance.suite.isolation import (  # noqa: F401
     pytest_runtestloop,
     pytest_sessionfinish,
     pytest_sessionstart,
+    pytest_unconfigure,
 )
 from conformance.suite.nodeids import ids_carry_their_module
 

@@ -55,4 +55,17 @@ def scheduler(config, log, backends: list[str]):
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(nodeid, backends)
 
+        def remove_node(self, node):
+            """A worker that died (SPEC §13.13): its test is the crash, and the rest of
+            its units go back to the queue. xdist's own puts the crashing test back too,
+            so a function that kills its process on one test was run on it forever."""
+            workload = self.assigned_work.get(node, {})
+            pending = [n for unit in workload.values() for n, done in unit.items() if not done]
+            for scope in [scope for scope, unit in workload.items() if all(unit.values())]:
+                del workload[scope]
+            if pending:
+                next(u for u in workload.values() if pending[0] in u)[pending[0]] = True
+            super().remove_node(node)
+            return pending[0] if pending else None
+
     return FunctionAndBackendScheduling(config, log)

@@ -44,6 +44,7 @@ def test_an_abort_fails_one_test_and_the_run_goes_on(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "TMPDIR": str(scratch)}
     env.pop("PYTEST_XDIST_WORKER", None)
     env.pop("PYTEST_ADDOPTS", None)
+    env.pop("PYTEST_CURRENT_TEST", None)  # a worker per core, as a user's run starts
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "--pyargs", "conformance.tests.test_edges"]
         + ["--impl", "aborting:attention", "-k", "test_empty_sequences and float64"]
@@ -102,4 +103,11 @@ def test_a_run_on_a_device_keeps_one_worker(tmp_path, profile, device):
     config.option.impl_profile = []
     config.option.impl_device = "cuda" if device else None
     assert isolation.names_a_device(config) is device
-    assert 1 <= isolation.workers() <= isolation.MAX_WORKERS
+    # This test runs inside pytest: a kit run it started would get one worker.
+    assert isolation.workers() == 1
+
+
+def test_a_run_gets_a_worker_per_core_up_to_the_most(monkeypatch):
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")
+    cores = len(os.sched_getaffinity(0))
+    assert isolation.workers() == min(cores, isolation.MAX_WORKERS)

@@ -122,7 +122,10 @@ def pytest_cmdline_main(config: pytest.Config):
 
 def workers() -> int:
     """The worker processes of an isolated run: one per core this process may use, up to
-    ``MAX_WORKERS``."""
+    ``MAX_WORKERS``; one where the run was started from a test of another pytest run
+    (``PYTEST_CURRENT_TEST``), whose own processes already hold the cores."""
+    if os.environ.get("PYTEST_CURRENT_TEST"):
+        return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(cores or 1, MAX_WORKERS))
 

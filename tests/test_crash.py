@@ -90,20 +90,35 @@ def test_an_abort_fails_one_test_and_the_run_goes_on(tmp_path):
         ("device = 'gpu'\n", True),
         ("device = 'cpu'\n", False),
         ("", False),
-        ("[quantized]\ndevice = 'cuda'\n", True),
     ],
 )
 def test_a_run_on_a_device_keeps_one_worker(tmp_path, profile, device):
     """An isolated run starts a worker per core, up to MAX_WORKERS, but one where a
-    profile puts the function on a device (JAX's process takes most of its memory)."""
+    profile or --impl-device puts the function on a device (JAX's process takes most of
+    its memory)."""
     path = tmp_path / "mine.toml"
-    path.write_text("call = 'mine:attention'\n" + profile)
+    path.write_text(
+        "name = 'mine'\ntarget = 'mine:attention'\nframework = 'torch'\n" + profile
+    )  # fmt: skip
     config = SimpleNamespace(option=SimpleNamespace(impl_device=None, impl_profile=[str(path)]))
     assert isolation.names_a_device(config) is device
     config.option.impl_profile = []
     config.option.impl_device = "cuda" if device else None
     assert isolation.names_a_device(config) is device
-    # This test runs inside pytest: a kit run it started would get one worker.
+
+
+def test_the_shipped_device_profiles_keep_one_worker():
+    """A device profile named as shipped, or all of them, is read as its loading reads it."""
+    config = SimpleNamespace(option=SimpleNamespace(impl_device=None, impl_profile=["all-gpu"]))
+    assert isolation.names_a_device(config)
+    config.option.impl_profile = ["gpu/torch.sdpa.cuda.flash"]
+    assert isolation.names_a_device(config)
+    config.option.impl_profile = ["all", "jax.nn.dot_product_attention"]
+    assert not isolation.names_a_device(config)
+
+
+def test_a_run_started_inside_a_test_keeps_one_worker():
+    """This test runs inside pytest (PYTEST_CURRENT_TEST): its processes hold the cores."""
     assert isolation.workers() == 1
 
 

@@ -3,7 +3,7 @@
 A user's function (``--impl``, ``--impl-profile``) may abort, segfault, raise SIGFPE or hang
 in compiled code, where no Python exception can catch it. Such a run is given to
 pytest-xdist worker processes, one per core up to ``MAX_WORKERS`` (one where the function
-runs on a device), unless the user chose ``-n`` themselves: xdist reports a test whose
+runs on a device, or the run was started from another pytest run's test), unless the user chose ``-n`` themselves: xdist reports a test whose
 worker died as failed and starts a new worker for the rest. Here that
 failure gets its words: the signal, read from the worker's ``faulthandler`` output, and
 the case (the test's id), as its message and its behaviour; a known failure that lists
@@ -31,11 +31,6 @@ import time
 from pathlib import Path
 
 import pytest
-
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    import tomli as tomllib
 
 #: The per-test time limit of an isolated run, in seconds, where none is set.
 DEFAULT_TIMEOUT = 300.0
@@ -93,13 +88,11 @@ def wanted(config: pytest.Config) -> bool:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_cmdline_main(config: pytest.Config):
-    """Before xdist reads its options: one worker, restarted after each crash, and a
-    per-test time limit, for an isolated run."""
+    """Before xdist reads its options: the workers (``workers``, or one for a device),
+    each restarted after a crash, and a per-test time limit, for an isolated run."""
     if wanted(config):
-        # The cores compile and run at once: on 2 cores, the kit's run of
-        # examples/jax_attention.py took 54 s cold and 32 s warm in one worker, 32 s and
-        # 18 s in two (SPEC §13.13). A device is left to one process: JAX's takes most of
-        # its memory when it starts.
+        # The cores compile and run at once (measured in SPEC §13.13). A device is left to
+        # one process: JAX's takes most of its memory when it starts.
         config.option.numprocesses = 1 if names_a_device(config) else workers()
         if getattr(config.option, "dist", "no") == "no":
             # Our scope (scheduling.py): a test function's parametrizations, which share
@@ -132,17 +125,18 @@ def workers() -> int:
 
 def names_a_device(config: pytest.Config) -> bool:
     """Whether the run puts a function on a device other than the CPU: ``--impl-device``,
-    or a ``device`` key of one of its profiles (SPEC §13.20)."""
+    or the ``device`` of a profile it names (a path, a shipped name, ``all-gpu``; SPEC
+    §13.20), read as the profile's own loading reads it."""
+    from conformance.adapters.profiles import ProfileError, gpu_profiles, read_profile
+
     named = [getattr(config.option, "impl_device", None)]
-    for path in getattr(config.option, "impl_profile", None) or []:
-        try:
-            with open(path, "rb") as handle:
-                profile = tomllib.load(handle)
-        except (OSError, tomllib.TOMLDecodeError):
-            continue  # the profile's own loading reports it, with its words
-        tables = [profile, *(t for t in profile.values() if isinstance(t, dict))]
-        named += [t.get("device") for t in tables]
-    return any(isinstance(d, str) and d.split(":")[0] != "cpu" for d in named)
+    for value in getattr(config.option, "impl_profile", None) or []:
+        for name in {"all": [], "all-gpu": gpu_profiles()}.get(value, [value]):
+            try:
+                named.append(read_profile(name).device)
+            except ProfileError:
+                continue  # the run's own loading reports it, with its words
+    return any(d and d.split(":")[0] != "cpu" for d in named)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -7,6 +7,12 @@ A command, not a test; it runs from any directory once the project is installed 
     python -m conformance bench --sizes 512 1024 --repeats 3    # a quick look
     python -m conformance bench --backends numpy-flash jax-flash torch-sdpa --sizes 4096
 
+Two measurements of their own, for the flash backends against torch-sdpa (issue 54):
+``--ratios`` (``ratios.py``: the ratios, every call interleaved in one process) and
+``--ceilings`` (``ceilings.py``: the best ratio each could reach on this machine, its
+products at its framework's fastest matmul rate and its exponentials spread over every
+core).
+
 (``python -m conformance.bench`` is the same command.) Every backend is timed as users
 get it, through ``conformance.load_backend(name)``, in its default configuration; two
 anchors, ``anchor:F.sdpa`` and ``anchor:jax.nn.dpa``, are the frameworks' own functions

@@ -91,6 +91,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "(issue 54's measurement; its options: python -m conformance bench --ratios --help)",
     )
     p.add_argument(
+        "--ceilings",
+        action="store_true",
+        help="instead: the best ratio to torch-sdpa each flash backend could reach with its "
+        "products at its framework's fastest matmul rate on this machine (options: python "
+        "-m conformance bench --ceilings --help)",
+    )
+    p.add_argument(
         "--no-progress",
         action="store_true",
         help="no progress at all (without a terminal there is no bar, one line per run)",
@@ -209,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         from conformance.bench import ratios
 
         return ratios.main([a for a in argv if a != "--ratios"])
+    if "--ceilings" in argv:
+        from conformance.bench import ceilings
+
+        return ceilings.main([a for a in argv if a != "--ceilings"])
     args = _parse(argv)
     mem_limit = args.mem_limit_gib * GIB if args.mem_limit_gib else _mem_available() / 2
     B, H, D = args.B, args.H, args.D

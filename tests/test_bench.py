@@ -183,3 +183,76 @@ def test_ratios_interleave_the_backends(monkeypatch):
     assert flash["times_s"] == [1.0, 3.0, 1.0] and torch_["times_s"] == [1.0, 1.0, 1.0]
     assert flash["min_s"] == 1.0 and torch_["ratio"] == 1.0
     assert flash["cores"] == 2.0 and torch_["cores"] == 2.0
+
+
+def test_ceilings_table_from_any_directory(tmp_path):
+    """``python -m conformance bench --ceilings``, tiny: a rate for every product and
+    framework, then a row per backend, pass and mask, whose "reachable" says whether its
+    ceiling reaches its goal. The rates themselves are not asserted."""
+    cmd = [sys.executable, "-m", "conformance", "bench", "--ceilings", "--T", "32", "--H", "2"]
+    cmd += ["--D", "8", "--square", "32", "--repeats", "1", "--settle", "0"]
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert any(line.startswith("machine: ") for line in run.stdout.splitlines())
+    tables = run.stdout.split("\n\n")
+    rates = [line.split("|")[1:-1] for line in tables[0].splitlines() if line.startswith("| ")]
+    assert [c.strip() for c in rates[0]] == [
+        "product",
+        "kind",
+        "(batch, M, K, N)",
+        "numpy",
+        "jax",
+        "torch",
+    ]
+    assert [r[0].strip() for r in rates[2:]][-2:] == ["square 32", "exp, per core, G/s"]
+    assert all(float(c) >= 0 for r in rates[2:] for c in r[3:])
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in tables[1].splitlines()[2:]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        (name, pass_, causal)
+        for pass_ in ("forward", "vjp")
+        for causal in ("no", "yes")
+        for name in ("numpy-flash", "jax-flash")
+    ] + [("torch-sdpa", pass_, causal) for pass_ in ("forward", "vjp") for causal in ("no", "yes")]
+    for r in rows[:8]:
+        assert r[10] == ("yes" if float(r[8]) >= float(r[9]) else "no")
+
+
+def test_ceilings_floor_is_the_products_and_exponentials_at_their_fastest(monkeypatch):
+    """The floor of a pass, worked by hand at B = H = 1, T = S = 4, D = 2: a product is
+    2·4·4·2 = 64 FLOPs, 40 under a causal mask (5 of 8 scores visible); the forward
+    makes one product of each kind and 16 exponentials (10 causal), the vjp 3 that
+    contract over D, 4 that yield D, and twice the exponentials; exponentials spread
+    over 2 cores."""
+    from conformance.bench import ceilings
+
+    monkeypatch.setattr(ceilings.os, "cpu_count", lambda: 2)
+    args = ceilings._parse(["--B", "1", "--H", "1", "--T", "4", "--D", "2"])
+    kinds = {name: kind for name, (kind, _) in ceilings.products(args).items()}
+    # NumPy: its fastest contracting product the whole Q·Kᵀ (64 FLOP/s), every other 32;
+    # products yielding D at 16; exponentials at 4 per second; the square is never used.
+    numpy_rates = {
+        name: 64.0
+        if name == "whole Q·Kᵀ"
+        else {"contracts D": 32.0, "yields D": 16.0, "square": 1e9}[kind]
+        for name, kind in kinds.items()
+    }
+    found = {"numpy": {**numpy_rates, "exp": 4.0}, "jax": {**numpy_rates, "exp": 8.0}}
+    reference = {("forward", False): 14.0, ("forward", True): 4.0, ("vjp", False): 40.0}
+    rows = {
+        (r["backend"], r["pass"], r["causal"]): r for r in ceilings.ceilings(args, found, reference)
+    }
+    # forward: 64/64 + 64/16 = 5 s of products, 16 / (4·2) = 2 s of exponentials.
+    assert rows[("numpy-flash", "forward", False)]["floor_s"] == pytest.approx(7.0)
+    assert rows[("numpy-flash", "forward", False)]["ceiling"] == pytest.approx(2.0)
+    # jax's exponentials twice as fast: 16 / (8·2) = 1 s.
+    assert rows[("jax-flash", "forward", False)]["floor_s"] == pytest.approx(6.0)
+    # causal: 40/64 + 40/16 = 3.125 s, 10 / (4·2) = 1.25 s.
+    assert rows[("numpy-flash", "forward", True)]["floor_s"] == pytest.approx(4.375)
+    # vjp: 3·64/64 + 4·64/16 = 19 s, 32 / (4·2) = 4 s; 40 / 23 is above the goal 0.75.
+    vjp = rows[("numpy-flash", "vjp", False)]
+    assert vjp["floor_s"] == pytest.approx(23.0)
+    assert vjp["flops"] == 7 * 64 and vjp["goal"] == 0.75 and vjp["reachable"] is True
+    # jax-flash, causal: 3.125 s and 10 / (8·2) = 0.625 s; 4 / 3.75 is below its goal 1.15.
+    causal = rows[("jax-flash", "forward", True)]
+    assert causal["floor_s"] == pytest.approx(3.75) and causal["reachable"] is False
+    assert rows[("torch-sdpa", "vjp", False)]["ceiling"] == 1.0

@@ -12,9 +12,12 @@ timing, on q, k, v (B, H, T, D) float32 standard normal, causal and not. For eac
 and mask the backends take turns: one warm-up round (compilation, for JAX), then
 ``--repeats`` rounds, each backend called once per round, in the order given; a
 backend's time is the minimum over its rounds. Ratio = torch-sdpa's time / the backend's
-(above 1: faster than torch-sdpa). "cores busy" is that call's process CPU time over its
-wall time: how many of the machine's cores the backend kept working (2.0 on a 2-core
-machine is all of them; near 1.0, one core did the work while the other waited). The
+(above 1: faster than torch-sdpa). "cores busy" is the process CPU time of the backend's
+timed calls over their wall time: how many of the machine's cores it kept working (2.0
+on a 2-core machine is all of them; near 1.0, one core did the work while the other
+waited). It is summed over the calls because Linux adds another thread's CPU time to the
+process's total only at its scheduler tick (a few ms): over one call of a millisecond,
+the ratio can read 10 or more. The
 first line of the output names the machine, the libraries and the tree: a ratio is
 comparable only with one measured on the same machine.
 
@@ -138,14 +141,14 @@ def measure(args: argparse.Namespace) -> list[dict]:
                     calls[name]()
                     if round_:  # round 0 warms up
                         times[name].append(time.perf_counter() - t0)
-                        cores[name].append((time.process_time() - c0) / times[name][-1])
+                        cores[name].append(time.process_time() - c0)
             ref = min(times[REFERENCE])
             for name in names:
                 best = min(times[name])
                 rows.append(
                     {"backend": name, "pass": pass_, "causal": causal, "times_s": times[name],
                      "min_s": best, "ratio": ref / best,
-                     "cores": cores[name][times[name].index(best)]}
+                     "cores": sum(cores[name]) / sum(times[name])}
                 )  # fmt: skip
             del calls
             print(f"{pass_}, causal={causal}: done", file=sys.stderr, flush=True)

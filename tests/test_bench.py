@@ -147,7 +147,10 @@ def test_ratios_table_from_any_directory(tmp_path):
     ]
     assert [c[7] for c in cells[:4]] == ["0.86", "0.86", "0.75", "0.75"]
     assert all(c[5] == "1.00" and c[7] == "-" for c in cells[4:])
-    assert all(0 < float(c[6]) <= os.cpu_count() + 0.5 for c in cells)
+    # Only positive: at calls of tens of microseconds, Linux's accounting of the other
+    # threads' CPU time by scheduler ticks reads up to 10 or more cores busy (ratios.py);
+    # test_ratios_interleave_the_backends checks the arithmetic on a clock of its own.
+    assert all(float(c[6]) > 0 for c in cells)
 
 
 def test_ratios_interleave_the_backends(monkeypatch):
@@ -182,7 +185,8 @@ def test_ratios_interleave_the_backends(monkeypatch):
     flash, torch_ = rows
     assert flash["times_s"] == [1.0, 3.0, 1.0] and torch_["times_s"] == [1.0, 1.0, 1.0]
     assert flash["min_s"] == 1.0 and torch_["ratio"] == 1.0
-    assert flash["cores"] == 2.0 and torch_["cores"] == 2.0
+    # Two CPU seconds a call: 6 over numpy-flash's 5 timed seconds, 6 over torch-sdpa's 3.
+    assert flash["cores"] == 6 / 5 and torch_["cores"] == 2.0
 
 
 def test_ceilings_table_from_any_directory(tmp_path):

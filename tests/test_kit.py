@@ -260,6 +260,45 @@ def forwarding_attention(q, k, v, **options):
     return load_backend("numpy").attention(q, k, v, **options)
 
 
+def maskless_attention(q, k, v, scale=None):
+    """The reference's attention behind a signature with no mask and no is_causal."""
+    return load_backend("numpy").attention(q, k, v, scale=scale)
+
+
+@pytest.mark.clause("13.17", "13.19")
+def test_a_function_without_mask_or_is_causal_is_not_passed_them(registry):
+    """A plain --impl whose signature has neither keyword is called with neither, as
+    --impl-mask none and --impl-causal none declare it; a flag given says otherwise."""
+    from conformance.adapters.forms import forms_of
+
+    b = impl.resolve_impl("test_kit:maskless_attention")
+    assert b.call.mask_bool is None and b.call.mask_float is None and b.call.causal == "none"
+    assert "is_causal" not in b.call.options
+    assert {"mask_bool", "mask_float"}.isdisjoint(forms_of(b))
+    told = impl.resolve_impl("test_kit:maskless_attention", mask="both", causal="mask")
+    assert told.call.mask_bool == "mask" and told.call.causal == "mask"
+    # A signature with **kwargs takes them all, as before.
+    open_ = impl.resolve_impl("test_kit:forwarding_attention")
+    assert open_.call.mask_bool == "mask" and open_.call.options["is_causal"] == "is_causal"
+
+
+@pytest.mark.clause("13.17")
+def test_a_correct_function_without_a_mask_keyword_passes(tmp_path):
+    """The kit run of a correct function that takes no mask: every test that ran passed
+    (none failed on a keyword the suite passed it), and the summary names the forms it
+    was not judged on."""
+    (tmp_path / "plain.py").write_text(
+        "from conformance.impls.numpy.attention import attention as reference\n\n\n"
+        "def attention(q, k, v, is_causal=False, scale=None):\n"
+        "    return reference(q, k, v, is_causal=is_causal, scale=scale)\n"
+    )
+    run = _user_run(tmp_path, "--pyargs", "conformance", "--impl", "plain:attention")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    assert re.search(r"\b\d{3,} passed", out) and "failed" not in out.splitlines()[-1]
+    assert "forms it does not take: a bool mask; an additive float mask" in out
+
+
 @pytest.mark.clause("13.1", "15.1", "16.1", "17.1")
 def test_a_function_declares_the_variants_beside_all(registry):
     """ "all" is what a function could declare before the variants; sinks, chunked and

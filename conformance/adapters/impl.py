@@ -253,6 +253,8 @@ def resolve_impl(
     bad = sorted(set(dts or ()) - set(DTYPES))
     if bad:
         raise ValueError(f"--impl-dtypes: unknown {bad}; known: {', '.join(DTYPES)}")
+    if call is None:
+        causal, mask = _forms_from_signature(target, causal, mask)
     call = call or _impl_call(layout, causal, mask)
     _check_keywords(spec, target, caps or (), call)
     try:
@@ -291,6 +293,23 @@ IMPL_MASKS = {
     "none": {"mask_bool": None, "mask_float": None},
 }
 IMPL_CAUSALITY = ("keyword", "mask", "none", "only")
+
+
+def _forms_from_signature(
+    target: Callable, causal: str | None, mask: str | None
+) -> tuple[str | None, str | None]:
+    """``--impl-causal`` and ``--impl-mask`` where they were not given, from what the
+    function's signature takes: with no ``mask`` parameter (and no ``**kwargs``) it is
+    called with no mask ("none": its mask tests are skipped by name), with no
+    ``is_causal`` with no causality ("none"), as a profile would declare it. The suite
+    judges only what a function takes: passing it a keyword it lacks would fail every
+    such test on a TypeError about the suite's call, not on the function's behaviour.
+    The run's summary lists the forms it does not take; the flags judge them."""
+    if mask is None and not _accepts(target, "mask"):
+        mask = "none"
+    if causal is None and not _accepts(target, "is_causal"):
+        causal = "none"
+    return causal, mask
 
 
 def _impl_call(layout: str, causal: str | None, mask: str | None) -> OptionMap:

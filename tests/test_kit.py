@@ -275,8 +275,12 @@ def test_a_function_without_mask_or_is_causal_is_not_passed_them(registry):
     assert b.call.mask_bool is None and b.call.mask_float is None and b.call.causal == "none"
     assert "is_causal" not in b.call.options
     assert {"mask_bool", "mask_float"}.isdisjoint(forms_of(b))
+    assert [words.split(":")[0] for words in b.assumed] == [
+        "maskless_attention() has no 'mask' parameter",
+        "maskless_attention() has no 'is_causal' parameter",
+    ]
     told = impl.resolve_impl("test_kit:maskless_attention", mask="both", causal="mask")
-    assert told.call.mask_bool == "mask" and told.call.causal == "mask"
+    assert told.call.mask_bool == "mask" and told.call.causal == "mask" and not told.assumed
     # A signature with **kwargs takes them all, as before.
     open_ = impl.resolve_impl("test_kit:forwarding_attention")
     assert open_.call.mask_bool == "mask" and open_.call.options["is_causal"] == "is_causal"
@@ -297,6 +301,7 @@ def test_a_correct_function_without_a_mask_keyword_passes(tmp_path):
     assert run.returncode == 0, out[-3000:]
     assert re.search(r"\b\d{3,} passed", out) and "failed" not in out.splitlines()[-1]
     assert "forms it does not take: a bool mask; an additive float mask" in out
+    assert "plain.attention: attention() has no 'mask' parameter: called with no mask" in out
 
 
 @pytest.mark.clause("13.1", "15.1", "16.1", "17.1")

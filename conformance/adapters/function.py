@@ -92,6 +92,9 @@ class FunctionBackend(Backend):
       float32_matmul: what the function computes float32 matmuls in, as its profile
         declares (SPEC §13.20): "float32", the spec's, or "tf32" (a 10-bit mantissa); the
         run's summary shows it beside the framework's settings.
+      assumed: what was taken from ``func``'s signature rather than declared, in words
+        (a plain ``--impl`` without a ``mask`` parameter is called with none); the run's
+        summary shows each.
     """
 
     def __init__(
@@ -112,8 +115,10 @@ class FunctionBackend(Backend):
         lse: LseForm | None = None,
         device: str | None = None,
         float32_matmul: str = "float32",
+        assumed: Iterable[str] = (),
     ) -> None:
         self.func = func
+        self.assumed = tuple(assumed)
         self.lse = lse
         self.packed = packed
         self.name = name or default_name(func.__module__, func.__name__)

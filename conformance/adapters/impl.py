@@ -253,8 +253,9 @@ def resolve_impl(
     bad = sorted(set(dts or ()) - set(DTYPES))
     if bad:
         raise ValueError(f"--impl-dtypes: unknown {bad}; known: {', '.join(DTYPES)}")
+    assumed: list[str] = []
     if call is None:
-        causal, mask = _forms_from_signature(target, causal, mask)
+        causal, mask, assumed = _forms_from_signature(target, causal, mask)
     call = call or _impl_call(layout, causal, mask)
     _check_keywords(spec, target, caps or (), call)
     try:
@@ -274,6 +275,7 @@ def resolve_impl(
             lse=lse,
             device=device,
             float32_matmul=float32_matmul,
+            assumed=assumed,
         )
     except LookupError as err:  # the framework is not installed, or the device not here
         raise ImplUnavailable(f"--impl {spec!r}: {err}") from err
@@ -297,19 +299,29 @@ IMPL_CAUSALITY = ("keyword", "mask", "none", "only")
 
 def _forms_from_signature(
     target: Callable, causal: str | None, mask: str | None
-) -> tuple[str | None, str | None]:
+) -> tuple[str | None, str | None, list[str]]:
     """``--impl-causal`` and ``--impl-mask`` where they were not given, from what the
-    function's signature takes: with no ``mask`` parameter (and no ``**kwargs``) it is
-    called with no mask ("none": its mask tests are skipped by name), with no
-    ``is_causal`` with no causality ("none"), as a profile would declare it. The suite
-    judges only what a function takes: passing it a keyword it lacks would fail every
-    such test on a TypeError about the suite's call, not on the function's behaviour.
-    The run's summary lists the forms it does not take; the flags judge them."""
+    function's signature takes, and what was so assumed, in words: with no ``mask``
+    parameter (and no ``**kwargs``) it is called with no mask ("none": its mask tests are
+    skipped by name), with no ``is_causal`` with no causality ("none"), as a profile would
+    declare it. The suite judges only what a function takes: passing it a keyword it lacks
+    would fail every such test on a TypeError about the suite's call, not on the
+    function's behaviour."""
+    name = getattr(target, "__name__", "the function")
+    assumed = []
     if mask is None and not _accepts(target, "mask"):
         mask = "none"
+        assumed.append(
+            f"{name}() has no 'mask' parameter: called with no mask, its mask tests skipped "
+            "(--impl-mask says what its mask takes)"
+        )
     if causal is None and not _accepts(target, "is_causal"):
         causal = "none"
-    return causal, mask
+        assumed.append(
+            f"{name}() has no 'is_causal' parameter: no causal call reaches it, its causal "
+            "tests skipped (--impl-causal mask builds causality into its mask)"
+        )
+    return causal, mask, assumed
 
 
 def _impl_call(layout: str, causal: str | None, mask: str | None) -> OptionMap:

@@ -63,6 +63,8 @@ class DomainSummary:
         self.backends = {
             b.name: b for b in backends if restricted(b) or getattr(b, "descales", None)
         }
+        #: backend name -> what was taken from its function's signature, in words
+        self.assumed = {b.name: b.assumed for b in backends if getattr(b, "assumed", ())}
         #: backend name -> what the run's quantized calls handed it
         self.exercised: dict[str, set[str]] = {}
         #: JAX functions that declare no float64: their calls run with JAX's default x64.
@@ -145,6 +147,9 @@ class DomainSummary:
                     f"  but not for the calls of {', '.join(self.x64_off)} (no float64 "
                     "declared): they run with JAX's default, x64 off"
                 )
+        for name, assumed in self.assumed.items():
+            for words in assumed:
+                terminalreporter.write_line(f"{name}: {words}")
         for name, judged in self.judged().items():
             terminalreporter.write_line(f"{name} judged on: " + "; ".join(judged["on"]))
             if judged["moved"]:

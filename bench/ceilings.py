@@ -132,11 +132,18 @@ def _done(result: object) -> object:
 
 
 def _fastest(
-    call: Callable[[], object], wait: Callable[[object], object], repeats: int, settle: float
+    call: Callable[[], object],
+    wait: Callable[[object], object],
+    repeats: int,
+    settle: float,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """The minimum wall time of one call, in seconds: each of ``repeats`` rounds makes
-    back-to-back calls for about 0.1 s (at least one), after two warm-up calls, as a flash
-    loop makes its tiles' products one after another, and waits for the last."""
+    """The least ``clock`` time of one call, in seconds: each of ``repeats`` rounds makes
+    back-to-back calls for about 0.1 s of wall time (at least one), after two warm-up
+    calls, as a flash loop makes its tiles' products one after another, and waits for the
+    last. With ``time.process_time`` as the clock, the CPU seconds of all threads: the
+    call's work per core, however many cores it used (summed over 0.1 s, since Linux adds
+    another thread's CPU time to the process's at its scheduler tick)."""
     wait(call())  # JAX compiles here
     t0 = time.perf_counter()
     wait(call())
@@ -144,11 +151,11 @@ def _fastest(
     best = float("inf")
     for _ in range(repeats):
         time.sleep(settle)
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(calls):
             result = call()
         wait(result)
-        best = min(best, (time.perf_counter() - t0) / calls)
+        best = min(best, (clock() - t0) / calls)
     return best
 
 
@@ -171,23 +178,6 @@ def _exp(framework: str, shape: tuple[int, ...]):
     return (lambda: exp(jx)), jax.block_until_ready
 
 
-def _per_core(call, wait, repeats: int) -> float:
-    """The fewest CPU seconds (all threads) one call took, over ``repeats`` rounds of
-    back-to-back calls of about 0.1 s: its work per core, however many cores it used."""
-    wait(call())  # JAX compiles here
-    t0 = time.perf_counter()
-    wait(call())
-    calls = max(1, int(0.1 / max(time.perf_counter() - t0, 1e-6)))
-    best = float("inf")
-    for _ in range(repeats):
-        c0 = time.process_time()
-        for _ in range(calls):
-            result = call()
-        wait(result)
-        best = min(best, (time.process_time() - c0) / calls)
-    return best
-
-
 def rates(args: argparse.Namespace, frameworks=FRAMEWORKS) -> dict[str, dict[str, float]]:
     """framework -> product name -> FLOP/s (2 per multiply-add), each its fastest call,
     the right operand stored either way; and "exp" -> exponentials per CPU second, on a
@@ -204,7 +194,8 @@ def rates(args: argparse.Namespace, frameworks=FRAMEWORKS) -> dict[str, dict[str
             )
         _, Tb, Sb = BACKENDS["jax-flash"]
         tile = (args.B * args.H, min(Tb, args.T), min(Sb, args.T))  # (B·H, Tb, Sb)
-        found[framework]["exp"] = math.prod(tile) / _per_core(*_exp(framework, tile), args.repeats)
+        cpu = _fastest(*_exp(framework, tile), args.repeats, args.settle, time.process_time)
+        found[framework]["exp"] = math.prod(tile) / cpu
         print(f"{framework}'s products: done", file=sys.stderr, flush=True)
     return found
 

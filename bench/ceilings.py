@@ -60,10 +60,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "and nothing else costing time.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--B", type=int, default=1, help="batch")
-    p.add_argument("--H", type=int, default=8, help="heads (K = H: no grouping)")
-    p.add_argument("--T", type=int, default=4096, help="T = S")
-    p.add_argument("--D", type=int, default=64, help="head dim (E = D)")
+    ratios.add_problem(p)
     p.add_argument("--square", type=int, default=2048, help="the square product's side")
     p.add_argument(
         "--repeats",

@@ -57,6 +57,14 @@ PREVIOUS = {
 }
 
 
+def add_problem(p: argparse.ArgumentParser) -> None:
+    """The problem's sizes, issue 54's by default: B = 1, H = 8, T = S = 4096, D = E = 64."""
+    p.add_argument("--B", type=int, default=1, help="batch")
+    p.add_argument("--H", type=int, default=8, help="heads (K = H: no grouping)")
+    p.add_argument("--T", type=int, default=4096, help="T = S")
+    p.add_argument("--D", type=int, default=64, help="head dim (E = D)")
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m conformance bench --ratios",
@@ -64,10 +72,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "interleaved with the other backends' in one process (issue 54's measurement).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--B", type=int, default=1, help="batch")
-    p.add_argument("--H", type=int, default=8, help="heads (K = H: no grouping)")
-    p.add_argument("--T", type=int, default=4096, help="T = S")
-    p.add_argument("--D", type=int, default=64, help="head dim (E = D)")
+    add_problem(p)
     p.add_argument(
         "--repeats", type=int, default=5, help="timed rounds after the warm-up; the minimum counts"
     )

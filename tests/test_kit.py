@@ -286,6 +286,30 @@ def test_a_function_without_mask_or_is_causal_is_not_passed_them(registry):
     assert open_.call.mask_bool == "mask" and open_.call.options["is_causal"] == "is_causal"
 
 
+@pytest.mark.clause("13.7", "13.17")
+def test_the_summary_and_the_report_say_what_came_from_the_signature():
+    """What was taken from a function's signature is part of what it was judged on: a line
+    of the run's summary each, and a line of the report's section."""
+    from conformance.report.markdown import render_domains
+    from conformance.suite.domain_summary import DomainSummary
+
+    b = impl.resolve_impl("test_kit:maskless_attention", name="mine")
+    judged = DomainSummary([b]).judged()["mine"]
+    assert judged["assumed"] == list(b.assumed) and len(b.assumed) == 2
+    assert "forms it does not take: is_causal=True" in "; ".join(judged["on"])
+    md = "\n".join(render_domains({"mine": judged}))
+    assert (
+        "  Taken from its signature, not declared: maskless_attention() has no 'mask' "
+        "parameter: called with no mask" in md
+    )
+    # A function given every keyword assumes nothing and is not listed.
+    assert "forwarding" not in str(
+        DomainSummary(
+            [impl.resolve_impl("test_kit:forwarding_attention", name="forwarding")]
+        ).judged()
+    )
+
+
 @pytest.mark.clause("13.17")
 def test_a_correct_function_without_a_mask_keyword_passes(tmp_path):
     """The kit run of a correct function that takes no mask: every test that ran passed

@@ -134,6 +134,8 @@ def render_domains(domains: dict[str, dict[str, list[str]]]) -> list[str]:
     ]
     for name, judged in domains.items():
         lines.append(f"- `{name}`: " + "; ".join(judged["on"]) + ".")
+        for words in judged.get("assumed", ()):
+            lines.append(f"  Taken from its signature, not declared: {words}.")
         if judged.get("moved"):
             lines.append(f"  Sizes drawn inside its domain: {', '.join(judged['moved'])}.")
         if judged.get("rebuilt"):

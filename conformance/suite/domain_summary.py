@@ -60,11 +60,13 @@ class DomainSummary:
     def __init__(self, backends: list[Any]) -> None:
         # A quantized function of a profile (it hands its declared forms to nothing else):
         # the summary says which of them no call exercised.
+        # A plain --impl whose forms came from its signature (``FunctionBackend.assumed``):
+        # the summary says what was assumed, beside what it was judged on.
         self.backends = {
-            b.name: b for b in backends if restricted(b) or getattr(b, "descales", None)
+            b.name: b
+            for b in backends
+            if restricted(b) or getattr(b, "descales", None) or getattr(b, "assumed", ())
         }
-        #: backend name -> what was taken from its function's signature, in words
-        self.assumed = {b.name: b.assumed for b in backends if getattr(b, "assumed", ())}
         #: backend name -> what the run's quantized calls handed it
         self.exercised: dict[str, set[str]] = {}
         #: JAX functions that declare no float64: their calls run with JAX's default x64.
@@ -147,11 +149,10 @@ class DomainSummary:
                     f"  but not for the calls of {', '.join(self.x64_off)} (no float64 "
                     "declared): they run with JAX's default, x64 off"
                 )
-        for name, assumed in self.assumed.items():
-            for words in assumed:
-                terminalreporter.write_line(f"{name}: {words}")
         for name, judged in self.judged().items():
             terminalreporter.write_line(f"{name} judged on: " + "; ".join(judged["on"]))
+            for words in judged["assumed"]:
+                terminalreporter.write_line(f"{name}: {words}")
             if judged["moved"]:
                 terminalreporter.write_line(
                     f"{name}: sizes drawn inside its domain: {', '.join(judged['moved'])}"
@@ -168,13 +169,16 @@ class DomainSummary:
                 )
 
     def judged(self) -> dict[str, dict[str, list[str]]]:
-        """Per restricted backend, what it was judged on: ``on``, its dtypes, forms, shapes
-        and interpreter (``domain_words``); ``moved``, the sizes drawn inside its domain;
-        ``rebuilt``, the fixtures built again there; ``untested``, the clauses whose every
-        test was skipped for a form or the domain. The summary's lines and the report's."""
+        """Per restricted backend (or one whose forms came from its signature), what it was
+        judged on: ``on``, its dtypes, forms, shapes and interpreter (``domain_words``);
+        ``assumed``, the forms taken from its signature, in words; ``moved``, the sizes
+        drawn inside its domain; ``rebuilt``, the fixtures built again there;
+        ``untested``, the clauses whose every test was skipped for a form or the domain.
+        The summary's lines and the report's."""
         return {
             name: {
                 "on": domain_words(backend) + self._unexercised(name, backend),
+                "assumed": list(getattr(backend, "assumed", ())),
                 "moved": sorted(self.moved.get(name, ())),
                 "rebuilt": sorted(self.rebuilt.get(name, ())),
                 "untested": sorted(

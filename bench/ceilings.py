@@ -1,7 +1,7 @@
 """``python -m conformance bench --ceilings``: whether issue 54's ratios can be reached on
 this machine at all, by any arrangement of the flash backends' tiles.
 
-    python -m conformance bench --ceilings                        # T = S = 4096, about 1 min
+    python -m conformance bench --ceilings                        # T = S = 4096, about 2 min
     python -m conformance bench --ceilings --T 1024 --repeats 3   # a quick look
 
 A flash backend's forward makes two products per tile, Q·Kᵀ and P·V; its vjp makes those
@@ -15,9 +15,10 @@ a perfect skipping of masked tiles would compute), divided by the fastest rate t
 framework's matmul reaches on products of that kind on this machine, set a floor on the
 backend's time. The rates are measured here, on the backends' own tiles, on 1024-square
 tiles and on the whole (T, S) products, each timed over back-to-back calls as a flash
-loop makes them; the floor counts nothing else: no exponential, no mask, no loop. A
-square product, which BLAS libraries run fastest, is measured beside them for scale; no
-attention product has its shape.
+loop makes them. The floor adds one exponential per score a query may see (two in the
+vjp), at the framework's measured rate per core, spread over every core; it counts
+nothing else: no maximum, no mask, no loop. A square product, which BLAS libraries run
+fastest, is measured beside them for scale; no attention product has its shape.
 
 The ceiling is torch-sdpa's measured time over that floor: the most a backend built on
 that framework's matmul could reach, were the rest of its work free. A goal above the
@@ -66,7 +67,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--repeats",
         type=int,
         default=5,
-        help="timed calls of each product or pass; the minimum counts",
+        help="timed rounds of each product (of back-to-back calls) and of torch-sdpa's "
+        "passes; the minimum counts",
     )
     p.add_argument(
         "--settle", type=float, default=0.25, help="as for --ratios: seconds before each call"

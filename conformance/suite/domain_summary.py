@@ -58,10 +58,10 @@ class DomainSummary:
     suite changed for the run (JAX's float64). A plugin of its own, beside the suite's."""
 
     def __init__(self, backends: list[Any]) -> None:
-        # A quantized function of a profile (it hands its declared forms to nothing else):
-        # the summary says which of them no call exercised.
-        # A plain --impl whose forms came from its signature (``FunctionBackend.assumed``):
-        # the summary says what was assumed, beside what it was judged on.
+        # Beside the restricted ones: a quantized function of a profile (it hands its
+        # declared forms to nothing else), whose summary says which no call exercised, and
+        # a plain --impl whose forms came from its signature (``FunctionBackend.assumed``),
+        # whose summary says what was assumed.
         self.backends = {
             b.name: b
             for b in backends

@@ -3,8 +3,9 @@
 A user's function (``--impl``, ``--impl-profile``) may abort, segfault, raise SIGFPE or hang
 in compiled code, where no Python exception can catch it. Such a run is given to
 pytest-xdist worker processes, one per core up to ``MAX_WORKERS`` (one where the function
-runs on a device, or the run was started from another pytest run's test), unless the user chose ``-n`` themselves: xdist reports a test whose
-worker died as failed and starts a new worker for the rest. Here that
+runs on a device, or the run was started from another pytest run's test), unless the user
+chose ``-n`` themselves: xdist reports a test whose worker died as failed and starts a new
+worker for the rest. Here that
 failure gets its words: the signal, read from the worker's ``faulthandler`` output, and
 the case (the test's id), as its message and its behaviour; a known failure that lists
 the test makes it an expected failure, as in the worker. A hang is stopped by

@@ -24,11 +24,15 @@ JAX_CACHE_MAX_BYTES = 2 * 1024**3
 
 def jax_cache_mode(environ: Mapping[str, str] = os.environ) -> str:
     """The value of ``CONFORMANCE_JAX_CACHE`` ("all" where it is unset or empty)."""
-    mode = environ.get(JAX_CACHE_SETTING) or "all"
-    if mode not in JAX_CACHE_MODES:
-        raise ValueError(
-            f"{JAX_CACHE_SETTING}: expected one of {', '.join(JAX_CACHE_MODES)}, got {mode!r}"
-        )
+    return cache_setting(environ, JAX_CACHE_SETTING, JAX_CACHE_MODES)
+
+
+def cache_setting(environ: Mapping[str, str], name: str, modes: tuple[str, ...]) -> str:
+    """The value of the setting ``name``, one of ``modes``; the first where it is unset or
+    empty. Any other value is a ValueError naming the setting."""
+    mode = environ.get(name) or modes[0]
+    if mode not in modes:
+        raise ValueError(f"{name}: expected one of {', '.join(modes)}, got {mode!r}")
     return mode
 
 
@@ -44,12 +48,19 @@ def jax_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
     """
     if environ.get("JAX_COMPILATION_CACHE_DIR"):
         return Path(environ["JAX_COMPILATION_CACHE_DIR"])
+    return user_cache_root(environ) / "jax"
+
+
+def user_cache_root(environ: Mapping[str, str] = os.environ) -> Path:
+    """The suite's folder in the user's cache directory: ``attention-conformance`` in
+    ``$XDG_CACHE_HOME``, else in ``~/.cache``; it holds the JAX programs (``jax``) and
+    the oracle's results (``oracle``, ``conformance.suite.oracle_store``)."""
     base = environ.get("XDG_CACHE_HOME", "")
     # The XDG specification ignores a relative path: it would move with the working directory.
     if not os.path.isabs(base):
         home = environ.get("HOME")
         base = os.path.join(home if home else Path.home(), ".cache")
-    return Path(base) / "attention-conformance" / "jax"
+    return Path(base) / "attention-conformance"
 
 
 def jax_cache_for_run(

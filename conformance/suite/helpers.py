@@ -5,7 +5,6 @@ What a test needs (capabilities, dtypes) is declared with ``conformance.suite.re
 
 from __future__ import annotations
 
-import collections
 import itertools
 
 import numpy as np
@@ -186,34 +185,13 @@ def causal_param(value: bool = True, id: str = "causal"):
     return pytest.param(value, marks=requires("causal", "causal_top_left"), id=id)
 
 
-#: The oracle's results, most recently used last; at most ``_ORACLE_CACHE_SIZE`` of them.
-_ORACLE_CACHE: collections.OrderedDict[tuple, np.ndarray] = collections.OrderedDict()
-_ORACLE_CACHE_SIZE = 4096
-
-
 def oracle_attention(q, k, v, *, mask=None, **options) -> np.ndarray:
-    """The mpmath oracle on float64 inputs, kept for the process (the most recently used
-    4096 results): its rows cost milliseconds each, and every backend (and every mutant of
-    the project's tests) asks for the same inputs. The key is the inputs' bytes, so equal
-    inputs are the only way to share."""
-    from conformance.fixtures import oracle
+    """The mpmath oracle on float64 inputs, asked once per distinct input: its rows cost
+    milliseconds each, and every backend (and every mutant of the project's tests) asks for
+    the same inputs, run after run (``conformance.suite.oracle_store``)."""
+    from conformance.suite.oracle_store import oracle
 
-    arrays = (q, k, v) if mask is None else (q, k, v, mask)
-    # An array option (sinks) is keyed by its bytes, like the inputs.
-    key = (
-        tuple((x.dtype.str, x.shape, x.tobytes()) for x in arrays),
-        *sorted(
-            (name, (x.dtype.str, x.shape, x.tobytes()) if isinstance(x, np.ndarray) else x)
-            for name, x in options.items()
-        ),
-    )
-    if key in _ORACLE_CACHE:
-        _ORACLE_CACHE.move_to_end(key)
-    else:
-        _ORACLE_CACHE[key] = oracle.attention(q, k, v, mask=mask, **options)
-        if len(_ORACLE_CACHE) > _ORACLE_CACHE_SIZE:
-            _ORACLE_CACHE.popitem(last=False)
-    return _ORACLE_CACHE[key].copy()
+    return oracle.attention(q, k, v, mask=mask, **options)
 
 
 def oracle_and_tolerance(q, k, v, dtype: str, **options) -> tuple[np.ndarray, float]:

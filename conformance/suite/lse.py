@@ -57,7 +57,7 @@ def lse_tolerance(naive_error: float, dtype: str, magnitude: float) -> float:
 def oracle_lse_and_tolerance(q, k, v, dtype: str, **options):
     """(out, lse, tolerance of the lse): the oracle's output and log-sum-exp on the inputs
     as given (float64), and §21.3's tolerance from the naive run's lse in ``dtype``."""
-    from conformance.fixtures import oracle
+    from conformance.suite.oracle_store import oracle
 
     wide = {
         n: as64(x) if isinstance(x, np.ndarray) and x.dtype != bool else x

@@ -9,8 +9,6 @@ merge (``fixtures/oracle_merge.py``) in place of the naive attention run.
 
 from __future__ import annotations
 
-import collections
-
 import numpy as np
 
 from conformance.backends import numpy_dtype
@@ -23,24 +21,11 @@ def lse_dtype(dtype: str) -> str:
 
 
 def oracle_state(q, k, v, **options) -> tuple[np.ndarray, np.ndarray]:
-    """The oracle's (o, lse) in float64, kept for the process (the most recent 512)."""
-    from conformance.fixtures import oracle
+    """The oracle's (o, lse) in float64, asked once per distinct input
+    (``conformance.suite.oracle_store``)."""
+    from conformance.suite.oracle_store import oracle
 
-    key = tuple(
-        (n, (x.dtype.str, x.shape, x.tobytes()) if isinstance(x, np.ndarray) else x)
-        for n, x in sorted({"q": q, "k": k, "v": v, **options}.items())
-    )
-    if key in _CACHE:
-        _CACHE.move_to_end(key)
-    else:
-        _CACHE[key] = oracle.attention(q, k, v, return_lse=True, **options)
-        if len(_CACHE) > 512:
-            _CACHE.popitem(last=False)
-    o, lse = _CACHE[key]
-    return o.copy(), lse.copy()
-
-
-_CACHE: collections.OrderedDict = collections.OrderedDict()
+    return oracle.attention(q, k, v, return_lse=True, **options)
 
 
 def key_parts(S: int, n: int, seed: int) -> list[np.ndarray]:

@@ -56,6 +56,7 @@ from conformance.suite import (
     device_summary,
     domain_summary,
     known_failures,
+    oracle_store,
     replay,
     rootdir,
     scheduling,
@@ -256,6 +257,7 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(str(err)) from err
     config.stash[BACKENDS] = names
     compiles.configure_jax_cache(config, loaded, own_code=_tests_own_code(config, loaded))
+    oracle_store.configure(config)
     config.pluginmanager.register(compiles.program_counter(config), COUNTER)
     config.stash[LAYER_CHOICE] = chosen_layers(config)
     if not hasattr(config, "workerinput"):

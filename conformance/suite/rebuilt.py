@@ -125,8 +125,8 @@ def rebuilt_case(case_id: str, T: int, S: int, D: int, E: int) -> Case:
     """The fixture ``case_id`` drawn again at T, S, D and E by the fixtures' generator (the
     same seed, its positions moved as the module says), the oracle's output its expected
     (and, for a gradient case, its upstream gradient and the oracle's gradients)."""
-    from conformance.fixtures import oracle
     from conformance.fixtures.generate import draw, draw_d_out
+    from conformance.suite.oracle_store import oracle
 
     case = load_case(case_id)
     meta = _moved_entry(case.meta, T, S, D, E)

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from conformance.backends import numpy_dtype
-from conformance.fixtures import oracle
 from conformance.suite import edges
 from conformance.suite.gradients import random_d_out
 from conformance.suite.helpers import (
@@ -28,6 +27,7 @@ from conformance.suite.helpers import (
     random_qkv,
     random_tolerance,
 )
+from conformance.suite.oracle_store import oracle
 from conformance.suite.requirements import requires, uses_dtype, value_dims
 from conformance.suite.tolerance import (
     assert_identical,

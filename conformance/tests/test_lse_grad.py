@@ -60,11 +60,14 @@ def _setup(backend, name: str, dtype: str):
 def _expected(q, k, v, d_out, d_lse, dtype: str, **options):
     """The oracle's gradients with d_lse and §12.9's tolerance for each: k times the naive
     backward's error in ``dtype`` against the oracle, plus the floor."""
-    from conformance.fixtures.oracle import attention_vjp, naive_vjp_same_precision
+    from conformance.fixtures.oracle import naive_vjp_same_precision
+    from conformance.suite.oracle_store import oracle
 
     wide = {n: as64(x) if isinstance(x, np.ndarray) and x.dtype != np.bool_ else x
             for n, x in options.items()}  # fmt: skip
-    expected = attention_vjp(as64(q), as64(k), as64(v), as64(d_out), d_lse=as64(d_lse), **wide)
+    expected = oracle.attention_vjp(
+        as64(q), as64(k), as64(v), as64(d_out), d_lse=as64(d_lse), **wide
+    )
     naive = naive_vjp_same_precision(q, k, v, d_out, np.dtype(dtype), d_lse=d_lse, **options)
     tols = {
         n: tolerance(dtype, float(np.max(np.abs(naive[n] - y), initial=0.0)), y)

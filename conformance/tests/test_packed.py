@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from conformance.backends import numpy_dtype
-from conformance.fixtures import oracle
 from conformance.suite.cases import case_entries, case_marks, load_case, worked_example
 from conformance.suite.helpers import as64, setup_params, worked_qkv
+from conformance.suite.oracle_store import oracle
 from conformance.suite.requirements import SuiteError, requires, uses_dtype
 from conformance.suite.tolerance import (
     Departure,

@@ -39,8 +39,8 @@ from hypothesis import strategies as st
 
 from conformance.adapters.forms import forms_of, forms_used
 from conformance.backends import DTYPES, numpy_dtype
-from conformance.fixtures import oracle
 from conformance.suite.helpers import as64, oracle_attention, random_tolerance
+from conformance.suite.oracle_store import oracle
 from conformance.suite.requirements import requires
 from conformance.suite.sizes import SHAPES, pooled_shape
 from conformance.suite.tolerance import (

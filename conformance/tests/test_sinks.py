@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from conformance.backends import numpy_dtype
-from conformance.fixtures import oracle
 from conformance.suite.cases import worked_example
 from conformance.suite.gradients import random_d_out
 from conformance.suite.helpers import (
@@ -25,6 +24,7 @@ from conformance.suite.helpers import (
     setup_params,
     worked_qkv,
 )
+from conformance.suite.oracle_store import oracle
 from conformance.suite.requirements import SuiteError, requires, value_dims
 from conformance.suite.tolerance import (
     Departure,

@@ -19,6 +19,21 @@ def pytest_configure(config):
         os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_under_pytest(tmp_path_factory):
+    """The kit's runs that these tests start, in process or not, keep a failing case's
+    inputs in a new temporary folder where no --repro-dir is given (a user's run keeps
+    them for the user); under pytest's own base folder, which pytest prunes, they do not
+    pile up in the system's temporary folder."""
+    import tempfile
+
+    folder = tmp_path_factory.mktemp("temporary")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(folder))
+        patch.setattr(tempfile, "tempdir", str(folder))
+        yield
+
+
 @pytest.fixture
 def registry(monkeypatch):
     """A fresh backend registry for one test: what the test registers is forgotten after it."""

@@ -18,7 +18,7 @@ from conformance.backends.jax_cache import (
     jax_cache_dir,
     jax_cache_for_run,
     jax_cache_mode,
-    trim_jax_cache,
+    trim_cache_folder,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -166,10 +166,10 @@ def test_the_cache_is_trimmed_least_recently_used_first(tmp_path):
         path = tmp_path / name
         path.write_bytes(b"x" * 100)
         os.utime(path, (1_000_000 - age * 1000, 1_000_000 - age * 1000))
-    assert trim_jax_cache(tmp_path, 250) == 1
+    assert trim_cache_folder(tmp_path, 250) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["middle", "newest"]
-    assert trim_jax_cache(tmp_path, None) == 0 and trim_jax_cache(tmp_path / "none", 0) == 0
-    assert trim_jax_cache(tmp_path, 0) == 2 and not list(tmp_path.iterdir())
+    assert trim_cache_folder(tmp_path, None) == 0 and trim_cache_folder(tmp_path / "none", 0) == 0
+    assert trim_cache_folder(tmp_path, 0) == 2 and not list(tmp_path.iterdir())
     assert jax_cache_bound({}) == JAX_CACHE_MAX_BYTES
     assert jax_cache_bound({"JAX_COMPILATION_CACHE_MAX_SIZE": "-1"}) is None
     assert jax_cache_bound({"JAX_COMPILATION_CACHE_MAX_SIZE": "300"}) == 300

@@ -101,7 +101,7 @@ def jax_cache_bound(environ: Mapping[str, str] = os.environ) -> int | None:
     return None if bound < 0 else bound
 
 
-def trim_jax_cache(directory: Path, bound: int | None) -> int:
+def trim_cache_folder(directory: Path, bound: int | None) -> int:
     """Delete the least recently used files of ``directory`` until it holds at most
     ``bound`` bytes; the number deleted. Used is the later of a file's access and
     modification times (JAX writes a program once and only reads it after). Another

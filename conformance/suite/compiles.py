@@ -55,7 +55,7 @@ from conformance.backends.jax_cache import (
     jax_cache_bound,
     jax_cache_for_run,
     jax_cache_mode,
-    trim_jax_cache,
+    trim_cache_folder,
     use_jax_cache,
 )
 
@@ -95,7 +95,7 @@ def configure_jax_cache(config: pytest.Config, backends: list, own_code: bool) -
     directory = jax_cache_for_run(mode, own_code)
     # Trimmed once per run, by the controller, before its workers start.
     if directory is not None and not hasattr(config, "workerinput"):
-        trim_jax_cache(directory, bound)
+        trim_cache_folder(directory, bound)
     use_jax_cache(directory)
 
 

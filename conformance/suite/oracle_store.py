@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from conformance.backends.jax_cache import cache_setting, trim_jax_cache, user_cache_root
+from conformance.backends.jax_cache import cache_setting, trim_cache_folder, user_cache_root
 
 #: The setting that turns the store on ("on", the default) or off.
 ORACLE_CACHE_SETTING = "CONFORMANCE_ORACLE_CACHE"
@@ -79,7 +79,7 @@ def oracle_cache_dir(environ: Mapping[str, str] = os.environ) -> Path | None:
 def trim_oracle_cache(environ: Mapping[str, str] = os.environ) -> int:
     """Trim the store to its bound, least recently used first; the files deleted."""
     directory = oracle_cache_dir(environ)
-    return 0 if directory is None else trim_jax_cache(directory, ORACLE_CACHE_MAX_BYTES)
+    return 0 if directory is None else trim_cache_folder(directory, ORACLE_CACHE_MAX_BYTES)
 
 
 def configure(config) -> None:
@@ -167,7 +167,7 @@ def question_key(digest: str, name: str, args: tuple, kwargs: dict) -> str | Non
 
 
 def _feed(h, x) -> None:
-    if isinstance(x, np.ndarray) or isinstance(x, np.generic):
+    if isinstance(x, (np.ndarray, np.generic)):
         x = np.asarray(x)
         if x.dtype.hasobject:
             raise TypeError("an object array has no bytes to key")

@@ -85,6 +85,36 @@ def test_layout_swap_is_heads_and_time(framework):
 
 
 @pytest.mark.clause("13.10")
+@pytest.mark.skipif(not HAS_JAX, reason="jax not installed")
+def test_jax_layout_swap_on_the_host_compiles_nothing():
+    """A BTHD profile's swap of a concrete host array is NumPy's, where jnp.swapaxes would
+    trace and compile a program for each shape and dtype; inside a gradient, where the
+    array is traced, it is JAX's and differentiates."""
+    from jax import monitoring
+
+    arrays = native.make_framework("jax")
+    traced, listening = [], [True]
+
+    def heard(event: str, duration_secs: float, **_) -> None:
+        if listening[0] and event == "/jax/core/compile/jaxpr_trace_duration":
+            traced.append(duration_secs)
+
+    monitoring.register_event_duration_secs_listener(heard)
+    # A shape and dtype no other test swaps, so that JAX's own swap would have to trace.
+    x = np.arange(3 * 7 * 11 * 2, dtype=np.float32).reshape(3, 7, 11, 2)
+    try:
+        swapped = arrays.swap_heads_and_time(arrays.from_numpy(x))
+    finally:
+        listening[0] = False
+    assert traced == [] and arrays.is_array(swapped)
+    assert np.array_equal(arrays.to_numpy(swapped), x.transpose(0, 2, 1, 3))
+    d = np.arange(3 * 11 * 7 * 2, dtype=np.float32).reshape(3, 11, 7, 2)
+    (grad,) = arrays.vjp(lambda a: 2 * arrays.swap_heads_and_time(a), [arrays.from_numpy(x)],
+                         arrays.from_numpy(d))  # fmt: skip
+    assert np.array_equal(arrays.to_numpy(grad), 2 * d.transpose(0, 2, 1, 3))
+
+
+@pytest.mark.clause("13.10")
 @pytest.mark.parametrize("framework", FRAMEWORKS[1:])
 def test_vjp_is_the_frameworks_own_differentiation(framework):
     """Each framework's ``vjp`` differentiates the call in the framework: for x · y + x,

@@ -244,7 +244,21 @@ class JaxFramework(Framework):
         return isinstance(x, self.jax.Array)
 
     def swap_heads_and_time(self, x):
+        # A concrete array on the host is swapped by NumPy: jnp.swapaxes would compile a
+        # program for each shape and dtype a profile's BTHD layout meets (a third of the
+        # frameworks env's programs), and the function receives the same values, placed
+        # as ``from_numpy`` places its inputs. Traced (inside a gradient) or on a device,
+        # the swap is JAX's.
+        if self._on_host(x):
+            return self.from_numpy(np.swapaxes(np.asarray(x), -3, -2))
         return self.jax.numpy.swapaxes(x, -3, -2)
+
+    def _on_host(self, x) -> bool:
+        """Whether x is a concrete array on one CPU device, the one ``from_numpy`` uses."""
+        if not isinstance(x, self.jax.Array) or isinstance(x, self.jax.core.Tracer):
+            return False
+        (device, *others) = x.devices()
+        return not others and device.platform == "cpu" and self.device in (None, device)
 
     def key(self, seed):
         return self.jax.random.key(seed)

@@ -245,7 +245,7 @@ class JaxFramework(Framework):
 
     def swap_heads_and_time(self, x):
         # A concrete array on the host is swapped by NumPy: jnp.swapaxes would compile a
-        # program for each shape and dtype a profile's BTHD layout meets (a third of the
+        # program for each shape and dtype a profile's BTHD layout meets (a quarter of the
         # frameworks env's programs), and the function receives the same values, placed
         # as ``from_numpy`` places its inputs. Traced (inside a gradient) or on a device,
         # the swap is JAX's.

@@ -76,23 +76,17 @@ def oracle_cache_dir(environ: Mapping[str, str] = os.environ) -> Path | None:
     return user_cache_root(environ) / "oracle"
 
 
-def trim_oracle_cache(environ: Mapping[str, str] = os.environ) -> int:
-    """Trim the store to its bound, least recently used first; the files deleted."""
-    directory = oracle_cache_dir(environ)
-    return 0 if directory is None else trim_cache_folder(directory, ORACLE_CACHE_MAX_BYTES)
-
-
 def configure(config) -> None:
-    """A pytest run's store: its setting checked in every process, the folder trimmed
-    once, by the controller, before its workers start."""
+    """A pytest run's store: its setting checked in every process, the folder trimmed to
+    its bound once, by the controller, before its workers start."""
     import pytest
 
     try:
-        oracle_cache_mode()
-        if not hasattr(config, "workerinput"):
-            trim_oracle_cache()
+        directory = oracle_cache_dir()
     except ValueError as err:
         raise pytest.UsageError(str(err)) from err
+    if directory is not None and not hasattr(config, "workerinput"):
+        trim_cache_folder(directory, ORACLE_CACHE_MAX_BYTES)
 
 
 class Store:
